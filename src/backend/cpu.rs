@@ -1,0 +1,248 @@
+//! CPU backend: faer GEMMs and rayon. The reference for every CUDA kernel, and fast enough to quantize a
+//! 135M model on a laptop.
+//!
+//! Determinism: parallel work is split into chunks whose bounds depend only on the problem shape, never on
+//! the number of threads, and each chunk runs sequentially; so results are bit-identical whatever
+//! RAYON_NUM_THREADS is.
+
+use super::Backend;
+use faer::linalg::matmul::matmul;
+use faer::{Accum, MatMut, MatRef, Par};
+use rayon::prelude::*;
+
+/// Output columns per parallel GEMM task: large enough that faer's packing cost is amortized.
+const LINEAR_COLS_PER_TASK: usize = 128;
+
+#[derive(Default, Clone, Copy)]
+pub struct CpuBackend;
+
+/// C [m × n] (+)= A [m × k] · B [n × k]ᵀ, sequential. Row-major slices.
+pub fn gemm_nt(
+    c: &mut [f32],
+    a: &[f32],
+    b: &[f32],
+    m: usize,
+    k: usize,
+    n: usize,
+    accumulate: bool,
+) {
+    let a = MatRef::from_row_major_slice(a, m, k);
+    let bt = MatRef::from_row_major_slice(b, n, k).transpose();
+    let c = MatMut::from_row_major_slice_mut(c, m, n);
+    let beta = if accumulate {
+        Accum::Add
+    } else {
+        Accum::Replace
+    };
+    matmul(c, beta, a, bt, 1.0f32, Par::Seq);
+}
+
+/// C [m × n] = A [m × k] · B [k × n], sequential. Row-major slices.
+pub fn gemm_nn(c: &mut [f32], a: &[f32], b: &[f32], m: usize, k: usize, n: usize) {
+    let a = MatRef::from_row_major_slice(a, m, k);
+    let b = MatRef::from_row_major_slice(b, k, n);
+    let c = MatMut::from_row_major_slice_mut(c, m, n);
+    matmul(c, Accum::Replace, a, b, 1.0f32, Par::Seq);
+}
+
+/// Y [m × n] = X [m × k] · W [n × k]ᵀ, parallel over blocks of output columns (rows of W), so each task reads
+/// its own slice of the weights once.
+pub fn linear_f32(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
+    assert_eq!(x.len(), m * k, "linear: x is not [m={m} × k={k}]");
+    assert_eq!(w.len(), n * k, "linear: w is not [n={n} × k={k}]");
+    let blocks: Vec<(usize, Vec<f32>)> = (0..n.div_ceil(LINEAR_COLS_PER_TASK))
+        .into_par_iter()
+        .map(|b| {
+            let n0 = b * LINEAR_COLS_PER_TASK;
+            let nb = LINEAR_COLS_PER_TASK.min(n - n0);
+            let mut yb = vec![0f32; m * nb];
+            gemm_nt(&mut yb, x, &w[n0 * k..(n0 + nb) * k], m, k, nb, false);
+            (n0, yb)
+        })
+        .collect();
+    let mut y = vec![0f32; m * n];
+    for (n0, yb) in blocks {
+        let nb = yb.len() / m.max(1);
+        for (row, src) in y.chunks_mut(n).zip(yb.chunks(nb.max(1))) {
+            row[n0..n0 + nb].copy_from_slice(src);
+        }
+    }
+    y
+}
+
+/// Rows per parallel task for row-wise elementwise ops.
+const ROWS_PER_TASK: usize = 16;
+
+impl Backend for CpuBackend {
+    fn name(&self) -> String {
+        "cpu".into()
+    }
+
+    fn linear(
+        &self,
+        x: &[f32],
+        w: &[f32],
+        bias: Option<&[f32]>,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Vec<f32> {
+        let mut y = linear_f32(x, w, m, k, n);
+        if let Some(b) = bias {
+            assert_eq!(b.len(), n, "linear: bias is not [n={n}]");
+            y.par_chunks_mut(n)
+                .for_each(|row| row.iter_mut().zip(b).for_each(|(y, b)| *y += b));
+        }
+        y
+    }
+
+    fn rms_norm(&self, x: &[f32], w: &[f32], d: usize, eps: f32) -> Vec<f32> {
+        assert_eq!(w.len(), d);
+        assert_eq!(x.len() % d, 0);
+        let mut y = vec![0f32; x.len()];
+        y.par_chunks_mut(d * ROWS_PER_TASK)
+            .zip(x.par_chunks(d * ROWS_PER_TASK))
+            .for_each(|(yc, xc)| {
+                for (yr, xr) in yc.chunks_mut(d).zip(xc.chunks(d)) {
+                    rms_norm_row(yr, xr, w, eps);
+                }
+            });
+        y
+    }
+
+    fn rope(&self, x: &mut [f32], t: usize, n_heads: usize, d_h: usize, cos: &[f32], sin: &[f32]) {
+        let width = n_heads * d_h;
+        assert_eq!(
+            x.len() % (t * width),
+            0,
+            "rope: x is not [n_seq·{t} × {width}]"
+        );
+        assert!(
+            cos.len() >= t * d_h / 2 && sin.len() >= t * d_h / 2,
+            "rope: tables shorter than t={t}"
+        );
+        x.par_chunks_mut(width).enumerate().for_each(|(row, xr)| {
+            let p = row % t;
+            let half = d_h / 2;
+            let (c, s) = (
+                &cos[p * half..(p + 1) * half],
+                &sin[p * half..(p + 1) * half],
+            );
+            for head in xr.chunks_mut(d_h) {
+                rope_head(head, c, s);
+            }
+        });
+    }
+
+    fn causal_attention(
+        &self,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        n_seq: usize,
+        t: usize,
+        h: usize,
+        h_kv: usize,
+        d_h: usize,
+    ) -> Vec<f32> {
+        assert!(
+            h_kv > 0 && h % h_kv == 0,
+            "attention: h={h} is not a multiple of h_kv={h_kv}"
+        );
+        assert_eq!(q.len(), n_seq * t * h * d_h);
+        assert_eq!(k.len(), n_seq * t * h_kv * d_h);
+        assert_eq!(v.len(), k.len());
+        let heads: Vec<Vec<f32>> = (0..n_seq * h)
+            .into_par_iter()
+            .map(|sh| {
+                let (s, head) = (sh / h, sh % h);
+                let kvh = head / (h / h_kv);
+                let qh = gather_head(&q[s * t * h * d_h..(s + 1) * t * h * d_h], t, h, d_h, head);
+                let kh = gather_head(
+                    &k[s * t * h_kv * d_h..(s + 1) * t * h_kv * d_h],
+                    t,
+                    h_kv,
+                    d_h,
+                    kvh,
+                );
+                let vh = gather_head(
+                    &v[s * t * h_kv * d_h..(s + 1) * t * h_kv * d_h],
+                    t,
+                    h_kv,
+                    d_h,
+                    kvh,
+                );
+                let p = causal_softmax_probs(&qh, &kh, t, d_h);
+                let mut o = vec![0f32; t * d_h];
+                gemm_nn(&mut o, &p, &vh, t, t, d_h);
+                o
+            })
+            .collect();
+        let mut out = vec![0f32; n_seq * t * h * d_h];
+        for (sh, o) in heads.iter().enumerate() {
+            let (s, head) = (sh / h, sh % h);
+            for i in 0..t {
+                let dst = (s * t + i) * h * d_h + head * d_h;
+                out[dst..dst + d_h].copy_from_slice(&o[i * d_h..(i + 1) * d_h]);
+            }
+        }
+        out
+    }
+
+    fn swiglu(&self, gate: &[f32], up: &[f32]) -> Vec<f32> {
+        assert_eq!(gate.len(), up.len());
+        gate.par_iter()
+            .zip(up.par_iter())
+            .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+            .collect()
+    }
+}
+
+pub fn rms_norm_row(y: &mut [f32], x: &[f32], w: &[f32], eps: f32) {
+    let ms = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    let r = 1.0 / (ms + eps).sqrt();
+    for ((y, x), w) in y.iter_mut().zip(x).zip(w) {
+        *y = x * r * w;
+    }
+}
+
+/// Rotate-half RoPE of one head vector: (x1, x2) → (x1·cos − x2·sin, x2·cos + x1·sin), halves of d_h/2.
+pub fn rope_head(x: &mut [f32], cos: &[f32], sin: &[f32]) {
+    let half = x.len() / 2;
+    for i in 0..half {
+        let (x1, x2) = (x[i], x[i + half]);
+        x[i] = x1 * cos[i] - x2 * sin[i];
+        x[i + half] = x2 * cos[i] + x1 * sin[i];
+    }
+}
+
+/// Copies head `head` of X [t × n_heads·d_h] into a contiguous [t × d_h] matrix.
+pub fn gather_head(x: &[f32], t: usize, n_heads: usize, d_h: usize, head: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(t * d_h);
+    for i in 0..t {
+        let off = i * n_heads * d_h + head * d_h;
+        out.extend_from_slice(&x[off..off + d_h]);
+    }
+    out
+}
+
+/// A = softmax(Q Kᵀ / sqrt(d_h)) with the causal mask, [t × t] row-major (entries above the diagonal are 0).
+pub fn causal_softmax_probs(qh: &[f32], kh: &[f32], t: usize, d_h: usize) -> Vec<f32> {
+    let mut p = vec![0f32; t * t];
+    gemm_nt(&mut p, qh, kh, t, d_h, t, false);
+    let scale = 1.0 / (d_h as f32).sqrt();
+    for (i, row) in p.chunks_mut(t).enumerate() {
+        let max = row[..=i]
+            .iter()
+            .fold(f32::NEG_INFINITY, |m, &v| m.max(v * scale));
+        let mut sum = 0f32;
+        for v in row[..=i].iter_mut() {
+            *v = (*v * scale - max).exp();
+            sum += *v;
+        }
+        let inv = 1.0 / sum;
+        row[..=i].iter_mut().for_each(|v| *v *= inv);
+        row[i + 1..].iter_mut().for_each(|v| *v = 0.0);
+    }
+    p
+}

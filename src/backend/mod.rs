@@ -1,0 +1,53 @@
+//! The `Backend` trait: every operation the model forward and the quantization algorithms need, with no
+//! knowledge of which algorithm calls it. `cpu` is the reference (and the oracle of every CUDA kernel);
+//! `cuda` runs the same operations through kernels embedded at build time.
+//!
+//! Matrices are row-major f32 host slices. A linear layer's weight is W [d_out × d_in] (y = W x); a batch of
+//! tokens is X [m × d_in] with one token per row.
+
+pub mod cpu;
+pub mod cuda;
+mod select;
+
+pub use select::{Device, select_backend};
+
+pub trait Backend: Send + Sync {
+    /// Short name for reports ("cpu", "cuda:0 NVIDIA H200").
+    fn name(&self) -> String;
+
+    /// Y [m × n] = X [m × k] · W[n × k]ᵀ (+ bias [n]).
+    fn linear(
+        &self,
+        x: &[f32],
+        w: &[f32],
+        bias: Option<&[f32]>,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Vec<f32>;
+
+    /// Row-wise RMSNorm of X [rows × d]: y = x / sqrt(mean(x²) + eps) · w.
+    fn rms_norm(&self, x: &[f32], w: &[f32], d: usize, eps: f32) -> Vec<f32>;
+
+    /// Rotate-half RoPE in place on X [n_seq·t × n_heads·d_h]; token i of each sequence is at position i.
+    /// `cos`/`sin` are [t × d_h/2] tables (see `model::llama::RopeTable`).
+    fn rope(&self, x: &mut [f32], t: usize, n_heads: usize, d_h: usize, cos: &[f32], sin: &[f32]);
+
+    /// Causal softmax attention with GQA: Q [n_seq·t × h·d_h], K, V [n_seq·t × h_kv·d_h] → [n_seq·t × h·d_h].
+    /// Query head i reads KV head i / (h / h_kv).
+    #[allow(clippy::too_many_arguments)]
+    fn causal_attention(
+        &self,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        n_seq: usize,
+        t: usize,
+        h: usize,
+        h_kv: usize,
+        d_h: usize,
+    ) -> Vec<f32>;
+
+    /// SwiGLU: silu(gate) ⊙ up, elementwise.
+    fn swiglu(&self, gate: &[f32], up: &[f32]) -> Vec<f32>;
+}
