@@ -2,4 +2,8 @@
 //! and a CPU reference backend. See design.md for the architecture and the math.
 
 pub mod backend;
+pub mod data;
 pub mod error;
+pub mod eval;
+pub mod model;
+pub mod progress;

@@ -1,0 +1,332 @@
+//! The Llama decoder block (Llama 1/2/3, Mistral, Qwen2, SmolLM): RMSNorm → q/k/v → RoPE → causal GQA
+//! attention → o (+ residual), RMSNorm → SwiGLU MLP (+ residual). Weights are held in f32 one block at a
+//! time; the forward runs on any `Backend` and can record the intermediates the quantizer needs.
+
+use super::config::Config;
+use super::weights::WeightStore;
+use crate::backend::Backend;
+use crate::error::file_err;
+use std::path::{Path, PathBuf};
+
+/// A linear layer y = W x (+ b), W [d_out × d_in] row-major f32.
+#[derive(Clone, Debug)]
+pub struct Linear {
+    pub w: Vec<f32>,
+    pub b: Option<Vec<f32>>,
+    pub d_out: usize,
+    pub d_in: usize,
+}
+
+impl Linear {
+    pub fn forward(&self, be: &dyn Backend, x: &[f32], m: usize) -> Vec<f32> {
+        be.linear(x, &self.w, self.b.as_deref(), m, self.d_in, self.d_out)
+    }
+}
+
+/// The seven linear layers of a block, in the order the pipeline quantizes them.
+pub const LINEAR_NAMES: [&str; 7] = [
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+];
+
+#[derive(Clone, Debug)]
+pub struct BlockWeights {
+    pub attn_norm: Vec<f32>,
+    pub q: Linear,
+    pub k: Linear,
+    pub v: Linear,
+    pub o: Linear,
+    pub mlp_norm: Vec<f32>,
+    pub gate: Linear,
+    pub up: Linear,
+    pub down: Linear,
+}
+
+impl BlockWeights {
+    pub fn linear(&self, name: &str) -> &Linear {
+        match name {
+            "self_attn.q_proj" => &self.q,
+            "self_attn.k_proj" => &self.k,
+            "self_attn.v_proj" => &self.v,
+            "self_attn.o_proj" => &self.o,
+            "mlp.gate_proj" => &self.gate,
+            "mlp.up_proj" => &self.up,
+            "mlp.down_proj" => &self.down,
+            _ => panic!("unknown linear layer {name}"),
+        }
+    }
+
+    pub fn linear_mut(&mut self, name: &str) -> &mut Linear {
+        match name {
+            "self_attn.q_proj" => &mut self.q,
+            "self_attn.k_proj" => &mut self.k,
+            "self_attn.v_proj" => &mut self.v,
+            "self_attn.o_proj" => &mut self.o,
+            "mlp.gate_proj" => &mut self.gate,
+            "mlp.up_proj" => &mut self.up,
+            "mlp.down_proj" => &mut self.down,
+            _ => panic!("unknown linear layer {name}"),
+        }
+    }
+}
+
+/// cos/sin of p·θ_i for positions p < t, [t × d_h/2] each (f64 angles, stored f32).
+pub struct RopeTable {
+    pub t: usize,
+    pub cos: Vec<f32>,
+    pub sin: Vec<f32>,
+}
+
+impl RopeTable {
+    pub fn new(inv_freq: &[f64], t: usize) -> RopeTable {
+        let mut cos = Vec::with_capacity(t * inv_freq.len());
+        let mut sin = Vec::with_capacity(t * inv_freq.len());
+        for p in 0..t {
+            for &f in inv_freq {
+                // HF computes the angle in f32; do the same so positions far out round identically.
+                let a = (p as f32) * (f as f32);
+                cos.push(a.cos());
+                sin.push(a.sin());
+            }
+        }
+        RopeTable { t, cos, sin }
+    }
+}
+
+/// Intermediates of one block forward that the quantizer's statistics need.
+#[derive(Default)]
+pub struct BlockTrace {
+    /// Input of q/k/v (after the attention RMSNorm) [n_seq·t × d].
+    pub x_attn: Vec<f32>,
+    /// Post-RoPE queries [n_seq·t × H·d_h] and keys [n_seq·t × H_kv·d_h].
+    pub q: Vec<f32>,
+    pub k: Vec<f32>,
+    /// Input of o_proj (attention output) [n_seq·t × H·d_h].
+    pub attn_out: Vec<f32>,
+    /// Input of gate/up (after the MLP RMSNorm) [n_seq·t × d].
+    pub x_mlp: Vec<f32>,
+    /// Input of down_proj (SwiGLU output) [n_seq·t × d_ff].
+    pub act: Vec<f32>,
+}
+
+/// One block forward on X [n_seq·t × d], in place. With `trace`, the intermediates are moved into it.
+pub fn block_forward(
+    be: &dyn Backend,
+    w: &BlockWeights,
+    cfg: &Config,
+    rope: &RopeTable,
+    x: &mut [f32],
+    n_seq: usize,
+    trace: Option<&mut BlockTrace>,
+) {
+    let t = rope.t;
+    let m = n_seq * t;
+    assert_eq!(
+        x.len(),
+        m * cfg.d,
+        "block_forward: x is not [n_seq·t={m} × d={}]",
+        cfg.d
+    );
+    let (h, h_kv, d_h) = (cfg.n_heads, cfg.n_kv_heads, cfg.d_h);
+
+    let xa = be.rms_norm(x, &w.attn_norm, cfg.d, cfg.eps);
+    let mut q = w.q.forward(be, &xa, m);
+    let mut k = w.k.forward(be, &xa, m);
+    let v = w.v.forward(be, &xa, m);
+    be.rope(&mut q, t, h, d_h, &rope.cos, &rope.sin);
+    be.rope(&mut k, t, h_kv, d_h, &rope.cos, &rope.sin);
+    let attn = be.causal_attention(&q, &k, &v, n_seq, t, h, h_kv, d_h);
+    let o = w.o.forward(be, &attn, m);
+    x.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
+
+    let xm = be.rms_norm(x, &w.mlp_norm, cfg.d, cfg.eps);
+    let gate = w.gate.forward(be, &xm, m);
+    let up = w.up.forward(be, &xm, m);
+    let act = be.swiglu(&gate, &up);
+    let down = w.down.forward(be, &act, m);
+    x.iter_mut().zip(&down).for_each(|(x, d)| *x += d);
+
+    if let Some(tr) = trace {
+        *tr = BlockTrace {
+            x_attn: xa,
+            q,
+            k,
+            attn_out: attn,
+            x_mlp: xm,
+            act,
+        };
+    }
+}
+
+/// A model folder: config, weights (memory-mapped) and the path, with loaders for one block at a time.
+pub struct Model {
+    pub dir: PathBuf,
+    pub cfg: Config,
+    pub store: WeightStore,
+}
+
+impl Model {
+    pub fn open(dir: &Path) -> anyhow::Result<Model> {
+        if !dir.is_dir() {
+            return Err(file_err(dir, "model folder not found"));
+        }
+        let cfg = Config::load(dir)?;
+        let store = WeightStore::open(dir)?;
+        let model = Model {
+            dir: dir.to_path_buf(),
+            cfg,
+            store,
+        };
+        model.check_globals()?;
+        Ok(model)
+    }
+
+    /// Checks the tensors outside the blocks now, so a broken checkpoint fails before any long work.
+    fn check_globals(&self) -> anyhow::Result<()> {
+        let c = &self.cfg;
+        let check = |name: &str, shape: &[usize]| -> anyhow::Result<()> {
+            match self.store.entry(name) {
+                None => Err(file_err(&self.dir, format!("tensor {name} is missing"))),
+                Some(e) if e.shape != shape => Err(file_err(
+                    &self.dir,
+                    format!("tensor {name} has shape {:?}, expected {shape:?}", e.shape),
+                )),
+                Some(_) => Ok(()),
+            }
+        };
+        check("model.embed_tokens.weight", &[c.vocab, c.d])?;
+        check("model.norm.weight", &[c.d])?;
+        if !c.tie_word_embeddings {
+            check("lm_head.weight", &[c.vocab, c.d])?;
+        }
+        for l in 0..c.n_layers {
+            for (name, shape) in self.block_shapes(l) {
+                check(&name, &shape)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Every tensor of block l with its expected shape.
+    pub fn block_shapes(&self, l: usize) -> Vec<(String, Vec<usize>)> {
+        let c = &self.cfg;
+        let p = format!("model.layers.{l}.");
+        let (qd, kvd) = (c.n_heads * c.d_h, c.n_kv_heads * c.d_h);
+        let mut v = vec![
+            (format!("{p}input_layernorm.weight"), vec![c.d]),
+            (format!("{p}post_attention_layernorm.weight"), vec![c.d]),
+        ];
+        for (name, d_out, d_in) in self.linear_shapes() {
+            v.push((format!("{p}{name}.weight"), vec![d_out, d_in]));
+            if c.qkv_bias
+                && matches!(
+                    name,
+                    "self_attn.q_proj" | "self_attn.k_proj" | "self_attn.v_proj"
+                )
+            {
+                v.push((
+                    format!("{p}{name}.bias"),
+                    vec![if name == "self_attn.q_proj" { qd } else { kvd }],
+                ));
+            }
+        }
+        v
+    }
+
+    /// (name, d_out, d_in) of the seven linear layers of a block.
+    pub fn linear_shapes(&self) -> [(&'static str, usize, usize); 7] {
+        let c = &self.cfg;
+        let (qd, kvd) = (c.n_heads * c.d_h, c.n_kv_heads * c.d_h);
+        [
+            (LINEAR_NAMES[0], qd, c.d),
+            (LINEAR_NAMES[1], kvd, c.d),
+            (LINEAR_NAMES[2], kvd, c.d),
+            (LINEAR_NAMES[3], c.d, qd),
+            (LINEAR_NAMES[4], c.d_ff, c.d),
+            (LINEAR_NAMES[5], c.d_ff, c.d),
+            (LINEAR_NAMES[6], c.d, c.d_ff),
+        ]
+    }
+
+    pub fn load_block(&self, l: usize) -> anyhow::Result<BlockWeights> {
+        let c = &self.cfg;
+        let p = format!("model.layers.{l}.");
+        let lin = |name: &str, d_out: usize, d_in: usize| -> anyhow::Result<Linear> {
+            let w = self
+                .store
+                .f32(&format!("{p}{name}.weight"), &[d_out, d_in])?;
+            let bname = format!("{p}{name}.bias");
+            let b = if self.store.contains(&bname) {
+                Some(self.store.f32(&bname, &[d_out])?)
+            } else {
+                None
+            };
+            Ok(Linear { w, b, d_out, d_in })
+        };
+        let [q, k, v, o, gate, up, down] = self
+            .linear_shapes()
+            .map(|(n, d_out, d_in)| lin(n, d_out, d_in));
+        Ok(BlockWeights {
+            attn_norm: self
+                .store
+                .f32(&format!("{p}input_layernorm.weight"), &[c.d])?,
+            q: q?,
+            k: k?,
+            v: v?,
+            o: o?,
+            mlp_norm: self
+                .store
+                .f32(&format!("{p}post_attention_layernorm.weight"), &[c.d])?,
+            gate: gate?,
+            up: up?,
+            down: down?,
+        })
+    }
+
+    /// Embedding rows for token ids → [ids.len() × d].
+    pub fn embed(&self, ids: &[u32]) -> anyhow::Result<Vec<f32>> {
+        let c = &self.cfg;
+        let e = self
+            .store
+            .entry("model.embed_tokens.weight")
+            .expect("checked at open");
+        let bytes = self.store.bytes("model.embed_tokens.weight")?;
+        let elt = bytes.len() / (c.vocab * c.d);
+        let mut out = Vec::with_capacity(ids.len() * c.d);
+        for &id in ids {
+            let id = id as usize;
+            if id >= c.vocab {
+                return Err(crate::input_err!(
+                    "token id {id} is outside the vocabulary of {}",
+                    c.vocab
+                ));
+            }
+            let row = &bytes[id * c.d * elt..(id + 1) * c.d * elt];
+            out.extend(super::weights::to_f32(e.dtype, row).map_err(|m| file_err(&self.dir, m))?);
+        }
+        Ok(out)
+    }
+
+    pub fn final_norm(&self) -> anyhow::Result<Vec<f32>> {
+        self.store.f32("model.norm.weight", &[self.cfg.d])
+    }
+
+    /// The output projection [vocab × d] (the embedding matrix when tied).
+    pub fn lm_head(&self) -> anyhow::Result<Vec<f32>> {
+        let name = if self.cfg.tie_word_embeddings {
+            "model.embed_tokens.weight"
+        } else {
+            "lm_head.weight"
+        };
+        self.store.f32(name, &[self.cfg.vocab, self.cfg.d])
+    }
+
+    pub fn rope_table(&self, t: usize) -> RopeTable {
+        RopeTable::new(&self.cfg.inv_freq(), t)
+    }
+}

@@ -1,0 +1,8 @@
+//! Model files: config.json, safetensors weights, GGUF import, and the Llama block.
+
+pub mod config;
+pub mod llama;
+pub mod weights;
+
+pub use config::Config;
+pub use llama::{BlockWeights, Linear, Model};

@@ -1,0 +1,102 @@
+//! Progress reporting: an indicatif bar with ETA on a terminal, plain periodic lines otherwise (logs, CI),
+//! nothing with `--quiet`/`--json`.
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use std::io::IsTerminal;
+use std::time::{Duration, Instant};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Progress {
+    Bar,
+    Lines,
+    Quiet,
+}
+
+impl Progress {
+    /// Bars on a terminal, lines otherwise; `quiet` silences both.
+    pub fn auto(quiet: bool) -> Progress {
+        if quiet {
+            Progress::Quiet
+        } else if std::io::stderr().is_terminal() {
+            Progress::Bar
+        } else {
+            Progress::Lines
+        }
+    }
+
+    pub fn bar(&self, what: &str, total: u64, unit: &str) -> Bar {
+        let pb = match self {
+            Progress::Bar => {
+                let pb = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+                pb.set_style(
+                    ProgressStyle::with_template(&format!(
+                        "{what} [{{elapsed_precise}}] {{bar:40}} {{pos}}/{{len}} {unit} (ETA {{eta}}) {{msg}}"
+                    ))
+                    .expect("static template"),
+                );
+                Some(pb)
+            }
+            _ => None,
+        };
+        Bar {
+            pb,
+            lines: *self == Progress::Lines,
+            what: what.into(),
+            total,
+            pos: 0,
+            start: Instant::now(),
+            last: Instant::now(),
+        }
+    }
+
+    pub fn line(&self, msg: &str) {
+        if *self != Progress::Quiet {
+            eprintln!("{msg}");
+        }
+    }
+}
+
+pub struct Bar {
+    pb: Option<ProgressBar>,
+    lines: bool,
+    what: String,
+    total: u64,
+    pos: u64,
+    start: Instant,
+    last: Instant,
+}
+
+impl Bar {
+    pub fn inc(&mut self, n: u64) {
+        self.pos += n;
+        if let Some(pb) = &self.pb {
+            pb.inc(n);
+        } else if self.lines
+            && (self.last.elapsed() > Duration::from_secs(10) || self.pos == self.total)
+        {
+            self.last = Instant::now();
+            let el = self.start.elapsed().as_secs_f64();
+            let eta = if self.pos > 0 {
+                el / self.pos as f64 * (self.total - self.pos) as f64
+            } else {
+                0.0
+            };
+            eprintln!(
+                "{}: {}/{} ({el:.0} s elapsed, ETA {eta:.0} s)",
+                self.what, self.pos, self.total
+            );
+        }
+    }
+
+    pub fn set_message(&self, msg: String) {
+        if let Some(pb) = &self.pb {
+            pb.set_message(msg);
+        }
+    }
+
+    pub fn finish(&self) {
+        if let Some(pb) = &self.pb {
+            pb.finish_and_clear();
+        }
+    }
+}
