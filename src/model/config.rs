@@ -94,7 +94,7 @@ impl Config {
         };
         let n_heads = raw.num_attention_heads;
         let n_kv_heads = raw.num_key_value_heads.unwrap_or(n_heads);
-        if n_heads == 0 || n_kv_heads == 0 || n_heads % n_kv_heads != 0 {
+        if n_heads == 0 || n_kv_heads == 0 || !n_heads.is_multiple_of(n_kv_heads) {
             return Err(format!(
                 "num_attention_heads={n_heads} must be a positive multiple of num_key_value_heads={n_kv_heads}"
             ));
@@ -110,7 +110,10 @@ impl Config {
             );
         }
         let d_h = raw.head_dim.unwrap_or(raw.hidden_size / n_heads);
-        if d_h == 0 || d_h % 2 != 0 || (raw.head_dim.is_none() && raw.hidden_size % n_heads != 0) {
+        if d_h == 0
+            || !d_h.is_multiple_of(2)
+            || (raw.head_dim.is_none() && !raw.hidden_size.is_multiple_of(n_heads))
+        {
             return Err(format!(
                 "head dimension {d_h} (hidden_size={} / heads={n_heads}) must be a positive even number",
                 raw.hidden_size
