@@ -2,6 +2,7 @@
 
 pub mod config;
 pub mod llama;
+pub mod synth;
 pub mod weights;
 
 pub use config::Config;

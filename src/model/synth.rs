@@ -1,0 +1,140 @@
+//! Synthetic Llama models with seeded random weights: tiny ones for tests (a byte-level tokenizer of 256
+//! tokens, so any text tokenizes) and real-shaped ones for benchmarks.
+
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use safetensors::{Dtype, tensor::TensorView};
+use std::path::Path;
+
+#[derive(Clone, Debug)]
+pub struct SynthSpec {
+    pub d: usize,
+    pub d_ff: usize,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub vocab: usize,
+    pub tie_word_embeddings: bool,
+    pub qkv_bias: bool,
+    pub seed: u64,
+}
+
+impl SynthSpec {
+    /// A model small enough for a test to quantize in seconds: d 64, 4 heads over 2 KV heads (GQA), d_h 16.
+    pub fn tiny() -> SynthSpec {
+        SynthSpec {
+            d: 64,
+            d_ff: 160,
+            n_layers: 2,
+            n_heads: 4,
+            n_kv_heads: 2,
+            vocab: 256,
+            tie_word_embeddings: false,
+            qkv_bias: false,
+            seed: 0,
+        }
+    }
+}
+
+/// Writes config.json, model.safetensors (f32) and a byte-level tokenizer.json into `dir`.
+pub fn write_model(dir: &Path, s: &SynthSpec) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let d_h = s.d / s.n_heads;
+    let config = serde_json::json!({
+        "architectures": [if s.qkv_bias { "Qwen2ForCausalLM" } else { "LlamaForCausalLM" }],
+        "model_type": if s.qkv_bias { "qwen2" } else { "llama" },
+        "hidden_size": s.d, "intermediate_size": s.d_ff, "num_hidden_layers": s.n_layers,
+        "num_attention_heads": s.n_heads, "num_key_value_heads": s.n_kv_heads, "head_dim": d_h,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "vocab_size": s.vocab,
+        "tie_word_embeddings": s.tie_word_embeddings, "max_position_embeddings": 4096,
+        "hidden_act": "silu", "torch_dtype": "float32",
+    });
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(&config)?,
+    )?;
+    std::fs::write(dir.join("tokenizer.json"), byte_tokenizer_json(s.vocab))?;
+
+    let mut rng = ChaCha8Rng::seed_from_u64(s.seed);
+    let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+    let mut mat = |name: String, rows: usize, cols: usize, rng: &mut ChaCha8Rng| {
+        // Uniform with the variance of N(0, 1/cols): activations keep their scale through the blocks.
+        let a = (3.0 / cols as f32).sqrt();
+        tensors.push((
+            name,
+            vec![rows, cols],
+            (0..rows * cols).map(|_| rng.random_range(-a..a)).collect(),
+        ));
+    };
+    mat("model.embed_tokens.weight".into(), s.vocab, s.d, &mut rng);
+    let (qd, kvd) = (s.n_heads * d_h, s.n_kv_heads * d_h);
+    for l in 0..s.n_layers {
+        let p = format!("model.layers.{l}.");
+        for (n, r, c) in [
+            ("self_attn.q_proj", qd, s.d),
+            ("self_attn.k_proj", kvd, s.d),
+            ("self_attn.v_proj", kvd, s.d),
+            ("self_attn.o_proj", s.d, qd),
+            ("mlp.gate_proj", s.d_ff, s.d),
+            ("mlp.up_proj", s.d_ff, s.d),
+            ("mlp.down_proj", s.d, s.d_ff),
+        ] {
+            mat(format!("{p}{n}.weight"), r, c, &mut rng);
+        }
+        if s.qkv_bias {
+            for (n, r) in [("q_proj", qd), ("k_proj", kvd), ("v_proj", kvd)] {
+                mat(format!("{p}self_attn.{n}.bias"), 1, r, &mut rng);
+            }
+        }
+    }
+    if !s.tie_word_embeddings {
+        mat("lm_head.weight".into(), s.vocab, s.d, &mut rng);
+    }
+    for l in 0..s.n_layers {
+        for n in ["input_layernorm", "post_attention_layernorm"] {
+            let v = (0..s.d).map(|_| rng.random_range(0.8..1.2)).collect();
+            tensors.push((format!("model.layers.{l}.{n}.weight"), vec![s.d], v));
+        }
+    }
+    tensors.push(("model.norm.weight".into(), vec![s.d], vec![1.0; s.d]));
+    // Biases were drawn as [1 × r] matrices; store them as vectors.
+    for t in tensors.iter_mut().filter(|t| t.0.ends_with(".bias")) {
+        t.1 = vec![t.1[1]];
+    }
+    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+        .into_iter()
+        .map(|(n, shape, v)| (n, shape, v.iter().flat_map(|x| x.to_le_bytes()).collect()))
+        .collect();
+    let views: Vec<(String, TensorView)> = bytes
+        .iter()
+        .map(|(n, shape, b)| Ok((n.clone(), TensorView::new(Dtype::F32, shape.clone(), b)?)))
+        .collect::<Result<_, safetensors::SafeTensorError>>()?;
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors"))?;
+    Ok(())
+}
+
+/// A byte-level BPE tokenizer.json with one token per byte (ids 0..255) and no merges.
+pub fn byte_tokenizer_json(vocab: usize) -> String {
+    assert!(
+        vocab >= 256,
+        "a byte-level tokenizer needs a vocabulary of at least 256"
+    );
+    let mut chars: Vec<char> = tokenizers::pre_tokenizers::byte_level::ByteLevel::alphabet()
+        .into_iter()
+        .collect();
+    chars.sort();
+    let vocab_map: serde_json::Map<String, serde_json::Value> = chars
+        .iter()
+        .enumerate()
+        .map(|(i, c)| (c.to_string(), serde_json::json!(i)))
+        .collect();
+    let byte_level = serde_json::json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
+    serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
+        "pre_tokenizer": byte_level, "post_processor": null, "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                  "vocab": vocab_map, "merges": []}
+    })
+    .to_string()
+}
