@@ -10,9 +10,6 @@ use faer::linalg::matmul::matmul;
 use faer::{Accum, MatMut, MatRef, Par};
 use rayon::prelude::*;
 
-/// Output columns per parallel GEMM task: large enough that faer's packing cost is amortized.
-const LINEAR_COLS_PER_TASK: usize = 128;
-
 #[derive(Default, Clone, Copy)]
 pub struct CpuBackend;
 
@@ -45,28 +42,17 @@ pub fn gemm_nn(c: &mut [f32], a: &[f32], b: &[f32], m: usize, k: usize, n: usize
     matmul(c, Accum::Replace, a, b, 1.0f32, Par::Seq);
 }
 
-/// Y [m × n] = X [m × k] · W [n × k]ᵀ, parallel over blocks of output columns (rows of W), so each task reads
-/// its own slice of the weights once.
+/// Y [m × n] = X [m × k] · W [n × k]ᵀ with faer's parallel GEMM. faer splits the output over threads but
+/// keeps each element's reduction over k in one fixed order, so the result does not depend on the thread
+/// count (tests/determinism.rs checks this on whole runs).
 pub fn linear_f32(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
     assert_eq!(x.len(), m * k, "linear: x is not [m={m} × k={k}]");
     assert_eq!(w.len(), n * k, "linear: w is not [n={n} × k={k}]");
-    let blocks: Vec<(usize, Vec<f32>)> = (0..n.div_ceil(LINEAR_COLS_PER_TASK))
-        .into_par_iter()
-        .map(|b| {
-            let n0 = b * LINEAR_COLS_PER_TASK;
-            let nb = LINEAR_COLS_PER_TASK.min(n - n0);
-            let mut yb = vec![0f32; m * nb];
-            gemm_nt(&mut yb, x, &w[n0 * k..(n0 + nb) * k], m, k, nb, false);
-            (n0, yb)
-        })
-        .collect();
     let mut y = vec![0f32; m * n];
-    for (n0, yb) in blocks {
-        let nb = yb.len() / m.max(1);
-        for (row, src) in y.chunks_mut(n).zip(yb.chunks(nb.max(1))) {
-            row[n0..n0 + nb].copy_from_slice(src);
-        }
-    }
+    let a = MatRef::from_row_major_slice(x, m, k);
+    let bt = MatRef::from_row_major_slice(w, n, k).transpose();
+    let c = MatMut::from_row_major_slice_mut(&mut y, m, n);
+    matmul(c, Accum::Replace, a, bt, 1.0f32, Par::rayon(0));
     y
 }
 

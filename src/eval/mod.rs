@@ -96,9 +96,10 @@ pub fn window_nll(
     Ok((nll, count))
 }
 
-/// Σ_i −log softmax(logits_i)[ids_{i+1}] for i < t − 1; logits [t × vocab]. Log-sum-exp in f64.
+/// Σ_i −log softmax(logits_i)[ids_{i+1}] for i < t − 1; logits [t × vocab]. Log-sum-exp in f64; the
+/// per-token terms are summed in order (a rayon `sum` would depend on the thread count).
 pub fn next_token_nll(logits: &[f32], ids: &[u32], vocab: usize) -> f64 {
-    logits
+    let terms: Vec<f64> = logits
         .par_chunks(vocab)
         .zip(ids[1..].par_iter())
         .map(|(row, &next)| {
@@ -110,5 +111,6 @@ pub fn next_token_nll(logits: &[f32], ids: &[u32], vocab: usize) -> f64 {
                 .sum();
             max as f64 + sum.ln() - row[next as usize] as f64
         })
-        .sum()
+        .collect();
+    terms.iter().sum()
 }
