@@ -1,0 +1,110 @@
+//! The output folder of a run: written under a temporary sibling (`.NAME.partial`), one safetensors shard
+//! per block as each block finishes, then published by one rename. A killed run never leaves a folder at
+//! --out that looks complete.
+
+use super::safetensors_out::{Dtype, TensorEntry, write_safetensors};
+use crate::error::file_err;
+use half::{bf16, f16};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+/// Files copied from the input model folder when present.
+pub const TOKENIZER_FILES: [&str; 5] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+];
+
+pub struct OutFolder {
+    pub out: PathBuf,
+    pub tmp: PathBuf,
+    n_shards: usize,
+    weight_map: BTreeMap<String, String>,
+    total_bytes: u64,
+}
+
+/// `.NAME.partial` next to `out`.
+pub fn partial_path(out: &Path) -> PathBuf {
+    let name = out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "out".into());
+    out.with_file_name(format!(".{name}.partial"))
+}
+
+impl OutFolder {
+    /// Refuses an existing `out` unless `force`; starts a fresh temporary folder (an old one is removed).
+    pub fn create(out: &Path, force: bool, n_shards: usize) -> anyhow::Result<OutFolder> {
+        if out.exists() && !force {
+            return Err(file_err(out, "already exists; choose another --out or pass --force to replace it"));
+        }
+        let tmp = partial_path(out);
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp).map_err(|e| file_err(&tmp, format!("cannot remove: {e}")))?;
+        }
+        std::fs::create_dir_all(&tmp).map_err(|e| file_err(&tmp, format!("cannot create the output folder: {e}")))?;
+        Ok(OutFolder { out: out.to_path_buf(), tmp, n_shards, weight_map: BTreeMap::new(), total_bytes: 0 })
+    }
+
+    pub fn shard_name(&self, i: usize) -> String {
+        format!("model-{:05}-of-{:05}.safetensors", i + 1, self.n_shards)
+    }
+
+    pub fn write_shard(&mut self, i: usize, entries: &[TensorEntry<'_>]) -> anyhow::Result<()> {
+        let name = self.shard_name(i);
+        let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+        write_safetensors(&self.tmp.join(&name), entries, meta)?;
+        for e in entries {
+            self.weight_map.insert(e.name.clone(), name.clone());
+            self.total_bytes += e.bytes.len() as u64;
+        }
+        Ok(())
+    }
+
+    pub fn write_json(&self, name: &str, value: &serde_json::Value) -> anyhow::Result<()> {
+        let path = self.tmp.join(name);
+        std::fs::write(&path, serde_json::to_string_pretty(value)? + "\n")
+            .map_err(|e| file_err(&path, format!("cannot write: {e}")))
+    }
+
+    /// Copies the tokenizer and generation files that exist in `src`.
+    pub fn copy_tokenizer_files(&self, src: &Path) -> anyhow::Result<()> {
+        for f in TOKENIZER_FILES {
+            let p = src.join(f);
+            if p.is_file() {
+                std::fs::copy(&p, self.tmp.join(f)).map_err(|e| file_err(&p, format!("cannot copy: {e}")))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes the shard index and renames the temporary folder to `out` (replacing it when forced).
+    pub fn publish(self) -> anyhow::Result<PathBuf> {
+        let index = serde_json::json!({
+            "metadata": {"total_size": self.total_bytes},
+            "weight_map": self.weight_map,
+        });
+        self.write_json("model.safetensors.index.json", &index)?;
+        if self.out.exists() {
+            let old = self.out.with_file_name(format!(
+                ".{}.old",
+                self.out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
+            ));
+            std::fs::rename(&self.out, &old).map_err(|e| file_err(&self.out, format!("cannot replace: {e}")))?;
+            std::fs::rename(&self.tmp, &self.out).map_err(|e| file_err(&self.out, format!("cannot publish: {e}")))?;
+            std::fs::remove_dir_all(&old).map_err(|e| file_err(&old, format!("cannot remove: {e}")))?;
+        } else {
+            std::fs::rename(&self.tmp, &self.out).map_err(|e| file_err(&self.out, format!("cannot publish: {e}")))?;
+        }
+        Ok(self.out)
+    }
+}
+
+/// f32 values as little-endian bytes of `dtype` (F32, F16 or BF16).
+pub fn f32_to_bytes(dtype: Dtype, v: &[f32]) -> Vec<u8> {
+    match dtype {
+        Dtype::F16 => v.iter().flat_map(|x| f16::from_f32(*x).to_le_bytes()).collect(),
+        Dtype::BF16 => v.iter().flat_map(|x| bf16::from_f32(*x).to_le_bytes()).collect(),
+        Dtype::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        other => panic!("f32_to_bytes: {other:?} is not a float dtype"),
+    }
+}
