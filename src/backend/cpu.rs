@@ -146,7 +146,7 @@ impl Backend for CpuBackend {
         d_h: usize,
     ) -> Vec<f32> {
         assert!(
-            h_kv > 0 && h % h_kv == 0,
+            h_kv > 0 && h.is_multiple_of(h_kv),
             "attention: h={h} is not a multiple of h_kv={h_kv}"
         );
         assert_eq!(q.len(), n_seq * t * h * d_h);
