@@ -67,13 +67,14 @@ fn main() {
     let kernels = match find_nvcc() {
         Some(nvcc) => compile_kernels(&nvcc, &root, &out_dir, &cu_files, require),
         None => {
-            let why = "nvcc not found (looked at NVCC, CUDA_HOME/bin, PATH, /usr/local/cuda/bin): \
-                       building without CUDA kernels, the CUDA backend will be unavailable \
-                       (scripts/install_nvcc.sh installs one; then set NVCC=<path>)";
+            let looked = "nvcc not found (looked at NVCC, CUDA_HOME/bin, PATH, /usr/local/cuda/bin; \
+                          scripts/install_nvcc.sh installs one, then set NVCC=<path>)";
             if require {
-                fail(&format!("BOA_REQUIRE_KERNELS=1 but {why}"));
+                fail(&format!("BOA_REQUIRE_KERNELS=1 but {looked}"));
             }
-            println!("cargo::warning={why}");
+            println!(
+                "cargo::warning={looked}: building without CUDA kernels, the CUDA backend will be unavailable"
+            );
             None
         }
     };
@@ -93,8 +94,10 @@ fn list(dir: &Path, ext: &str) -> Vec<PathBuf> {
     v
 }
 
+/// Stops the build with `msg` (cargo prints a failed build script's stderr).
 fn fail(msg: &str) -> ! {
-    panic!("{msg}");
+    eprintln!("error: {msg}");
+    std::process::exit(1);
 }
 
 /// NVCC (a path to the binary), then CUDA_HOME/bin/nvcc, then nvcc on PATH, then /usr/local/cuda/bin/nvcc.
