@@ -52,15 +52,20 @@ fn main() {
     let out_dir = PathBuf::from(env::var("OUT_DIR").unwrap());
     let require = env::var("BOA_REQUIRE_KERNELS").is_ok_and(|v| v == "1");
 
-    // Every input, named (a directory entry also catches files added later).
-    let cu_files = list(&root.join("cuda"), "cu");
-    let headers = list(&root.join("include"), "h");
+    // Every input, named: each file in cuda/ and include/ (the directories too, which also catches files
+    // added later).
+    let cu_files: Vec<PathBuf> = list(&root.join("cuda"))
+        .into_iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "cu"))
+        .collect();
     println!("cargo::rerun-if-changed=cuda");
     println!("cargo::rerun-if-changed=include");
-    for f in cu_files.iter().chain(&headers) {
+    for f in list(&root.join("cuda"))
+        .iter()
+        .chain(&list(&root.join("include")))
+    {
         println!("cargo::rerun-if-changed={}", f.display());
     }
-    println!("cargo::rerun-if-changed=cuda/boa_host.cpp");
 
     build_host(&root);
 
@@ -84,12 +89,12 @@ fn main() {
     }
 }
 
-/// Files in `dir` with extension `ext`, sorted (so the build is reproducible).
-fn list(dir: &Path, ext: &str) -> Vec<PathBuf> {
+/// Files in `dir`, sorted (so the build is reproducible).
+fn list(dir: &Path) -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = fs::read_dir(dir)
         .map(|rd| rd.filter_map(|e| e.ok().map(|e| e.path())).collect())
         .unwrap_or_default();
-    v.retain(|p| p.extension().is_some_and(|e| e == ext));
+    v.retain(|p| p.is_file());
     v.sort();
     v
 }
