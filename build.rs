@@ -70,7 +70,12 @@ fn main() {
     build_host(&root);
 
     let kernels = match find_nvcc() {
-        Some(nvcc) => compile_kernels(&nvcc, &root, &out_dir, &cu_files, require),
+        Some(nvcc) => {
+            // A new nvcc at the same path (an upgrade) rebuilds the kernels. nvcc found on PATH is not
+            // re-searched when PATH changes (that would rebuild on every venv activation): set NVCC instead.
+            println!("cargo::rerun-if-changed={}", nvcc.display());
+            compile_kernels(&nvcc, &root, &out_dir, &cu_files, require)
+        }
         None => {
             let looked = "nvcc not found (looked at NVCC, CUDA_HOME/bin, PATH, /usr/local/cuda/bin; \
                           scripts/install_nvcc.sh installs one, then set NVCC=<path>)";
