@@ -1,0 +1,142 @@
+#!/usr/bin/env bash
+# gpu_check.sh — GPU parity (and later speed) checks for a GPU machine that has a CUDA 13.0 driver but no Rust
+# toolchain and no network (design.md §8). Two halves:
+#
+#   profiling/gpu_check.sh                 on the build machine: build the binary and every test executable
+#                                          with the kernels embedded (BOA_REQUIRE_KERNELS=1), copy them into
+#                                          .gpu_carry/, and print how to run the device half through `run`.
+#   profiling/gpu_check.sh --on-device     on the GPU machine (the `run` tool's command): run each staged
+#                                          test executable, write logs and a results table under $OUT.
+#
+# Build half: needs nvcc (NVCC=<path>, CUDA_HOME, PATH or /usr/local/cuda/bin; otherwise it is installed with
+# scripts/install_nvcc.sh into $NVCC_DIR, default .nvcc-venv/). Everything staged must fit the 64 MiB the
+# `run` tool carries; debug info is stripped from the copies when it would not.
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+carry_rel=".gpu_carry"
+carry="$root/$carry_rel"
+carry_limit=$((64 * 1024 * 1024))
+
+build_half() {
+    cd "$root"
+    if [[ -z "${NVCC:-}" && -z "${CUDA_HOME:-}" ]] && ! command -v nvcc >/dev/null \
+        && [[ ! -x /usr/local/cuda/bin/nvcc ]]; then
+        NVCC="$(scripts/install_nvcc.sh "${NVCC_DIR:-$root/.nvcc-venv}" | tail -n1)"
+        export NVCC
+    fi
+    export BOA_REQUIRE_KERNELS=1
+    echo "== building with kernels (NVCC=${NVCC:-<search>})"
+    cargo build --release --bins --tests
+    # The test executables' paths, from cargo itself (one JSON object per artifact).
+    local list
+    list="$(cargo test --release --no-run --message-format=json 2>/dev/null | python3 -c '
+import json, sys
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("profile", {}).get("test") and m.get("executable"):
+        print(m["target"]["name"] + "\t" + m["executable"])
+')"
+    [[ -n "$list" ]] || { echo "gpu_check.sh: cargo listed no test executables" >&2; exit 1; }
+
+    rm -rf "$carry"
+    mkdir -p "$carry/tests" "$carry/bin"
+    cp target/release/boa-cuda "$carry/bin/"
+    while IFS=$'\t' read -r name exe; do
+        cp "$exe" "$carry/tests/$name"
+    done <<<"$list"
+    local size
+    size="$(du -sb "$carry" | cut -f1)"
+    if ((size > carry_limit)); then
+        echo "== $((size >> 20)) MiB staged, over the 64 MiB carry limit: stripping debug info"
+        strip --strip-debug "$carry"/bin/* "$carry"/tests/*
+        size="$(du -sb "$carry" | cut -f1)"
+        ((size <= carry_limit)) || { echo "gpu_check.sh: still $((size >> 20)) MiB after strip" >&2; exit 1; }
+    fi
+    {
+        echo "commit: $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . 2>/dev/null || echo ' (+ uncommitted changes)')"
+        echo "built: $(date -u +%FT%TZ) on $(uname -n), $(ldd --version 2>/dev/null | head -n1)"
+        echo "nvcc: ${NVCC:-<found by build.rs>}"
+        (cd "$carry" && find bin tests -type f -printf '%p %s\n' | sort)
+    } >"$carry/manifest.txt"
+    cat "$carry/manifest.txt"
+    cat <<MSG
+
+== staged $((size >> 20)) MiB in $carry_rel/. Now call the \`run\` tool (one call; it prints the table last):
+     command:   bash profiling/gpu_check.sh --on-device
+     carry:     ["$carry_rel"]
+     timeout_s: 300
+   Logs and results.md come back under \$OUT (files_at). Give the machine back afterwards unless you rerun at once.
+MSG
+}
+
+device_half() {
+    cd "$root"
+    local out="${OUT:-$root/gpu_out}"
+    mkdir -p "$out"
+    [[ -d "$carry/tests" ]] || { echo "gpu_check.sh: no $carry_rel/tests; pass carry [\"$carry_rel\"]" >&2; exit 1; }
+    export RUST_BACKTRACE=1
+    {
+        echo "# gpu_check $(date -u +%FT%TZ)"
+        cat "$carry/manifest.txt" 2>/dev/null || true
+        echo "## machine"
+        uname -a
+        ldd --version 2>/dev/null | head -n1 || true
+        # Read-only queries; never change the card's settings (METHOD.md).
+        nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total,clocks.sm,clocks.max.sm,temperature.gpu \
+            --format=csv 2>&1 || echo "nvidia-smi failed"
+        command -v nvcc >/dev/null && nvcc --version | tail -n1 || echo "no nvcc on PATH"
+    } >"$out/machine.txt" 2>&1
+    cat "$out/machine.txt"
+
+    local table="$out/results.md" status=0
+    printf '| test binary | exit | passed | failed | CUDA skipped | seconds |\n|---|---|---|---|---|---|\n' >"$table"
+    for t in "$carry"/tests/*; do
+        local name log rc t0 t1 passed failed skipped
+        name="$(basename "$t")"
+        log="$out/$name.log"
+        chmod +x "$t"
+        t0="$(date +%s.%N)"
+        set +e
+        timeout 240 "$t" --test-threads=1 --nocapture >"$log" 2>&1
+        rc=$?
+        set -e
+        t1="$(date +%s.%N)"
+        passed="$(grep -o '[0-9]* passed' "$log" | awk '{s += $1} END {print s + 0}')"
+        failed="$(grep -o '[0-9]* failed' "$log" | awk '{s += $1} END {print s + 0}')"
+        # On the GPU machine a CUDA test that skips is a failure of this check, not a pass.
+        # (with --nocapture a test's first line follows "test <name> ... " on the same line: no ^ anchors)
+        skipped="$(grep -c 'skipped: ' "$log" || true)"
+        if ((rc != 0 || skipped > 0)); then status=1; fi
+        if grep -q 'GLIBC_[0-9.]* not found' "$log"; then
+            echo "$name: built against a newer glibc than this machine has (see $name.log)" >>"$out/notes.txt"
+        fi
+        printf '| %s | %s | %s | %s | %s | %.1f |\n' "$name" "$rc" "$passed" "$failed" "$skipped" \
+            "$(awk -v a="$t0" -v b="$t1" 'BEGIN { print b - a }')" >>"$table"
+    done
+    {
+        echo
+        echo "max rel. error vs the f64 reference, per backend and kernel variant:"
+        sed -n -e 's/^test .* \.\.\. //' -e '/max rel\. error\|rms_norm variant\|skipped: /s/^/    /p' "$out"/*.log
+    } >>"$table"
+    for log in "$out"/*.log; do
+        if grep -q -e 'FAILED' -e 'panicked' "$log"; then
+            echo "== failures in $(basename "$log"):"
+            grep -e 'panicked' -e 'FAILED' -A4 "$log" | head -n 40
+        fi
+    done
+    [[ -f "$out/notes.txt" ]] && cat "$out/notes.txt"
+    echo
+    cat "$table"
+    echo "status: $([[ $status == 0 ]] && echo PASS || echo FAIL)"
+    return "$status"
+}
+
+case "${1:-}" in
+    --on-device) device_half ;;
+    "") build_half ;;
+    *) echo "usage: $0 [--on-device]" >&2; exit 2 ;;
+esac
