@@ -7,3 +7,6 @@ pub mod error;
 pub mod eval;
 pub mod model;
 pub mod progress;
+pub mod export;
+pub mod pipeline;
+pub mod quant;

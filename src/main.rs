@@ -4,6 +4,7 @@
 use boa_cuda::backend::{Device, select_backend};
 use boa_cuda::eval::{EvalOptions, perplexity};
 use boa_cuda::model::Model;
+use boa_cuda::pipeline::options::{LayerSet, Method, RunOptions, ScaleSearchArg, VRowHessian};
 use boa_cuda::progress::Progress;
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -22,6 +23,19 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Quantize a model block by block (BoA, GPTQ or RTN) and write a fake-quant HF folder + report.json.
+    Run(Box<RunArgs>),
+    /// Convert a llama-architecture GGUF (F32/F16/BF16/Q8_0/Q4_0/Q4_1 tensors) to an HF folder.
+    ImportGguf {
+        /// The .gguf file.
+        file: PathBuf,
+        /// Output folder (must not exist yet).
+        #[arg(long)]
+        out: PathBuf,
+        /// dtype of the written weights (f32 keeps dequantized 4-bit values exact).
+        #[arg(long, value_enum, default_value_t = ImportDtype::F32)]
+        dtype: ImportDtype,
+    },
     /// Perplexity of a model on a text: mean next-token NLL over non-overlapping windows, exponentiated.
     Eval {
         /// Model folder (config.json, *.safetensors, tokenizer.json).
@@ -47,6 +61,77 @@ enum Cmd {
     },
 }
 
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum ImportDtype {
+    F32,
+    F16,
+    Bf16,
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// Model folder (config.json, *.safetensors, tokenizer.json).
+    #[arg(long)]
+    model: PathBuf,
+    /// Calibration text file(s) or folder(s) (a folder's .txt files in name order).
+    #[arg(long, num_args = 1..)]
+    calib: Vec<PathBuf>,
+    /// Output folder: a fake-quant HF folder (dequantized weights in the input dtype) with report.json.
+    #[arg(long)]
+    out: PathBuf,
+    /// boa: BoA on q/k/v, GPTQ on o and the MLP. gptq: GPTQ everywhere. rtn: round-to-nearest.
+    #[arg(long, value_enum, default_value_t = Method::Boa)]
+    method: Method,
+    /// Bits per weight: 2, 3, 4 or 8.
+    #[arg(long, default_value_t = 4)]
+    wbits: u32,
+    /// Input columns per scale/zero group; -1 for one scale per output channel.
+    #[arg(long, default_value_t = -1, allow_negative_numbers = true)]
+    group_size: i64,
+    /// Symmetric quantization (zero at the middle of the grid).
+    #[arg(long)]
+    sym: bool,
+    /// Quantize columns in descending diag(H) order (records g_idx).
+    #[arg(long)]
+    act_order: bool,
+    /// BoA: quantize the rows of each head in descending diag(H_row) order.
+    #[arg(long)]
+    act_order_row: bool,
+    /// Group scales computed before the sweep from the original weights (default: searched as the sweep
+    /// reaches each group; static groups serve act-order checkpoints).
+    #[arg(long)]
+    static_groups: bool,
+    /// Scale/zero search: hessian (default for gptq/boa), mse, or minmax (default for rtn).
+    #[arg(long, value_enum)]
+    scale_search: Option<ScaleSearchArg>,
+    /// BoA's row Hessian for V: identity (reference code) or wout (the paper's Table 1).
+    #[arg(long, value_enum, default_value_t = VRowHessian::Identity)]
+    v_row_hessian: VRowHessian,
+    /// Calibration windows.
+    #[arg(long, default_value_t = 128)]
+    nsamples: usize,
+    /// Tokens per calibration window (default 2048 on CUDA, 512 on the CPU).
+    #[arg(long)]
+    seqlen: Option<usize>,
+    /// Seed of the calibration window offsets.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Hessian damping λ: H += λ·mean(diag H)·I (repeated when the Cholesky fails).
+    #[arg(long, default_value_t = 0.01)]
+    damp: f64,
+    /// Blocks to quantize, e.g. 0-3,8,10-12 (default: all); the others are copied through unchanged.
+    #[arg(long)]
+    layers: Option<String>,
+    #[arg(long, value_enum, default_value_t = Device::Auto)]
+    device: Device,
+    /// Replace --out if it exists.
+    #[arg(long)]
+    force: bool,
+    /// No progress output.
+    #[arg(long)]
+    quiet: bool,
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli) {
@@ -60,6 +145,74 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.cmd {
+        Cmd::Run(a) => {
+            let progress = Progress::auto(a.quiet);
+            let layers = a.layers.as_deref().map(LayerSet::parse).transpose().map_err(|m| boa_cuda::input_err!("{m}"))?;
+            let group_size = match a.group_size {
+                -1 => None,
+                g if g > 0 => Some(g as usize),
+                g => return Err(boa_cuda::input_err!("--group-size {g} is not supported (use -1 or a multiple of 16)")),
+            };
+            let seqlen = a.seqlen.unwrap_or(if a.device == Device::Cuda { 2048 } else { 512 });
+            let scale_search = a.scale_search.unwrap_or(if a.method == Method::Rtn { ScaleSearchArg::Minmax } else { ScaleSearchArg::Hessian });
+            let opts = RunOptions {
+                model: a.model,
+                calib: a.calib,
+                out: a.out,
+                method: a.method,
+                wbits: a.wbits,
+                group_size,
+                sym: a.sym,
+                act_order: a.act_order,
+                act_order_row: a.act_order_row,
+                static_groups: a.static_groups,
+                scale_search,
+                v_row_hessian: a.v_row_hessian,
+                nsamples: a.nsamples,
+                seqlen,
+                seed: a.seed,
+                damp: a.damp,
+                layers,
+                device: a.device,
+                force: a.force,
+            };
+            if opts.calib.is_empty() && !(opts.method == Method::Rtn && scale_search != ScaleSearchArg::Hessian) {
+                return Err(boa_cuda::input_err!("--calib is required for --method {:?}", opts.method));
+            }
+            let r = boa_cuda::pipeline::run(&opts, &progress)?;
+            let (rtn, err) = r.mean_errors();
+            let t = &r.seconds;
+            println!(
+                "wrote {} ({} layers quantized, mean relative output error {err:.4} vs {rtn:.4} for RTN) in {:.1} s \
+                 (forward {:.1}, statistics {:.1}, quantize {:.1}, write {:.1}); peak memory {:.2} GiB",
+                opts.out.display(),
+                r.layers.len(),
+                t.total,
+                t.forward,
+                t.statistics,
+                t.quantize,
+                t.write,
+                r.peak_rss_bytes.unwrap_or(0) as f64 / (1u64 << 30) as f64
+            );
+        }
+        Cmd::ImportGguf { file, out, dtype } => {
+            use boa_cuda::model::gguf::import::{OutDType, import_gguf};
+            let dtype = match dtype {
+                ImportDtype::F32 => OutDType::F32,
+                ImportDtype::F16 => OutDType::F16,
+                ImportDtype::Bf16 => OutDType::BF16,
+            };
+            let s = import_gguf(&file, &out, dtype)?;
+            println!(
+                "imported {} → {} ({} tensors, {} layers, vocabulary {}{})",
+                file.display(),
+                s.out_dir.display(),
+                s.n_tensors,
+                s.n_layers,
+                s.vocab_size,
+                if s.tie_word_embeddings { ", tied embeddings" } else { "" }
+            );
+        }
         Cmd::Eval {
             model,
             data,

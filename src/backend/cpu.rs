@@ -175,6 +175,21 @@ impl Backend for CpuBackend {
         out
     }
 
+    fn attention_probs(&self, q: &[f32], k: &[f32], t: usize, h: usize, h_kv: usize, d_h: usize) -> Vec<f32> {
+        assert!(h_kv > 0 && h.is_multiple_of(h_kv), "attention: h={h} is not a multiple of h_kv={h_kv}");
+        assert_eq!(q.len(), t * h * d_h);
+        assert_eq!(k.len(), t * h_kv * d_h);
+        let heads: Vec<Vec<f32>> = (0..h)
+            .into_par_iter()
+            .map(|head| {
+                let qh = gather_head(q, t, h, d_h, head);
+                let kh = gather_head(k, t, h_kv, d_h, head / (h / h_kv));
+                causal_softmax_probs(&qh, &kh, t, d_h)
+            })
+            .collect();
+        heads.concat()
+    }
+
     fn swiglu(&self, gate: &[f32], up: &[f32]) -> Vec<f32> {
         assert_eq!(gate.len(), up.len());
         let mut out = vec![0f32; gate.len()];

@@ -249,6 +249,11 @@ impl Backend for CudaBackend {
         CpuBackend.causal_attention(q, k, v, n_seq, t, h, h_kv, d_h)
     }
 
+    // The V statistics' probabilities move to a fused kernel with the quantization-core issue.
+    fn attention_probs(&self, q: &[f32], k: &[f32], t: usize, h: usize, h_kv: usize, d_h: usize) -> Vec<f32> {
+        CpuBackend.attention_probs(q, k, t, h, h_kv, d_h)
+    }
+
     // GPU SwiGLU lands with the block-forward issue; until then the CPU backend computes it.
     fn swiglu(&self, gate: &[f32], up: &[f32]) -> Vec<f32> {
         CpuBackend.swiglu(gate, up)

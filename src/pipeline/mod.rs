@@ -1,0 +1,212 @@
+//! `boa-cuda run`: the block-by-block streaming driver of design.md §3. It owns the order of work and the
+//! memory budget: one block's f32 weights plus the calibration activations X_l are in memory at a time.
+//!
+//! For each block l: (b) forward the FP block on X_l collecting statistics, (c) quantize its linears,
+//! (d) forward the quantized block on X_l → X_{l+1}, (e) write its shard. Blocks outside --layers are copied
+//! through unquantized (and forwarded in FP while a later block still needs its inputs).
+
+pub mod options;
+pub mod quantize_block;
+pub mod report;
+pub mod stats;
+
+use crate::backend::select_backend;
+use crate::data::{text, tokenizer::Tokenizer, windows};
+use crate::error::file_err;
+use crate::export::hf_folder::{OutFolder, f32_to_bytes};
+use crate::export::safetensors_out::TensorEntry;
+use crate::model::Model;
+use crate::model::llama::{BlockWeights, LINEAR_NAMES, block_forward};
+use crate::progress::Progress;
+use options::{LayerSet, Method, RunOptions, ScaleSearchArg};
+use report::{LayerReport, RunReport, Timings};
+use std::time::Instant;
+
+/// Windows forwarded together; bounds the memory of one forward's intermediates.
+const CHUNK: usize = 8;
+
+pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> {
+    let t_start = Instant::now();
+    opts.validate().map_err(|m| crate::input_err!("{m}"))?;
+    let (be, note) = select_backend(opts.device)?;
+    if let Some(n) = note {
+        progress.line(&n);
+    }
+    let model = Model::open(&opts.model)?;
+    let cfg = &model.cfg;
+    let layers = opts.layers.clone().unwrap_or_else(|| LayerSet::all(cfg.n_layers));
+    layers.check(cfg.n_layers).map_err(|m| crate::input_err!("{m}"))?;
+    if let Some(g) = opts.group_size
+        && g > cfg.d.min(cfg.d_ff)
+    {
+        return Err(crate::input_err!("--group-size {g} is larger than the layers' input width {}", cfg.d));
+    }
+    // RTN with min-max or MSE scales never looks at activations.
+    let needs_calib = opts.method != Method::Rtn || opts.scale_search == ScaleSearchArg::Hessian;
+    let last_needed = *layers.0.last().expect("non-empty");
+
+    let mut timings = Timings::default();
+    let t0 = Instant::now();
+    let (mut x, n_seq) = if needs_calib {
+        let tok = Tokenizer::load(&model.dir)?;
+        let ids = tok.encode(&text::read_all(&opts.calib)?)?;
+        let need = opts.nsamples * opts.seqlen;
+        if ids.len() < need {
+            return Err(crate::input_err!(
+                "the calibration text has {} tokens, fewer than --nsamples {} × --seqlen {} = {need}",
+                ids.len(),
+                opts.nsamples,
+                opts.seqlen
+            ));
+        }
+        let wins = windows::calibration_windows(&ids, opts.nsamples, opts.seqlen, opts.seed)?;
+        let flat: Vec<u32> = wins.concat();
+        (model.embed(&flat)?, opts.nsamples)
+    } else {
+        (Vec::new(), 0)
+    };
+    timings.calibration_data = t0.elapsed().as_secs_f64();
+    let rope = model.rope_table(opts.seqlen);
+    let out_dtype = model.store.main_dtype();
+
+    let mut folder = OutFolder::create(&opts.out, opts.force, cfg.n_layers + 1)?;
+    let result = (|| -> anyhow::Result<Vec<LayerReport>> {
+        let mut reports = Vec::new();
+        let mut bar = progress.bar("quantize", cfg.n_layers as u64, "blocks");
+        for l in 0..cfg.n_layers {
+            let selected = layers.contains(l);
+            if !selected {
+                if needs_calib && l < last_needed {
+                    let w = model.load_block(l)?;
+                    let t = Instant::now();
+                    forward_all(be.as_ref(), &w, &model, &rope, &mut x, n_seq);
+                    timings.forward += t.elapsed().as_secs_f64();
+                }
+                let t = Instant::now();
+                folder.write_shard(l, &stored_entries(&model, l)?)?;
+                timings.write += t.elapsed().as_secs_f64();
+                bar.inc(1);
+                continue;
+            }
+            bar.set_message(format!("layer {l}"));
+            let mut w = model.load_block(l)?;
+            check_finite(&w, l)?;
+            let stats = needs_calib.then(|| {
+                stats::collect(be.as_ref(), &w, cfg, &rope, &x, n_seq, CHUNK, opts.method == Method::Boa)
+            });
+            if let Some(s) = &stats {
+                timings.forward += s.forward_time.as_secs_f64();
+                timings.statistics += s.stats_time.as_secs_f64();
+            }
+            let t = Instant::now();
+            let quantized = quantize_block::quantize_block(&mut w, stats.as_ref(), cfg, opts, l)?;
+            timings.quantize += t.elapsed().as_secs_f64();
+            drop(stats);
+            if needs_calib && l < last_needed {
+                let t = Instant::now();
+                forward_all(be.as_ref(), &w, &model, &rope, &mut x, n_seq);
+                timings.forward += t.elapsed().as_secs_f64();
+            }
+            let t = Instant::now();
+            folder.write_shard(l, &quantized_entries(&model, l, &w, out_dtype)?)?;
+            timings.write += t.elapsed().as_secs_f64();
+            reports.push(LayerReport { layer: l, linears: quantized.into_iter().map(|(_, r)| r).collect() });
+            bar.inc(1);
+        }
+        bar.finish();
+        folder.write_shard(cfg.n_layers, &global_entries(&model)?)?;
+        Ok(reports)
+    })();
+    let layer_reports = match result {
+        Ok(r) => r,
+        Err(e) => {
+            // Nothing half-written stays behind: the partial folder goes with the error.
+            let _ = std::fs::remove_dir_all(&folder.tmp);
+            return Err(e);
+        }
+    };
+    let mut config = cfg.json.clone();
+    config["boa_cuda"] = serde_json::json!({"quantized": true, "method": opts.method, "wbits": opts.wbits,
+        "group_size": opts.group_size.map(|g| g as i64).unwrap_or(-1), "sym": opts.sym, "format": "fake"});
+    folder.write_json("config.json", &config)?;
+    folder.copy_tokenizer_files(&model.dir)?;
+    timings.total = t_start.elapsed().as_secs_f64();
+    let report = RunReport::new(opts, be.name(), layer_reports, timings, n_seq * opts.seqlen);
+    folder.write_json("report.json", &serde_json::to_value(&report)?)?;
+    folder.publish()?;
+    Ok(report)
+}
+
+/// X [n_seq·t × d] ← block(X), chunk by chunk.
+fn forward_all(
+    be: &dyn crate::backend::Backend,
+    w: &BlockWeights,
+    model: &Model,
+    rope: &crate::model::llama::RopeTable,
+    x: &mut [f32],
+    n_seq: usize,
+) {
+    let rows = rope.t * model.cfg.d;
+    for s0 in (0..n_seq).step_by(CHUNK) {
+        let ns = CHUNK.min(n_seq - s0);
+        block_forward(be, w, &model.cfg, rope, &mut x[s0 * rows..(s0 + ns) * rows], ns, None);
+    }
+}
+
+/// NaN or Inf in a weight would poison every Hessian downstream: name the tensor instead.
+fn check_finite(w: &BlockWeights, l: usize) -> anyhow::Result<()> {
+    for name in LINEAR_NAMES {
+        if let Some(i) = w.linear(name).w.iter().position(|v| !v.is_finite()) {
+            return Err(crate::input_err!(
+                "tensor model.layers.{l}.{name}.weight has a non-finite value ({}) at index {i}",
+                w.linear(name).w[i]
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Every tensor of block l exactly as stored (blocks outside --layers).
+fn stored_entries(model: &Model, l: usize) -> anyhow::Result<Vec<TensorEntry<'_>>> {
+    model
+        .block_shapes(l)
+        .into_iter()
+        .filter(|(n, _)| model.store.contains(n))
+        .map(|(name, _)| {
+            let e = model.store.entry(&name).expect("checked").clone();
+            Ok(TensorEntry::new(name.clone(), e.dtype, e.shape, model.store.bytes(&name)?))
+        })
+        .collect()
+}
+
+/// Block l with its linear weights replaced by the dequantized values of `w`, in `dtype`.
+fn quantized_entries<'a>(
+    model: &'a Model,
+    l: usize,
+    w: &BlockWeights,
+    dtype: safetensors::Dtype,
+) -> anyhow::Result<Vec<TensorEntry<'a>>> {
+    let mut out = stored_entries(model, l)?;
+    for e in out.iter_mut() {
+        let short = e.name.trim_start_matches(&format!("model.layers.{l}.")).to_string();
+        if let Some(lin) = short.strip_suffix(".weight").filter(|n| LINEAR_NAMES.contains(n)) {
+            *e = TensorEntry::new(e.name.clone(), dtype, e.shape.clone(), f32_to_bytes(dtype, &w.linear(lin).w));
+        }
+    }
+    Ok(out)
+}
+
+/// Embeddings, final norm and lm_head as stored.
+fn global_entries(model: &Model) -> anyhow::Result<Vec<TensorEntry<'_>>> {
+    let mut names = vec!["model.embed_tokens.weight", "model.norm.weight"];
+    if model.store.contains("lm_head.weight") {
+        names.push("lm_head.weight");
+    }
+    names
+        .into_iter()
+        .map(|n| {
+            let e = model.store.entry(n).ok_or_else(|| file_err(&model.dir, format!("tensor {n} is missing")))?;
+            Ok(TensorEntry::new(n, e.dtype, e.shape.clone(), model.store.bytes(n)?))
+        })
+        .collect()
+}

@@ -1,0 +1,67 @@
+//! report.json: options, per-layer errors, per-phase timings, peak memory, versions.
+
+use super::options::RunOptions;
+use super::quantize_block::LinearReport;
+
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct Timings {
+    pub calibration_data: f64,
+    pub forward: f64,
+    pub statistics: f64,
+    pub quantize: f64,
+    pub write: f64,
+    pub total: f64,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct LayerReport {
+    pub layer: usize,
+    pub linears: Vec<LinearReport>,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct RunReport {
+    pub version: &'static str,
+    pub options: RunOptions,
+    pub device: String,
+    pub calibration_tokens: usize,
+    pub layers: Vec<LayerReport>,
+    pub seconds: Timings,
+    /// Peak resident memory of the process (VmHWM), bytes.
+    pub peak_rss_bytes: Option<u64>,
+}
+
+impl RunReport {
+    pub fn new(
+        options: &RunOptions,
+        device: String,
+        layers: Vec<LayerReport>,
+        seconds: Timings,
+        calibration_tokens: usize,
+    ) -> RunReport {
+        RunReport {
+            version: env!("CARGO_PKG_VERSION"),
+            options: options.clone(),
+            device,
+            calibration_tokens,
+            layers,
+            seconds,
+            peak_rss_bytes: peak_rss_bytes(),
+        }
+    }
+
+    /// Mean relative error over all quantized linears: (RTN min-max, method).
+    pub fn mean_errors(&self) -> (f64, f64) {
+        let all: Vec<&LinearReport> = self.layers.iter().flat_map(|l| &l.linears).collect();
+        let n = all.len().max(1) as f64;
+        (all.iter().map(|r| r.rtn_error).sum::<f64>() / n, all.iter().map(|r| r.error).sum::<f64>() / n)
+    }
+}
+
+/// VmHWM from /proc/self/status (Linux); None elsewhere.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
