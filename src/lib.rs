@@ -3,3 +3,5 @@
 
 pub mod backend;
 pub mod error;
+pub mod export;
+pub mod model;

@@ -1,0 +1,95 @@
+//! Write a `model.safetensors` from (name, dtype, shape, bytes) entries.
+//!
+//! The file is written to a temporary name in the destination folder and renamed into place, so a failed or
+//! interrupted export never leaves a half-written file under the final name (rename within one folder is
+//! atomic on POSIX file systems).
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+pub use safetensors::Dtype;
+use safetensors::View;
+
+use crate::input_err;
+
+/// One tensor to write. `bytes` is little-endian, row-major, `shape` product × dtype size long.
+#[derive(Debug, Clone)]
+pub struct TensorEntry<'a> {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    pub bytes: Cow<'a, [u8]>,
+}
+
+impl<'a> TensorEntry<'a> {
+    pub fn new(name: impl Into<String>, dtype: Dtype, shape: Vec<usize>, bytes: impl Into<Cow<'a, [u8]>>) -> Self {
+        TensorEntry {
+            name: name.into(),
+            dtype,
+            shape,
+            bytes: bytes.into(),
+        }
+    }
+}
+
+impl View for &TensorEntry<'_> {
+    fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Borrowed(&self.bytes)
+    }
+    fn data_len(&self) -> usize {
+        self.bytes.len()
+    }
+}
+
+/// Write `entries` (+ the `__metadata__` map, e.g. {"format": "pt"}) to `path` via a temporary file.
+/// Checks names are unique and every byte length matches its shape and dtype before writing anything.
+pub fn write_safetensors(path: &Path, entries: &[TensorEntry<'_>], metadata: HashMap<String, String>) -> Result<()> {
+    let mut seen = std::collections::HashSet::with_capacity(entries.len());
+    for e in entries {
+        if !seen.insert(e.name.as_str()) {
+            return Err(input_err!("safetensors export: tensor {} appears twice", e.name));
+        }
+        let want = e
+            .shape
+            .iter()
+            .try_fold(e.dtype.bitsize(), |acc, &d| acc.checked_mul(d))
+            .map(|bits| bits.div_ceil(8));
+        if want != Some(e.bytes.len()) {
+            return Err(input_err!(
+                "safetensors export: tensor {} has {} bytes, but shape {:?} of {:?} needs {want:?}",
+                e.name,
+                e.bytes.len(),
+                e.shape,
+                e.dtype
+            ));
+        }
+    }
+    let tmp = temp_path(path);
+    let result = safetensors::serialize_to_file(
+        entries.iter().map(|e| (e.name.as_str(), e)),
+        Some(metadata),
+        &tmp,
+    )
+    .with_context(|| format!("writing {}", tmp.display()))
+    .and_then(|()| {
+        std::fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
+    });
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// `dir/.name.tmp-PID`: same folder (so the rename cannot cross file systems), hidden, unique per process.
+pub fn temp_path(path: &Path) -> PathBuf {
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    path.with_file_name(format!(".{name}.tmp-{}", std::process::id()))
+}

@@ -1,0 +1,3 @@
+//! Model files: config.json, safetensors, GGUF import, the Llama block definition.
+
+pub mod gguf;
