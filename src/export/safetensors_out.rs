@@ -24,7 +24,12 @@ pub struct TensorEntry<'a> {
 }
 
 impl<'a> TensorEntry<'a> {
-    pub fn new(name: impl Into<String>, dtype: Dtype, shape: Vec<usize>, bytes: impl Into<Cow<'a, [u8]>>) -> Self {
+    pub fn new(
+        name: impl Into<String>,
+        dtype: Dtype,
+        shape: Vec<usize>,
+        bytes: impl Into<Cow<'a, [u8]>>,
+    ) -> Self {
         TensorEntry {
             name: name.into(),
             dtype,
@@ -51,11 +56,18 @@ impl View for &TensorEntry<'_> {
 
 /// Write `entries` (+ the `__metadata__` map, e.g. {"format": "pt"}) to `path` via a temporary file.
 /// Checks names are unique and every byte length matches its shape and dtype before writing anything.
-pub fn write_safetensors(path: &Path, entries: &[TensorEntry<'_>], metadata: HashMap<String, String>) -> Result<()> {
+pub fn write_safetensors(
+    path: &Path,
+    entries: &[TensorEntry<'_>],
+    metadata: HashMap<String, String>,
+) -> Result<()> {
     let mut seen = std::collections::HashSet::with_capacity(entries.len());
     for e in entries {
         if !seen.insert(e.name.as_str()) {
-            return Err(input_err!("safetensors export: tensor {} appears twice", e.name));
+            return Err(input_err!(
+                "safetensors export: tensor {} appears twice",
+                e.name
+            ));
         }
         let want = e
             .shape
@@ -80,7 +92,8 @@ pub fn write_safetensors(path: &Path, entries: &[TensorEntry<'_>], metadata: Has
     )
     .with_context(|| format!("writing {}", tmp.display()))
     .and_then(|()| {
-        std::fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
+        std::fs::rename(&tmp, path)
+            .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
     });
     if result.is_err() {
         let _ = std::fs::remove_file(&tmp);
@@ -90,6 +103,9 @@ pub fn write_safetensors(path: &Path, entries: &[TensorEntry<'_>], metadata: Has
 
 /// `dir/.name.tmp-PID`: same folder (so the rename cannot cross file systems), hidden, unique per process.
 pub fn temp_path(path: &Path) -> PathBuf {
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     path.with_file_name(format!(".{name}.tmp-{}", std::process::id()))
 }

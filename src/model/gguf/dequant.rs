@@ -129,6 +129,9 @@ mod tests {
     fn unsupported_type_is_named() {
         let e = dequantize("blk.0.attn_q.weight", GgmlType::Q4_K, &[0; 144], 256).unwrap_err();
         let msg = e.to_string();
-        assert!(msg.contains("blk.0.attn_q.weight") && msg.contains("Q4_K"), "{msg}");
+        assert!(
+            msg.contains("blk.0.attn_q.weight") && msg.contains("Q4_K"),
+            "{msg}"
+        );
     }
 }

@@ -54,15 +54,17 @@ impl OutDType {
     fn encode(self, x: &[f32]) -> Vec<u8> {
         let size = self.safetensors().bitsize() / 8;
         let mut out = vec![0u8; x.len() * size];
-        out.par_chunks_mut(size * 4096).zip(x.par_chunks(4096)).for_each(|(o, x)| {
-            for (o, &v) in o.chunks_exact_mut(size).zip(x) {
-                match self {
-                    OutDType::F32 => o.copy_from_slice(&v.to_le_bytes()),
-                    OutDType::F16 => o.copy_from_slice(&f16::from_f32(v).to_le_bytes()),
-                    OutDType::BF16 => o.copy_from_slice(&bf16::from_f32(v).to_le_bytes()),
+        out.par_chunks_mut(size * 4096)
+            .zip(x.par_chunks(4096))
+            .for_each(|(o, x)| {
+                for (o, &v) in o.chunks_exact_mut(size).zip(x) {
+                    match self {
+                        OutDType::F32 => o.copy_from_slice(&v.to_le_bytes()),
+                        OutDType::F16 => o.copy_from_slice(&f16::from_f32(v).to_le_bytes()),
+                        OutDType::BF16 => o.copy_from_slice(&bf16::from_f32(v).to_le_bytes()),
+                    }
                 }
-            }
-        });
+            });
         out
     }
 }
@@ -107,7 +109,9 @@ fn hparams(g: &GgufFile) -> Result<LlamaHparams> {
         d,
         d_ff: int("llama.feed_forward_length")?,
         n_head,
-        n_kv_head: g.get_u64("llama.attention.head_count_kv")?.map_or(n_head, |v| v as usize),
+        n_kv_head: g
+            .get_u64("llama.attention.head_count_kv")?
+            .map_or(n_head, |v| v as usize),
         head_dim: match g.get_u64("llama.attention.key_length")? {
             Some(v) => v as usize,
             None if n_head > 0 => d / n_head,
@@ -118,7 +122,13 @@ fn hparams(g: &GgufFile) -> Result<LlamaHparams> {
         ctx: g.get_u64("llama.context_length")?.unwrap_or(2048),
     };
     let bad = |msg: String| Err(file_err(&g.path, msg));
-    if h.n_layer == 0 || h.d == 0 || h.d_ff == 0 || h.n_head == 0 || h.n_kv_head == 0 || h.head_dim == 0 {
+    if h.n_layer == 0
+        || h.d == 0
+        || h.d_ff == 0
+        || h.n_head == 0
+        || h.n_kv_head == 0
+        || h.head_dim == 0
+    {
         return bad(format!("zero-sized llama hyper-parameter: {h:?}"));
     }
     if h.n_layer > 10_000 || h.n_head % h.n_kv_head != 0 || h.head_dim % 2 != 0 {
@@ -130,12 +140,16 @@ fn hparams(g: &GgufFile) -> Result<LlamaHparams> {
     if let Some(n) = g.get_u64("llama.expert_count")?
         && n > 0
     {
-        return bad(format!("mixture-of-experts llama GGUFs ({n} experts) are not supported"));
+        return bad(format!(
+            "mixture-of-experts llama GGUFs ({n} experts) are not supported"
+        ));
     }
     if let Some(t) = g.get_str("llama.rope.scaling.type")?
         && t != "none"
     {
-        return bad(format!("RoPE scaling {t:?} (llama.rope.scaling.type) is not supported yet"));
+        return bad(format!(
+            "RoPE scaling {t:?} (llama.rope.scaling.type) is not supported yet"
+        ));
     }
     Ok(h)
 }
@@ -257,7 +271,12 @@ pub fn import_gguf(gguf: &Path, out_dir: &Path, dtype: OutDType) -> Result<Impor
                 format!("general.architecture is {other:?}; only \"llama\" is supported"),
             ));
         }
-        None => return Err(file_err(gguf, "general.architecture is missing; only \"llama\" is supported")),
+        None => {
+            return Err(file_err(
+                gguf,
+                "general.architecture is missing; only \"llama\" is supported",
+            ));
+        }
     }
     let h = hparams(&g)?;
     let tok = build_tokenizer(&g)?;
@@ -273,7 +292,13 @@ pub fn import_gguf(gguf: &Path, out_dir: &Path, dtype: OutDType) -> Result<Impor
             ));
         }
         let (hf, fix) = hf_name(&t.name, &h).ok_or_else(|| {
-            file_err(gguf, format!("tensor {} has no Hugging Face Llama counterpart known to this importer", t.name))
+            file_err(
+                gguf,
+                format!(
+                    "tensor {} has no Hugging Face Llama counterpart known to this importer",
+                    t.name
+                ),
+            )
         })?;
         plan.push((t, hf, fix));
     }
@@ -282,8 +307,12 @@ pub fn import_gguf(gguf: &Path, out_dir: &Path, dtype: OutDType) -> Result<Impor
         .ok_or_else(|| file_err(gguf, "tensor token_embd.weight is missing"))?;
     let vocab = embed.shape_row_major().first().copied().unwrap_or(0);
     let tie = g.tensor("output.weight").is_none();
-    let have: HashMap<&str, &TensorInfo> = plan.iter().map(|(t, hf, _)| (hf.as_str(), *t)).collect();
-    let mut required = vec!["model.embed_tokens.weight".to_owned(), "model.norm.weight".to_owned()];
+    let have: HashMap<&str, &TensorInfo> =
+        plan.iter().map(|(t, hf, _)| (hf.as_str(), *t)).collect();
+    let mut required = vec![
+        "model.embed_tokens.weight".to_owned(),
+        "model.norm.weight".to_owned(),
+    ];
     for l in 0..h.n_layer {
         for p in [
             "self_attn.q_proj",
@@ -301,7 +330,13 @@ pub fn import_gguf(gguf: &Path, out_dir: &Path, dtype: OutDType) -> Result<Impor
     }
     for r in &required {
         if !have.contains_key(r.as_str()) {
-            return Err(file_err(gguf, format!("no GGUF tensor maps to {r} (llama.block_count = {})", h.n_layer)));
+            return Err(file_err(
+                gguf,
+                format!(
+                    "no GGUF tensor maps to {r} (llama.block_count = {})",
+                    h.n_layer
+                ),
+            ));
         }
     }
     for (t, hf, _) in &plan {
@@ -333,11 +368,22 @@ pub fn import_gguf(gguf: &Path, out_dir: &Path, dtype: OutDType) -> Result<Impor
         .par_iter()
         .map(|(t, hf, fix)| -> Result<TensorEntry<'static>> {
             let shape = t.shape_row_major();
-            let mut w = dequantize(&t.name, t.ggml_type, g.tensor_data(t), t.n_elements as usize)?;
+            let mut w = dequantize(
+                &t.name,
+                t.ggml_type,
+                g.tensor_data(t),
+                t.n_elements as usize,
+            )?;
             if let Fixup::Unpermute(n_head) = *fix {
-                w = unpermute_qk(&w, shape[0], shape[1], n_head).with_context(|| format!("tensor {}", t.name))?;
+                w = unpermute_qk(&w, shape[0], shape[1], n_head)
+                    .with_context(|| format!("tensor {}", t.name))?;
             }
-            Ok(TensorEntry::new(hf.clone(), dtype.safetensors(), shape, dtype.encode(&w)))
+            Ok(TensorEntry::new(
+                hf.clone(),
+                dtype.safetensors(),
+                shape,
+                dtype.encode(&w),
+            ))
         })
         .collect::<Result<_>>()?;
     let mut source_types = BTreeMap::new();
@@ -415,6 +461,9 @@ mod tests {
     fn unpermute_small() {
         // 1 head, hd = 4, cols = 1: HF rows [0,1,2,3] → llama.cpp order [0,2,1,3].
         let gguf = [0.0, 2.0, 1.0, 3.0];
-        assert_eq!(unpermute_qk(&gguf, 4, 1, 1).unwrap(), vec![0.0, 1.0, 2.0, 3.0]);
+        assert_eq!(
+            unpermute_qk(&gguf, 4, 1, 1).unwrap(),
+            vec![0.0, 1.0, 2.0, 3.0]
+        );
     }
 }

@@ -213,7 +213,10 @@ impl GgmlType {
 
     fn entry(self) -> &'static (GgmlType, u32, u64, u64) {
         // Every variant has exactly one row in TABLE (checked by a unit test).
-        Self::TABLE.iter().find(|e| e.0 == self).expect("GgmlType missing from TABLE")
+        Self::TABLE
+            .iter()
+            .find(|e| e.0 == self)
+            .expect("GgmlType missing from TABLE")
     }
 
     pub fn id(self) -> u32 {
@@ -293,18 +296,24 @@ impl GgufFile {
         if len < HEADER_LEN as u64 {
             return Err(file_err(
                 path,
-                format!("not a GGUF file: {len} bytes is shorter than the {HEADER_LEN}-byte header"),
+                format!(
+                    "not a GGUF file: {len} bytes is shorter than the {HEADER_LEN}-byte header"
+                ),
             ));
         }
         // SAFETY: the map is read-only and private to this value; like every mmap-based loader (llama.cpp,
         // safetensors) we rely on nobody truncating or rewriting the file while it is open.
-        let mmap = unsafe { Mmap::map(&file) }.map_err(|e| file_err(path, format!("cannot mmap: {e}")))?;
+        let mmap =
+            unsafe { Mmap::map(&file) }.map_err(|e| file_err(path, format!("cannot mmap: {e}")))?;
         Self::parse(path, mmap)
     }
 
     fn parse(path: &Path, mmap: Mmap) -> Result<GgufFile> {
         let err = |msg: String| file_err(path, msg);
-        let mut c = Cursor { buf: &mmap[..], pos: 0 };
+        let mut c = Cursor {
+            buf: &mmap[..],
+            pos: 0,
+        };
         let magic = c.take(4, "magic").map_err(&err)?;
         if magic != b"GGUF" {
             return Err(err(format!(
@@ -322,13 +331,17 @@ impl GgufFile {
         let kv_count = c.u64("kv_count").map_err(&err)?;
         // Smallest possible entries: kv = key len (8) + type (4) + a 1-byte value;
         // tensor = name len (8) + n_dims (4) + one dim (8) + type (4) + offset (8).
-        c.check_count(kv_count, 13, "metadata key-value pairs").map_err(&err)?;
-        c.check_count(tensor_count, 32, "tensor infos").map_err(&err)?;
+        c.check_count(kv_count, 13, "metadata key-value pairs")
+            .map_err(&err)?;
+        c.check_count(tensor_count, 32, "tensor infos")
+            .map_err(&err)?;
 
         let mut metadata = Vec::with_capacity(kv_count as usize);
         let mut meta_index = HashMap::with_capacity(kv_count as usize);
         for i in 0..kv_count {
-            let key = c.string(&format!("key of metadata entry {i}")).map_err(&err)?;
+            let key = c
+                .string(&format!("key of metadata entry {i}"))
+                .map_err(&err)?;
             let ty = c.u32(&format!("value type of {key}")).map_err(&err)?;
             let value = c.value(ty, &key, 0).map_err(&err)?;
             if meta_index.insert(key.clone(), metadata.len()).is_some() {
@@ -341,7 +354,10 @@ impl GgufFile {
             None => DEFAULT_ALIGNMENT,
             Some((_, v)) => {
                 let a = v.as_u64().ok_or_else(|| {
-                    err(format!("general.alignment is a {}, expected an integer", v.type_name()))
+                    err(format!(
+                        "general.alignment is a {}, expected an integer",
+                        v.type_name()
+                    ))
                 })?;
                 if a == 0 || !a.is_power_of_two() || a > 1 << 20 {
                     return Err(err(format!(
@@ -374,7 +390,11 @@ impl GgufFile {
                 .iter()
                 .try_fold(1u64, |acc, &d| acc.checked_mul(d))
                 .filter(|&n| n <= isize::MAX as u64)
-                .ok_or_else(|| err(format!("tensor {name}: shape {dims:?} has an element count that overflows")))?;
+                .ok_or_else(|| {
+                    err(format!(
+                        "tensor {name}: shape {dims:?} has an element count that overflows"
+                    ))
+                })?;
             let block = ggml_type.block_size();
             if dims[0] % block != 0 {
                 return Err(err(format!(
@@ -385,7 +405,11 @@ impl GgufFile {
             // n_elements / block ≤ n_elements, and type_size ≤ 292, so only the product can overflow.
             let n_bytes = (n_elements / block)
                 .checked_mul(ggml_type.type_size())
-                .ok_or_else(|| err(format!("tensor {name}: byte size of shape {dims:?} overflows")))?;
+                .ok_or_else(|| {
+                    err(format!(
+                        "tensor {name}: byte size of shape {dims:?} overflows"
+                    ))
+                })?;
             if offset % alignment != 0 {
                 return Err(err(format!(
                     "tensor {name}: data offset {offset} is not a multiple of the alignment {alignment}"
@@ -447,7 +471,10 @@ impl GgufFile {
     }
 
     fn wrong_type(&self, key: &str, v: &Value, want: &str) -> anyhow::Error {
-        file_err(&self.path, format!("metadata {key} is a {}, expected {want}", v.type_name()))
+        file_err(
+            &self.path,
+            format!("metadata {key} is a {}, expected {want}", v.type_name()),
+        )
     }
 
     fn missing(&self, key: &str) -> anyhow::Error {
@@ -456,13 +483,19 @@ impl GgufFile {
 
     pub fn get_u64(&self, key: &str) -> Result<Option<u64>> {
         self.get(key)
-            .map(|v| v.as_u64().ok_or_else(|| self.wrong_type(key, v, "a non-negative integer")))
+            .map(|v| {
+                v.as_u64()
+                    .ok_or_else(|| self.wrong_type(key, v, "a non-negative integer"))
+            })
             .transpose()
     }
 
     pub fn get_f64(&self, key: &str) -> Result<Option<f64>> {
         self.get(key)
-            .map(|v| v.as_f64().ok_or_else(|| self.wrong_type(key, v, "a number")))
+            .map(|v| {
+                v.as_f64()
+                    .ok_or_else(|| self.wrong_type(key, v, "a number"))
+            })
             .transpose()
     }
 
@@ -474,13 +507,19 @@ impl GgufFile {
 
     pub fn get_str(&self, key: &str) -> Result<Option<&str>> {
         self.get(key)
-            .map(|v| v.as_str().ok_or_else(|| self.wrong_type(key, v, "a string")))
+            .map(|v| {
+                v.as_str()
+                    .ok_or_else(|| self.wrong_type(key, v, "a string"))
+            })
             .transpose()
     }
 
     pub fn get_array(&self, key: &str) -> Result<Option<&[Value]>> {
         self.get(key)
-            .map(|v| v.as_array().ok_or_else(|| self.wrong_type(key, v, "an array")))
+            .map(|v| {
+                v.as_array()
+                    .ok_or_else(|| self.wrong_type(key, v, "an array"))
+            })
             .transpose()
     }
 
@@ -526,7 +565,10 @@ impl<'a> Cursor<'a> {
     }
 
     fn array<const N: usize>(&mut self, what: &str) -> Result<[u8; N], String> {
-        Ok(self.take(N as u64, what)?.try_into().expect("take returned N bytes"))
+        Ok(self
+            .take(N as u64, what)?
+            .try_into()
+            .expect("take returned N bytes"))
     }
 
     fn u32(&mut self, what: &str) -> Result<u32, String> {
@@ -553,7 +595,8 @@ impl<'a> Cursor<'a> {
         let len = self.u64(what)?;
         let start = self.pos;
         let bytes = self.take(len, what)?;
-        String::from_utf8(bytes.to_vec()).map_err(|_| format!("{what} at offset {start} is not valid UTF-8"))
+        String::from_utf8(bytes.to_vec())
+            .map_err(|_| format!("{what} at offset {start} is not valid UTF-8"))
     }
 
     fn value(&mut self, ty: u32, key: &str, depth: u32) -> Result<Value, String> {
@@ -573,7 +616,9 @@ impl<'a> Cursor<'a> {
             8 => Value::Str(self.string(&format!("string value of {key}"))?),
             9 => {
                 if depth >= MAX_ARRAY_DEPTH {
-                    return Err(format!("metadata {key}: arrays nested deeper than {MAX_ARRAY_DEPTH}"));
+                    return Err(format!(
+                        "metadata {key}: arrays nested deeper than {MAX_ARRAY_DEPTH}"
+                    ));
                 }
                 let elem_ty = self.u32(&format!("array element type of {key}"))?;
                 let count = self.u64(&format!("array length of {key}"))?;
@@ -609,7 +654,11 @@ mod tests {
         for (i, e) in GgmlType::TABLE.iter().enumerate() {
             assert_eq!(GgmlType::from_id(e.1), Some(e.0));
             assert_eq!(e.0.entry().1, e.1);
-            assert!(GgmlType::TABLE[i + 1..].iter().all(|o| o.0 != e.0 && o.1 != e.1));
+            assert!(
+                GgmlType::TABLE[i + 1..]
+                    .iter()
+                    .all(|o| o.0 != e.0 && o.1 != e.1)
+            );
         }
     }
 }

@@ -51,9 +51,12 @@ fn string_array(g: &GgufFile, key: &str) -> Result<Vec<String>> {
         .iter()
         .enumerate()
         .map(|(i, v)| {
-            v.as_str()
-                .map(str::to_owned)
-                .ok_or_else(|| file_err(&g.path, format!("{key}[{i}] is a {}, expected a string", v.type_name())))
+            v.as_str().map(str::to_owned).ok_or_else(|| {
+                file_err(
+                    &g.path,
+                    format!("{key}[{i}] is a {}, expected a string", v.type_name()),
+                )
+            })
         })
         .collect()
 }
@@ -62,21 +65,30 @@ fn token_id(g: &GgufFile, key: &str, n_vocab: usize) -> Result<Option<u32>> {
     match g.get_u64(key)? {
         None => Ok(None),
         Some(id) if id < n_vocab as u64 => Ok(Some(id as u32)),
-        Some(id) => Err(file_err(&g.path, format!("{key} = {id} is outside the vocabulary of {n_vocab} tokens"))),
+        Some(id) => Err(file_err(
+            &g.path,
+            format!("{key} = {id} is outside the vocabulary of {n_vocab} tokens"),
+        )),
     }
 }
 
 fn pre_tokenizer(pre: &str, warnings: &mut Vec<String>) -> Result<PreTokenizerWrapper> {
     let gpt2 = || PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, true));
     Ok(match pre {
-        "smollm" | "starcoder" | "refact" | "codeshell" => PreTokenizerWrapper::Sequence(Sequence::new(vec![
-            PreTokenizerWrapper::Digits(Digits::new(true)),
-            gpt2(),
-        ])),
+        "smollm" | "starcoder" | "refact" | "codeshell" => {
+            PreTokenizerWrapper::Sequence(Sequence::new(vec![
+                PreTokenizerWrapper::Digits(Digits::new(true)),
+                gpt2(),
+            ]))
+        }
         "llama-bpe" | "llama3" => PreTokenizerWrapper::Sequence(Sequence::new(vec![
             PreTokenizerWrapper::Split(
-                Split::new(SplitPattern::Regex(LLAMA3_REGEX.into()), SplitDelimiterBehavior::Isolated, false)
-                    .map_err(|e| anyhow::anyhow!("Llama-3 pre-tokenizer regex: {e}"))?,
+                Split::new(
+                    SplitPattern::Regex(LLAMA3_REGEX.into()),
+                    SplitDelimiterBehavior::Isolated,
+                    false,
+                )
+                .map_err(|e| anyhow::anyhow!("Llama-3 pre-tokenizer regex: {e}"))?,
             ),
             PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, false)),
         ])),
@@ -105,7 +117,9 @@ pub fn build_tokenizer(g: &GgufFile) -> Result<GgufTokenizer> {
         other => {
             return Err(file_err(
                 &g.path,
-                format!("tokenizer.ggml.model is {other:?}; only BPE vocabularies (\"gpt2\") are supported"),
+                format!(
+                    "tokenizer.ggml.model is {other:?}; only BPE vocabularies (\"gpt2\") are supported"
+                ),
             ));
         }
     }
@@ -113,7 +127,10 @@ pub fn build_tokenizer(g: &GgufFile) -> Result<GgufTokenizer> {
     let tokens = string_array(g, "tokenizer.ggml.tokens")?;
     let n_vocab = tokens.len();
     if n_vocab == 0 || n_vocab > u32::MAX as usize {
-        return Err(file_err(&g.path, format!("tokenizer.ggml.tokens has {n_vocab} entries")));
+        return Err(file_err(
+            &g.path,
+            format!("tokenizer.ggml.tokens has {n_vocab} entries"),
+        ));
     }
     let token_types: Vec<i64> = match g.get_array("tokenizer.ggml.token_type")? {
         None => vec![1; n_vocab],
@@ -121,11 +138,18 @@ pub fn build_tokenizer(g: &GgufFile) -> Result<GgufTokenizer> {
             if a.len() != n_vocab {
                 return Err(file_err(
                     &g.path,
-                    format!("tokenizer.ggml.token_type has {} entries for {n_vocab} tokens", a.len()),
+                    format!(
+                        "tokenizer.ggml.token_type has {} entries for {n_vocab} tokens",
+                        a.len()
+                    ),
                 ));
             }
             a.iter()
-                .map(|v| v.as_i64().ok_or_else(|| file_err(&g.path, "tokenizer.ggml.token_type holds non-integers")))
+                .map(|v| {
+                    v.as_i64().ok_or_else(|| {
+                        file_err(&g.path, "tokenizer.ggml.token_type holds non-integers")
+                    })
+                })
                 .collect::<Result<_>>()?
         }
     };
@@ -134,7 +158,10 @@ pub fn build_tokenizer(g: &GgufFile) -> Result<GgufTokenizer> {
         .enumerate()
         .map(|(i, m)| match m.split_once(' ') {
             Some((a, b)) => Ok((a.to_owned(), b.to_owned())),
-            None => Err(file_err(&g.path, format!("tokenizer.ggml.merges[{i}] = {m:?} is not \"left right\""))),
+            None => Err(file_err(
+                &g.path,
+                format!("tokenizer.ggml.merges[{i}] = {m:?} is not \"left right\""),
+            )),
         })
         .collect::<Result<_>>()?;
 
@@ -148,12 +175,19 @@ pub fn build_tokenizer(g: &GgufFile) -> Result<GgufTokenizer> {
         }
     }
     if n_dup > 0 {
-        warnings.push(format!("{n_dup} duplicate token strings in the vocabulary; later copies are unreachable"));
+        warnings.push(format!(
+            "{n_dup} duplicate token strings in the vocabulary; later copies are unreachable"
+        ));
     }
     let bpe = BPE::builder()
         .vocab_and_merges(vocab, merges)
         .build()
-        .map_err(|e| file_err(&g.path, format!("vocabulary and merges do not form a BPE model: {e}")))?;
+        .map_err(|e| {
+            file_err(
+                &g.path,
+                format!("vocabulary and merges do not form a BPE model: {e}"),
+            )
+        })?;
 
     let pre = g.get_str("tokenizer.ggml.pre")?.unwrap_or("default");
     let mut tk = Tokenizer::new(bpe);
@@ -193,7 +227,11 @@ pub fn build_tokenizer(g: &GgufFile) -> Result<GgufTokenizer> {
             special.push((e, eos_id.unwrap()));
         }
         pair.extend(single.iter().cloned());
-        pair.extend(single.iter().map(|s| s.replace(":0", ":1").replace("$A", "$B")));
+        pair.extend(
+            single
+                .iter()
+                .map(|s| s.replace(":0", ":1").replace("$A", "$B")),
+        );
         let tmpl_err = |e: String| anyhow::anyhow!("post-processor template: {e}");
         let mut b = TemplateProcessing::builder();
         b.try_single(single).map_err(tmpl_err)?;
