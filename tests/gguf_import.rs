@@ -650,12 +650,13 @@ fn demo_smollm2_import() {
     // every tensor.
     let st_bytes = std::fs::read(out.join("model.safetensors")).unwrap();
     let st = SafeTensors::deserialize(&st_bytes).unwrap();
-    let row = |name: &str, r: usize, n: usize| -> Vec<f32> {
+    // Compared as f64 (f32 → f64 is exact) so the literals are Python's repr of the same numbers.
+    let row = |name: &str, r: usize, n: usize| -> Vec<f64> {
         let t = st.tensor(name).unwrap();
         let cols = t.shape()[1];
         t.data()[4 * r * cols..4 * (r * cols + n)]
             .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .map(|c| f64::from(f32::from_le_bytes(c.try_into().unwrap())))
             .collect()
     };
     let q = "model.layers.0.self_attn.q_proj.weight";

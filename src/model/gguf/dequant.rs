@@ -90,7 +90,7 @@ pub fn dequantize(name: &str, ty: GgmlType, bytes: &[u8], n_elements: usize) -> 
     };
     let block = ty.block_size() as usize;
     let type_size = ty.type_size() as usize;
-    if n_elements % block != 0 || bytes.len() != n_elements / block * type_size {
+    if !n_elements.is_multiple_of(block) || bytes.len() != n_elements / block * type_size {
         return Err(input_err!(
             "tensor {name}: {} bytes do not hold {n_elements} {ty} values ({block} per {type_size}-byte block)",
             bytes.len()

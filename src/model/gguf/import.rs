@@ -131,7 +131,8 @@ fn hparams(g: &GgufFile) -> Result<LlamaHparams> {
     {
         return bad(format!("zero-sized llama hyper-parameter: {h:?}"));
     }
-    if h.n_layer > 10_000 || h.n_head % h.n_kv_head != 0 || h.head_dim % 2 != 0 {
+    if h.n_layer > 10_000 || !h.n_head.is_multiple_of(h.n_kv_head) || !h.head_dim.is_multiple_of(2)
+    {
         return bad(format!(
             "inconsistent llama hyper-parameters (layers ≤ 10000, head_count a multiple of head_count_kv, \
              even head_dim): {h:?}"
@@ -220,7 +221,7 @@ fn expected_shape(hf: &str, h: &LlamaHparams, vocab: usize) -> Vec<usize> {
 /// convert_hf_to_gguf: gguf = hf.reshape(n_head, 2, half, cols).swapaxes(1, 2), half = rows/n_head/2, i.e.
 /// GGUF row (h, i, s) holds HF row (h, s, i). So HF row h·hd + s·half + i comes from GGUF row h·hd + 2i + s.
 pub fn unpermute_qk(w: &[f32], rows: usize, cols: usize, n_head: usize) -> Result<Vec<f32>> {
-    if n_head == 0 || rows % (2 * n_head) != 0 || w.len() != rows * cols {
+    if n_head == 0 || !rows.is_multiple_of(2 * n_head) || w.len() != rows * cols {
         return Err(crate::input_err!(
             "cannot un-permute a [{rows}, {cols}] matrix ({} values) with {n_head} heads: rows must be a multiple of 2·heads",
             w.len()

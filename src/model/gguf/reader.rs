@@ -396,7 +396,7 @@ impl GgufFile {
                     ))
                 })?;
             let block = ggml_type.block_size();
-            if dims[0] % block != 0 {
+            if !dims[0].is_multiple_of(block) {
                 return Err(err(format!(
                     "tensor {name}: row length {} is not a multiple of the {ggml_type} block size {block}",
                     dims[0]
@@ -410,7 +410,7 @@ impl GgufFile {
                         "tensor {name}: byte size of shape {dims:?} overflows"
                     ))
                 })?;
-            if offset % alignment != 0 {
+            if !offset.is_multiple_of(alignment) {
                 return Err(err(format!(
                     "tensor {name}: data offset {offset} is not a multiple of the alignment {alignment}"
                 )));
