@@ -715,5 +715,10 @@ fn demo_smollm2_import() {
             .unwrap()
             .contains("<|im_start|>")
     );
-    std::fs::remove_dir_all(&dir).unwrap();
+    // BOA_KEEP_IMPORT=1 keeps the folder for scripts/check_import.py.
+    if std::env::var_os("BOA_KEEP_IMPORT").is_some() {
+        eprintln!("kept {}", out.display());
+    } else {
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
