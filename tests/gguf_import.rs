@@ -246,6 +246,10 @@ struct Synthetic {
 }
 
 fn synthetic(arch: &str) -> Synthetic {
+    synthetic_with(arch, "gpt2", "smollm")
+}
+
+fn synthetic_with(arch: &str, tok_model: &str, pre: &str) -> Synthetic {
     let (tokens, types, merges) = vocab();
     let n_vocab = tokens.len();
     let kvs = vec![
@@ -259,8 +263,8 @@ fn synthetic(arch: &str) -> Synthetic {
         ("llama.attention.head_count_kv", Kv::U32(N_KV as u32)),
         ("llama.rope.freq_base", Kv::F32(10000.0)),
         ("llama.attention.layer_norm_rms_epsilon", Kv::F32(1e-5)),
-        ("tokenizer.ggml.model", Kv::Str("gpt2".into())),
-        ("tokenizer.ggml.pre", Kv::Str("smollm".into())),
+        ("tokenizer.ggml.model", Kv::Str(tok_model.into())),
+        ("tokenizer.ggml.pre", Kv::Str(pre.into())),
         ("tokenizer.ggml.tokens", Kv::StrArr(tokens)),
         ("tokenizer.ggml.token_type", Kv::I32Arr(types)),
         ("tokenizer.ggml.merges", Kv::StrArr(merges)),
@@ -509,6 +513,7 @@ fn expect_err(path: &Path, needle: &str) {
         ),
         Err(e) => format!("{e:#}"),
     };
+    eprintln!("{}: {msg}", path.file_name().unwrap().to_string_lossy());
     assert!(
         msg.contains(needle),
         "error {msg:?} should mention {needle:?}"
@@ -576,6 +581,16 @@ fn hostile_ggufs_give_clear_errors() {
         "truncated: key of metadata entry 0",
     );
 
+    // An array length far beyond the file (the vocabulary).
+    let mut b = good.clone();
+    let key = b"tokenizer.ggml.tokens";
+    let at = b.windows(key.len()).position(|w| w == key).unwrap() + key.len() + 4 + 4;
+    b[at..at + 8].copy_from_slice(&(1u64 << 50).to_le_bytes());
+    expect_err(
+        &write_file(&dir, "arraylen.gguf", &b),
+        "elements of array tokenizer.ggml.tokens cannot fit",
+    );
+
     // A tensor offset past the end of the file.
     let mut b = good.clone();
     let f = tensor_offset_field(&b, "blk.1.ffn_down.weight");
@@ -607,6 +622,35 @@ fn hostile_ggufs_give_clear_errors() {
         "general.architecture is \"bert\"; only \"llama\" is supported",
     );
 
+    // SentencePiece vocabularies are refused by name.
+    let spm = synthetic_with("llama", "llama", "default").bytes;
+    expect_err(
+        &write_file(&dir, "spm.gguf", &spm),
+        "only BPE vocabularies (\"gpt2\") are supported for now",
+    );
+
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn unknown_pre_tokenizer_warns_and_uses_gpt2_regex() {
+    let dir = scratch("pre");
+    let src = write_file(
+        &dir,
+        "pre.gguf",
+        &synthetic_with("llama", "gpt2", "mystery").bytes,
+    );
+    let summary = import_gguf(&src, &dir.join("hf"), OutDType::F32).unwrap();
+    assert!(
+        summary.warnings.iter().any(|w| w.contains("\"mystery\"")),
+        "{:?}",
+        summary.warnings
+    );
+    // Without the digit split the GPT-2 regex keeps " 12" together, so the "1 2" merge applies.
+    let (tokens, _, _) = vocab();
+    let tk = tokenizers::Tokenizer::from_file(dir.join("hf/tokenizer.json")).unwrap();
+    let want: Vec<u32> = ["Ġ", "12"].iter().map(|t| id_of(&tokens, t)).collect();
+    assert_eq!(tk.encode(" 12", false).unwrap().get_ids(), &want[..]);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -131,11 +131,17 @@ fn hparams(g: &GgufFile) -> Result<LlamaHparams> {
     {
         return bad(format!("zero-sized llama hyper-parameter: {h:?}"));
     }
-    if h.n_layer > 10_000 || !h.n_head.is_multiple_of(h.n_kv_head) || !h.head_dim.is_multiple_of(2)
+    let huge = [h.d, h.d_ff, h.n_head, h.n_kv_head, h.head_dim]
+        .iter()
+        .any(|&v| v > 1 << 20);
+    if huge
+        || h.n_layer > 10_000
+        || !h.n_head.is_multiple_of(h.n_kv_head)
+        || !h.head_dim.is_multiple_of(2)
     {
         return bad(format!(
-            "inconsistent llama hyper-parameters (layers ≤ 10000, head_count a multiple of head_count_kv, \
-             even head_dim): {h:?}"
+            "inconsistent llama hyper-parameters (need layers ≤ 10000, sizes ≤ 2^20, head_count a multiple \
+             of head_count_kv, even head_dim): {h:?}"
         ));
     }
     if let Some(n) = g.get_u64("llama.expert_count")?

@@ -31,6 +31,9 @@ pub const DEFAULT_ALIGNMENT: u64 = 32;
 const MAX_DIMS: u32 = 4;
 /// Arrays of arrays are legal; deeper nesting than this is not something any writer produces.
 const MAX_ARRAY_DEPTH: u32 = 4;
+/// Largest metadata array accepted. Each element becomes a 32-byte `Value`, so without a cap a file of N
+/// bytes of u8 array could ask for 32·N bytes; real vocabularies have at most a few hundred thousand entries.
+const MAX_ARRAY_LEN: u64 = 1 << 24;
 /// Fixed header: magic, version, tensor_count, kv_count.
 const HEADER_LEN: usize = 4 + 4 + 8 + 8;
 
@@ -631,6 +634,11 @@ impl<'a> Cursor<'a> {
                     t => return Err(format!("metadata {key}: unknown array element type {t}")),
                 };
                 self.check_count(count, min_size, &format!("elements of array {key}"))?;
+                if count > MAX_ARRAY_LEN {
+                    return Err(format!(
+                        "metadata {key}: array of {count} elements is larger than the {MAX_ARRAY_LEN} supported"
+                    ));
+                }
                 let mut items = Vec::with_capacity(count as usize);
                 for _ in 0..count {
                     items.push(self.value(elem_ty, key, depth + 1)?);
