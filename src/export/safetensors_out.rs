@@ -2,7 +2,8 @@
 //!
 //! The file is written to a temporary name in the destination folder and renamed into place, so a failed or
 //! interrupted export never leaves a half-written file under the final name (rename within one folder is
-//! atomic on POSIX file systems).
+//! atomic on POSIX file systems). The file gets the permissions an ordinary new file would (umask), not the
+//! 0600 of the tempfile safetensors writes through.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -85,12 +86,20 @@ pub fn write_safetensors(
         }
     }
     let tmp = temp_path(path);
+    // safetensors writes through a 0600 tempfile of its own; take the mode (umask) an ordinary new file gets.
+    let perm = std::fs::File::create(&tmp)
+        .and_then(|f| f.metadata())
+        .map(|m| m.permissions())
+        .with_context(|| format!("creating {}", tmp.display()))?;
     let result = safetensors::serialize_to_file(
         entries.iter().map(|e| (e.name.as_str(), e)),
         Some(metadata),
         &tmp,
     )
     .with_context(|| format!("writing {}", tmp.display()))
+    .and_then(|()| {
+        std::fs::set_permissions(&tmp, perm).with_context(|| format!("chmod {}", tmp.display()))
+    })
     .and_then(|()| {
         std::fs::rename(&tmp, path)
             .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
