@@ -246,10 +246,10 @@ struct Synthetic {
 }
 
 fn synthetic(arch: &str) -> Synthetic {
-    synthetic_with(arch, "gpt2", "smollm")
+    synthetic_with(arch, "gpt2", "smollm", false)
 }
 
-fn synthetic_with(arch: &str, tok_model: &str, pre: &str) -> Synthetic {
+fn synthetic_with(arch: &str, tok_model: &str, pre: &str, add_bos: bool) -> Synthetic {
     let (tokens, types, merges) = vocab();
     let n_vocab = tokens.len();
     let kvs = vec![
@@ -270,7 +270,7 @@ fn synthetic_with(arch: &str, tok_model: &str, pre: &str) -> Synthetic {
         ("tokenizer.ggml.merges", Kv::StrArr(merges)),
         ("tokenizer.ggml.bos_token_id", Kv::U32(1)),
         ("tokenizer.ggml.eos_token_id", Kv::U32(2)),
-        ("tokenizer.ggml.add_bos_token", Kv::Bool(false)),
+        ("tokenizer.ggml.add_bos_token", Kv::Bool(add_bos)),
     ];
     let mut rng = Lcg(42);
     let mut tensors = Vec::new();
@@ -623,7 +623,7 @@ fn hostile_ggufs_give_clear_errors() {
     );
 
     // SentencePiece vocabularies are refused by name.
-    let spm = synthetic_with("llama", "llama", "default").bytes;
+    let spm = synthetic_with("llama", "llama", "default", false).bytes;
     expect_err(
         &write_file(&dir, "spm.gguf", &spm),
         "only BPE vocabularies (\"gpt2\") are supported for now",
@@ -638,7 +638,7 @@ fn unknown_pre_tokenizer_warns_and_uses_gpt2_regex() {
     let src = write_file(
         &dir,
         "pre.gguf",
-        &synthetic_with("llama", "gpt2", "mystery").bytes,
+        &synthetic_with("llama", "gpt2", "mystery", false).bytes,
     );
     let summary = import_gguf(&src, &dir.join("hf"), OutDType::F32).unwrap();
     assert!(
@@ -765,4 +765,34 @@ fn demo_smollm2_import() {
     } else {
         std::fs::remove_dir_all(&dir).unwrap();
     }
+}
+
+#[test]
+fn llama3_pre_tokenizer_and_bos() {
+    let dir = scratch("llama3");
+    let src = write_file(
+        &dir,
+        "l3.gguf",
+        &synthetic_with("llama", "gpt2", "llama-bpe", true).bytes,
+    );
+    let summary = import_gguf(&src, &dir.join("hf"), OutDType::BF16).unwrap();
+    assert!(summary.warnings.is_empty(), "{:?}", summary.warnings);
+    let (tokens, _, _) = vocab();
+    let tk = tokenizers::Tokenizer::from_file(dir.join("hf/tokenizer.json")).unwrap();
+    // Llama 3's regex keeps up to three digits together (so "12" merges) and add_bos_token puts
+    // bos (<|im_start|>, id 1) first.
+    let want: Vec<u32> = ["<|im_start|>", "Ġthe", "Ġ", "12"]
+        .iter()
+        .map(|t| id_of(&tokens, t))
+        .collect();
+    assert_eq!(tk.encode(" the 12", true).unwrap().get_ids(), &want[..]);
+    assert_eq!(
+        read_json(&dir.join("hf/tokenizer_config.json"))["add_bos_token"],
+        true
+    );
+    assert_eq!(
+        read_json(&dir.join("hf/config.json"))["torch_dtype"],
+        "bfloat16"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
 }
