@@ -15,13 +15,46 @@ use safetensors::View;
 
 use crate::input_err;
 
-/// One tensor to write. `bytes` is little-endian, row-major, `shape` product × dtype size long.
-#[derive(Debug, Clone)]
+/// Produces a tensor's bytes when the writer reaches it.
+pub type LazyBytes<'a> = Box<dyn Fn() -> Vec<u8> + Send + Sync + 'a>;
+
+/// A tensor's bytes: little-endian, row-major, shape product × dtype size long.
+pub enum TensorBytes<'a> {
+    Ready(Cow<'a, [u8]>),
+    /// Computed while writing, so only one such tensor is in memory at a time (a 70B import does not need
+    /// the whole dequantized model in RAM). `len` is checked against the shape up front; a closure that
+    /// returns another length is a bug and panics.
+    Lazy {
+        len: usize,
+        make: LazyBytes<'a>,
+    },
+}
+
+/// One tensor to write.
 pub struct TensorEntry<'a> {
     pub name: String,
     pub dtype: Dtype,
     pub shape: Vec<usize>,
-    pub bytes: Cow<'a, [u8]>,
+    pub bytes: TensorBytes<'a>,
+}
+
+impl std::fmt::Debug for TensorEntry<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TensorEntry")
+            .field("name", &self.name)
+            .field("dtype", &self.dtype)
+            .field("shape", &self.shape)
+            .field("len", &self.len())
+            .finish()
+    }
+}
+
+/// Bytes of `shape` in `dtype`, or None on overflow.
+pub fn byte_len(dtype: Dtype, shape: &[usize]) -> Option<usize> {
+    shape
+        .iter()
+        .try_fold(dtype.bitsize(), |acc, &d| acc.checked_mul(d))
+        .map(|bits| bits.div_ceil(8))
 }
 
 impl<'a> TensorEntry<'a> {
@@ -35,8 +68,42 @@ impl<'a> TensorEntry<'a> {
             name: name.into(),
             dtype,
             shape,
-            bytes: bytes.into(),
+            bytes: TensorBytes::Ready(bytes.into()),
         }
+    }
+
+    /// A tensor whose bytes `make` computes at write time. Errors if the shape's byte length overflows.
+    pub fn lazy(
+        name: impl Into<String>,
+        dtype: Dtype,
+        shape: Vec<usize>,
+        make: impl Fn() -> Vec<u8> + Send + Sync + 'a,
+    ) -> Result<Self> {
+        let name = name.into();
+        let len = byte_len(dtype, &shape).ok_or_else(|| {
+            input_err!("safetensors export: tensor {name} shape {shape:?} is too large")
+        })?;
+        Ok(TensorEntry {
+            name,
+            dtype,
+            shape,
+            bytes: TensorBytes::Lazy {
+                len,
+                make: Box::new(make),
+            },
+        })
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        match &self.bytes {
+            TensorBytes::Ready(b) => b.len(),
+            TensorBytes::Lazy { len, .. } => *len,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
@@ -48,10 +115,22 @@ impl View for &TensorEntry<'_> {
         &self.shape
     }
     fn data(&self) -> Cow<'_, [u8]> {
-        Cow::Borrowed(&self.bytes)
+        match &self.bytes {
+            TensorBytes::Ready(b) => Cow::Borrowed(b),
+            TensorBytes::Lazy { len, make } => {
+                let b = make();
+                assert_eq!(
+                    b.len(),
+                    *len,
+                    "lazy tensor {} produced the wrong number of bytes",
+                    self.name
+                );
+                Cow::Owned(b)
+            }
+        }
     }
     fn data_len(&self) -> usize {
-        self.bytes.len()
+        self.len()
     }
 }
 
@@ -70,16 +149,12 @@ pub fn write_safetensors(
                 e.name
             ));
         }
-        let want = e
-            .shape
-            .iter()
-            .try_fold(e.dtype.bitsize(), |acc, &d| acc.checked_mul(d))
-            .map(|bits| bits.div_ceil(8));
-        if want != Some(e.bytes.len()) {
+        let want = byte_len(e.dtype, &e.shape);
+        if want != Some(e.len()) {
             return Err(input_err!(
                 "safetensors export: tensor {} has {} bytes, but shape {:?} of {:?} needs {want:?}",
                 e.name,
-                e.bytes.len(),
+                e.len(),
                 e.shape,
                 e.dtype
             ));

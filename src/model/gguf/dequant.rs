@@ -72,30 +72,48 @@ fn dequant_block_bf16(b: &[u8], out: &mut [f32]) {
     out[0] = bf16::from_le_bytes([b[0], b[1]]).to_f32();
 }
 
-/// Dequantize the `n_elements` values of tensor `name` stored as `ty` in `bytes`.
-pub fn dequantize(name: &str, ty: GgmlType, bytes: &[u8], n_elements: usize) -> Result<Vec<f32>> {
-    let block_fn: fn(&[u8], &mut [f32]) = match ty {
+fn block_fn(ty: GgmlType) -> Option<fn(&[u8], &mut [f32])> {
+    Some(match ty {
         GgmlType::F32 => dequant_block_f32,
         GgmlType::F16 => dequant_block_f16,
         GgmlType::BF16 => dequant_block_bf16,
         GgmlType::Q8_0 => dequant_block_q8_0,
         GgmlType::Q4_0 => dequant_block_q4_0,
         GgmlType::Q4_1 => dequant_block_q4_1,
-        _ => {
-            return Err(input_err!(
-                "tensor {name}: ggml type {ty} cannot be dequantized yet (supported: {})",
-                SUPPORTED.map(|t| t.to_string()).join(", ")
-            ));
-        }
-    };
-    let block = ty.block_size() as usize;
-    let type_size = ty.type_size() as usize;
-    if !n_elements.is_multiple_of(block) || bytes.len() != n_elements / block * type_size {
+        _ => return None,
+    })
+}
+
+/// The checks `dequantize` makes, without doing the work: the type is supported and `n_bytes` holds exactly
+/// `n_elements` values. After `Ok`, `dequantize` on the same arguments cannot fail.
+pub fn check_dequantizable(
+    name: &str,
+    ty: GgmlType,
+    n_bytes: usize,
+    n_elements: usize,
+) -> Result<()> {
+    if block_fn(ty).is_none() {
         return Err(input_err!(
-            "tensor {name}: {} bytes do not hold {n_elements} {ty} values ({block} per {type_size}-byte block)",
-            bytes.len()
+            "tensor {name}: ggml type {ty} cannot be dequantized yet (supported: {})",
+            SUPPORTED.map(|t| t.to_string()).join(", ")
         ));
     }
+    let block = ty.block_size() as usize;
+    let type_size = ty.type_size() as usize;
+    if !n_elements.is_multiple_of(block) || n_bytes != n_elements / block * type_size {
+        return Err(input_err!(
+            "tensor {name}: {n_bytes} bytes do not hold {n_elements} {ty} values ({block} per {type_size}-byte block)"
+        ));
+    }
+    Ok(())
+}
+
+/// Dequantize the `n_elements` values of tensor `name` stored as `ty` in `bytes`.
+pub fn dequantize(name: &str, ty: GgmlType, bytes: &[u8], n_elements: usize) -> Result<Vec<f32>> {
+    check_dequantizable(name, ty, bytes.len(), n_elements)?;
+    let block_fn = block_fn(ty).expect("checked by check_dequantizable");
+    let block = ty.block_size() as usize;
+    let type_size = ty.type_size() as usize;
     let mut out = vec![0f32; n_elements];
     out.par_chunks_mut(block * BLOCKS_PER_TASK)
         .zip(bytes.par_chunks(type_size * BLOCKS_PER_TASK))

@@ -17,7 +17,7 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 use serde_json::json;
 
-use super::dequant::dequantize;
+use super::dequant::{check_dequantizable, dequantize};
 use super::reader::{GgufFile, TensorInfo};
 use super::tokenizer::build_tokenizer;
 use crate::error::file_err;
@@ -222,17 +222,22 @@ fn expected_shape(hf: &str, h: &LlamaHparams, vocab: usize) -> Vec<usize> {
     }
 }
 
+/// The checks `unpermute_qk` makes on a matrix of `len` values.
+fn check_unpermute(len: usize, rows: usize, cols: usize, n_head: usize) -> Result<()> {
+    if n_head == 0 || !rows.is_multiple_of(2 * n_head) || rows.checked_mul(cols) != Some(len) {
+        return Err(crate::input_err!(
+            "cannot un-permute a [{rows}, {cols}] matrix ({len} values) with {n_head} heads: rows must be a multiple of 2·heads"
+        ));
+    }
+    Ok(())
+}
+
 /// Invert llama.cpp's Q/K permutation of a row-major [rows, cols] matrix with `n_head` heads.
 ///
 /// convert_hf_to_gguf: gguf = hf.reshape(n_head, 2, half, cols).swapaxes(1, 2), half = rows/n_head/2, i.e.
 /// GGUF row (h, i, s) holds HF row (h, s, i). So HF row h·hd + s·half + i comes from GGUF row h·hd + 2i + s.
 pub fn unpermute_qk(w: &[f32], rows: usize, cols: usize, n_head: usize) -> Result<Vec<f32>> {
-    if n_head == 0 || !rows.is_multiple_of(2 * n_head) || w.len() != rows * cols {
-        return Err(crate::input_err!(
-            "cannot un-permute a [{rows}, {cols}] matrix ({} values) with {n_head} heads: rows must be a multiple of 2·heads",
-            w.len()
-        ));
-    }
+    check_unpermute(w.len(), rows, cols, n_head)?;
     let hd = rows / n_head;
     let half = hd / 2;
     let mut out = vec![0f32; w.len()];
@@ -370,27 +375,31 @@ pub fn import_gguf(gguf: &Path, out_dir: &Path, dtype: OutDType) -> Result<Impor
         eprintln!("warning: {w}");
     }
 
-    // Dequantize (rayon inside each tensor and across tensors).
-    let entries: Vec<TensorEntry<'static>> = plan
-        .par_iter()
-        .map(|(t, hf, fix)| -> Result<TensorEntry<'static>> {
+    // Everything that can fail is checked here; the lazy closures below then run while the file is written,
+    // so only one dequantized tensor is in memory at a time (rayon parallelizes within each tensor).
+    let entries: Vec<TensorEntry<'_>> = plan
+        .iter()
+        .map(|(t, hf, fix)| -> Result<TensorEntry<'_>> {
             let shape = t.shape_row_major();
-            let mut w = dequantize(
-                &t.name,
-                t.ggml_type,
-                g.tensor_data(t),
-                t.n_elements as usize,
-            )?;
+            let n = t.n_elements as usize;
+            check_dequantizable(&t.name, t.ggml_type, t.n_bytes as usize, n)?;
             if let Fixup::Unpermute(n_head) = *fix {
-                w = unpermute_qk(&w, shape[0], shape[1], n_head)
+                check_unpermute(n, shape[0], shape[1], n_head)
                     .with_context(|| format!("tensor {}", t.name))?;
             }
-            Ok(TensorEntry::new(
-                hf.clone(),
-                dtype.safetensors(),
-                shape,
-                dtype.encode(&w),
-            ))
+            let (g, t, fix, rows, cols) =
+                (&g, *t, *fix, shape[0], shape.get(1).copied().unwrap_or(1));
+            TensorEntry::lazy(hf.clone(), dtype.safetensors(), shape, move || {
+                let w =
+                    dequantize(&t.name, t.ggml_type, g.tensor_data(t), n).expect("checked above");
+                let w = match fix {
+                    Fixup::Unpermute(n_head) => {
+                        unpermute_qk(&w, rows, cols, n_head).expect("checked above")
+                    }
+                    Fixup::None => w,
+                };
+                dtype.encode(&w)
+            })
         })
         .collect::<Result<_>>()?;
     let mut source_types = BTreeMap::new();
@@ -401,7 +410,7 @@ pub fn import_gguf(gguf: &Path, out_dir: &Path, dtype: OutDType) -> Result<Impor
     std::fs::create_dir_all(out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
     let meta = HashMap::from([("format".to_owned(), "pt".to_owned())]);
     write_safetensors(&out_dir.join("model.safetensors"), &entries, meta)?;
-    let bytes_written: u64 = entries.iter().map(|e| e.bytes.len() as u64).sum();
+    let bytes_written: u64 = entries.iter().map(|e| e.len() as u64).sum();
     drop(entries);
 
     let config = json!({
