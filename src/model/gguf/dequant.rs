@@ -72,7 +72,10 @@ fn dequant_block_bf16(b: &[u8], out: &mut [f32]) {
     out[0] = bf16::from_le_bytes([b[0], b[1]]).to_f32();
 }
 
-fn block_fn(ty: GgmlType) -> Option<fn(&[u8], &mut [f32])> {
+/// Decodes one block (`type_size` bytes) into `block_size` values.
+type BlockFn = fn(&[u8], &mut [f32]);
+
+fn block_fn(ty: GgmlType) -> Option<BlockFn> {
     Some(match ty {
         GgmlType::F32 => dequant_block_f32,
         GgmlType::F16 => dequant_block_f16,
