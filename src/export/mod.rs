@@ -1,4 +1,4 @@
-//! Writing checkpoints: safetensors files, the fake-quant HF folder.
+//! Writers for what a run produces: fake-quant HF folders, packed GPTQ checkpoints, reports.
 
 pub mod hf_folder;
 pub mod safetensors_out;

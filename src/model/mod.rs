@@ -1,6 +1,7 @@
 //! Model files: config.json, safetensors weights, GGUF import, and the Llama block.
 
 pub mod config;
+pub mod gguf;
 pub mod llama;
 pub mod synth;
 pub mod weights;

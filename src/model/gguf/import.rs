@@ -1,0 +1,485 @@
+//! `import_gguf`: a llama-architecture GGUF → a Hugging Face folder (config.json, model.safetensors,
+//! tokenizer.json, tokenizer_config.json, generation_config.json).
+//!
+//! Two layout facts matter:
+//! * GGUF dims are fastest-first, so a GGUF [576, 1536] tensor is the row-major HF [1536, 576] matrix and its
+//!   bytes are already in HF order: only the shape is reversed.
+//! * convert_hf_to_gguf.py permutes the rows of q_proj/k_proj so llama.cpp can use interleaved (GPT-J style)
+//!   RoPE: `w.reshape(n_head, 2, rows/n_head/2, cols).swapaxes(1, 2)`. `unpermute_qk` inverts it (with
+//!   head_count for Q and head_count_kv for K).
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use half::{bf16, f16};
+use rayon::prelude::*;
+use serde_json::json;
+
+use super::dequant::{check_dequantizable, dequantize};
+use super::reader::{GgufFile, TensorInfo};
+use super::tokenizer::build_tokenizer;
+use crate::error::file_err;
+use crate::export::safetensors_out::{Dtype, TensorEntry, temp_path, write_safetensors};
+
+/// dtype of the written weights. F32 is the default because dequantized Q4_1 values (d·q + m with f16 d, m)
+/// are not exactly representable in 16 bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OutDType {
+    #[default]
+    F32,
+    F16,
+    BF16,
+}
+
+impl OutDType {
+    fn safetensors(self) -> Dtype {
+        match self {
+            OutDType::F32 => Dtype::F32,
+            OutDType::F16 => Dtype::F16,
+            OutDType::BF16 => Dtype::BF16,
+        }
+    }
+
+    /// config.json's torch_dtype.
+    pub fn torch_name(self) -> &'static str {
+        match self {
+            OutDType::F32 => "float32",
+            OutDType::F16 => "float16",
+            OutDType::BF16 => "bfloat16",
+        }
+    }
+
+    fn encode(self, x: &[f32]) -> Vec<u8> {
+        let size = self.safetensors().bitsize() / 8;
+        let mut out = vec![0u8; x.len() * size];
+        out.par_chunks_mut(size * 4096)
+            .zip(x.par_chunks(4096))
+            .for_each(|(o, x)| {
+                for (o, &v) in o.chunks_exact_mut(size).zip(x) {
+                    match self {
+                        OutDType::F32 => o.copy_from_slice(&v.to_le_bytes()),
+                        OutDType::F16 => o.copy_from_slice(&f16::from_f32(v).to_le_bytes()),
+                        OutDType::BF16 => o.copy_from_slice(&bf16::from_f32(v).to_le_bytes()),
+                    }
+                }
+            });
+        out
+    }
+}
+
+/// What an import did, for the CLI to print.
+#[derive(Debug, Clone)]
+pub struct ImportSummary {
+    pub out_dir: PathBuf,
+    pub n_tensors: usize,
+    pub n_layers: usize,
+    pub vocab_size: usize,
+    pub tie_word_embeddings: bool,
+    pub out_dtype: OutDType,
+    /// ggml type name → number of tensors stored in it.
+    pub source_types: BTreeMap<String, usize>,
+    pub bytes_written: u64,
+    pub seconds: f64,
+    /// Non-fatal problems (also printed to stderr as they are found).
+    pub warnings: Vec<String>,
+}
+
+/// Model hyper-parameters read from `llama.*` keys.
+#[derive(Debug, Clone)]
+struct LlamaHparams {
+    n_layer: usize,
+    d: usize,
+    d_ff: usize,
+    n_head: usize,
+    n_kv_head: usize,
+    head_dim: usize,
+    eps: f64,
+    theta: f64,
+    ctx: u64,
+}
+
+fn hparams(g: &GgufFile) -> Result<LlamaHparams> {
+    let int = |k: &str| -> Result<usize> { Ok(g.require_u64(k)? as usize) };
+    let n_head = int("llama.attention.head_count")?;
+    let d = int("llama.embedding_length")?;
+    let h = LlamaHparams {
+        n_layer: int("llama.block_count")?,
+        d,
+        d_ff: int("llama.feed_forward_length")?,
+        n_head,
+        n_kv_head: g
+            .get_u64("llama.attention.head_count_kv")?
+            .map_or(n_head, |v| v as usize),
+        head_dim: match g.get_u64("llama.attention.key_length")? {
+            Some(v) => v as usize,
+            None if n_head > 0 => d / n_head,
+            None => 0,
+        },
+        eps: g.require_f64("llama.attention.layer_norm_rms_epsilon")?,
+        theta: g.get_f64("llama.rope.freq_base")?.unwrap_or(10000.0),
+        ctx: g.get_u64("llama.context_length")?.unwrap_or(2048),
+    };
+    let bad = |msg: String| Err(file_err(&g.path, msg));
+    if h.n_layer == 0
+        || h.d == 0
+        || h.d_ff == 0
+        || h.n_head == 0
+        || h.n_kv_head == 0
+        || h.head_dim == 0
+    {
+        return bad(format!("zero-sized llama hyper-parameter: {h:?}"));
+    }
+    let huge = [h.d, h.d_ff, h.n_head, h.n_kv_head, h.head_dim]
+        .iter()
+        .any(|&v| v > 1 << 20);
+    if huge
+        || h.n_layer > 10_000
+        || !h.n_head.is_multiple_of(h.n_kv_head)
+        || !h.head_dim.is_multiple_of(2)
+    {
+        return bad(format!(
+            "inconsistent llama hyper-parameters (need layers ≤ 10000, sizes ≤ 2^20, head_count a multiple \
+             of head_count_kv, even head_dim): {h:?}"
+        ));
+    }
+    if let Some(n) = g.get_u64("llama.expert_count")?
+        && n > 0
+    {
+        return bad(format!(
+            "mixture-of-experts llama GGUFs ({n} experts) are not supported"
+        ));
+    }
+    if let Some(t) = g.get_str("llama.rope.scaling.type")?
+        && t != "none"
+    {
+        return bad(format!(
+            "RoPE scaling {t:?} (llama.rope.scaling.type) is not supported yet"
+        ));
+    }
+    Ok(h)
+}
+
+/// How a GGUF tensor becomes an HF tensor.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Fixup {
+    None,
+    /// Undo the Q/K row permutation with this many heads.
+    Unpermute(usize),
+}
+
+/// GGUF tensor name → (HF name, fixup), or None for a name this importer does not know.
+fn hf_name(name: &str, h: &LlamaHparams) -> Option<(String, Fixup)> {
+    let (base, suffix) = name.rsplit_once('.')?;
+    if suffix != "weight" {
+        return None;
+    }
+    let fixed = match base {
+        "token_embd" => Some("model.embed_tokens"),
+        "output_norm" => Some("model.norm"),
+        "output" => Some("lm_head"),
+        _ => None,
+    };
+    if let Some(f) = fixed {
+        return Some((format!("{f}.weight"), Fixup::None));
+    }
+    let rest = base.strip_prefix("blk.")?;
+    let (layer_text, part) = rest.split_once('.')?;
+    let layer: usize = layer_text.parse().ok()?;
+    // "blk.01" or "blk.+1" would parse too; only the canonical spelling maps.
+    if layer >= h.n_layer || layer.to_string() != layer_text {
+        return None;
+    }
+    let (hf, fix) = match part {
+        "attn_q" => ("self_attn.q_proj", Fixup::Unpermute(h.n_head)),
+        "attn_k" => ("self_attn.k_proj", Fixup::Unpermute(h.n_kv_head)),
+        "attn_v" => ("self_attn.v_proj", Fixup::None),
+        "attn_output" => ("self_attn.o_proj", Fixup::None),
+        "ffn_gate" => ("mlp.gate_proj", Fixup::None),
+        "ffn_up" => ("mlp.up_proj", Fixup::None),
+        "ffn_down" => ("mlp.down_proj", Fixup::None),
+        "attn_norm" => ("input_layernorm", Fixup::None),
+        "ffn_norm" => ("post_attention_layernorm", Fixup::None),
+        _ => return None,
+    };
+    Some((format!("model.layers.{layer}.{hf}.weight"), fix))
+}
+
+/// Expected row-major shape of each HF tensor.
+fn expected_shape(hf: &str, h: &LlamaHparams, vocab: usize) -> Vec<usize> {
+    let (q, kv) = (h.n_head * h.head_dim, h.n_kv_head * h.head_dim);
+    let part = hf.rsplit('.').nth(1).unwrap_or("");
+    match part {
+        "embed_tokens" | "lm_head" => vec![vocab, h.d],
+        "norm" | "input_layernorm" | "post_attention_layernorm" => vec![h.d],
+        "q_proj" => vec![q, h.d],
+        "k_proj" | "v_proj" => vec![kv, h.d],
+        "o_proj" => vec![h.d, q],
+        "gate_proj" | "up_proj" => vec![h.d_ff, h.d],
+        "down_proj" => vec![h.d, h.d_ff],
+        _ => vec![],
+    }
+}
+
+/// The checks `unpermute_qk` makes on a matrix of `len` values.
+fn check_unpermute(len: usize, rows: usize, cols: usize, n_head: usize) -> Result<()> {
+    if n_head == 0 || !rows.is_multiple_of(2 * n_head) || rows.checked_mul(cols) != Some(len) {
+        return Err(crate::input_err!(
+            "cannot un-permute a [{rows}, {cols}] matrix ({len} values) with {n_head} heads: rows must be a multiple of 2·heads"
+        ));
+    }
+    Ok(())
+}
+
+/// Invert llama.cpp's Q/K permutation of a row-major [rows, cols] matrix with `n_head` heads.
+///
+/// convert_hf_to_gguf: gguf = hf.reshape(n_head, 2, half, cols).swapaxes(1, 2), half = rows/n_head/2, i.e.
+/// GGUF row (h, i, s) holds HF row (h, s, i). So HF row h·hd + s·half + i comes from GGUF row h·hd + 2i + s.
+pub fn unpermute_qk(w: &[f32], rows: usize, cols: usize, n_head: usize) -> Result<Vec<f32>> {
+    check_unpermute(w.len(), rows, cols, n_head)?;
+    let hd = rows / n_head;
+    let half = hd / 2;
+    let mut out = vec![0f32; w.len()];
+    out.par_chunks_mut(cols).enumerate().for_each(|(r, dst)| {
+        let (h, j) = (r / hd, r % hd);
+        let (s, i) = (j / half, j % half);
+        let src = h * hd + 2 * i + s;
+        dst.copy_from_slice(&w[src * cols..(src + 1) * cols]);
+    });
+    Ok(out)
+}
+
+/// Write `bytes` to `dir/name` through a temporary file and a rename.
+fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> Result<()> {
+    let path = dir.join(name);
+    let tmp = temp_path(&path);
+    let r = std::fs::write(&tmp, bytes)
+        .and_then(|()| std::fs::rename(&tmp, &path))
+        .with_context(|| format!("writing {}", path.display()));
+    if r.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    r
+}
+
+fn json_bytes(v: &serde_json::Value) -> Vec<u8> {
+    let mut s = serde_json::to_string_pretty(v).expect("serde_json::Value always serializes");
+    s.push('\n');
+    s.into_bytes()
+}
+
+/// Convert the llama-architecture GGUF `gguf` into a Hugging Face folder `out_dir` (created if missing).
+/// Weights are dequantized to f32 and written as `dtype`. Fails, without leaving half-written files, on any
+/// architecture but llama, on tensor types `dequant` does not handle, and on unknown or missing tensors.
+pub fn import_gguf(gguf: &Path, out_dir: &Path, dtype: OutDType) -> Result<ImportSummary> {
+    let t0 = Instant::now();
+    let g = GgufFile::open(gguf)?;
+    match g.get_str("general.architecture")? {
+        Some("llama") => {}
+        Some(other) => {
+            return Err(file_err(
+                gguf,
+                format!("general.architecture is {other:?}; only \"llama\" is supported"),
+            ));
+        }
+        None => {
+            return Err(file_err(
+                gguf,
+                "general.architecture is missing; only \"llama\" is supported",
+            ));
+        }
+    }
+    let h = hparams(&g)?;
+    let tok = build_tokenizer(&g)?;
+    let mut warnings = tok.warnings.clone();
+
+    // Map every tensor before dequantizing anything, so naming errors come first and cheaply.
+    let mut plan: Vec<(&TensorInfo, String, Fixup)> = Vec::with_capacity(g.tensors.len());
+    for t in &g.tensors {
+        if t.name == "rope_freqs.weight" {
+            return Err(file_err(
+                gguf,
+                "tensor rope_freqs.weight (Llama-3.1-style RoPE frequency scaling) is not supported yet",
+            ));
+        }
+        let (hf, fix) = hf_name(&t.name, &h).ok_or_else(|| {
+            file_err(
+                gguf,
+                format!(
+                    "tensor {} has no Hugging Face Llama counterpart known to this importer",
+                    t.name
+                ),
+            )
+        })?;
+        plan.push((t, hf, fix));
+    }
+    let embed = g
+        .tensor("token_embd.weight")
+        .ok_or_else(|| file_err(gguf, "tensor token_embd.weight is missing"))?;
+    let vocab = embed.shape_row_major().first().copied().unwrap_or(0);
+    let tie = g.tensor("output.weight").is_none();
+    let have: HashMap<&str, &TensorInfo> =
+        plan.iter().map(|(t, hf, _)| (hf.as_str(), *t)).collect();
+    let mut required = vec![
+        "model.embed_tokens.weight".to_owned(),
+        "model.norm.weight".to_owned(),
+    ];
+    for l in 0..h.n_layer {
+        for p in [
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+            "input_layernorm",
+            "post_attention_layernorm",
+        ] {
+            required.push(format!("model.layers.{l}.{p}.weight"));
+        }
+    }
+    for r in &required {
+        if !have.contains_key(r.as_str()) {
+            return Err(file_err(
+                gguf,
+                format!(
+                    "no GGUF tensor maps to {r} (llama.block_count = {})",
+                    h.n_layer
+                ),
+            ));
+        }
+    }
+    for (t, hf, _) in &plan {
+        let want = expected_shape(hf, &h, vocab);
+        if t.shape_row_major() != want {
+            return Err(file_err(
+                gguf,
+                format!(
+                    "tensor {} has GGUF dims {:?} (HF shape {:?}) but the hyper-parameters imply HF shape {want:?}",
+                    t.name,
+                    t.dims,
+                    t.shape_row_major()
+                ),
+            ));
+        }
+    }
+    if vocab != tok.vocab_size {
+        warnings.push(format!(
+            "token_embd has {vocab} rows but the tokenizer has {} tokens; config.json uses {vocab}",
+            tok.vocab_size
+        ));
+    }
+    for w in &warnings {
+        eprintln!("warning: {w}");
+    }
+
+    // Everything that can fail is checked here; the lazy closures below then run while the file is written,
+    // so only one dequantized tensor is in memory at a time (rayon parallelizes within each tensor).
+    let entries: Vec<TensorEntry<'_>> = plan
+        .iter()
+        .map(|(t, hf, fix)| -> Result<TensorEntry<'_>> {
+            let shape = t.shape_row_major();
+            let n = t.n_elements as usize;
+            check_dequantizable(&t.name, t.ggml_type, t.n_bytes as usize, n)?;
+            if let Fixup::Unpermute(n_head) = *fix {
+                check_unpermute(n, shape[0], shape[1], n_head)
+                    .with_context(|| format!("tensor {}", t.name))?;
+            }
+            let (g, t, fix, rows, cols) =
+                (&g, *t, *fix, shape[0], shape.get(1).copied().unwrap_or(1));
+            TensorEntry::lazy(hf.clone(), dtype.safetensors(), shape, move || {
+                let w =
+                    dequantize(&t.name, t.ggml_type, g.tensor_data(t), n).expect("checked above");
+                let w = match fix {
+                    Fixup::Unpermute(n_head) => {
+                        unpermute_qk(&w, rows, cols, n_head).expect("checked above")
+                    }
+                    Fixup::None => w,
+                };
+                dtype.encode(&w)
+            })
+        })
+        .collect::<Result<_>>()?;
+    let mut source_types = BTreeMap::new();
+    for t in &g.tensors {
+        *source_types.entry(t.ggml_type.to_string()).or_insert(0) += 1;
+    }
+
+    std::fs::create_dir_all(out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
+    let meta = HashMap::from([("format".to_owned(), "pt".to_owned())]);
+    write_safetensors(&out_dir.join("model.safetensors"), &entries, meta)?;
+    let bytes_written: u64 = entries.iter().map(|e| e.len() as u64).sum();
+    drop(entries);
+
+    let config = json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": h.d,
+        "intermediate_size": h.d_ff,
+        "num_hidden_layers": h.n_layer,
+        "num_attention_heads": h.n_head,
+        "num_key_value_heads": h.n_kv_head,
+        "head_dim": h.head_dim,
+        "rms_norm_eps": h.eps,
+        "rope_theta": h.theta,
+        "rope_scaling": null,
+        "max_position_embeddings": h.ctx,
+        "vocab_size": vocab,
+        "tie_word_embeddings": tie,
+        "bos_token_id": tok.bos_id,
+        "eos_token_id": tok.eos_id,
+        "pad_token_id": tok.pad_id,
+        "torch_dtype": dtype.torch_name(),
+        "attention_bias": false,
+        "attention_dropout": 0.0,
+        "mlp_bias": false,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "pretraining_tp": 1,
+        "use_cache": true,
+    });
+    write_atomic(out_dir, "config.json", &json_bytes(&config))?;
+    let tk_json = tok
+        .tokenizer
+        .to_string(true)
+        .map_err(|e| anyhow::anyhow!("serializing tokenizer.json: {e}"))?;
+    write_atomic(out_dir, "tokenizer.json", tk_json.as_bytes())?;
+    write_atomic(out_dir, "tokenizer_config.json", &json_bytes(&tok.config))?;
+    let gen_config = json!({
+        "_from_model_config": true,
+        "bos_token_id": tok.bos_id,
+        "eos_token_id": tok.eos_id,
+        "pad_token_id": tok.pad_id,
+    });
+    write_atomic(out_dir, "generation_config.json", &json_bytes(&gen_config))?;
+
+    Ok(ImportSummary {
+        out_dir: out_dir.to_path_buf(),
+        n_tensors: g.tensors.len(),
+        n_layers: h.n_layer,
+        vocab_size: vocab,
+        tie_word_embeddings: tie,
+        out_dtype: dtype,
+        source_types,
+        bytes_written,
+        seconds: t0.elapsed().as_secs_f64(),
+        warnings,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unpermute_small() {
+        // 1 head, hd = 4, cols = 1: HF rows [0,1,2,3] → llama.cpp order [0,2,1,3].
+        let gguf = [0.0, 2.0, 1.0, 3.0];
+        assert_eq!(
+            unpermute_qk(&gguf, 4, 1, 1).unwrap(),
+            vec![0.0, 1.0, 2.0, 3.0]
+        );
+    }
+}

@@ -1,0 +1,12 @@
+//! GGUF (llama.cpp's single-file format, v2/v3) reading and conversion to a Hugging Face folder.
+//!
+//! `reader` parses and validates the container, `dequant` turns ggml blocks into f32, `tokenizer` rebuilds a
+//! `tokenizer.json` from the embedded vocabulary, and `import` ties them together (`import_gguf`).
+
+pub mod dequant;
+pub mod import;
+pub mod reader;
+pub mod tokenizer;
+
+pub use import::{ImportSummary, OutDType, import_gguf};
+pub use reader::{GgmlType, GgufFile, TensorInfo, Value};
