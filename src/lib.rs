@@ -3,3 +3,4 @@
 
 pub mod backend;
 pub mod error;
+pub mod quant;
