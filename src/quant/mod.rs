@@ -119,12 +119,15 @@ macro_rules! impl_real {
                     MatRef::from_row_major_slice_with_stride(&a[..(m - 1) * lda + k], m, k, lda);
                 let b =
                     MatRef::from_row_major_slice_with_stride(&b[..(k - 1) * ldb + n], k, n, ldb);
-                let c = MatMut::from_row_major_slice_with_stride_mut(
+                // Not `MatMut::from_row_major_slice_with_stride_mut`: in faer 0.24.4 it builds a
+                // column-major view (row stride 1, column stride `row_stride`) and writes out of bounds.
+                let c = MatMut::from_column_major_slice_with_stride_mut(
                     &mut c[..(m - 1) * ldc + n],
-                    m,
                     n,
+                    m,
                     ldc,
-                );
+                )
+                .transpose_mut();
                 matmul(c, Accum::Add, a, b, -1.0 as $t, Par::Seq);
             }
         }

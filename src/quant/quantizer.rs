@@ -320,7 +320,7 @@ pub fn h_block_f32(h: &[f64], n: usize, c0: usize, len: usize) -> Vec<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rand::{Rng, SeedableRng};
+    use rand::{RngExt, SeedableRng};
     use rand_chacha::ChaCha8Rng;
 
     fn brute_score(w: &[f64], h: &[f32], g: Grid<f64>, maxq: f64) -> f64 {
