@@ -176,6 +176,13 @@ pub fn boa_quantize<T: Real>(
         n_heads * d_h * d_h,
         "H_row is not [{n_heads} × {d_h} × {d_h}]"
     );
+    // One g_idx per matrix: with per-head H_col (V) and act_order_col the heads' column orders differ, so
+    // grouped grids would need a g_idx per head, which no checkpoint format has.
+    if matches!(h_col, ColHessian::PerHead(_)) && opts.act_order_col && g.spec.n_groups(n) > 1 {
+        return Err(crate::input_err!(
+            "BoA with per-head H_col, act_order_col and groups has no single g_idx; disable act_order_col for V"
+        ));
+    }
     let mut w0 = w.to_vec();
     let hs = d_h * n;
 
@@ -300,14 +307,7 @@ pub fn boa_quantize<T: Real>(
             }
         }
     }
-    // One g_idx per matrix: with per-head act_order_col (V) the heads' column orders differ, and only the
-    // shared-H_col case (or no act-order) yields a g_idx valid for every row.
     let p0 = &plans[0];
-    if plans.len() > 1 && opts.act_order_col && g.spec.group_size.is_some() && n_groups > 1 {
-        return Err(crate::input_err!(
-            "BoA with per-head H_col, act_order_col and groups has no single g_idx; disable act_order_col for V"
-        ));
-    }
     for (k, &c) in p0.perm.iter().enumerate() {
         g_idx[c] = p0.col_group[k];
     }
