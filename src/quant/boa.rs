@@ -1,0 +1,325 @@
+//! BoA (design.md §4.3; the paper's Algorithm 1 with Proposition 3.1 / Eq. (12)).
+//!
+//! For an attention projection W [n_heads·d_h × d_in] (rows grouped by head), H_h = H_col,h ⊗ H_row,h
+//! (Table 1). U_col,h = chol(H_col,h⁻¹)ᵀ, U_row,h = chol(H_row,h⁻¹)ᵀ (Alg. 1 l.5–6). For j = 0..d_h−1 the j-th
+//! rows of all heads are stacked into W⁽ʲ⁾ (l.8) and GPTQ-swept, each with its head's U_col (l.9); then the
+//! remaining rows of each head get the cross-row update (l.10, Eq. (12)):
+//!   W_h[i, :] −= (U_row,h[j, i] / U_row,h[j, j]) · (E_h U_col,h),  i > j,
+//! where E_h U_col,h = W_h[j, :]_before − Q_h[j, :] exactly (the GPTQ sweep moves every column of the row
+//! to its quantized value, so the row's total change is its error times U_col): a rank-1 update per head,
+//! no d_in × d_in GEMM per row.
+
+use super::Real;
+use super::gptq::{
+    DynamicGroups, GptqOptions, Quantized, gptq_block_sweep, permute_cols, plan_sweep, static_grids,
+};
+use super::linalg::{act_order_perm, damped_upper_inverse, fix_dead_inputs, permute_sym};
+use super::quantizer::Grid;
+use rayon::prelude::*;
+
+/// H_col of an attention projection.
+#[derive(Clone, Copy, Debug)]
+pub enum ColHessian<'a> {
+    /// One [d_in × d_in] H_col for every head (W_Q, W_K: 2XXᵀ).
+    Shared(&'a [f64]),
+    /// [n_heads × d_in × d_in], one per head (W_V: the attention-weighted input covariance).
+    PerHead(&'a [f64]),
+}
+
+#[derive(Clone, Debug)]
+pub struct BoaOptions {
+    /// Quantizer, lazy-batch width, static/dynamic groups, damping (shared with GPTQ).
+    pub gptq: GptqOptions,
+    /// Columns by descending diag H_col (per H_col).
+    pub act_order_col: bool,
+    /// Rows of each head by descending diag H_row,h.
+    pub act_order_row: bool,
+}
+
+impl BoaOptions {
+    pub fn new(gptq: GptqOptions) -> Self {
+        Self {
+            gptq,
+            act_order_col: false,
+            act_order_row: false,
+        }
+    }
+}
+
+/// The column factor one or more heads share: U_col (sweep order), column → group map, dynamic groups.
+pub struct ColFactor<'a, T> {
+    /// [n × n] U_col, upper.
+    pub u: &'a [T],
+    /// [n] sweep column → group.
+    pub col_group: &'a [u32],
+    pub dynamic: Option<DynamicGroups<'a>>,
+}
+
+/// The head-wise BoA sweep (Alg. 1 l.7–11) in sweep order (rows and columns already permuted per head).
+///
+/// * `w` [n_heads × d_h × n]: per head, its rows; modified in place (cross-row updates, then each row holds
+///   the values its columns had when quantized).
+/// * `q`, `codes` [n_heads × d_h × n]: results.
+/// * `cols`: the distinct column factors; `head_col[h]` indexes the one of head h.
+/// * `u_row` [n_heads × d_h × d_h]: U_row,h, upper.
+/// * `grids` [n_heads × d_h × n_groups]: static grids in, or dynamic grids out.
+#[allow(clippy::too_many_arguments)]
+pub fn boa_sweep<T: Real>(
+    w: &mut [T],
+    q: &mut [T],
+    codes: &mut [u8],
+    cols: &[ColFactor<T>],
+    head_col: &[usize],
+    u_row: &[T],
+    n_heads: usize,
+    d_h: usize,
+    n: usize,
+    block_size: usize,
+    grids: &mut [Grid<T>],
+    n_groups: usize,
+    maxq: u32,
+) {
+    let hs = d_h * n; // head stride
+    assert!(w.len() == n_heads * hs && q.len() == w.len() && codes.len() == w.len());
+    assert_eq!(u_row.len(), n_heads * d_h * d_h);
+    assert_eq!(grids.len(), n_heads * d_h * n_groups);
+    assert_eq!(head_col.len(), n_heads);
+    // Heads sharing a column factor are swept together (rows of W⁽ʲ⁾ are independent).
+    let members: Vec<Vec<usize>> = (0..cols.len())
+        .map(|f| (0..n_heads).filter(|&h| head_col[h] == f).collect())
+        .collect();
+    for j in 0..d_h {
+        // Alg. 1 l.8–9: stack the j-th rows, GPTQ-sweep them.
+        let swept: Vec<(Vec<T>, Vec<T>, Vec<u8>, Vec<Grid<T>>)> = members
+            .par_iter()
+            .zip(cols.par_iter())
+            .map(|(heads, cf)| {
+                let rows = heads.len();
+                let mut wj = Vec::with_capacity(rows * n);
+                let mut gj = Vec::with_capacity(rows * n_groups);
+                for &h in heads {
+                    wj.extend_from_slice(&w[h * hs + j * n..h * hs + (j + 1) * n]);
+                    let g0 = (h * d_h + j) * n_groups;
+                    gj.extend_from_slice(&grids[g0..g0 + n_groups]);
+                }
+                let w_before = wj.clone();
+                let mut qj = vec![T::ZERO; rows * n];
+                let mut cj = vec![0u8; rows * n];
+                gptq_block_sweep(
+                    &mut wj,
+                    &mut qj,
+                    &mut cj,
+                    cf.u,
+                    rows,
+                    n,
+                    block_size,
+                    &mut gj,
+                    n_groups,
+                    cf.col_group,
+                    cf.dynamic.as_ref(),
+                    maxq,
+                );
+                (w_before, qj, cj, gj)
+            })
+            .collect();
+        for (heads, (w_before, qj, cj, gj)) in members.iter().zip(&swept) {
+            for (k, &h) in heads.iter().enumerate() {
+                let o = h * hs + j * n;
+                q[o..o + n].copy_from_slice(&qj[k * n..(k + 1) * n]);
+                codes[o..o + n].copy_from_slice(&cj[k * n..(k + 1) * n]);
+                let g0 = (h * d_h + j) * n_groups;
+                grids[g0..g0 + n_groups].copy_from_slice(&gj[k * n_groups..(k + 1) * n_groups]);
+                w[o..o + n].copy_from_slice(&w_before[k * n..(k + 1) * n]);
+            }
+        }
+        // Alg. 1 l.10, Eq. (12): W_h[i, :] −= (U_row[j, i]/U_row[j, j])·(W_h[j, :]_before − Q_h[j, :]), i > j.
+        w.par_chunks_mut(hs)
+            .zip(q.par_chunks(hs))
+            .enumerate()
+            .for_each(|(h, (wh, qh))| {
+                let ur = &u_row[h * d_h * d_h..(h + 1) * d_h * d_h];
+                let (done, rest) = wh.split_at_mut((j + 1) * n);
+                let delta: Vec<T> = done[j * n..]
+                    .iter()
+                    .zip(&qh[j * n..(j + 1) * n])
+                    .map(|(&a, &b)| a - b)
+                    .collect();
+                for (ii, row) in rest.chunks_mut(n).enumerate() {
+                    let i = j + 1 + ii;
+                    let f = ur[j * d_h + i] / ur[j * d_h + j];
+                    for (x, &d) in row.iter_mut().zip(&delta) {
+                        *x -= f * d;
+                    }
+                }
+            });
+    }
+}
+
+/// BoA-quantizes an attention projection W [n_heads·d_h × d_in] (head h owns rows h·d_h..(h+1)·d_h).
+/// `h_row` [n_heads × d_h × d_h] are the undamped H_row,h (identity for V by default).
+pub fn boa_quantize<T: Real>(
+    w: &[T],
+    n_heads: usize,
+    d_h: usize,
+    d_in: usize,
+    h_col: ColHessian,
+    h_row: &[f64],
+    opts: &BoaOptions,
+) -> anyhow::Result<Quantized<T>> {
+    let g = &opts.gptq;
+    g.spec.validate()?;
+    let d_out = n_heads * d_h;
+    let n = d_in;
+    assert_eq!(w.len(), d_out * n, "W is not [{d_out} × {n}]");
+    assert_eq!(
+        h_row.len(),
+        n_heads * d_h * d_h,
+        "H_row is not [{n_heads} × {d_h} × {d_h}]"
+    );
+    // One g_idx per matrix: with per-head H_col (V) and act_order_col the heads' column orders differ, so
+    // grouped grids would need a g_idx per head, which no checkpoint format has.
+    if matches!(h_col, ColHessian::PerHead(_)) && opts.act_order_col && g.spec.n_groups(n) > 1 {
+        return Err(crate::input_err!(
+            "BoA with per-head H_col, act_order_col and groups has no single g_idx; disable act_order_col for V"
+        ));
+    }
+    let mut w0 = w.to_vec();
+    let hs = d_h * n;
+
+    // Column factors (Alg. 1 l.5–6, H_col side); dead inputs zeroed in the heads that use the H_col.
+    let (plans, head_col) = match h_col {
+        ColHessian::Shared(hc) => (
+            vec![plan_sweep::<T>(&mut w0, n, hc, g, opts.act_order_col)?],
+            vec![0; n_heads],
+        ),
+        ColHessian::PerHead(hc) => {
+            assert_eq!(
+                hc.len(),
+                n_heads * n * n,
+                "per-head H_col is not [{n_heads} × {n} × {n}]"
+            );
+            let mut plans = Vec::with_capacity(n_heads);
+            for (h, wh) in w0.chunks_mut(hs).enumerate() {
+                let p = plan_sweep::<T>(
+                    wh,
+                    n,
+                    &hc[h * n * n..(h + 1) * n * n],
+                    g,
+                    opts.act_order_col,
+                )
+                .map_err(|e| e.context(format!("H_col of head {h}")))?;
+                plans.push(p);
+            }
+            (plans, (0..n_heads).collect())
+        }
+    };
+    let n_groups = plans[0].n_groups;
+
+    // Row factors (Alg. 1 l.5–6, H_row side).
+    let mut row_perm = Vec::with_capacity(n_heads);
+    let mut u_row = Vec::with_capacity(n_heads * d_h * d_h);
+    for h in 0..n_heads {
+        let mut hr = h_row[h * d_h * d_h..(h + 1) * d_h * d_h].to_vec();
+        fix_dead_inputs(&mut hr, d_h, 1.0);
+        let perm: Vec<usize> = if opts.act_order_row {
+            act_order_perm(&hr, d_h)
+        } else {
+            (0..d_h).collect()
+        };
+        let mut hp = permute_sym(&hr, d_h, &perm);
+        let u = damped_upper_inverse(&mut hp, d_h, g.damp, g.max_damp_tries)
+            .map_err(|e| e.context(format!("H_row of head {h}")))?;
+        u_row.extend(u.iter().map(|&x| T::from_f64(x)));
+        row_perm.push(perm);
+    }
+
+    // Grids: static ones from the original rows; dynamic ones are searched in the sweep.
+    let dynamic = plans[0].dyn_blocks.is_some();
+    let mut grids_orig = vec![Grid::default(); d_out * n_groups];
+    if !dynamic {
+        for h in 0..n_heads {
+            let p = &plans[head_col[h]];
+            let gh = static_grids(&w0[h * hs..(h + 1) * hs], d_h, n, p, &g.spec);
+            grids_orig[h * d_h * n_groups..(h + 1) * d_h * n_groups].copy_from_slice(&gh);
+        }
+    }
+
+    // Sweep order: rows by row_perm, columns by the head's column permutation.
+    let mut wp = Vec::with_capacity(d_out * n);
+    let mut grids = Vec::with_capacity(d_out * n_groups);
+    for h in 0..n_heads {
+        let wh = permute_cols(&w0[h * hs..(h + 1) * hs], n, &plans[head_col[h]].perm);
+        for &r in &row_perm[h] {
+            wp.extend_from_slice(&wh[r * n..(r + 1) * n]);
+            let g0 = (h * d_h + r) * n_groups;
+            grids.extend_from_slice(&grids_orig[g0..g0 + n_groups]);
+        }
+    }
+    let gl = g.spec.group_len(n);
+    let cols: Vec<ColFactor<T>> = plans
+        .iter()
+        .map(|p| ColFactor {
+            u: &p.u,
+            col_group: &p.col_group,
+            dynamic: p.dyn_blocks.as_ref().map(|b| DynamicGroups {
+                g: gl,
+                h_blocks: b,
+                spec: &g.spec,
+            }),
+        })
+        .collect();
+    let mut qp = vec![T::ZERO; d_out * n];
+    let mut cp = vec![0u8; d_out * n];
+    boa_sweep(
+        &mut wp,
+        &mut qp,
+        &mut cp,
+        &cols,
+        &head_col,
+        &u_row,
+        n_heads,
+        d_h,
+        n,
+        g.block_size,
+        &mut grids,
+        n_groups,
+        g.spec.maxq(),
+    );
+
+    // Back to the original row and column order.
+    let mut w_hat = vec![T::ZERO; d_out * n];
+    let mut codes = vec![0u8; d_out * n];
+    let mut scales = vec![T::ZERO; d_out * n_groups];
+    let mut zeros = vec![T::ZERO; d_out * n_groups];
+    let mut g_idx = vec![0u32; n];
+    for h in 0..n_heads {
+        let p = &plans[head_col[h]];
+        for (i, &r) in row_perm[h].iter().enumerate() {
+            let (src, dst) = ((h * d_h + i) * n, (h * d_h + r) * n);
+            for (k, &c) in p.perm.iter().enumerate() {
+                w_hat[dst + c] = qp[src + k];
+                codes[dst + c] = cp[src + k];
+            }
+            for k in 0..n_groups {
+                let gr = grids[(h * d_h + i) * n_groups + k];
+                scales[(h * d_h + r) * n_groups + k] = gr.scale;
+                zeros[(h * d_h + r) * n_groups + k] = gr.zero;
+            }
+        }
+    }
+    let p0 = &plans[0];
+    for (k, &c) in p0.perm.iter().enumerate() {
+        g_idx[c] = p0.col_group[k];
+    }
+    Ok(Quantized {
+        d_out,
+        d_in: n,
+        bits: g.spec.bits,
+        w_hat,
+        codes,
+        scales,
+        zeros,
+        g_idx,
+        n_groups,
+    })
+}

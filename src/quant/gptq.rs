@@ -1,0 +1,400 @@
+//! GPTQ (design.md §4.2; the paper's Algorithm 2, with gptq.py's lazy batches and act-order).
+//!
+//! Symbols as in the paper: W (weights, rows independent), U = U_col = chol(H⁻¹)ᵀ (upper), Q (quantized
+//! result), E (scaled errors of the current block), block bounds i1/i2 as in gptq.py.
+
+use super::Real;
+use super::linalg::{
+    DEFAULT_DAMP, MAX_DAMP_TRIES, act_order_perm, damped_upper_inverse, fix_dead_inputs,
+    permute_sym,
+};
+use super::quantizer::{
+    Grid, QuantSpec, ScaleSearch, dequantize, quantize, search_grid, search_grids_rows,
+};
+use rayon::prelude::*;
+
+/// gptq.py's lazy-batch width B.
+pub const DEFAULT_BLOCK_SIZE: usize = 128;
+
+/// Options of a GPTQ (and BoA) sweep.
+#[derive(Clone, Debug)]
+pub struct GptqOptions {
+    pub spec: QuantSpec,
+    /// Lazy-batch width B (1 = column-at-a-time, Alg. 2 literally).
+    pub block_size: usize,
+    /// Process columns in descending diag(H) order.
+    pub act_order: bool,
+    /// Group grids computed before the sweep from the original weights (default: dynamic, searched when the
+    /// sweep reaches each group's first column). Ignored for per-channel grids, which are always static.
+    pub static_groups: bool,
+    /// λ of the damping H += λ·mean(diag H)·I.
+    pub damp: f64,
+    pub max_damp_tries: usize,
+    /// Value given to H_ii for dead inputs (design.md §4.2: 1/seqlen; the pipeline passes it).
+    pub dead_diag: f64,
+}
+
+impl GptqOptions {
+    pub fn new(spec: QuantSpec) -> Self {
+        Self {
+            spec,
+            block_size: DEFAULT_BLOCK_SIZE,
+            act_order: false,
+            static_groups: false,
+            damp: DEFAULT_DAMP,
+            max_damp_tries: MAX_DAMP_TRIES,
+            dead_diag: 1.0,
+        }
+    }
+}
+
+/// A quantized matrix, enough for a packed GPTQ checkpoint (qweight/qzeros/scales/g_idx).
+#[derive(Clone, Debug)]
+pub struct Quantized<T = f32> {
+    pub d_out: usize,
+    pub d_in: usize,
+    pub bits: u32,
+    /// Ŵ [d_out × d_in], dequantized, original column order.
+    pub w_hat: Vec<T>,
+    /// q [d_out × d_in] in 0..=maxq, original order.
+    pub codes: Vec<u8>,
+    /// [d_out × n_groups].
+    pub scales: Vec<T>,
+    /// [d_out × n_groups], integer-valued (the true zero point, not GPTQ v1's zero − 1).
+    pub zeros: Vec<T>,
+    /// [d_in]: the group of each ORIGINAL input column.
+    pub g_idx: Vec<u32>,
+    pub n_groups: usize,
+}
+
+impl<T: Real> Quantized<T> {
+    /// Ŵ recomputed from (codes, scales, zeros, g_idx): what a checkpoint loader computes.
+    pub fn dequantize_from_codes(&self) -> Vec<T> {
+        let mut out = vec![T::ZERO; self.d_out * self.d_in];
+        for r in 0..self.d_out {
+            for c in 0..self.d_in {
+                let k = r * self.n_groups + self.g_idx[c] as usize;
+                let q = T::from_f64(self.codes[r * self.d_in + c] as f64);
+                out[r * self.d_in + c] = dequantize(q, self.scales[k], self.zeros[k]);
+            }
+        }
+        out
+    }
+}
+
+/// Dynamic group-wise grids of a sweep: group k covers sweep columns [k·g, min((k+1)·g, n)) and is searched
+/// when the sweep reaches column k·g, from the current weights.
+pub struct DynamicGroups<'a> {
+    pub g: usize,
+    /// Per group, the [len × len] diagonal block of H in sweep order (f32; empty unless Hessian search).
+    pub h_blocks: &'a [Vec<f32>],
+    pub spec: &'a QuantSpec,
+}
+
+/// Rows per parallel task: depends on the shape only, so results do not depend on the thread count.
+fn rows_per_task(rows: usize) -> usize {
+    rows.div_ceil(16).clamp(1, 32)
+}
+
+/// The GPTQ sweep over `rows` independent rows (Alg. 2 with lazy batches of `block_size` columns).
+///
+/// * `w` [rows × n]: weights in sweep order; on return, column c holds its value when it was quantized.
+/// * `q` [rows × n], `codes` [rows × n]: results Q (dequantized) and the integer codes.
+/// * `u` [n × n]: U = chol(H⁻¹)ᵀ in sweep order, upper triangular.
+/// * `grids` [rows × n_groups], `col_group` [n]: the grid of (row, col_group[c]); read for static grids,
+///   written at group starts when `dynamic` is set.
+///
+/// With dynamic groups a block never ends inside a group that started inside it, so at a group's first column
+/// every column of the group has received all earlier updates (same weights as the column-at-a-time sweep).
+#[allow(clippy::too_many_arguments)]
+pub fn gptq_block_sweep<T: Real>(
+    w: &mut [T],
+    q: &mut [T],
+    codes: &mut [u8],
+    u: &[T],
+    rows: usize,
+    n: usize,
+    block_size: usize,
+    grids: &mut [Grid<T>],
+    n_groups: usize,
+    col_group: &[u32],
+    dynamic: Option<&DynamicGroups>,
+    maxq: u32,
+) {
+    assert!(
+        w.len() == rows * n && q.len() == rows * n && codes.len() == rows * n,
+        "W/Q/codes not [{rows} × {n}]"
+    );
+    assert_eq!(u.len(), n * n, "U is not [{n} × {n}]");
+    assert_eq!(
+        grids.len(),
+        rows * n_groups,
+        "grids not [{rows} × {n_groups}]"
+    );
+    assert_eq!(col_group.len(), n);
+    assert!(block_size > 0);
+    if rows == 0 || n == 0 {
+        return;
+    }
+    let rc = rows_per_task(rows);
+    w.par_chunks_mut(rc * n)
+        .zip(q.par_chunks_mut(rc * n))
+        .zip(codes.par_chunks_mut(rc * n))
+        .zip(grids.par_chunks_mut(rc * n_groups))
+        .for_each(|(((w, q), codes), grids)| {
+            let rows = w.len() / n;
+            sweep_rows(
+                w, q, codes, u, rows, n, block_size, grids, n_groups, col_group, dynamic, maxq,
+            )
+        });
+}
+
+#[allow(clippy::too_many_arguments)]
+fn sweep_rows<T: Real>(
+    w: &mut [T],
+    q: &mut [T],
+    codes: &mut [u8],
+    u: &[T],
+    rows: usize,
+    n: usize,
+    bs: usize,
+    grids: &mut [Grid<T>],
+    n_groups: usize,
+    col_group: &[u32],
+    dynamic: Option<&DynamicGroups>,
+    maxq: u32,
+) {
+    let maxq_t = T::from_f64(maxq as f64);
+    let mut e = vec![T::ZERO; rows * bs]; // E [rows × B] of the current block
+    let mut i1 = 0;
+    while i1 < n {
+        let mut i2 = (i1 + bs).min(n);
+        if let Some(dg) = dynamic {
+            // Last group starting inside (i1, i2) must end by i2, else the block stops before it.
+            let s = (i2 - 1) / dg.g * dg.g;
+            if s > i1 && (s + dg.g).min(n) > i2 {
+                i2 = s;
+            }
+        }
+        for c in i1..i2 {
+            if let Some(dg) = dynamic
+                && c % dg.g == 0
+            {
+                let k = c / dg.g;
+                let len = dg.g.min(n - c);
+                let hb =
+                    (dg.spec.search == ScaleSearch::Hessian).then(|| dg.h_blocks[k].as_slice());
+                for r in 0..rows {
+                    grids[r * n_groups + k] =
+                        search_grid(&w[r * n + c..r * n + c + len], hb, dg.spec);
+                }
+            }
+            let ucc = u[c * n + c];
+            let urow = &u[c * n + c + 1..c * n + i2];
+            for r in 0..rows {
+                let gr = grids[r * n_groups + col_group[c] as usize];
+                let wc = w[r * n + c];
+                let qc = quantize(wc, gr.scale, gr.zero, maxq_t); // Alg. 2 l.4
+                let qv = dequantize(qc, gr.scale, gr.zero);
+                q[r * n + c] = qv;
+                codes[r * n + c] = qc.to_f64() as u8;
+                let err = (wc - qv) / ucc; // Alg. 2 l.5
+                e[r * bs + c - i1] = err;
+                // Alg. 2 l.6, inside the block only
+                for (x, &uu) in w[r * n + c + 1..r * n + i2].iter_mut().zip(urow) {
+                    *x -= err * uu;
+                }
+            }
+        }
+        // Lazy batch: W[:, i2:] −= E[:, i1:i2] · U[i1:i2, i2:] (one GEMM instead of i2−i1 rank-1 updates).
+        if i2 < n {
+            T::gemm_sub(
+                &mut w[i2..],
+                n,
+                &e,
+                bs,
+                &u[i1 * n + i2..],
+                n,
+                rows,
+                i2 - i1,
+                n - i2,
+            );
+        }
+        i1 = i2;
+    }
+}
+
+/// The [len × len] block of H over ORIGINAL columns c0..c0+len, read from the permuted H_p (inv = perm⁻¹), f32.
+fn orig_block_f32(h_p: &[f64], n: usize, inv: &[usize], c0: usize, len: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(len * len);
+    for a in c0..c0 + len {
+        for b in c0..c0 + len {
+            out.push(h_p[inv[a] * n + inv[b]] as f32);
+        }
+    }
+    out
+}
+
+/// Everything a sweep needs besides W: U, grids and the column → group map, in sweep order.
+pub(crate) struct SweepPlan<T> {
+    pub perm: Vec<usize>,
+    pub u: Vec<T>,
+    pub col_group: Vec<u32>,
+    pub n_groups: usize,
+    /// Dynamic groups: H blocks per group (sweep order). None for static grids.
+    pub dyn_blocks: Option<Vec<Vec<f32>>>,
+    /// Damped H in sweep order.
+    pub h_p: Vec<f64>,
+    pub inv: Vec<usize>,
+}
+
+/// Dead inputs, act-order permutation, damping and U for one H_col; zeroes dead columns of every row of `w`.
+pub(crate) fn plan_sweep<T: Real>(
+    w: &mut [T],
+    n: usize,
+    h: &[f64],
+    opts: &GptqOptions,
+    act_order: bool,
+) -> anyhow::Result<SweepPlan<T>> {
+    assert_eq!(h.len(), n * n, "H is not [{n} × {n}]");
+    let spec = &opts.spec;
+    let mut h = h.to_vec();
+    for c in fix_dead_inputs(&mut h, n, opts.dead_diag) {
+        for row in w.chunks_mut(n) {
+            row[c] = T::ZERO;
+        }
+    }
+    let perm: Vec<usize> = if act_order {
+        act_order_perm(&h, n)
+    } else {
+        (0..n).collect()
+    };
+    let mut inv = vec![0; n];
+    for (k, &c) in perm.iter().enumerate() {
+        inv[c] = k;
+    }
+    let mut h_p = permute_sym(&h, n, &perm);
+    let u = damped_upper_inverse(&mut h_p, n, opts.damp, opts.max_damp_tries)?;
+    let g = spec.group_len(n);
+    let n_groups = spec.n_groups(n);
+    let grouped = spec.group_size.is_some() && g < n;
+    let (col_group, dyn_blocks) = if grouped && !opts.static_groups {
+        let blocks = if spec.search == ScaleSearch::Hessian {
+            (0..n_groups)
+                .map(|k| super::quantizer::h_block_f32(&h_p, n, k * g, g.min(n - k * g)))
+                .collect()
+        } else {
+            vec![Vec::new(); n_groups]
+        };
+        ((0..n).map(|c| (c / g) as u32).collect(), Some(blocks))
+    } else {
+        (perm.iter().map(|&c| (c / g) as u32).collect(), None)
+    };
+    Ok(SweepPlan {
+        perm,
+        u: u.iter().map(|&x| T::from_f64(x)).collect(),
+        col_group,
+        n_groups,
+        dyn_blocks,
+        h_p,
+        inv,
+    })
+}
+
+/// Static grids [rows × n_groups] from the ORIGINAL rows `w` [rows × n] (per channel, or static groups over
+/// original columns), scored with the damped H.
+pub(crate) fn static_grids<T: Real>(
+    w: &[T],
+    rows: usize,
+    n: usize,
+    plan: &SweepPlan<T>,
+    spec: &QuantSpec,
+) -> Vec<Grid<T>> {
+    let g = spec.group_len(n);
+    let mut grids = vec![Grid::default(); rows * plan.n_groups];
+    for k in 0..plan.n_groups {
+        let len = g.min(n - k * g);
+        let hb = (spec.search == ScaleSearch::Hessian)
+            .then(|| orig_block_f32(&plan.h_p, n, &plan.inv, k * g, len));
+        let gk = search_grids_rows(w, rows, n, k * g, len, hb.as_deref(), spec);
+        for r in 0..rows {
+            grids[r * plan.n_groups + k] = gk[r];
+        }
+    }
+    grids
+}
+
+/// Gathers columns: out[:, k] = w[:, perm[k]].
+pub(crate) fn permute_cols<T: Copy>(w: &[T], n: usize, perm: &[usize]) -> Vec<T> {
+    let mut out = Vec::with_capacity(w.len());
+    for row in w.chunks(n) {
+        out.extend(perm.iter().map(|&c| row[c]));
+    }
+    out
+}
+
+/// Scatters columns back: out[:, perm[k]] = w[:, k].
+pub(crate) fn unpermute_cols<T: Copy + Default>(w: &[T], n: usize, perm: &[usize]) -> Vec<T> {
+    let mut out = vec![T::default(); w.len()];
+    for (orow, row) in out.chunks_mut(n).zip(w.chunks(n)) {
+        for (k, &c) in perm.iter().enumerate() {
+            orow[c] = row[k];
+        }
+    }
+    out
+}
+
+/// GPTQ-quantizes W [d_out × d_in] with H = H_col [d_in × d_in] (f64, undamped; see `hessian`).
+pub fn gptq_quantize<T: Real>(
+    w: &[T],
+    d_out: usize,
+    d_in: usize,
+    h: &[f64],
+    opts: &GptqOptions,
+) -> anyhow::Result<Quantized<T>> {
+    opts.spec.validate()?;
+    assert_eq!(w.len(), d_out * d_in, "W is not [{d_out} × {d_in}]");
+    let mut w0 = w.to_vec();
+    let plan = plan_sweep::<T>(&mut w0, d_in, h, opts, opts.act_order)?;
+    let mut grids = match plan.dyn_blocks {
+        Some(_) => vec![Grid::default(); d_out * plan.n_groups],
+        None => static_grids(&w0, d_out, d_in, &plan, &opts.spec),
+    };
+    let mut wp = permute_cols(&w0, d_in, &plan.perm);
+    let mut qp = vec![T::ZERO; d_out * d_in];
+    let mut cp = vec![0u8; d_out * d_in];
+    let dynamic = plan.dyn_blocks.as_ref().map(|b| DynamicGroups {
+        g: opts.spec.group_len(d_in),
+        h_blocks: b,
+        spec: &opts.spec,
+    });
+    gptq_block_sweep(
+        &mut wp,
+        &mut qp,
+        &mut cp,
+        &plan.u,
+        d_out,
+        d_in,
+        opts.block_size,
+        &mut grids,
+        plan.n_groups,
+        &plan.col_group,
+        dynamic.as_ref(),
+        opts.spec.maxq(),
+    );
+    let mut g_idx = vec![0u32; d_in];
+    for (k, &c) in plan.perm.iter().enumerate() {
+        g_idx[c] = plan.col_group[k];
+    }
+    Ok(Quantized {
+        d_out,
+        d_in,
+        bits: opts.spec.bits,
+        w_hat: unpermute_cols(&qp, d_in, &plan.perm),
+        codes: unpermute_cols(&cp, d_in, &plan.perm),
+        scales: grids.iter().map(|g| g.scale).collect(),
+        zeros: grids.iter().map(|g| g.zero).collect(),
+        g_idx,
+        n_groups: plan.n_groups,
+    })
+}

@@ -1,0 +1,381 @@
+//! Hessian statistics (design.md §4.2–4.3; the paper's Table 1), accumulated from batches of activations.
+//!
+//! All accumulators keep f64 sums of f32 GEMM chunks and a token count N, and return (2/N)·Σ: a running mean,
+//! so batches can be added in any order. N counts tokens (GPTQ's reference counts sequences; the scale does
+//! not matter: damping is relative to mean(diag H) and the scale search is scale-invariant).
+//!
+//! Token batches are row-major [m × width] (one token per row), as the forward produces them.
+
+use faer::{Accum, MatMut, MatRef, Par, linalg::matmul::matmul};
+
+/// H [d × d] = Xᵀ X of one chunk X [m × d] (one token per row), f32 (the CPU twin of the CUDA SYRK).
+/// X is read as [m × d] with row stride `ld` (ld > d selects a column window, e.g. one head).
+pub fn hessian_xxt(h: &mut [f32], x: &[f32], m: usize, d: usize, ld: usize) {
+    assert_eq!(h.len(), d * d, "H is not [{d} × {d}]");
+    if m == 0 {
+        h.iter_mut().for_each(|v| *v = 0.0);
+        return;
+    }
+    assert!(
+        x.len() >= (m - 1) * ld + d,
+        "X is not [{m} × {d}] with stride {ld}"
+    );
+    let xr = MatRef::from_row_major_slice_with_stride(&x[..(m - 1) * ld + d], m, d, ld);
+    let hm = MatMut::from_row_major_slice_mut(h, d, d);
+    matmul(hm, Accum::Replace, xr.transpose(), xr, 1.0f32, Par::Seq);
+}
+
+/// Tokens per f32 GEMM chunk before the sum is folded into f64 (bounds f32 accumulation error).
+const CHUNK_TOKENS: usize = 512;
+
+fn add_xxt_f64(sum: &mut [f64], x: &[f32], m: usize, d: usize, ld: usize, scratch: &mut Vec<f32>) {
+    scratch.resize(d * d, 0.0);
+    let mut t0 = 0;
+    while t0 < m {
+        let mc = CHUNK_TOKENS.min(m - t0);
+        hessian_xxt(scratch, &x[t0 * ld..], mc, d, ld);
+        sum.iter_mut()
+            .zip(scratch.iter())
+            .for_each(|(s, &v)| *s += v as f64);
+        t0 += mc;
+    }
+}
+
+fn finish(sum: &[f64], d: usize, n: usize, extra_div: f64) -> Vec<f64> {
+    let f = if n == 0 {
+        0.0
+    } else {
+        2.0 / (n as f64 * extra_div)
+    };
+    let mut h: Vec<f64> = sum.iter().map(|&v| v * f).collect();
+    // exact symmetry (the GEMM's two triangles may differ in the last bit)
+    for i in 0..d {
+        for j in 0..i {
+            let v = 0.5 * (h[i * d + j] + h[j * d + i]);
+            h[i * d + j] = v;
+            h[j * d + i] = v;
+        }
+    }
+    h
+}
+
+/// H = (2/N) Σ_t x_t x_tᵀ over tokens (a linear layer's input covariance; W_Q/W_K's H_col, GPTQ's H).
+#[derive(Clone, Debug)]
+pub struct XxtAccumulator {
+    d: usize,
+    sum: Vec<f64>,
+    n: usize,
+}
+
+impl XxtAccumulator {
+    pub fn new(d: usize) -> Self {
+        Self {
+            d,
+            sum: vec![0.0; d * d],
+            n: 0,
+        }
+    }
+
+    /// Adds X [m × d] (one token per row).
+    pub fn add_batch(&mut self, x: &[f32], m: usize) {
+        assert_eq!(x.len(), m * self.d, "X is not [{m} × {}]", self.d);
+        let mut s = Vec::new();
+        add_xxt_f64(&mut self.sum, x, m, self.d, self.d, &mut s);
+        self.n += m;
+    }
+
+    pub fn n_tokens(&self) -> usize {
+        self.n
+    }
+
+    /// (2/N) Σ x xᵀ [d × d].
+    pub fn hessian(&self) -> Vec<f64> {
+        finish(&self.sum, self.d, self.n, 1.0)
+    }
+}
+
+/// Per-head covariances C_h = (2/N) Σ_t k_{t,h} k_{t,h}ᵀ [d_h × d_h] of post-RoPE keys or queries
+/// [m × n_heads·d_h].
+#[derive(Clone, Debug)]
+pub struct HeadCovAccumulator {
+    n_heads: usize,
+    d_h: usize,
+    sums: Vec<f64>,
+    n: usize,
+}
+
+impl HeadCovAccumulator {
+    pub fn new(n_heads: usize, d_h: usize) -> Self {
+        Self {
+            n_heads,
+            d_h,
+            sums: vec![0.0; n_heads * d_h * d_h],
+            n: 0,
+        }
+    }
+
+    /// Adds [m × n_heads·d_h] post-RoPE vectors.
+    pub fn add_batch(&mut self, x: &[f32], m: usize) {
+        let (nh, dh) = (self.n_heads, self.d_h);
+        assert_eq!(x.len(), m * nh * dh, "not [{m} × {nh}·{dh}]");
+        let mut s = Vec::new();
+        for (h, sum) in self.sums.chunks_mut(dh * dh).enumerate() {
+            if m > 0 {
+                add_xxt_f64(sum, &x[h * dh..], m, dh, nh * dh, &mut s);
+            }
+        }
+        self.n += m;
+    }
+
+    /// [n_heads × d_h × d_h].
+    pub fn covariances(&self) -> Vec<f64> {
+        let dd = self.d_h * self.d_h;
+        self.sums
+            .chunks(dd)
+            .flat_map(|s| finish(s, self.d_h, self.n, 1.0))
+            .collect()
+    }
+
+    /// Averaged over the consecutive groups of `n_heads / n_groups` heads (GQA: query heads h·G..(h+1)·G share
+    /// KV head h, as the backend's attention maps query head i to KV head i / G): [n_groups × d_h × d_h].
+    pub fn group_means(&self, n_groups: usize) -> Vec<f64> {
+        assert!(
+            n_groups > 0 && self.n_heads % n_groups == 0,
+            "{} heads not divisible into {n_groups} groups",
+            self.n_heads
+        );
+        let gs = self.n_heads / n_groups;
+        let dd = self.d_h * self.d_h;
+        let cov = self.covariances();
+        let mut out = vec![0.0; n_groups * dd];
+        for h in 0..self.n_heads {
+            for (o, &c) in out[(h / gs) * dd..(h / gs + 1) * dd]
+                .iter_mut()
+                .zip(&cov[h * dd..(h + 1) * dd])
+            {
+                *o += c / gs as f64;
+            }
+        }
+        out
+    }
+}
+
+/// The RoPE position average M = mean_{p=0..seqlen−1} R_pᵀ C R_p (design.md §4.3), for the rotate-half
+/// convention: pairs (i, i + d_h/2) rotate by p·θ_i, R_p maps pre-RoPE to post-RoPE vectors:
+///   x'_i = x_i cos − x_{i+h} sin,  x'_{i+h} = x_{i+h} cos + x_i sin.
+/// Column a of R_p is cos_f e_a + s_a sin_f e_{ā} (f = a mod d_h/2, ā its partner, s_a = +1 for the first
+/// half, −1 for the second), so M[a, b] needs only mean_p of cos·cos, cos·sin, sin·sin over frequency pairs,
+/// precomputed once per (θ, seqlen).
+#[derive(Clone, Debug)]
+pub struct RopeAverage {
+    half: usize,
+    cc: Vec<f64>,
+    cs: Vec<f64>,
+    ss: Vec<f64>,
+}
+
+impl RopeAverage {
+    /// `inv_freq` [d_h/2]: θ_i; positions 0..seqlen−1.
+    pub fn new(inv_freq: &[f64], seqlen: usize) -> Self {
+        let half = inv_freq.len();
+        let (mut cc, mut cs, mut ss) = (
+            vec![0.0; half * half],
+            vec![0.0; half * half],
+            vec![0.0; half * half],
+        );
+        let mut c = vec![0.0; half];
+        let mut s = vec![0.0; half];
+        for p in 0..seqlen {
+            for i in 0..half {
+                let a = p as f64 * inv_freq[i];
+                c[i] = a.cos();
+                s[i] = a.sin();
+            }
+            for i in 0..half {
+                for j in 0..half {
+                    cc[i * half + j] += c[i] * c[j];
+                    cs[i * half + j] += c[i] * s[j];
+                    ss[i * half + j] += s[i] * s[j];
+                }
+            }
+        }
+        let inv = 1.0 / seqlen.max(1) as f64;
+        for v in cc.iter_mut().chain(cs.iter_mut()).chain(ss.iter_mut()) {
+            *v *= inv;
+        }
+        Self { half, cc, cs, ss }
+    }
+
+    /// inv_freq of Llama's RoPE: θ_i = base^(−2i/d_h).
+    pub fn llama_inv_freq(d_h: usize, base: f64) -> Vec<f64> {
+        (0..d_h / 2)
+            .map(|i| base.powf(-2.0 * i as f64 / d_h as f64))
+            .collect()
+    }
+
+    /// M = mean_p R_pᵀ C R_p for one C [d_h × d_h].
+    pub fn apply(&self, c: &[f64]) -> Vec<f64> {
+        let h = self.half;
+        let d = 2 * h;
+        assert_eq!(c.len(), d * d, "C is not [{d} × {d}]");
+        let partner = |a: usize| if a < h { (a + h, 1.0) } else { (a - h, -1.0) };
+        let mut m = vec![0.0; d * d];
+        for a in 0..d {
+            let (pa, sa) = partner(a);
+            let fa = a % h;
+            for b in 0..d {
+                let (pb, sb) = partner(b);
+                let fb = b % h;
+                let k = fa * h + fb;
+                let kt = fb * h + fa;
+                m[a * d + b] = self.cc[k] * c[a * d + b]
+                    + sb * self.cs[k] * c[a * d + pb]
+                    + sa * self.cs[kt] * c[pa * d + b]
+                    + sa * sb * self.ss[k] * c[pa * d + pb];
+            }
+        }
+        m
+    }
+
+    /// Applies to each of `k` stacked [d_h × d_h] matrices.
+    pub fn apply_all(&self, cs: &[f64]) -> Vec<f64> {
+        let dd = 4 * self.half * self.half;
+        cs.chunks(dd).flat_map(|c| self.apply(c)).collect()
+    }
+}
+
+/// H_row for W_Q [n_heads × d_h × d_h]: query head h gets mean_p R_pᵀ C_K R_p of its KV head h / G.
+/// `c_k` [n_kv × d_h × d_h] (per-KV-head post-RoPE key covariances).
+pub fn q_row_hessians(c_k: &[f64], n_heads: usize, n_kv: usize, rope: &RopeAverage) -> Vec<f64> {
+    assert!(n_kv > 0 && n_heads % n_kv == 0);
+    let per_kv = rope.apply_all(c_k);
+    let dd = per_kv.len() / n_kv;
+    let gs = n_heads / n_kv;
+    (0..n_heads)
+        .flat_map(|h| per_kv[(h / gs) * dd..(h / gs + 1) * dd].to_vec())
+        .collect()
+}
+
+/// H_row for W_K [n_kv × d_h × d_h]: mean_p R_pᵀ C̄_Q R_p with C̄_Q the group-averaged post-RoPE query
+/// covariance (`HeadCovAccumulator::group_means(n_kv)` of the queries).
+pub fn k_row_hessians(c_q_group_mean: &[f64], rope: &RopeAverage) -> Vec<f64> {
+    rope.apply_all(c_q_group_mean)
+}
+
+/// H_row for W_V from the paper's Table 1: W_out,hᵀ W_out,h [d_h × d_h] per KV head, averaged
+/// over the query heads sharing the KV head. `w_o` is o_proj [d_model × n_heads·d_h] (y = W_o x).
+pub fn v_row_hessians_from_wout(
+    w_o: &[f32],
+    d_model: usize,
+    n_heads: usize,
+    n_kv: usize,
+    d_h: usize,
+) -> Vec<f64> {
+    assert_eq!(
+        w_o.len(),
+        d_model * n_heads * d_h,
+        "W_o is not [{d_model} × {n_heads}·{d_h}]"
+    );
+    assert!(n_kv > 0 && n_heads % n_kv == 0);
+    let gs = n_heads / n_kv;
+    let ld = n_heads * d_h;
+    let mut out = vec![0.0; n_kv * d_h * d_h];
+    for h in 0..n_heads {
+        let o = &mut out[(h / gs) * d_h * d_h..(h / gs + 1) * d_h * d_h];
+        for r in 0..d_model {
+            let row = &w_o[r * ld + h * d_h..r * ld + (h + 1) * d_h];
+            for a in 0..d_h {
+                for b in 0..d_h {
+                    o[a * d_h + b] += row[a] as f64 * row[b] as f64 / gs as f64;
+                }
+            }
+        }
+    }
+    out
+}
+
+/// H_row = I for W_V (the reference code's choice), [n_kv × d_h × d_h].
+pub fn identity_row_hessians(n: usize, d_h: usize) -> Vec<f64> {
+    let mut out = vec![0.0; n * d_h * d_h];
+    for h in 0..n {
+        for i in 0..d_h {
+            out[h * d_h * d_h + i * d_h + i] = 1.0;
+        }
+    }
+    out
+}
+
+/// W_V's per-KV-head H_col = (2/N) Σ_seq (A_h X)ᵀ (A_h X), averaged over the query heads h sharing the KV head:
+/// the covariance of the attention-weighted block inputs (Table 1: 2 X A_hᵀ A_h Xᵀ).
+#[derive(Clone, Debug)]
+pub struct VColAccumulator {
+    d: usize,
+    n_heads: usize,
+    n_kv: usize,
+    sums: Vec<f64>,
+    n: usize,
+}
+
+impl VColAccumulator {
+    pub fn new(d: usize, n_heads: usize, n_kv: usize) -> Self {
+        assert!(
+            n_kv > 0 && n_heads % n_kv == 0,
+            "{n_heads} heads not divisible into {n_kv} KV heads"
+        );
+        Self {
+            d,
+            n_heads,
+            n_kv,
+            sums: vec![0.0; n_kv * d * d],
+            n: 0,
+        }
+    }
+
+    /// One sequence: X [t × d] (block input, one token per row) and the causal softmax probabilities
+    /// `probs` [n_heads × t × t] (row i: query position i).
+    pub fn add_sequence(&mut self, x: &[f32], probs: &[f32], t: usize) {
+        let d = self.d;
+        assert_eq!(x.len(), t * d, "X is not [{t} × {d}]");
+        assert_eq!(
+            probs.len(),
+            self.n_heads * t * t,
+            "A is not [{} × {t} × {t}]",
+            self.n_heads
+        );
+        let gs = self.n_heads / self.n_kv;
+        let mut y = vec![0f32; t * d];
+        let mut s = Vec::new();
+        let xr = MatRef::from_row_major_slice(x, t, d);
+        for h in 0..self.n_heads {
+            let a = MatRef::from_row_major_slice(&probs[h * t * t..(h + 1) * t * t], t, t);
+            matmul(
+                MatMut::from_row_major_slice_mut(&mut y, t, d),
+                Accum::Replace,
+                a,
+                xr,
+                1.0f32,
+                Par::Seq,
+            );
+            let kv = h / gs;
+            add_xxt_f64(
+                &mut self.sums[kv * d * d..(kv + 1) * d * d],
+                &y,
+                t,
+                d,
+                d,
+                &mut s,
+            );
+        }
+        self.n += t;
+    }
+
+    /// [n_kv × d × d]: (2/N) Σ, averaged over each KV head's query heads.
+    pub fn hessians(&self) -> Vec<f64> {
+        let gs = (self.n_heads / self.n_kv) as f64;
+        let dd = self.d * self.d;
+        self.sums
+            .chunks(dd)
+            .flat_map(|s| finish(s, self.d, self.n, gs))
+            .collect()
+    }
+}

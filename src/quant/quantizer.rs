@@ -1,0 +1,392 @@
+//! The uniform quantizer of design.md §4.1 and its scale/zero search.
+//!
+//! Formulas (kept as two tiny scalar functions, [`quantize`] and [`dequantize`], so they can move verbatim into
+//! the C header shared with the CUDA kernels):
+//!   q = clamp(round(w/s) + z, 0, maxq),  ŵ = s·(q − z),  maxq = 2^b − 1.
+//! Rounding is half-to-even, as `torch.round` (which GPTQ's reference quantizer uses); it is used everywhere,
+//! including the search, through [`Real::round_ties_even`].
+//!
+//! Scale search: the range [min(w,0), max(w,0)] is shrunk by p = 1 − i/100, i = 0..99; asymmetric grids try
+//! both floor and ceil of −min/s for z. Each candidate is scored by
+//!   * `Hessian`: Δ H Δᵀ with Δ = ŵ − w and H the matching diagonal block of H_col (the paper's Alg. 1 l.4,
+//!     min tr(ΔW H_col ΔWᵀ));
+//!   * `Mse`: Σ |Δ|^2.4 (GPTQ's `mse` option);
+//!   * `MinMax`: no search (p = 1, z = round(−min/s)).
+//!
+//! Why the Hessian score is incremental rather than a GEMM over all candidates: z = −p·min/(p·(max−min)/maxq)
+//! does not depend on p, so along the shrink path (s decreasing) each candidate's integer vector
+//! v = clamp(round(w/s), −z, maxq − z) = q − z changes in only a few entries (each entry moves monotonically
+//! towards a clamp bound: at most ~maxq changes over the whole path). With u = H v, a = vᵀHv and b = vᵀHw
+//! kept up to date (a change δ at entry i costs one row of H: a += δ(2u_i + δH_ii), b += δ(Hw)_i,
+//! u += δ H_i,:), the score Δ H Δᵀ = s²a − 2s b + wᵀHw costs O(g²·changes) per row instead of O(g²·200).
+//! H is scored in f32 (u, H block) with f64 accumulators a, b; the constant wᵀHw is dropped.
+
+use super::Real;
+use rayon::prelude::*;
+
+/// How a grid's scale and zero are chosen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScaleSearch {
+    /// Shrink grid scored by the Hessian-weighted error Δ H Δᵀ (default for GPTQ and BoA).
+    Hessian,
+    /// Shrink grid scored by Σ |Δ|^2.4.
+    Mse,
+    /// No search: the min-max range.
+    MinMax,
+}
+
+/// What to quantize to (design.md §4.1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QuantSpec {
+    /// 2, 3, 4 or 8.
+    pub bits: u32,
+    /// Input columns per group; None = one grid per output channel (group size −1).
+    pub group_size: Option<usize>,
+    pub sym: bool,
+    pub search: ScaleSearch,
+}
+
+/// Number of shrink steps of the search grid (p = 1 − i/100, i = 0..99).
+pub const SHRINK_STEPS: usize = 100;
+/// Exponent of the `Mse` score (GPTQ's `norm=2.4`).
+pub const MSE_NORM: f64 = 2.4;
+
+impl QuantSpec {
+    pub fn new(bits: u32, group_size: Option<usize>, sym: bool, search: ScaleSearch) -> Self {
+        Self {
+            bits,
+            group_size,
+            sym,
+            search,
+        }
+    }
+
+    pub fn validate(&self) -> anyhow::Result<()> {
+        if ![2, 3, 4, 8].contains(&self.bits) {
+            return Err(crate::input_err!(
+                "unsupported bit width {} (expected 2, 3, 4 or 8)",
+                self.bits
+            ));
+        }
+        if self.group_size == Some(0) {
+            return Err(crate::input_err!(
+                "group size must be positive (or -1 for per channel)"
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn maxq(&self) -> u32 {
+        (1u32 << self.bits) - 1
+    }
+
+    /// Group size in columns for a matrix with `d_in` inputs (d_in for per channel).
+    pub fn group_len(&self, d_in: usize) -> usize {
+        self.group_size.unwrap_or(d_in).min(d_in).max(1)
+    }
+
+    /// Number of groups along d_in (a trailing partial group counts).
+    pub fn n_groups(&self, d_in: usize) -> usize {
+        d_in.div_ceil(self.group_len(d_in))
+    }
+}
+
+/// One quantization grid: ŵ = scale·(q − zero); zero is integer-valued.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Grid<T> {
+    pub scale: T,
+    pub zero: T,
+}
+
+/// q = clamp(round(w/s) + z, 0, maxq) (design.md §4.1). Returns the integer code as a float.
+#[inline(always)]
+pub fn quantize<T: Real>(w: T, scale: T, zero: T, maxq: T) -> T {
+    ((w / scale).round_ties_even() + zero)
+        .max(T::ZERO)
+        .min(maxq)
+}
+
+/// ŵ = s·(q − z) (design.md §4.1).
+#[inline(always)]
+pub fn dequantize<T: Real>(q: T, scale: T, zero: T) -> T {
+    scale * (q - zero)
+}
+
+/// The range [min(w,0), max(w,0)] (symmetric: [−m, m], m = max(|min|, max)); all-zero → [−1, 1].
+fn range<T: Real>(w: &[T], sym: bool) -> (T, T) {
+    let mut lo = T::ZERO;
+    let mut hi = T::ZERO;
+    for &x in w {
+        lo = lo.min(x);
+        hi = hi.max(x);
+    }
+    if sym {
+        hi = hi.max(lo.abs());
+        lo = -hi;
+    }
+    if lo == T::ZERO && hi == T::ZERO {
+        (-T::ONE, T::ONE)
+    } else {
+        (lo, hi)
+    }
+}
+
+/// The candidates (scale, zero) of one shrink step p: one zero for symmetric, floor and ceil of −min/s for
+/// asymmetric (one when they coincide). `p = 1` with `round` zero is the min-max grid.
+fn candidates<T: Real>(lo: T, hi: T, p: T, maxq: T, sym: bool) -> (T, [T; 2], usize) {
+    let (lo, hi) = (p * lo, p * hi);
+    let scale = (hi - lo) / maxq;
+    if sym {
+        (scale, [(maxq + T::ONE) / T::from_f64(2.0), T::ZERO], 1)
+    } else {
+        let z = -lo / scale;
+        let (zf, zc) = (z.floor(), z.ceil());
+        if zf == zc {
+            (scale, [zf, zf], 1)
+        } else {
+            (scale, [zf, zc], 2)
+        }
+    }
+}
+
+/// The min-max grid of `w` (no search).
+pub fn minmax_grid<T: Real>(w: &[T], maxq: u32, sym: bool) -> Grid<T> {
+    let maxq = T::from_f64(maxq as f64);
+    let (lo, hi) = range(w, sym);
+    let scale = (hi - lo) / maxq;
+    let zero = if sym {
+        (maxq + T::ONE) / T::from_f64(2.0)
+    } else {
+        (-lo / scale).round_ties_even()
+    };
+    Grid { scale, zero }
+}
+
+/// Search the grid of one row or (row, group) `w` [g]. `h` is the matching [g × g] diagonal block of H_col
+/// (f32, row-major), required for `ScaleSearch::Hessian`.
+pub fn search_grid<T: Real>(w: &[T], h: Option<&[f32]>, spec: &QuantSpec) -> Grid<T> {
+    match spec.search {
+        ScaleSearch::MinMax => minmax_grid(w, spec.maxq(), spec.sym),
+        ScaleSearch::Mse => mse_search(w, spec),
+        ScaleSearch::Hessian => {
+            let h = h.expect("Hessian scale search needs the H_col block");
+            assert_eq!(
+                h.len(),
+                w.len() * w.len(),
+                "H block is not [g × g] for g = {}",
+                w.len()
+            );
+            hessian_search(w, h, spec)
+        }
+    }
+}
+
+fn shrink(i: usize) -> f64 {
+    1.0 - i as f64 / SHRINK_STEPS as f64
+}
+
+fn mse_search<T: Real>(w: &[T], spec: &QuantSpec) -> Grid<T> {
+    let maxq = T::from_f64(spec.maxq() as f64);
+    let (lo, hi) = range(w, spec.sym);
+    let mut best = (f64::INFINITY, Grid::default());
+    for i in 0..SHRINK_STEPS {
+        let (scale, zs, nz) = candidates(lo, hi, T::from_f64(shrink(i)), maxq, spec.sym);
+        for &zero in &zs[..nz] {
+            let err: f64 = w
+                .iter()
+                .map(|&x| {
+                    let d = dequantize(quantize(x, scale, zero, maxq), scale, zero) - x;
+                    d.to_f64().abs().powf(MSE_NORM)
+                })
+                .sum();
+            if err < best.0 {
+                best = (err, Grid { scale, zero });
+            }
+        }
+    }
+    best.1
+}
+
+/// State of one zero-candidate chain (floor or ceil) along the shrink path; see the module comment.
+struct Chain<T> {
+    zero: Option<T>,
+    v: Vec<i32>,
+    u: Vec<f32>,
+    a: f64,
+    b: f64,
+}
+
+fn hessian_search<T: Real>(w: &[T], h: &[f32], spec: &QuantSpec) -> Grid<T> {
+    let g = w.len();
+    let maxq = T::from_f64(spec.maxq() as f64);
+    let (lo, hi) = range(w, spec.sym);
+    // Hw in f64: b = vᵀ(Hw).
+    let hw: Vec<f64> = (0..g)
+        .map(|i| {
+            h[i * g..(i + 1) * g]
+                .iter()
+                .zip(w)
+                .map(|(&hij, &x)| hij as f64 * x.to_f64())
+                .sum()
+        })
+        .collect();
+    let new_chain = || Chain::<T> {
+        zero: None,
+        v: vec![0; g],
+        u: vec![0.0; g],
+        a: 0.0,
+        b: 0.0,
+    };
+    let mut chains = [new_chain(), new_chain()];
+    let mut best = (f64::INFINITY, Grid::default());
+    for i in 0..SHRINK_STEPS {
+        let (scale, zs, nz) = candidates(lo, hi, T::from_f64(shrink(i)), maxq, spec.sym);
+        for (k, &zero) in zs[..nz].iter().enumerate() {
+            let ch = &mut chains[k];
+            // q − z = clamp(round(w/s), −z, maxq − z): integers, exact in float.
+            let vlo = -zero.to_f64() as i32;
+            let vhi = (maxq - zero).to_f64() as i32;
+            let level = |x: T| ((x / scale).round_ties_even().to_f64() as i32).clamp(vlo, vhi);
+            if ch.zero != Some(zero) {
+                for (v, &x) in ch.v.iter_mut().zip(w) {
+                    *v = level(x);
+                }
+                ch.u.iter_mut().for_each(|u| *u = 0.0);
+                for (j, &vj) in ch.v.iter().enumerate() {
+                    if vj != 0 {
+                        let hr = &h[j * g..(j + 1) * g];
+                        let vj = vj as f32;
+                        ch.u.iter_mut().zip(hr).for_each(|(u, &hh)| *u += vj * hh);
+                    }
+                }
+                ch.a =
+                    ch.v.iter()
+                        .zip(&ch.u)
+                        .map(|(&v, &u)| v as f64 * u as f64)
+                        .sum();
+                ch.b = ch.v.iter().zip(&hw).map(|(&v, &x)| v as f64 * x).sum();
+                ch.zero = Some(zero);
+            } else {
+                for (j, &x) in w.iter().enumerate() {
+                    let nv = level(x);
+                    let d = nv - ch.v[j];
+                    if d != 0 {
+                        let df = d as f64;
+                        ch.a += df * (2.0 * ch.u[j] as f64 + df * h[j * g + j] as f64);
+                        ch.b += df * hw[j];
+                        let hr = &h[j * g..(j + 1) * g];
+                        let d32 = d as f32;
+                        ch.u.iter_mut().zip(hr).for_each(|(u, &hh)| *u += d32 * hh);
+                        ch.v[j] = nv;
+                    }
+                }
+            }
+            let s = scale.to_f64();
+            let score = s * s * ch.a - 2.0 * s * ch.b;
+            if score < best.0 {
+                best = (score, Grid { scale, zero });
+            }
+        }
+    }
+    best.1
+}
+
+/// Searches the grids of `rows` rows of W (row stride `ld`) over the columns `c0..c0 + len`, in parallel over
+/// rows. `h` is the [len × len] H_col block for those columns (f32), needed by the Hessian search.
+pub fn search_grids_rows<T: Real>(
+    w: &[T],
+    rows: usize,
+    ld: usize,
+    c0: usize,
+    len: usize,
+    h: Option<&[f32]>,
+    spec: &QuantSpec,
+) -> Vec<Grid<T>> {
+    (0..rows)
+        .into_par_iter()
+        .map(|r| search_grid(&w[r * ld + c0..r * ld + c0 + len], h, spec))
+        .collect()
+}
+
+/// The [len × len] diagonal block of H [n × n] starting at c0, as f32 (for scoring).
+pub fn h_block_f32(h: &[f64], n: usize, c0: usize, len: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(len * len);
+    for i in c0..c0 + len {
+        out.extend(h[i * n + c0..i * n + c0 + len].iter().map(|&x| x as f32));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{RngExt, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    fn brute_score(w: &[f64], h: &[f32], g: Grid<f64>, maxq: f64) -> f64 {
+        let n = w.len();
+        let d: Vec<f64> = w
+            .iter()
+            .map(|&x| dequantize(quantize(x, g.scale, g.zero, maxq), g.scale, g.zero) - x)
+            .collect();
+        let mut s = 0.0;
+        for i in 0..n {
+            for j in 0..n {
+                s += d[i] * h[i * n + j] as f64 * d[j];
+            }
+        }
+        s
+    }
+
+    #[test]
+    fn formulas_round_half_to_even_and_clamp() {
+        assert_eq!(quantize(2.5f32, 1.0, 0.0, 7.0), 2.0);
+        assert_eq!(quantize(3.5f32, 1.0, 0.0, 7.0), 4.0);
+        assert_eq!(quantize(-9.0f32, 1.0, 3.0, 7.0), 0.0);
+        assert_eq!(quantize(90.0f32, 1.0, 3.0, 7.0), 7.0);
+        assert_eq!(dequantize(5.0f32, 0.5, 3.0), 1.0);
+        let g: Grid<f32> = minmax_grid(&[0.0, 0.0], 7, false);
+        assert_eq!((g.scale, g.zero), (2.0 / 7.0, 4.0)); // all-zero → [−1, 1]
+        let g: Grid<f32> = minmax_grid(&[-1.0, 3.0], 15, true);
+        assert_eq!((g.scale, g.zero), (6.0 / 15.0, 8.0));
+    }
+
+    /// The incremental Hessian search finds the candidate with the smallest brute-force Δ H Δᵀ.
+    #[test]
+    fn hessian_search_matches_brute_force() {
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        for &(g, bits, sym) in &[
+            (7usize, 2u32, false),
+            (33, 3, false),
+            (64, 4, true),
+            (20, 8, false),
+        ] {
+            let x: Vec<f64> = (0..g * 3 * g).map(|_| rng.random::<f64>() - 0.5).collect();
+            let mut h = vec![0f32; g * g];
+            for i in 0..g {
+                for j in 0..g {
+                    h[i * g + j] = (0..3 * g)
+                        .map(|t| x[i * 3 * g + t] * x[j * 3 * g + t])
+                        .sum::<f64>() as f32;
+                }
+            }
+            let w: Vec<f64> = (0..g).map(|_| rng.random::<f64>() * 2.0 - 0.7).collect();
+            let spec = QuantSpec::new(bits, None, sym, ScaleSearch::Hessian);
+            let maxq = spec.maxq() as f64;
+            let got = search_grid(&w, Some(&h), &spec);
+            let (lo, hi) = range(&w, sym);
+            let mut best = f64::INFINITY;
+            for i in 0..SHRINK_STEPS {
+                let (scale, zs, nz) = candidates(lo, hi, shrink(i), maxq, sym);
+                for &zero in &zs[..nz] {
+                    best = best.min(brute_score(&w, &h, Grid { scale, zero }, maxq));
+                }
+            }
+            let s = brute_score(&w, &h, got, maxq);
+            assert!(
+                s <= best * (1.0 + 1e-4) + 1e-12,
+                "g={g} b={bits}: {s} vs best {best}"
+            );
+        }
+    }
+}

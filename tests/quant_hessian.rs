@@ -1,0 +1,214 @@
+//! Hessian statistics against brute force (design.md §4.4): XXᵀ running mean is batch-order independent; the
+//! RoPE position average equals mean_p R_pᵀ C R_p with explicit R_p built from the forward's own `rope_head`;
+//! GQA grouping (C̄_Q averages the right query heads, Q's H_row takes its KV head's C_K, V's H_col averages
+//! the right heads) and the V statistic (2/N) Σ (A_h X)ᵀ(A_h X).
+
+#[path = "quant_common/mod.rs"]
+mod common;
+
+use boa_cuda::backend::cpu::{causal_softmax_probs, gather_head, rope_head};
+use boa_cuda::quant::hessian::{
+    HeadCovAccumulator, RopeAverage, VColAccumulator, XxtAccumulator, k_row_hessians,
+    q_row_hessians, v_row_hessians_from_wout,
+};
+use common::*;
+
+fn close(a: &[f64], b: &[f64], rtol: f64, what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    let scale = b.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert!((x - y).abs() <= rtol * scale, "{what}[{i}]: {x} vs {y}");
+    }
+}
+
+#[test]
+fn xxt_running_mean_any_batching() {
+    let (n, d) = (1100, 24);
+    let mut r = rng(1);
+    let x = to_f32(&correlated_inputs(&mut r, n, d));
+    let brute = xtx(&x.iter().map(|&v| v as f64).collect::<Vec<_>>(), n, d);
+    let mut a = XxtAccumulator::new(d);
+    a.add_batch(&x, n);
+    let mut b = XxtAccumulator::new(d);
+    for (t0, t1) in [(700, 1100), (0, 3), (3, 700)] {
+        b.add_batch(&x[t0 * d..t1 * d], t1 - t0);
+    }
+    assert_eq!(b.n_tokens(), n);
+    close(&a.hessian(), &brute, 1e-5, "one batch");
+    close(&b.hessian(), &a.hessian(), 1e-5, "three batches");
+    let h = a.hessian();
+    for i in 0..d {
+        for j in 0..d {
+            assert_eq!(h[i * d + j], h[j * d + i]);
+        }
+    }
+}
+
+/// mean_p R_pᵀ C R_p with R_p's columns = rope_head applied to basis vectors (the forward's convention).
+#[test]
+fn rope_average_equals_explicit_rotations() {
+    for &(d_h, seqlen, base) in &[(8usize, 37usize, 10000.0f64), (64, 300, 1e5)] {
+        let half = d_h / 2;
+        let mut r = rng(d_h as u64);
+        let c = random_spd(&mut r, d_h);
+        let inv_freq = RopeAverage::llama_inv_freq(d_h, base);
+        let ra = RopeAverage::new(&inv_freq, seqlen);
+        let mut brute = vec![0.0; d_h * d_h];
+        for p in 0..seqlen {
+            let cos: Vec<f32> = inv_freq
+                .iter()
+                .map(|&t| (p as f64 * t).cos() as f32)
+                .collect();
+            let sin: Vec<f32> = inv_freq
+                .iter()
+                .map(|&t| (p as f64 * t).sin() as f32)
+                .collect();
+            // R [d_h × d_h], column a = R e_a
+            let mut rm = vec![0.0; d_h * d_h];
+            for a in 0..d_h {
+                let mut e = vec![0f32; d_h];
+                e[a] = 1.0;
+                rope_head(&mut e, &cos[..half], &sin[..half]);
+                for (i, &v) in e.iter().enumerate() {
+                    rm[i * d_h + a] = v as f64;
+                }
+            }
+            // brute += Rᵀ (C R) / seqlen
+            let mut cr = vec![0.0; d_h * d_h];
+            for i in 0..d_h {
+                for j in 0..d_h {
+                    for b in 0..d_h {
+                        cr[i * d_h + b] += c[i * d_h + j] * rm[j * d_h + b];
+                    }
+                }
+            }
+            for a in 0..d_h {
+                for i in 0..d_h {
+                    for b in 0..d_h {
+                        brute[a * d_h + b] += rm[i * d_h + a] * cr[i * d_h + b] / seqlen as f64;
+                    }
+                }
+            }
+        }
+        close(&ra.apply(&c), &brute, 2e-6, "RoPE average");
+    }
+}
+
+#[test]
+fn gqa_grouping_of_query_key_statistics() {
+    let (n_heads, n_kv, d_h, m) = (6, 2, 4, 50);
+    let mut r = rng(3);
+    // head h's vectors are scaled by (h + 1), so a wrong grouping is visible
+    let mut qv = to_f32(&randn_vec(&mut r, m * n_heads * d_h));
+    for t in 0..m {
+        for h in 0..n_heads {
+            for i in 0..d_h {
+                qv[t * n_heads * d_h + h * d_h + i] *= (h + 1) as f32;
+            }
+        }
+    }
+    let mut acc = HeadCovAccumulator::new(n_heads, d_h);
+    acc.add_batch(&qv, m);
+    let per_head = acc.covariances();
+    let dd = d_h * d_h;
+    for h in 0..n_heads {
+        let xh: Vec<f64> = gather_head(&qv, m, n_heads, d_h, h)
+            .iter()
+            .map(|&v| v as f64)
+            .collect();
+        close(
+            &per_head[h * dd..(h + 1) * dd],
+            &xtx(&xh, m, d_h),
+            1e-5,
+            "per-head covariance",
+        );
+    }
+    // query heads 0,1,2 share KV head 0; 3,4,5 share KV head 1
+    let gm = acc.group_means(n_kv);
+    for kv in 0..n_kv {
+        let expect: Vec<f64> = (0..dd)
+            .map(|i| (0..3).map(|k| per_head[(kv * 3 + k) * dd + i]).sum::<f64>() / 3.0)
+            .collect();
+        close(&gm[kv * dd..(kv + 1) * dd], &expect, 1e-12, "C̄_Q");
+    }
+    let rope = RopeAverage::new(&RopeAverage::llama_inv_freq(d_h, 10000.0), 16);
+    let kr = k_row_hessians(&gm, &rope);
+    close(
+        &kr[dd..2 * dd],
+        &rope.apply(&gm[dd..2 * dd]),
+        0.0,
+        "K H_row",
+    );
+    // Q's H_row: query head h takes its KV head's C_K
+    let c_k = per_head[..n_kv * dd].to_vec();
+    let qr = q_row_hessians(&c_k, n_heads, n_kv, &rope);
+    for h in 0..n_heads {
+        close(
+            &qr[h * dd..(h + 1) * dd],
+            &rope.apply(&c_k[(h / 3) * dd..(h / 3 + 1) * dd]),
+            0.0,
+            "Q H_row",
+        );
+    }
+    // V's H_row option from W_out: averaged over the right heads
+    let d_model = 5;
+    let w_o = to_f32(&randn_vec(&mut r, d_model * n_heads * d_h));
+    let vr = v_row_hessians_from_wout(&w_o, d_model, n_heads, n_kv, d_h);
+    for kv in 0..n_kv {
+        for a in 0..d_h {
+            for b in 0..d_h {
+                let mut s = 0.0;
+                for h in kv * 3..kv * 3 + 3 {
+                    for row in 0..d_model {
+                        let ld = n_heads * d_h;
+                        s +=
+                            w_o[row * ld + h * d_h + a] as f64 * w_o[row * ld + h * d_h + b] as f64;
+                    }
+                }
+                assert!((vr[kv * dd + a * d_h + b] - s / 3.0).abs() < 1e-9);
+            }
+        }
+    }
+}
+
+#[test]
+fn v_column_statistic_matches_brute_force() {
+    let (n_heads, n_kv, d_h, d, t) = (4, 2, 4, 6, 9);
+    let mut r = rng(4);
+    let mut acc = VColAccumulator::new(d, n_heads, n_kv);
+    let mut brute = vec![0.0; n_kv * d * d];
+    let n_seq = 2;
+    for _ in 0..n_seq {
+        let x = to_f32(&randn_vec(&mut r, t * d));
+        let q = to_f32(&randn_vec(&mut r, t * n_heads * d_h));
+        let k = to_f32(&randn_vec(&mut r, t * n_kv * d_h));
+        let mut probs = Vec::new();
+        for h in 0..n_heads {
+            let qh = gather_head(&q, t, n_heads, d_h, h);
+            let kh = gather_head(&k, t, n_kv, d_h, h / 2);
+            probs.extend(causal_softmax_probs(&qh, &kh, t, d_h));
+        }
+        acc.add_sequence(&x, &probs, t);
+        for h in 0..n_heads {
+            let a = &probs[h * t * t..(h + 1) * t * t];
+            let mut y = vec![0.0; t * d]; // A_h X
+            for i in 0..t {
+                for j in 0..t {
+                    for c in 0..d {
+                        y[i * d + c] += a[i * t + j] as f64 * x[j * d + c] as f64;
+                    }
+                }
+            }
+            let kv = h / 2; // query heads 0,1 → KV 0; 2,3 → KV 1
+            for i in 0..t {
+                for a_ in 0..d {
+                    for b in 0..d {
+                        brute[kv * d * d + a_ * d + b] +=
+                            y[i * d + a_] * y[i * d + b] * 2.0 / (n_seq * t) as f64 / 2.0;
+                    }
+                }
+            }
+        }
+    }
+    close(&acc.hessians(), &brute, 1e-5, "V H_col");
+}
