@@ -147,14 +147,29 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.cmd {
         Cmd::Run(a) => {
             let progress = Progress::auto(a.quiet);
-            let layers = a.layers.as_deref().map(LayerSet::parse).transpose().map_err(|m| boa_cuda::input_err!("{m}"))?;
+            let layers = a
+                .layers
+                .as_deref()
+                .map(LayerSet::parse)
+                .transpose()
+                .map_err(|m| boa_cuda::input_err!("{m}"))?;
             let group_size = match a.group_size {
                 -1 => None,
                 g if g > 0 => Some(g as usize),
-                g => return Err(boa_cuda::input_err!("--group-size {g} is not supported (use -1 or a multiple of 16)")),
+                g => {
+                    return Err(boa_cuda::input_err!(
+                        "--group-size {g} is not supported (use -1 or a multiple of 16)"
+                    ));
+                }
             };
-            let seqlen = a.seqlen.unwrap_or(if a.device == Device::Cuda { 2048 } else { 512 });
-            let scale_search = a.scale_search.unwrap_or(if a.method == Method::Rtn { ScaleSearchArg::Minmax } else { ScaleSearchArg::Hessian });
+            let seqlen = a
+                .seqlen
+                .unwrap_or(if a.device == Device::Cuda { 2048 } else { 512 });
+            let scale_search = a.scale_search.unwrap_or(if a.method == Method::Rtn {
+                ScaleSearchArg::Minmax
+            } else {
+                ScaleSearchArg::Hessian
+            });
             let opts = RunOptions {
                 model: a.model,
                 calib: a.calib,
@@ -176,8 +191,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 device: a.device,
                 force: a.force,
             };
-            if opts.calib.is_empty() && !(opts.method == Method::Rtn && scale_search != ScaleSearchArg::Hessian) {
-                return Err(boa_cuda::input_err!("--calib is required for --method {:?}", opts.method));
+            if opts.calib.is_empty()
+                && !(opts.method == Method::Rtn && scale_search != ScaleSearchArg::Hessian)
+            {
+                return Err(boa_cuda::input_err!(
+                    "--calib is required for --method {:?}",
+                    opts.method
+                ));
             }
             let r = boa_cuda::pipeline::run(&opts, &progress)?;
             let (rtn, err) = r.mean_errors();
@@ -210,7 +230,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 s.n_tensors,
                 s.n_layers,
                 s.vocab_size,
-                if s.tie_word_embeddings { ", tied embeddings" } else { "" }
+                if s.tie_word_embeddings {
+                    ", tied embeddings"
+                } else {
+                    ""
+                }
             );
         }
         Cmd::Eval {

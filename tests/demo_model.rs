@@ -27,7 +27,10 @@ fn demo_perplexity_first_window_of_2016_address() {
     let v: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object");
     let ppl = v["perplexity"].as_f64().unwrap();
     let reference = 24.842;
-    assert!(((ppl - reference) / reference).abs() < 0.003, "perplexity {ppl} is not within 0.3% of {reference}");
+    assert!(
+        ((ppl - reference) / reference).abs() < 0.003,
+        "perplexity {ppl} is not within 0.3% of {reference}"
+    );
     assert_eq!(v["tokens"].as_u64(), Some(512));
     assert_eq!(v["windows"].as_u64(), Some(1));
 }

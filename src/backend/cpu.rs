@@ -175,8 +175,19 @@ impl Backend for CpuBackend {
         out
     }
 
-    fn attention_probs(&self, q: &[f32], k: &[f32], t: usize, h: usize, h_kv: usize, d_h: usize) -> Vec<f32> {
-        assert!(h_kv > 0 && h.is_multiple_of(h_kv), "attention: h={h} is not a multiple of h_kv={h_kv}");
+    fn attention_probs(
+        &self,
+        q: &[f32],
+        k: &[f32],
+        t: usize,
+        h: usize,
+        h_kv: usize,
+        d_h: usize,
+    ) -> Vec<f32> {
+        assert!(
+            h_kv > 0 && h.is_multiple_of(h_kv),
+            "attention: h={h} is not a multiple of h_kv={h_kv}"
+        );
         assert_eq!(q.len(), t * h * d_h);
         assert_eq!(k.len(), t * h_kv * d_h);
         let heads: Vec<Vec<f32>> = (0..h)

@@ -50,7 +50,15 @@ pub trait Backend: Send + Sync {
 
     /// The causal softmax probabilities A_h = softmax(Q_h K_hᵀ / √d_h) of every query head of ONE sequence:
     /// Q [t × h·d_h], K [t × h_kv·d_h] → [h × t × t] (zeros above the diagonal). V's statistics need them.
-    fn attention_probs(&self, q: &[f32], k: &[f32], t: usize, h: usize, h_kv: usize, d_h: usize) -> Vec<f32>;
+    fn attention_probs(
+        &self,
+        q: &[f32],
+        k: &[f32],
+        t: usize,
+        h: usize,
+        h_kv: usize,
+        d_h: usize,
+    ) -> Vec<f32>;
 
     /// SwiGLU: silu(gate) ⊙ up, elementwise.
     fn swiglu(&self, gate: &[f32], up: &[f32]) -> Vec<f32>;

@@ -27,7 +27,10 @@ pub struct OutFolder {
 
 /// `.NAME.partial` next to `out`.
 pub fn partial_path(out: &Path) -> PathBuf {
-    let name = out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "out".into());
+    let name = out
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "out".into());
     out.with_file_name(format!(".{name}.partial"))
 }
 
@@ -35,14 +38,25 @@ impl OutFolder {
     /// Refuses an existing `out` unless `force`; starts a fresh temporary folder (an old one is removed).
     pub fn create(out: &Path, force: bool, n_shards: usize) -> anyhow::Result<OutFolder> {
         if out.exists() && !force {
-            return Err(file_err(out, "already exists; choose another --out or pass --force to replace it"));
+            return Err(file_err(
+                out,
+                "already exists; choose another --out or pass --force to replace it",
+            ));
         }
         let tmp = partial_path(out);
         if tmp.exists() {
-            std::fs::remove_dir_all(&tmp).map_err(|e| file_err(&tmp, format!("cannot remove: {e}")))?;
+            std::fs::remove_dir_all(&tmp)
+                .map_err(|e| file_err(&tmp, format!("cannot remove: {e}")))?;
         }
-        std::fs::create_dir_all(&tmp).map_err(|e| file_err(&tmp, format!("cannot create the output folder: {e}")))?;
-        Ok(OutFolder { out: out.to_path_buf(), tmp, n_shards, weight_map: BTreeMap::new(), total_bytes: 0 })
+        std::fs::create_dir_all(&tmp)
+            .map_err(|e| file_err(&tmp, format!("cannot create the output folder: {e}")))?;
+        Ok(OutFolder {
+            out: out.to_path_buf(),
+            tmp,
+            n_shards,
+            weight_map: BTreeMap::new(),
+            total_bytes: 0,
+        })
     }
 
     pub fn shard_name(&self, i: usize) -> String {
@@ -55,7 +69,7 @@ impl OutFolder {
         write_safetensors(&self.tmp.join(&name), entries, meta)?;
         for e in entries {
             self.weight_map.insert(e.name.clone(), name.clone());
-            self.total_bytes += e.bytes.len() as u64;
+            self.total_bytes += e.len() as u64;
         }
         Ok(())
     }
@@ -71,7 +85,8 @@ impl OutFolder {
         for f in TOKENIZER_FILES {
             let p = src.join(f);
             if p.is_file() {
-                std::fs::copy(&p, self.tmp.join(f)).map_err(|e| file_err(&p, format!("cannot copy: {e}")))?;
+                std::fs::copy(&p, self.tmp.join(f))
+                    .map_err(|e| file_err(&p, format!("cannot copy: {e}")))?;
             }
         }
         Ok(())
@@ -87,13 +102,20 @@ impl OutFolder {
         if self.out.exists() {
             let old = self.out.with_file_name(format!(
                 ".{}.old",
-                self.out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
+                self.out
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default()
             ));
-            std::fs::rename(&self.out, &old).map_err(|e| file_err(&self.out, format!("cannot replace: {e}")))?;
-            std::fs::rename(&self.tmp, &self.out).map_err(|e| file_err(&self.out, format!("cannot publish: {e}")))?;
-            std::fs::remove_dir_all(&old).map_err(|e| file_err(&old, format!("cannot remove: {e}")))?;
+            std::fs::rename(&self.out, &old)
+                .map_err(|e| file_err(&self.out, format!("cannot replace: {e}")))?;
+            std::fs::rename(&self.tmp, &self.out)
+                .map_err(|e| file_err(&self.out, format!("cannot publish: {e}")))?;
+            std::fs::remove_dir_all(&old)
+                .map_err(|e| file_err(&old, format!("cannot remove: {e}")))?;
         } else {
-            std::fs::rename(&self.tmp, &self.out).map_err(|e| file_err(&self.out, format!("cannot publish: {e}")))?;
+            std::fs::rename(&self.tmp, &self.out)
+                .map_err(|e| file_err(&self.out, format!("cannot publish: {e}")))?;
         }
         Ok(self.out)
     }
@@ -102,8 +124,14 @@ impl OutFolder {
 /// f32 values as little-endian bytes of `dtype` (F32, F16 or BF16).
 pub fn f32_to_bytes(dtype: Dtype, v: &[f32]) -> Vec<u8> {
     match dtype {
-        Dtype::F16 => v.iter().flat_map(|x| f16::from_f32(*x).to_le_bytes()).collect(),
-        Dtype::BF16 => v.iter().flat_map(|x| bf16::from_f32(*x).to_le_bytes()).collect(),
+        Dtype::F16 => v
+            .iter()
+            .flat_map(|x| f16::from_f32(*x).to_le_bytes())
+            .collect(),
+        Dtype::BF16 => v
+            .iter()
+            .flat_map(|x| bf16::from_f32(*x).to_le_bytes())
+            .collect(),
         Dtype::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
         other => panic!("f32_to_bytes: {other:?} is not a float dtype"),
     }

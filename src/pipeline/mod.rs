@@ -34,12 +34,20 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
     }
     let model = Model::open(&opts.model)?;
     let cfg = &model.cfg;
-    let layers = opts.layers.clone().unwrap_or_else(|| LayerSet::all(cfg.n_layers));
-    layers.check(cfg.n_layers).map_err(|m| crate::input_err!("{m}"))?;
+    let layers = opts
+        .layers
+        .clone()
+        .unwrap_or_else(|| LayerSet::all(cfg.n_layers));
+    layers
+        .check(cfg.n_layers)
+        .map_err(|m| crate::input_err!("{m}"))?;
     if let Some(g) = opts.group_size
         && g > cfg.d.min(cfg.d_ff)
     {
-        return Err(crate::input_err!("--group-size {g} is larger than the layers' input width {}", cfg.d));
+        return Err(crate::input_err!(
+            "--group-size {g} is larger than the layers' input width {}",
+            cfg.d
+        ));
     }
     // RTN with min-max or MSE scales never looks at activations.
     let needs_calib = opts.method != Method::Rtn || opts.scale_search == ScaleSearchArg::Hessian;
@@ -92,7 +100,16 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
             let mut w = model.load_block(l)?;
             check_finite(&w, l)?;
             let stats = needs_calib.then(|| {
-                stats::collect(be.as_ref(), &w, cfg, &rope, &x, n_seq, CHUNK, opts.method == Method::Boa)
+                stats::collect(
+                    be.as_ref(),
+                    &w,
+                    cfg,
+                    &rope,
+                    &x,
+                    n_seq,
+                    CHUNK,
+                    opts.method == Method::Boa,
+                )
             });
             if let Some(s) = &stats {
                 timings.forward += s.forward_time.as_secs_f64();
@@ -110,7 +127,10 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
             let t = Instant::now();
             folder.write_shard(l, &quantized_entries(&model, l, &w, out_dtype)?)?;
             timings.write += t.elapsed().as_secs_f64();
-            reports.push(LayerReport { layer: l, linears: quantized.into_iter().map(|(_, r)| r).collect() });
+            reports.push(LayerReport {
+                layer: l,
+                linears: quantized.into_iter().map(|(_, r)| r).collect(),
+            });
             bar.inc(1);
         }
         bar.finish();
@@ -149,7 +169,15 @@ fn forward_all(
     let rows = rope.t * model.cfg.d;
     for s0 in (0..n_seq).step_by(CHUNK) {
         let ns = CHUNK.min(n_seq - s0);
-        block_forward(be, w, &model.cfg, rope, &mut x[s0 * rows..(s0 + ns) * rows], ns, None);
+        block_forward(
+            be,
+            w,
+            &model.cfg,
+            rope,
+            &mut x[s0 * rows..(s0 + ns) * rows],
+            ns,
+            None,
+        );
     }
 }
 
@@ -174,7 +202,12 @@ fn stored_entries(model: &Model, l: usize) -> anyhow::Result<Vec<TensorEntry<'_>
         .filter(|(n, _)| model.store.contains(n))
         .map(|(name, _)| {
             let e = model.store.entry(&name).expect("checked").clone();
-            Ok(TensorEntry::new(name.clone(), e.dtype, e.shape, model.store.bytes(&name)?))
+            Ok(TensorEntry::new(
+                name.clone(),
+                e.dtype,
+                e.shape,
+                model.store.bytes(&name)?,
+            ))
         })
         .collect()
 }
@@ -188,9 +221,20 @@ fn quantized_entries<'a>(
 ) -> anyhow::Result<Vec<TensorEntry<'a>>> {
     let mut out = stored_entries(model, l)?;
     for e in out.iter_mut() {
-        let short = e.name.trim_start_matches(&format!("model.layers.{l}.")).to_string();
-        if let Some(lin) = short.strip_suffix(".weight").filter(|n| LINEAR_NAMES.contains(n)) {
-            *e = TensorEntry::new(e.name.clone(), dtype, e.shape.clone(), f32_to_bytes(dtype, &w.linear(lin).w));
+        let short = e
+            .name
+            .trim_start_matches(&format!("model.layers.{l}."))
+            .to_string();
+        if let Some(lin) = short
+            .strip_suffix(".weight")
+            .filter(|n| LINEAR_NAMES.contains(n))
+        {
+            *e = TensorEntry::new(
+                e.name.clone(),
+                dtype,
+                e.shape.clone(),
+                f32_to_bytes(dtype, &w.linear(lin).w),
+            );
         }
     }
     Ok(out)
@@ -205,8 +249,16 @@ fn global_entries(model: &Model) -> anyhow::Result<Vec<TensorEntry<'_>>> {
     names
         .into_iter()
         .map(|n| {
-            let e = model.store.entry(n).ok_or_else(|| file_err(&model.dir, format!("tensor {n} is missing")))?;
-            Ok(TensorEntry::new(n, e.dtype, e.shape.clone(), model.store.bytes(n)?))
+            let e = model
+                .store
+                .entry(n)
+                .ok_or_else(|| file_err(&model.dir, format!("tensor {n} is missing")))?;
+            Ok(TensorEntry::new(
+                n,
+                e.dtype,
+                e.shape.clone(),
+                model.store.bytes(n)?,
+            ))
         })
         .collect()
 }

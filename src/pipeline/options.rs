@@ -43,11 +43,14 @@ impl LayerSet {
     pub fn parse(s: &str) -> Result<LayerSet, String> {
         let mut set = BTreeSet::new();
         for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-            let bad = || format!("invalid layer range {part:?} in --layers (expected e.g. 0-3,8,10-12)");
+            let bad =
+                || format!("invalid layer range {part:?} in --layers (expected e.g. 0-3,8,10-12)");
             match part.split_once('-') {
                 Some((a, b)) => {
-                    let (a, b): (usize, usize) =
-                        (a.trim().parse().map_err(|_| bad())?, b.trim().parse().map_err(|_| bad())?);
+                    let (a, b): (usize, usize) = (
+                        a.trim().parse().map_err(|_| bad())?,
+                        b.trim().parse().map_err(|_| bad())?,
+                    );
                     if a > b {
                         return Err(bad());
                     }
@@ -75,7 +78,10 @@ impl LayerSet {
     /// Errors when a layer is outside a model of `n_layers`.
     pub fn check(&self, n_layers: usize) -> Result<(), String> {
         match self.0.iter().find(|&&l| l >= n_layers) {
-            Some(l) => Err(format!("--layers names layer {l}, but the model has layers 0-{}", n_layers - 1)),
+            Some(l) => Err(format!(
+                "--layers names layer {l}, but the model has layers 0-{}",
+                n_layers - 1
+            )),
             None => Ok(()),
         }
     }
@@ -113,12 +119,17 @@ impl RunOptions {
     /// Checks what can be checked without the model.
     pub fn validate(&self) -> Result<(), String> {
         if !SUPPORTED_WBITS.contains(&self.wbits) {
-            return Err(format!("--wbits {} is not supported (supported: 2, 3, 4, 8)", self.wbits));
+            return Err(format!(
+                "--wbits {} is not supported (supported: 2, 3, 4, 8)",
+                self.wbits
+            ));
         }
         if let Some(g) = self.group_size
             && (g < 16 || g % 16 != 0)
         {
-            return Err(format!("--group-size {g} is not supported (use -1 or a multiple of 16: 32, 64, 128, …)"));
+            return Err(format!(
+                "--group-size {g} is not supported (use -1 or a multiple of 16: 32, 64, 128, …)"
+            ));
         }
         if self.nsamples == 0 || self.seqlen < 2 {
             return Err("--nsamples must be at least 1 and --seqlen at least 2".into());

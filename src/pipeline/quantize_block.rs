@@ -7,7 +7,9 @@ use crate::model::Config;
 use crate::model::llama::{BlockWeights, LINEAR_NAMES};
 use crate::quant::boa::{BoaOptions, ColHessian, boa_quantize};
 use crate::quant::gptq::{GptqOptions, Quantized, gptq_quantize};
-use crate::quant::hessian::{RopeAverage, identity_row_hessians, k_row_hessians, q_row_hessians, v_row_hessians_from_wout};
+use crate::quant::hessian::{
+    RopeAverage, identity_row_hessians, k_row_hessians, q_row_hessians, v_row_hessians_from_wout,
+};
 use crate::quant::rtn::rtn_quantize;
 use crate::quant::{QuantSpec, ScaleSearch};
 use anyhow::Context;
@@ -51,7 +53,14 @@ pub fn relative_error(w: &[f32], w_hat: &[f32], h: &[f64], d_in: usize) -> f64 {
     let quad = |v: &dyn Fn(usize) -> f64| -> f64 {
         let a = Mat::<f64>::from_fn(d_out, d_in, |r, c| v(r * d_in + c));
         let mut ah = Mat::<f64>::zeros(d_out, d_in);
-        matmul(ah.as_mut(), Accum::Replace, a.as_ref(), hm, 1.0, Par::rayon(0));
+        matmul(
+            ah.as_mut(),
+            Accum::Replace,
+            a.as_ref(),
+            hm,
+            1.0,
+            Par::rayon(0),
+        );
         let mut total = 0.0;
         for c in 0..d_in {
             for r in 0..d_out {
@@ -101,12 +110,20 @@ pub fn quantize_block(
         } else {
             hess(name)
         };
-        let is_qkv = matches!(name, "self_attn.q_proj" | "self_attn.k_proj" | "self_attn.v_proj");
+        let is_qkv = matches!(
+            name,
+            "self_attn.q_proj" | "self_attn.k_proj" | "self_attn.v_proj"
+        );
         let ctx = || format!("layer {layer} {name}");
         let (q, method) = match (opts.method, h.as_ref()) {
             (Method::Rtn, _) | (_, None) => {
-                let hs = h.as_deref().filter(|_| opts.scale_search == ScaleSearchArg::Hessian);
-                (rtn_quantize(&lin.w, d_out, d_in, hs, &spec(opts)).with_context(ctx)?, "rtn")
+                let hs = h
+                    .as_deref()
+                    .filter(|_| opts.scale_search == ScaleSearchArg::Hessian);
+                (
+                    rtn_quantize(&lin.w, d_out, d_in, hs, &spec(opts)).with_context(ctx)?,
+                    "rtn",
+                )
             }
             (Method::Boa, Some(h)) if is_qkv => {
                 let s = stats.expect("BoA has statistics");
@@ -120,35 +137,64 @@ pub fn quantize_block(
                         ColHessian::Shared(h),
                         q_row_hessians(&s.c_k.covariances(), cfg.n_heads, cfg.n_kv_heads, &rope),
                     ),
-                    "self_attn.k_proj" => {
-                        (ColHessian::Shared(h), k_row_hessians(&s.c_q.group_means(cfg.n_kv_heads), &rope))
-                    }
+                    "self_attn.k_proj" => (
+                        ColHessian::Shared(h),
+                        k_row_hessians(&s.c_q.group_means(cfg.n_kv_heads), &rope),
+                    ),
                     _ => {
-                        v_col = s.v_col.as_ref().expect("BoA collects V statistics").hessians();
+                        v_col = s
+                            .v_col
+                            .as_ref()
+                            .expect("BoA collects V statistics")
+                            .hessians();
                         let h_row = match opts.v_row_hessian {
                             VRowHessian::Identity => identity_row_hessians(cfg.n_kv_heads, d_h),
-                            VRowHessian::Wout => {
-                                v_row_hessians_from_wout(&w_o, cfg.d, cfg.n_heads, cfg.n_kv_heads, d_h)
-                            }
+                            VRowHessian::Wout => v_row_hessians_from_wout(
+                                &w_o,
+                                cfg.d,
+                                cfg.n_heads,
+                                cfg.n_kv_heads,
+                                d_h,
+                            ),
                         };
                         (ColHessian::PerHead(&v_col), h_row)
                     }
                 };
-                (boa_quantize(&lin.w, n_heads, d_h, d_in, h_col, &h_row, &b).with_context(ctx)?, "boa")
+                (
+                    boa_quantize(&lin.w, n_heads, d_h, d_in, h_col, &h_row, &b)
+                        .with_context(ctx)?,
+                    "boa",
+                )
             }
-            (_, Some(h)) => (gptq_quantize(&lin.w, d_out, d_in, h, &g).with_context(ctx)?, "gptq"),
+            (_, Some(h)) => (
+                gptq_quantize(&lin.w, d_out, d_in, h, &g).with_context(ctx)?,
+                "gptq",
+            ),
         };
         let (rtn_error, error) = match &h {
             Some(h) => {
-                let minmax = QuantSpec::new(opts.wbits, opts.group_size, opts.sym, ScaleSearch::MinMax);
+                let minmax =
+                    QuantSpec::new(opts.wbits, opts.group_size, opts.sym, ScaleSearch::MinMax);
                 let r = rtn_quantize(&lin.w, d_out, d_in, None, &minmax).with_context(ctx)?;
-                (relative_error(&lin.w, &r.w_hat, h, d_in), relative_error(&lin.w, &q.w_hat, h, d_in))
+                (
+                    relative_error(&lin.w, &r.w_hat, h, d_in),
+                    relative_error(&lin.w, &q.w_hat, h, d_in),
+                )
             }
             None => (f64::NAN, f64::NAN),
         };
         w.linear_mut(name).w.clone_from(&q.w_hat);
         let seconds = start.elapsed().as_secs_f64();
-        out.push((q, LinearReport { name: name.into(), method, rtn_error, error, seconds }));
+        out.push((
+            q,
+            LinearReport {
+                name: name.into(),
+                method,
+                rtn_error,
+                error,
+                seconds,
+            },
+        ));
     }
     Ok(out)
 }

@@ -54,7 +54,10 @@ impl RunReport {
     pub fn mean_errors(&self) -> (f64, f64) {
         let all: Vec<&LinearReport> = self.layers.iter().flat_map(|l| &l.linears).collect();
         let n = all.len().max(1) as f64;
-        (all.iter().map(|r| r.rtn_error).sum::<f64>() / n, all.iter().map(|r| r.error).sum::<f64>() / n)
+        (
+            all.iter().map(|r| r.rtn_error).sum::<f64>() / n,
+            all.iter().map(|r| r.error).sum::<f64>() / n,
+        )
     }
 }
 

@@ -66,7 +66,10 @@ pub fn collect(
             s.c_q.add_batch(&tr.q, m);
             let v_col = s.v_col.as_mut().expect("attention-aware");
             for q in 0..ns {
-                let (qs, ks) = (&tr.q[q * t * h * d_h..(q + 1) * t * h * d_h], &tr.k[q * t * h_kv * d_h..(q + 1) * t * h_kv * d_h]);
+                let (qs, ks) = (
+                    &tr.q[q * t * h * d_h..(q + 1) * t * h * d_h],
+                    &tr.k[q * t * h_kv * d_h..(q + 1) * t * h_kv * d_h],
+                );
                 let probs = be.attention_probs(qs, ks, t, h, h_kv, d_h);
                 v_col.add_sequence(&tr.x_attn[q * t * d..(q + 1) * t * d], &probs, t);
             }

@@ -250,7 +250,15 @@ impl Backend for CudaBackend {
     }
 
     // The V statistics' probabilities move to a fused kernel with the quantization-core issue.
-    fn attention_probs(&self, q: &[f32], k: &[f32], t: usize, h: usize, h_kv: usize, d_h: usize) -> Vec<f32> {
+    fn attention_probs(
+        &self,
+        q: &[f32],
+        k: &[f32],
+        t: usize,
+        h: usize,
+        h_kv: usize,
+        d_h: usize,
+    ) -> Vec<f32> {
         CpuBackend.attention_probs(q, k, t, h, h_kv, d_h)
     }
 
