@@ -15,7 +15,9 @@ use common::*;
 fn layer_loss(w: &[f32], w_hat: &[f32], rows: usize, n: usize, h: &[f64]) -> f64 {
     let mut s = 0.0;
     for r in 0..rows {
-        let d: Vec<f64> = (0..n).map(|c| (w_hat[r * n + c] - w[r * n + c]) as f64).collect();
+        let d: Vec<f64> = (0..n)
+            .map(|c| (w_hat[r * n + c] - w[r * n + c]) as f64)
+            .collect();
         for i in 0..n {
             let hi: f64 = (0..n).map(|j| h[i * n + j] * d[j]).sum();
             s += d[i] * hi;
@@ -25,10 +27,20 @@ fn layer_loss(w: &[f32], w_hat: &[f32], rows: usize, n: usize, h: &[f64]) -> f64
 }
 
 /// Σ_h Σ_{j,j',c,c'} Δ_h[j,c] H_row,h[j,j'] H_col[c,c'] Δ_h[j',c'].
-fn attention_loss(w: &[f32], w_hat: &[f32], nh: usize, dh: usize, n: usize, hc: &[f64], hr: &[f64]) -> f64 {
+fn attention_loss(
+    w: &[f32],
+    w_hat: &[f32],
+    nh: usize,
+    dh: usize,
+    n: usize,
+    hc: &[f64],
+    hr: &[f64],
+) -> f64 {
     let mut s = 0.0;
     for h in 0..nh {
-        let d: Vec<f64> = (0..dh * n).map(|i| (w_hat[h * dh * n + i] - w[h * dh * n + i]) as f64).collect();
+        let d: Vec<f64> = (0..dh * n)
+            .map(|i| (w_hat[h * dh * n + i] - w[h * dh * n + i]) as f64)
+            .collect();
         // M = Δ H_col [dh × n]
         let mut m = vec![0.0; dh * n];
         for j in 0..dh {
@@ -59,7 +71,17 @@ fn gptq_beats_rtn_on_correlated_inputs() {
         QuantSpec::new(4, None, true, ScaleSearch::Mse),
     ] {
         let gq = gptq_quantize(&w, rows, n, &h, &GptqOptions::new(spec)).unwrap();
-        let rt_mm = rtn_quantize(&w, rows, n, None, &QuantSpec { search: ScaleSearch::MinMax, ..spec }).unwrap();
+        let rt_mm = rtn_quantize(
+            &w,
+            rows,
+            n,
+            None,
+            &QuantSpec {
+                search: ScaleSearch::MinMax,
+                ..spec
+            },
+        )
+        .unwrap();
         let rt_same = rtn_quantize(&w, rows, n, Some(&h), &spec).unwrap();
         let (eg, er, es) = (
             layer_loss(&w, &gq.w_hat, rows, n, &h),
@@ -85,7 +107,10 @@ fn boa_attention_loss_at_most_gptq() {
     let w = to_f32(&randn_vec(&mut r, nh * dh * n));
     for (spec, act) in [
         (QuantSpec::new(3, None, false, ScaleSearch::Hessian), false),
-        (QuantSpec::new(2, Some(16), false, ScaleSearch::Hessian), false),
+        (
+            QuantSpec::new(2, Some(16), false, ScaleSearch::Hessian),
+            false,
+        ),
         (QuantSpec::new(3, None, false, ScaleSearch::Hessian), true),
     ] {
         let g = GptqOptions::new(spec);
@@ -94,7 +119,10 @@ fn boa_attention_loss_at_most_gptq() {
         o.act_order_row = act;
         o.act_order_col = act;
         let bq = boa_quantize(&w, nh, dh, n, ColHessian::Shared(&hc), &hr, &o).unwrap();
-        let (lg, lb) = (attention_loss(&w, &gq.w_hat, nh, dh, n, &hc, &hr), attention_loss(&w, &bq.w_hat, nh, dh, n, &hc, &hr));
+        let (lg, lb) = (
+            attention_loss(&w, &gq.w_hat, nh, dh, n, &hc, &hr),
+            attention_loss(&w, &bq.w_hat, nh, dh, n, &hc, &hr),
+        );
         eprintln!("{spec:?} act={act}: attention-aware loss GPTQ {lg:.4e}  BoA {lb:.4e}");
         assert!(lb <= lg, "BoA {lb} > GPTQ {lg}");
     }

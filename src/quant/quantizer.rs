@@ -176,7 +176,7 @@ pub fn search_grid<T: Real>(w: &[T], h: Option<&[f32]>, spec: &QuantSpec) -> Gri
                 "H block is not [g × g] for g = {}",
                 w.len()
             );
-            hessian_search(w, h, spec)
+            hessian_search(w, h, spec, None)
         }
     }
 }
@@ -216,20 +216,53 @@ struct Chain<T> {
     b: f64,
 }
 
-fn hessian_search<T: Real>(w: &[T], h: &[f32], spec: &QuantSpec) -> Grid<T> {
+/// Precomputed products for one row (from a GEMM over many rows): Hw and H v of the two chains at p = 1.
+struct Pre<'a> {
+    hw: &'a [f32],
+    u: [&'a [f32]; 2],
+}
+
+fn hessian_search<T: Real>(w: &[T], h: &[f32], spec: &QuantSpec, pre: Option<Pre>) -> Grid<T> {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 was just detected.
+        return unsafe { hessian_search_avx2(w, h, spec, pre) };
+    }
+    hessian_search_impl(w, h, spec, pre)
+}
+
+/// The same code compiled for AVX2 (the build targets baseline x86-64). No FMA, so the results are the same
+/// bits as the baseline path: the axpys are mul + add either way.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn hessian_search_avx2<T: Real>(
+    w: &[T],
+    h: &[f32],
+    spec: &QuantSpec,
+    pre: Option<Pre>,
+) -> Grid<T> {
+    hessian_search_impl(w, h, spec, pre)
+}
+
+#[inline(always)]
+fn hessian_search_impl<T: Real>(w: &[T], h: &[f32], spec: &QuantSpec, pre: Option<Pre>) -> Grid<T> {
     let g = w.len();
     let maxq = T::from_f64(spec.maxq() as f64);
     let (lo, hi) = range(w, spec.sym);
-    // Hw in f64: b = vᵀ(Hw).
-    let hw: Vec<f64> = (0..g)
-        .map(|i| {
-            h[i * g..(i + 1) * g]
-                .iter()
-                .zip(w)
-                .map(|(&hij, &x)| hij as f64 * x.to_f64())
-                .sum()
-        })
-        .collect();
+    // Hw (b = vᵀ(Hw)), as a sum of rows of H (H symmetric): elementwise, so it vectorizes.
+    let hw: Vec<f64> = match &pre {
+        Some(p) => p.hw.iter().map(|&x| x as f64).collect(),
+        None => {
+            let mut hw = vec![0f64; g];
+            for (j, &x) in w.iter().enumerate() {
+                let x = x.to_f64();
+                hw.iter_mut()
+                    .zip(&h[j * g..(j + 1) * g])
+                    .for_each(|(o, &hh)| *o += x * hh as f64);
+            }
+            hw
+        }
+    };
     let new_chain = || Chain::<T> {
         zero: None,
         v: vec![0; g],
@@ -238,25 +271,37 @@ fn hessian_search<T: Real>(w: &[T], h: &[f32], spec: &QuantSpec) -> Grid<T> {
         b: 0.0,
     };
     let mut chains = [new_chain(), new_chain()];
+    let mut rho = vec![0i32; g];
+    let mut nvs = vec![0i32; g];
     let mut best = (f64::INFINITY, Grid::default());
     for i in 0..SHRINK_STEPS {
         let (scale, zs, nz) = candidates(lo, hi, T::from_f64(shrink(i)), maxq, spec.sym);
+        // round(w/s), shared by the floor and ceil chains (scored with w·(1/s): a last-bit difference at a
+        // rounding tie only perturbs a score; the chosen grid is applied with `quantize`).
+        let inv = T::ONE / scale;
+        for (r, &x) in rho.iter_mut().zip(w) {
+            *r = (x * inv).round_to_i32();
+        }
         for (k, &zero) in zs[..nz].iter().enumerate() {
             let ch = &mut chains[k];
             // q − z = clamp(round(w/s), −z, maxq − z): integers, exact in float.
             let vlo = -zero.to_f64() as i32;
             let vhi = (maxq - zero).to_f64() as i32;
-            let level = |x: T| ((x / scale).round_ties_even().to_f64() as i32).clamp(vlo, vhi);
             if ch.zero != Some(zero) {
-                for (v, &x) in ch.v.iter_mut().zip(w) {
-                    *v = level(x);
+                for (v, &r) in ch.v.iter_mut().zip(&rho) {
+                    *v = r.clamp(vlo, vhi);
                 }
-                ch.u.iter_mut().for_each(|u| *u = 0.0);
-                for (j, &vj) in ch.v.iter().enumerate() {
-                    if vj != 0 {
-                        let hr = &h[j * g..(j + 1) * g];
-                        let vj = vj as f32;
-                        ch.u.iter_mut().zip(hr).for_each(|(u, &hh)| *u += vj * hh);
+                match (&pre, i) {
+                    (Some(p), 0) => ch.u.copy_from_slice(p.u[k]),
+                    _ => {
+                        ch.u.iter_mut().for_each(|u| *u = 0.0);
+                        for (j, &vj) in ch.v.iter().enumerate() {
+                            if vj != 0 {
+                                let hr = &h[j * g..(j + 1) * g];
+                                let vj = vj as f32;
+                                ch.u.iter_mut().zip(hr).for_each(|(u, &hh)| *u += vj * hh);
+                            }
+                        }
                     }
                 }
                 ch.a =
@@ -267,17 +312,27 @@ fn hessian_search<T: Real>(w: &[T], h: &[f32], spec: &QuantSpec) -> Grid<T> {
                 ch.b = ch.v.iter().zip(&hw).map(|(&v, &x)| v as f64 * x).sum();
                 ch.zero = Some(zero);
             } else {
-                for (j, &x) in w.iter().enumerate() {
-                    let nv = level(x);
-                    let d = nv - ch.v[j];
-                    if d != 0 {
-                        let df = d as f64;
-                        ch.a += df * (2.0 * ch.u[j] as f64 + df * h[j * g + j] as f64);
-                        ch.b += df * hw[j];
-                        let hr = &h[j * g..(j + 1) * g];
-                        let d32 = d as f32;
-                        ch.u.iter_mut().zip(hr).for_each(|(u, &hh)| *u += d32 * hh);
-                        ch.v[j] = nv;
+                for (j, nv) in nvs.iter_mut().zip(&rho) {
+                    *j = (*nv).clamp(vlo, vhi);
+                }
+                // Few entries change per step: skip 8-wide chunks with no change (one vector compare).
+                for c8 in 0..g.div_ceil(8) {
+                    let (j0, j1) = (c8 * 8, (c8 * 8 + 8).min(g));
+                    if nvs[j0..j1] == ch.v[j0..j1] {
+                        continue;
+                    }
+                    for j in j0..j1 {
+                        let nv = nvs[j];
+                        let d = nv - ch.v[j];
+                        if d != 0 {
+                            let df = d as f64;
+                            ch.a += df * (2.0 * ch.u[j] as f64 + df * h[j * g + j] as f64);
+                            ch.b += df * hw[j];
+                            let hr = &h[j * g..(j + 1) * g];
+                            let d32 = d as f32;
+                            ch.u.iter_mut().zip(hr).for_each(|(u, &hh)| *u += d32 * hh);
+                            ch.v[j] = nv;
+                        }
                     }
                 }
             }
@@ -302,10 +357,56 @@ pub fn search_grids_rows<T: Real>(
     h: Option<&[f32]>,
     spec: &QuantSpec,
 ) -> Vec<Grid<T>> {
-    (0..rows)
+    let row = |r: usize| &w[r * ld + c0..r * ld + c0 + len];
+    let h = match (spec.search, h) {
+        (ScaleSearch::Hessian, Some(h)) => h,
+        _ => {
+            return (0..rows)
+                .into_par_iter()
+                .map(|r| search_grid(row(r), h, spec))
+                .collect();
+        }
+    };
+    assert_eq!(h.len(), len * len, "H block is not [{len} × {len}]");
+    // Hessian search: the p = 1 products H·[w, v_floor, v_ceil] of a chunk of rows in one GEMM.
+    const ROWS_PER_TASK: usize = 16;
+    let maxq = T::from_f64(spec.maxq() as f64);
+    let chunks: Vec<Vec<Grid<T>>> = (0..rows.div_ceil(ROWS_PER_TASK))
         .into_par_iter()
-        .map(|r| search_grid(&w[r * ld + c0..r * ld + c0 + len], h, spec))
-        .collect()
+        .map(|ci| {
+            let r0 = ci * ROWS_PER_TASK;
+            let rc = ROWS_PER_TASK.min(rows - r0);
+            let mut v = vec![0f32; 3 * rc * len];
+            for i in 0..rc {
+                let wr = row(r0 + i);
+                let (lo, hi) = range(wr, spec.sym);
+                let (scale, zs, nz) = candidates(lo, hi, T::ONE, maxq, spec.sym);
+                let inv = T::ONE / scale;
+                let base = 3 * i * len;
+                for (j, &x) in wr.iter().enumerate() {
+                    v[base + j] = x.to_f64() as f32;
+                    let rho = (x * inv).round_ties_even().to_f64() as i32;
+                    for k in 0..2 {
+                        let z = zs[k.min(nz - 1)].to_f64() as i32;
+                        v[base + (1 + k) * len + j] = rho.clamp(-z, spec.maxq() as i32 - z) as f32;
+                    }
+                }
+            }
+            let mut prod = vec![0f32; 3 * rc * len];
+            crate::backend::cpu::gemm_nn(&mut prod, &v, h, 3 * rc, len, len);
+            (0..rc)
+                .map(|i| {
+                    let b = 3 * i * len;
+                    let pre = Pre {
+                        hw: &prod[b..b + len],
+                        u: [&prod[b + len..b + 2 * len], &prod[b + 2 * len..b + 3 * len]],
+                    };
+                    hessian_search(row(r0 + i), h, spec, Some(pre))
+                })
+                .collect()
+        })
+        .collect();
+    chunks.concat()
 }
 
 /// The [len × len] diagonal block of H [n × n] starting at c0, as f32 (for scoring).
@@ -346,7 +447,10 @@ mod tests {
         assert_eq!(quantize(90.0f32, 1.0, 3.0, 7.0), 7.0);
         assert_eq!(dequantize(5.0f32, 0.5, 3.0), 1.0);
         let g: Grid<f32> = minmax_grid(&[0.0, 0.0], 7, false);
-        assert_eq!((g.scale, g.zero), (2.0 / 7.0, 4.0)); // all-zero → [−1, 1]
+        assert_eq!(
+            (g.scale, g.zero),
+            (2.0 / 7.0, (1.0f32 / (2.0 / 7.0)).round_ties_even())
+        ); // all-zero → [−1, 1]
         let g: Grid<f32> = minmax_grid(&[-1.0, 3.0], 15, true);
         assert_eq!((g.scale, g.zero), (6.0 / 15.0, 8.0));
     }
@@ -382,6 +486,12 @@ mod tests {
                     best = best.min(brute_score(&w, &h, Grid { scale, zero }, maxq));
                 }
             }
+            let batched = search_grids_rows(&w, 1, g, 0, g, Some(&h), &spec)[0];
+            let sb = brute_score(&w, &h, batched, maxq);
+            assert!(
+                sb <= best * (1.0 + 1e-4) + 1e-12,
+                "batched g={g} b={bits}: {sb} vs best {best}"
+            );
             let s = brute_score(&w, &h, got, maxq);
             assert!(
                 s <= best * (1.0 + 1e-4) + 1e-12,
