@@ -102,3 +102,22 @@ fn bench_search_576() {
         rayon::current_num_threads()
     );
 }
+
+/// GPTQ on 576 × 1536 (3-bit per channel) alone, for profiling.
+#[test]
+#[ignore]
+fn bench_gptq_576x1536() {
+    let (d_out, d_in) = (576, 1536);
+    let mut r = rng(7);
+    let x = correlated_inputs(&mut r, 2 * d_in, d_in);
+    let h = xtx(&x, 2 * d_in, d_in);
+    let w = to_f32(&randn_vec(&mut r, d_out * d_in));
+    let o = GptqOptions::new(QuantSpec::new(3, None, false, ScaleSearch::Hessian));
+    let t = median_ms(|| {
+        gptq_quantize(&w, d_out, d_in, &h, &o).unwrap();
+    });
+    eprintln!(
+        "GPTQ 576x1536 3-bit per-channel: {t:.1} ms on {} threads",
+        rayon::current_num_threads()
+    );
+}
