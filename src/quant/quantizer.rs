@@ -318,8 +318,8 @@ fn hessian_search_impl<T: Real>(w: &[T], h: &[f32], spec: &QuantSpec, pre: Optio
                 }
             }
             t.iter_mut().for_each(|x| *x = 0.0);
-            for j in 0..g {
-                if m[j] != 0 {
+            for (j, &mj) in m.iter().enumerate() {
+                if mj != 0 {
                     axpy(&mut t, 1.0, j);
                 }
             }
