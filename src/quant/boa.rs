@@ -55,6 +55,9 @@ pub struct ColFactor<'a, T> {
     pub dynamic: Option<DynamicGroups<'a>>,
 }
 
+/// One column factor's share of a step j: (W⁽ʲ⁾ before the sweep, Q, codes, grids).
+type Swept<T> = (Vec<T>, Vec<T>, Vec<u8>, Vec<Grid<T>>);
+
 /// The head-wise BoA sweep (Alg. 1 l.7–11) in sweep order (rows and columns already permuted per head).
 ///
 /// * `w` [n_heads × d_h × n]: per head, its rows; modified in place (cross-row updates, then each row holds
@@ -90,7 +93,7 @@ pub fn boa_sweep<T: Real>(
         .collect();
     for j in 0..d_h {
         // Alg. 1 l.8–9: stack the j-th rows, GPTQ-sweep them.
-        let swept: Vec<(Vec<T>, Vec<T>, Vec<u8>, Vec<Grid<T>>)> = members
+        let swept: Vec<Swept<T>> = members
             .par_iter()
             .zip(cols.par_iter())
             .map(|(heads, cf)| {

@@ -164,6 +164,59 @@ fn sweep_rows<T: Real>(
     dynamic: Option<&DynamicGroups>,
     maxq: u32,
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 was just detected.
+        return unsafe {
+            sweep_rows_avx2(
+                w, q, codes, u, rows, n, bs, grids, n_groups, col_group, dynamic, maxq,
+            )
+        };
+    }
+    sweep_rows_impl(
+        w, q, codes, u, rows, n, bs, grids, n_groups, col_group, dynamic, maxq,
+    )
+}
+
+/// `sweep_rows_impl` compiled for AVX2 (no FMA: same bits as the baseline path).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn sweep_rows_avx2<T: Real>(
+    w: &mut [T],
+    q: &mut [T],
+    codes: &mut [u8],
+    u: &[T],
+    rows: usize,
+    n: usize,
+    bs: usize,
+    grids: &mut [Grid<T>],
+    n_groups: usize,
+    col_group: &[u32],
+    dynamic: Option<&DynamicGroups>,
+    maxq: u32,
+) {
+    sweep_rows_impl(
+        w, q, codes, u, rows, n, bs, grids, n_groups, col_group, dynamic, maxq,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn sweep_rows_impl<T: Real>(
+    w: &mut [T],
+    q: &mut [T],
+    codes: &mut [u8],
+    u: &[T],
+    rows: usize,
+    n: usize,
+    bs: usize,
+    grids: &mut [Grid<T>],
+    n_groups: usize,
+    col_group: &[u32],
+    dynamic: Option<&DynamicGroups>,
+    maxq: u32,
+) {
     let maxq_t = T::from_f64(maxq as f64);
     let mut e = vec![T::ZERO; rows * bs]; // E [rows × B] of the current block
     let mut i1 = 0;

@@ -140,7 +140,7 @@ impl HeadCovAccumulator {
     /// KV head h, as the backend's attention maps query head i to KV head i / G): [n_groups × d_h × d_h].
     pub fn group_means(&self, n_groups: usize) -> Vec<f64> {
         assert!(
-            n_groups > 0 && self.n_heads % n_groups == 0,
+            n_groups > 0 && self.n_heads.is_multiple_of(n_groups),
             "{} heads not divisible into {n_groups} groups",
             self.n_heads
         );
@@ -247,7 +247,7 @@ impl RopeAverage {
 /// H_row for W_Q [n_heads × d_h × d_h]: query head h gets mean_p R_pᵀ C_K R_p of its KV head h / G.
 /// `c_k` [n_kv × d_h × d_h] (per-KV-head post-RoPE key covariances).
 pub fn q_row_hessians(c_k: &[f64], n_heads: usize, n_kv: usize, rope: &RopeAverage) -> Vec<f64> {
-    assert!(n_kv > 0 && n_heads % n_kv == 0);
+    assert!(n_kv > 0 && n_heads.is_multiple_of(n_kv));
     let per_kv = rope.apply_all(c_k);
     let dd = per_kv.len() / n_kv;
     let gs = n_heads / n_kv;
@@ -276,7 +276,7 @@ pub fn v_row_hessians_from_wout(
         d_model * n_heads * d_h,
         "W_o is not [{d_model} × {n_heads}·{d_h}]"
     );
-    assert!(n_kv > 0 && n_heads % n_kv == 0);
+    assert!(n_kv > 0 && n_heads.is_multiple_of(n_kv));
     let gs = n_heads / n_kv;
     let ld = n_heads * d_h;
     let mut out = vec![0.0; n_kv * d_h * d_h];
@@ -319,7 +319,7 @@ pub struct VColAccumulator {
 impl VColAccumulator {
     pub fn new(d: usize, n_heads: usize, n_kv: usize) -> Self {
         assert!(
-            n_kv > 0 && n_heads % n_kv == 0,
+            n_kv > 0 && n_heads.is_multiple_of(n_kv),
             "{n_heads} heads not divisible into {n_kv} KV heads"
         );
         Self {

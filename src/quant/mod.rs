@@ -43,6 +43,8 @@ pub trait Real:
     fn to_f64(self) -> f64;
     /// Round half to even, as `torch.round` does (GPTQ's reference quantizer uses torch.round).
     fn round_ties_even(self) -> Self;
+    /// round_ties_even(self) as i32 (saturating), without a detour through f64 (so it vectorizes for f32).
+    fn round_to_i32(self) -> i32;
     fn floor(self) -> Self;
     fn ceil(self) -> Self;
     fn abs(self) -> Self;
@@ -79,6 +81,10 @@ macro_rules! impl_real {
             #[inline]
             fn round_ties_even(self) -> Self {
                 <$t>::round_ties_even(self)
+            }
+            #[inline]
+            fn round_to_i32(self) -> i32 {
+                <$t>::round_ties_even(self) as i32
             }
             #[inline]
             fn floor(self) -> Self {

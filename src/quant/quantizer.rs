@@ -176,7 +176,7 @@ pub fn search_grid<T: Real>(w: &[T], h: Option<&[f32]>, spec: &QuantSpec) -> Gri
                 "H block is not [g × g] for g = {}",
                 w.len()
             );
-            hessian_search(w, h, spec)
+            hessian_search(w, h, spec, None)
         }
     }
 }
@@ -216,75 +216,164 @@ struct Chain<T> {
     b: f64,
 }
 
-fn hessian_search<T: Real>(w: &[T], h: &[f32], spec: &QuantSpec) -> Grid<T> {
+/// Precomputed products for one row (from a GEMM over many rows): Hw and H v of the floor chain at p = 1.
+struct Pre<'a> {
+    hw: &'a [f32],
+    u: &'a [f32],
+}
+
+fn hessian_search<T: Real>(w: &[T], h: &[f32], spec: &QuantSpec, pre: Option<Pre>) -> Grid<T> {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 was just detected.
+        return unsafe { hessian_search_avx2(w, h, spec, pre) };
+    }
+    hessian_search_impl(w, h, spec, pre)
+}
+
+/// The same code compiled for AVX2 (the build targets baseline x86-64). No FMA, so the results are the same
+/// bits as the baseline path: the axpys are mul + add either way.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn hessian_search_avx2<T: Real>(
+    w: &[T],
+    h: &[f32],
+    spec: &QuantSpec,
+    pre: Option<Pre>,
+) -> Grid<T> {
+    hessian_search_impl(w, h, spec, pre)
+}
+
+#[inline(always)]
+fn hessian_search_impl<T: Real>(w: &[T], h: &[f32], spec: &QuantSpec, pre: Option<Pre>) -> Grid<T> {
     let g = w.len();
     let maxq = T::from_f64(spec.maxq() as f64);
     let (lo, hi) = range(w, spec.sym);
-    // Hw in f64: b = vᵀ(Hw).
-    let hw: Vec<f64> = (0..g)
-        .map(|i| {
-            h[i * g..(i + 1) * g]
-                .iter()
-                .zip(w)
-                .map(|(&hij, &x)| hij as f64 * x.to_f64())
-                .sum()
-        })
-        .collect();
-    let new_chain = || Chain::<T> {
+    // Hw (b = vᵀ(Hw)), as a sum of rows of H (H symmetric): elementwise, so it vectorizes.
+    let hw: Vec<f64> = match &pre {
+        Some(p) => p.hw.iter().map(|&x| x as f64).collect(),
+        None => {
+            let mut hw = vec![0f64; g];
+            for (j, &x) in w.iter().enumerate() {
+                let x = x.to_f64();
+                hw.iter_mut()
+                    .zip(&h[j * g..(j + 1) * g])
+                    .for_each(|(o, &hh)| *o += x * hh as f64);
+            }
+            hw
+        }
+    };
+    let axpy = |y: &mut [f32], a: f32, j: usize| {
+        y.iter_mut()
+            .zip(&h[j * g..(j + 1) * g])
+            .for_each(|(y, &hh)| *y += a * hh);
+    };
+    // Floor chain: v = clamp(ρ, −z, maxq − z), u = H v, a = vᵀHv, b = vᵀHw.
+    let mut ch = Chain::<T> {
         zero: None,
         v: vec![0; g],
         u: vec![0.0; g],
         a: 0.0,
         b: 0.0,
     };
-    let mut chains = [new_chain(), new_chain()];
+    // Ceil chain (z + 1) as v − m with m_j = [ρ_j ≥ maxq − z or ρ_j ≤ −z − 1] (exactly the entries where the
+    // two clamps differ, by 1): a_c = a − 2μ + γ, b_c = b − β with t = H m, γ = mᵀt, μ = mᵀu, β = mᵀHw. An
+    // entry enters m at most once along the path (|ρ| grows as s shrinks), so the ceil chain costs at most g
+    // row updates instead of ~2.5·g.
+    let mut m = vec![0i32; g];
+    let mut t = vec![0f32; g];
+    let (mut gamma, mut mu, mut beta) = (0f64, 0f64, 0f64);
+    let mut rho = vec![0i32; g];
+    let mut nv = vec![0i32; g];
+    let mut nm = vec![0i32; g];
     let mut best = (f64::INFINITY, Grid::default());
     for i in 0..SHRINK_STEPS {
         let (scale, zs, nz) = candidates(lo, hi, T::from_f64(shrink(i)), maxq, spec.sym);
-        for (k, &zero) in zs[..nz].iter().enumerate() {
-            let ch = &mut chains[k];
-            // q − z = clamp(round(w/s), −z, maxq − z): integers, exact in float.
-            let vlo = -zero.to_f64() as i32;
-            let vhi = (maxq - zero).to_f64() as i32;
-            let level = |x: T| ((x / scale).round_ties_even().to_f64() as i32).clamp(vlo, vhi);
-            if ch.zero != Some(zero) {
-                for (v, &x) in ch.v.iter_mut().zip(w) {
-                    *v = level(x);
-                }
-                ch.u.iter_mut().for_each(|u| *u = 0.0);
-                for (j, &vj) in ch.v.iter().enumerate() {
-                    if vj != 0 {
-                        let hr = &h[j * g..(j + 1) * g];
-                        let vj = vj as f32;
-                        ch.u.iter_mut().zip(hr).for_each(|(u, &hh)| *u += vj * hh);
+        // round(w/s), shared by both chains (scored with w·(1/s): a last-bit difference at a rounding tie
+        // only perturbs a score; the chosen grid is applied with `quantize`).
+        let inv = T::ONE / scale;
+        for (r, &x) in rho.iter_mut().zip(w) {
+            *r = (x * inv).round_to_i32();
+        }
+        let zero = zs[0];
+        // q − z = clamp(round(w/s), −z, maxq − z): integers, exact in float.
+        let vlo = -zero.to_f64() as i32;
+        let vhi = (maxq - zero).to_f64() as i32;
+        for ((v, mm), &r) in nv.iter_mut().zip(nm.iter_mut()).zip(&rho) {
+            *v = r.clamp(vlo, vhi);
+            *mm = (r >= vhi || r < vlo) as i32;
+        }
+        if ch.zero != Some(zero) {
+            ch.v.copy_from_slice(&nv);
+            m.copy_from_slice(&nm);
+            match (&pre, i) {
+                (Some(p), 0) => ch.u.copy_from_slice(p.u),
+                _ => {
+                    ch.u.iter_mut().for_each(|u| *u = 0.0);
+                    for j in 0..g {
+                        if ch.v[j] != 0 {
+                            axpy(&mut ch.u, ch.v[j] as f32, j);
+                        }
                     }
                 }
-                ch.a =
-                    ch.v.iter()
-                        .zip(&ch.u)
-                        .map(|(&v, &u)| v as f64 * u as f64)
-                        .sum();
-                ch.b = ch.v.iter().zip(&hw).map(|(&v, &x)| v as f64 * x).sum();
-                ch.zero = Some(zero);
-            } else {
-                for (j, &x) in w.iter().enumerate() {
-                    let nv = level(x);
-                    let d = nv - ch.v[j];
+            }
+            t.iter_mut().for_each(|x| *x = 0.0);
+            for (j, &mj) in m.iter().enumerate() {
+                if mj != 0 {
+                    axpy(&mut t, 1.0, j);
+                }
+            }
+            let dot = |x: &[i32], y: &[f32]| {
+                x.iter()
+                    .zip(y)
+                    .map(|(&a, &b)| a as f64 * b as f64)
+                    .sum::<f64>()
+            };
+            ch.a = dot(&ch.v, &ch.u);
+            ch.b = ch.v.iter().zip(&hw).map(|(&v, &x)| v as f64 * x).sum();
+            gamma = dot(&m, &t);
+            mu = dot(&m, &ch.u);
+            beta = m.iter().zip(&hw).map(|(&v, &x)| v as f64 * x).sum();
+            ch.zero = Some(zero);
+        } else {
+            // Few entries change per step: skip 8-wide chunks with no change (vector compares).
+            for c8 in 0..g.div_ceil(8) {
+                let (j0, j1) = (c8 * 8, (c8 * 8 + 8).min(g));
+                if nv[j0..j1] == ch.v[j0..j1] && nm[j0..j1] == m[j0..j1] {
+                    continue;
+                }
+                for j in j0..j1 {
+                    let d = nv[j] - ch.v[j];
                     if d != 0 {
                         let df = d as f64;
                         ch.a += df * (2.0 * ch.u[j] as f64 + df * h[j * g + j] as f64);
                         ch.b += df * hw[j];
-                        let hr = &h[j * g..(j + 1) * g];
-                        let d32 = d as f32;
-                        ch.u.iter_mut().zip(hr).for_each(|(u, &hh)| *u += d32 * hh);
-                        ch.v[j] = nv;
+                        mu += df * t[j] as f64;
+                        axpy(&mut ch.u, d as f32, j);
+                        ch.v[j] = nv[j];
+                    }
+                    let dm = nm[j] - m[j];
+                    if dm != 0 {
+                        let df = dm as f64;
+                        mu += df * ch.u[j] as f64;
+                        gamma += df * (2.0 * t[j] as f64 + df * h[j * g + j] as f64);
+                        beta += df * hw[j];
+                        axpy(&mut t, dm as f32, j);
+                        m[j] = nm[j];
                     }
                 }
             }
-            let s = scale.to_f64();
-            let score = s * s * ch.a - 2.0 * s * ch.b;
+        }
+        let s = scale.to_f64();
+        let score = s * s * ch.a - 2.0 * s * ch.b;
+        if score < best.0 {
+            best = (score, Grid { scale, zero });
+        }
+        if nz == 2 {
+            debug_assert!(zs[1] == zero + T::ONE);
+            let score = s * s * (ch.a - 2.0 * mu + gamma) - 2.0 * s * (ch.b - beta);
             if score < best.0 {
-                best = (score, Grid { scale, zero });
+                best = (score, Grid { scale, zero: zs[1] });
             }
         }
     }
@@ -302,10 +391,54 @@ pub fn search_grids_rows<T: Real>(
     h: Option<&[f32]>,
     spec: &QuantSpec,
 ) -> Vec<Grid<T>> {
-    (0..rows)
+    let row = |r: usize| &w[r * ld + c0..r * ld + c0 + len];
+    let h = match (spec.search, h) {
+        (ScaleSearch::Hessian, Some(h)) => h,
+        _ => {
+            return (0..rows)
+                .into_par_iter()
+                .map(|r| search_grid(row(r), h, spec))
+                .collect();
+        }
+    };
+    assert_eq!(h.len(), len * len, "H block is not [{len} × {len}]");
+    // Hessian search: the p = 1 products H·[w, v_floor] of a chunk of rows in one GEMM.
+    const ROWS_PER_TASK: usize = 16;
+    let maxq = T::from_f64(spec.maxq() as f64);
+    let chunks: Vec<Vec<Grid<T>>> = (0..rows.div_ceil(ROWS_PER_TASK))
         .into_par_iter()
-        .map(|r| search_grid(&w[r * ld + c0..r * ld + c0 + len], h, spec))
-        .collect()
+        .map(|ci| {
+            let r0 = ci * ROWS_PER_TASK;
+            let rc = ROWS_PER_TASK.min(rows - r0);
+            let mut v = vec![0f32; 2 * rc * len];
+            for i in 0..rc {
+                let wr = row(r0 + i);
+                let (lo, hi) = range(wr, spec.sym);
+                let (scale, zs, _) = candidates(lo, hi, T::ONE, maxq, spec.sym);
+                let inv = T::ONE / scale;
+                let z = zs[0].to_f64() as i32;
+                let base = 2 * i * len;
+                for (j, &x) in wr.iter().enumerate() {
+                    v[base + j] = x.to_f64() as f32;
+                    let rho = (x * inv).round_to_i32();
+                    v[base + len + j] = rho.clamp(-z, spec.maxq() as i32 - z) as f32;
+                }
+            }
+            let mut prod = vec![0f32; 2 * rc * len];
+            crate::backend::cpu::gemm_nn(&mut prod, &v, h, 2 * rc, len, len);
+            (0..rc)
+                .map(|i| {
+                    let b = 2 * i * len;
+                    let pre = Pre {
+                        hw: &prod[b..b + len],
+                        u: &prod[b + len..b + 2 * len],
+                    };
+                    hessian_search(row(r0 + i), h, spec, Some(pre))
+                })
+                .collect()
+        })
+        .collect();
+    chunks.concat()
 }
 
 /// The [len × len] diagonal block of H [n × n] starting at c0, as f32 (for scoring).
@@ -346,7 +479,10 @@ mod tests {
         assert_eq!(quantize(90.0f32, 1.0, 3.0, 7.0), 7.0);
         assert_eq!(dequantize(5.0f32, 0.5, 3.0), 1.0);
         let g: Grid<f32> = minmax_grid(&[0.0, 0.0], 7, false);
-        assert_eq!((g.scale, g.zero), (2.0 / 7.0, 4.0)); // all-zero → [−1, 1]
+        assert_eq!(
+            (g.scale, g.zero),
+            (2.0 / 7.0, (1.0f32 / (2.0 / 7.0)).round_ties_even())
+        ); // all-zero → [−1, 1]
         let g: Grid<f32> = minmax_grid(&[-1.0, 3.0], 15, true);
         assert_eq!((g.scale, g.zero), (6.0 / 15.0, 8.0));
     }
@@ -370,23 +506,35 @@ mod tests {
                         .sum::<f64>() as f32;
                 }
             }
-            let w: Vec<f64> = (0..g).map(|_| rng.random::<f64>() * 2.0 - 0.7).collect();
-            let spec = QuantSpec::new(bits, None, sym, ScaleSearch::Hessian);
-            let maxq = spec.maxq() as f64;
-            let got = search_grid(&w, Some(&h), &spec);
-            let (lo, hi) = range(&w, sym);
-            let mut best = f64::INFINITY;
-            for i in 0..SHRINK_STEPS {
-                let (scale, zs, nz) = candidates(lo, hi, shrink(i), maxq, sym);
-                for &zero in &zs[..nz] {
-                    best = best.min(brute_score(&w, &h, Grid { scale, zero }, maxq));
+            for rep in 0..12 {
+                let w: Vec<f64> = (0..g)
+                    .map(|_| {
+                        (rng.random::<f64>() * 2.0 - 0.3 * rep as f64 / 4.0) * (1.0 + rep as f64)
+                    })
+                    .collect();
+                let spec = QuantSpec::new(bits, None, sym, ScaleSearch::Hessian);
+                let maxq = spec.maxq() as f64;
+                let got = search_grid(&w, Some(&h), &spec);
+                let (lo, hi) = range(&w, sym);
+                let mut best = f64::INFINITY;
+                for i in 0..SHRINK_STEPS {
+                    let (scale, zs, nz) = candidates(lo, hi, shrink(i), maxq, sym);
+                    for &zero in &zs[..nz] {
+                        best = best.min(brute_score(&w, &h, Grid { scale, zero }, maxq));
+                    }
                 }
+                let batched = search_grids_rows(&w, 1, g, 0, g, Some(&h), &spec)[0];
+                let sb = brute_score(&w, &h, batched, maxq);
+                assert!(
+                    sb <= best * (1.0 + 1e-4) + 1e-12,
+                    "batched g={g} b={bits}: {sb} vs best {best}"
+                );
+                let s = brute_score(&w, &h, got, maxq);
+                assert!(
+                    s <= best * (1.0 + 1e-4) + 1e-12,
+                    "g={g} b={bits}: {s} vs best {best}"
+                );
             }
-            let s = brute_score(&w, &h, got, maxq);
-            assert!(
-                s <= best * (1.0 + 1e-4) + 1e-12,
-                "g={g} b={bits}: {s} vs best {best}"
-            );
         }
     }
 }
