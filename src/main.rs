@@ -202,9 +202,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let r = boa_cuda::pipeline::run(&opts, &progress)?;
             let (rtn, err) = r.mean_errors();
             let t = &r.seconds;
+            let errors = if err.is_nan() {
+                String::new()
+            } else {
+                format!(", mean relative output error {err:.4} vs {rtn:.4} for min-max RTN")
+            };
             println!(
-                "wrote {} ({} layers quantized, mean relative output error {err:.4} vs {rtn:.4} for RTN) in {:.1} s \
-                 (forward {:.1}, statistics {:.1}, quantize {:.1}, write {:.1}); peak memory {:.2} GiB",
+                "wrote {} ({} layers quantized{errors}) in {:.1} s (forward {:.1}, statistics {:.1}, \
+                 quantize {:.1}, write {:.1}); peak memory {:.2} GiB",
                 opts.out.display(),
                 r.layers.len(),
                 t.total,
