@@ -12,6 +12,7 @@ pub mod boa;
 pub mod gptq;
 pub mod hessian;
 pub mod linalg;
+pub mod pack;
 pub mod quantizer;
 pub mod rtn;
 
