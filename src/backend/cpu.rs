@@ -56,12 +56,18 @@ pub fn linear_f32(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f32
     y
 }
 
-/// Output columns per task of the packed GEMM (a multiple of 8, the AVX2 width of the tile loops).
-pub const QGEMM_NB: usize = 64;
-/// Input rows per dequantized tile of the packed GEMM (a multiple of 32: 3-bit tiles start on a word).
-pub const QGEMM_TK: usize = 128;
-/// From this many tokens on, each tile is multiplied with faer's GEMM instead of the plain loops.
-const QGEMM_FAER_M: usize = 32;
+/// Output columns per task of the packed GEMM. Wide, because a task reads QGEMM_NB contiguous words of each
+/// qweight row and then jumps d_out words: 1 KiB runs keep the prefetchers busy (64 columns, 256 B runs one
+/// page apart, ran 2× slower at m = 1).
+pub const QGEMM_NB: usize = 256;
+/// Input rows per dequantized tile (a multiple of 32: 3-bit tiles start on a word); the tile
+/// [QGEMM_TK × QGEMM_NB] f32 is 32 KiB.
+pub const QGEMM_TK: usize = 32;
+/// Columns whose per-token partial sums stay in registers in the small-m loop (8 AVX2 registers).
+const QGEMM_SUB: usize = 64;
+/// From this many tokens on, each tile is multiplied with faer's GEMM instead of the plain loops (at m = 16
+/// both took the same time in bench-qgemm).
+const QGEMM_FAER_M: usize = 16;
 
 /// Y [m × n] = X [m × k] · Ŵᵀ, Ŵ [n × k] packed (`PackedLinear`, n = d_out, k = d_in): the CPU twin of the
 /// packed GEMM kernel.
@@ -96,6 +102,24 @@ pub fn packed_linear_f32(x: &[f32], p: &crate::quant::pack::PackedLinear, m: usi
                     let b = MatRef::from_row_major_slice(&tile[..ni * nj], ni, nj);
                     let c = MatMut::from_row_major_slice_mut(&mut y, m, nj);
                     matmul(c, Accum::Add, a, b, 1.0f32, Par::Seq);
+                } else if nj.is_multiple_of(QGEMM_SUB) {
+                    // QGEMM_SUB partial sums of a token live in registers (8 ymm) across the tile's rows and
+                    // are added to Y once per tile.
+                    for (yr, xr) in y.chunks_exact_mut(nj).zip(x.chunks(k)) {
+                        for c0 in (0..nj).step_by(QGEMM_SUB) {
+                            let mut acc = [0f32; QGEMM_SUB];
+                            for (t, &xv) in tile.chunks_exact(nj).zip(&xr[i0..i0 + ni]) {
+                                let t = &t[c0..c0 + QGEMM_SUB];
+                                for c in 0..QGEMM_SUB {
+                                    acc[c] += xv * t[c];
+                                }
+                            }
+                            yr[c0..c0 + QGEMM_SUB]
+                                .iter_mut()
+                                .zip(&acc)
+                                .for_each(|(y, a)| *y += a);
+                        }
+                    }
                 } else {
                     for (yr, xr) in y.chunks_mut(nj).zip(x.chunks(k)) {
                         for (t, &xv) in tile.chunks(nj).zip(&xr[i0..i0 + ni]) {

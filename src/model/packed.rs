@@ -199,3 +199,78 @@ pub fn load_packed_linear(
         .map_err(|m| file_err(dir, format!("{prefix}: {m}")))?;
     Ok(p)
 }
+
+/// What `boa-cuda inspect` reports about a model folder.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct CheckpointSummary {
+    pub architecture: String,
+    pub n_layers: usize,
+    /// Blocks with at least one packed linear.
+    pub quantized_layers: Vec<usize>,
+    pub packed_linears: usize,
+    pub bits: Option<u32>,
+    /// −1: per output channel.
+    pub group_size: Option<i64>,
+    /// "fake/unquantized" folders have none.
+    pub checkpoint_format: Option<&'static str>,
+    pub desc_act: Option<bool>,
+    pub sym: Option<bool>,
+    /// Some g_idx is not the contiguous i / group_size (act-order).
+    pub act_order_g_idx: bool,
+    pub size_bytes: u64,
+    pub files: usize,
+}
+
+/// Summarizes a model folder after validating it as `Model::open` does (so a broken checkpoint errors here).
+pub fn inspect(dir: &Path) -> anyhow::Result<CheckpointSummary> {
+    let model = super::Model::open(dir)?;
+    let c = &model.cfg;
+    let mut quantized_layers = Vec::new();
+    let mut packed_linears = 0;
+    let mut act_order = false;
+    for l in 0..c.n_layers {
+        let mut any = false;
+        for (name, _, d_in) in model.linear_shapes() {
+            let prefix = format!("model.layers.{l}.{name}");
+            if model.is_packed(&prefix) {
+                any = true;
+                packed_linears += 1;
+                let gname = format!("{prefix}.g_idx");
+                if let (Some(q), true) = (&model.gptq, model.store.contains(&gname)) {
+                    let g = q.group_size.unwrap_or(d_in).max(1);
+                    let words = words(&model.store, dir, &gname)?;
+                    act_order |= words.iter().enumerate().any(|(i, &v)| v as usize != i / g);
+                }
+            }
+        }
+        if any {
+            quantized_layers.push(l);
+        }
+    }
+    let mut size_bytes = 0;
+    let mut files = 0;
+    for e in std::fs::read_dir(dir).map_err(|e| file_err(dir, format!("cannot list: {e}")))? {
+        let md = e
+            .and_then(|e| e.metadata())
+            .map_err(|e| file_err(dir, format!("cannot list: {e}")))?;
+        if md.is_file() {
+            size_bytes += md.len();
+            files += 1;
+        }
+    }
+    let q = model.gptq.as_ref();
+    Ok(CheckpointSummary {
+        architecture: c.architecture.clone(),
+        n_layers: c.n_layers,
+        quantized_layers,
+        packed_linears,
+        bits: q.map(|q| q.bits),
+        group_size: q.map(|q| q.group_size.map(|g| g as i64).unwrap_or(-1)),
+        checkpoint_format: q.map(|q| q.version.name()),
+        desc_act: q.map(|q| q.desc_act),
+        sym: q.map(|q| q.sym),
+        act_order_g_idx: act_order,
+        size_bytes,
+        files,
+    })
+}

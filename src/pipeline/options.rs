@@ -111,6 +111,8 @@ pub struct RunOptions {
     pub device: Device,
     /// Replace --out if it exists.
     pub force: bool,
+    /// What the linears are written as (fake-quant or packed GPTQ).
+    pub format: crate::export::gptq_packed::OutFormat,
 }
 
 pub const SUPPORTED_WBITS: [u32; 4] = [2, 3, 4, 8];
