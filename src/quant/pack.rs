@@ -233,8 +233,9 @@ impl PackedTensors {
                 let v = z as i64 + version.stored_offset();
                 if z.fract() != 0.0 || !(0..=maxq).contains(&v) {
                     return Err(format!(
-                        "zero point {z} (output {j}, group {g}) cannot be stored in {b} bits as checkpoint \
+                        "zero point {} (output {j}, group {g}) cannot be stored in {b} bits as checkpoint \
                          format {:?}{}",
+                        z + 0.0, // −0 (the min-max zero of an all-positive group) prints as 0
                         version.name(),
                         if version == GptqVersion::V1 && v == -1 {
                             " (it stores zero − 1); use --format gptq_v2 or --sym"
