@@ -94,7 +94,13 @@ fn packed_demo_rtn_perplexity_matches_fake() {
     assert_eq!(q["bits"], 4);
     assert_eq!(q["group_size"], 128);
     assert_eq!(q["checkpoint_format"], "gptq");
-    for k in ["desc_act", "sym", "damp_percent", "static_groups", "true_sequential"] {
+    for k in [
+        "desc_act",
+        "sym",
+        "damp_percent",
+        "static_groups",
+        "true_sequential",
+    ] {
         assert!(q.get(k).is_some(), "quantization_config lacks {k}");
     }
     let qc: serde_json::Value = serde_json::from_str(
@@ -215,7 +221,11 @@ fn packed_bad_checkpoints_are_user_errors() {
     let tmp = tempfile::tempdir().unwrap();
     let good = tiny_packed(tmp.path());
     let data = tmp.path().join("text.txt");
-    std::fs::write(&data, "the quick brown fox jumps over the lazy dog. ".repeat(40)).unwrap();
+    std::fs::write(
+        &data,
+        "the quick brown fox jumps over the lazy dog. ".repeat(40),
+    )
+    .unwrap();
     let eval = |dir: &Path| {
         vec![
             "eval".to_string(),
@@ -244,7 +254,11 @@ fn packed_bad_checkpoints_are_user_errors() {
     let a = eval(&d);
     assert_user_error(
         &a.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
-        &["model.layers.0.mlp.down_proj.qweight", "shape [14, 64]", "[15, 64]"],
+        &[
+            "model.layers.0.mlp.down_proj.qweight",
+            "shape [14, 64]",
+            "[15, 64]",
+        ],
     );
     assert_user_error(&["inspect", s(&d)], &["down_proj.qweight", "shape"]);
 
@@ -284,7 +298,11 @@ fn packed_v1_refuses_zero_point_zero() {
     rewrite(&model.join("model.safetensors"), |name, _, shape, data| {
         let data = if name == "model.layers.1.self_attn.o_proj.weight" {
             data.chunks_exact(4)
-                .flat_map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]).abs().to_le_bytes())
+                .flat_map(|c| {
+                    f32::from_le_bytes([c[0], c[1], c[2], c[3]])
+                        .abs()
+                        .to_le_bytes()
+                })
                 .collect()
         } else {
             data.to_vec()
@@ -306,7 +324,12 @@ fn packed_v1_refuses_zero_point_zero() {
     ];
     assert_user_error(
         &args,
-        &["model.layers.1.self_attn.o_proj", "zero point 0", "--format gptq_v2", "--sym"],
+        &[
+            "model.layers.1.self_attn.o_proj",
+            "zero point 0",
+            "--format gptq_v2",
+            "--sym",
+        ],
     );
     assert!(!out.exists(), "nothing may be written at --out");
     // gptq_v2 stores it.

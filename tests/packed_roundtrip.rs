@@ -41,6 +41,12 @@ fn packed_c_quantizer_matches_rust_bit_for_bit() {
         w[n / 4] = 1e6;
         w[n / 4 + 1] = -1e6;
         w[n / 4 + 2] = 0.0;
+        // The min-max zero of an all-positive group is −0 (−min/s with min = 0); w/s in (−½, 0] rounds to −0.
+        let mut z = z;
+        for i in n / 4 + 3..n / 4 + 200 {
+            z[i] = -0.0;
+            w[i] = -0.3 * s[i] * rng.random::<f32>();
+        }
         let qc = quantize_c(&w, &s, &z, maxq);
         for i in 0..n {
             let qr = quantize(w[i], s[i], z[i], maxq);
