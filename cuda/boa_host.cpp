@@ -62,3 +62,10 @@ extern "C" void boa_dequant_tile_f32(const uint32_t* qweight, size_t d_out, uint
                                      size_t nj, float* out) {
     boa_dequant_tile(qweight, d_out, bits, scales, zeros, g_idx, i0, ni, j0, nj, out);
 }
+
+// See boa_qdot_group_tile in include/boa_pack.h.
+extern "C" void boa_qdot_group_tile_f32(const uint32_t* qweight, size_t d_out, uint32_t bits, const float* scales,
+                                        const float* zeros, size_t g, size_t i0, size_t ni, size_t j0, size_t nj,
+                                        const float* x, size_t ldx, size_t m, float* y, size_t ldy) {
+    boa_qdot_group_tile(qweight, d_out, bits, scales, zeros, g, i0, ni, j0, nj, x, ldx, m, y, ldy);
+}

@@ -77,4 +77,45 @@ BOA_HD static inline void boa_dequant_tile(const uint32_t* qweight, size_t d_out
     }
 }
 
+/* Columns of one register block of boa_qdot_group_tile (8 AVX2 registers; a warp's 2 columns per lane later). */
+#define BOA_QDOT_COLS 64
+
+/* The packed GEMM for few tokens, fused: y[t·ldy + c] += Σ_r x[t·ldx + i0 + r] · ŵ(i0 + r, j0 + c) for t < m,
+ * c < nj (a multiple of BOA_QDOT_COLS), where every row i0 .. i0+ni lies in the ONE group g (contiguous groups,
+ * no act-order). Per group the sum factors as
+ *     Σ_r x_r · s·(q_r − z) = s·(Σ_r q_r·x_r − z·Σ_r x_r),
+ * so the inner loop is unpack, convert, multiply-add, with the partial sums in registers: no dequantized tile
+ * is stored. The rounding differs from dequantize-then-multiply by a few ulp of Σ|q·x|. */
+BOA_HD static inline void boa_qdot_group_tile(const uint32_t* qweight, size_t d_out, uint32_t bits,
+                                              const float* scales, const float* zeros, size_t g, size_t i0,
+                                              size_t ni, size_t j0, size_t nj, const float* x, size_t ldx,
+                                              size_t m, float* y, size_t ldy) {
+    const uint32_t mask = (1u << bits) - 1u;
+    for (size_t t = 0; t < m; ++t) {
+        const float* xt = x + t * ldx + i0;
+        float xs = 0.0f;
+        for (size_t r = 0; r < ni; ++r) xs += xt[r];
+        for (size_t c0 = 0; c0 < nj; c0 += BOA_QDOT_COLS) {
+            float acc[BOA_QDOT_COLS] = {0.0f};
+            for (size_t r = 0; r < ni; ++r) {
+                const size_t bit = (i0 + r) * bits;
+                const uint32_t off = (uint32_t)(bit % 32);
+                const uint32_t* w_lo = qweight + (bit / 32) * d_out + j0 + c0;
+                const float xv = xt[r];
+                if (off + bits <= 32) {
+                    for (size_t c = 0; c < BOA_QDOT_COLS; ++c) acc[c] += xv * (float)((w_lo[c] >> off) & mask);
+                } else {
+                    const uint32_t* w_hi = w_lo + d_out;
+                    for (size_t c = 0; c < BOA_QDOT_COLS; ++c)
+                        acc[c] += xv * (float)(((w_lo[c] >> off) | (w_hi[c] << (32 - off))) & mask);
+                }
+            }
+            const float* s = scales + g * d_out + j0 + c0;
+            const float* z = zeros + g * d_out + j0 + c0;
+            float* yt = y + t * ldy + c0;
+            for (size_t c = 0; c < BOA_QDOT_COLS; ++c) yt[c] += s[c] * (acc[c] - z[c] * xs);
+        }
+    }
+}
+
 #endif /* BOA_PACK_H */

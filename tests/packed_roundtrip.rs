@@ -241,20 +241,21 @@ fn packed_v1_refuses_zero_zero_point() {
 #[test]
 fn packed_gemm_matches_dense_and_is_thread_count_independent() {
     let mut rng = ChaCha8Rng::seed_from_u64(5);
-    for (case, (d_out, d_in, m)) in [
+    // Without act-order and m ≤ 2 the CPU GEMM takes the fused path (boa_qdot_group_tile) on column blocks that
+    // are multiples of 64 wide; with act-order or more tokens, the dequantized-tile path.
+    let cases = [
         (70, 200, 1),
         (300, 576, 3),
         (257, 96, 17),
         (64, 128, 40),
         (513, 160, 2),
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        let bits = [3u32, 4, 2, 8, 3][case];
+        (320, 576, 1),
+    ];
+    for (case, &(d_out, d_in, m)) in cases.iter().chain(&cases).enumerate() {
+        let bits = [3u32, 4, 2, 8, 3, 4][case % 6];
         let w = randn(&mut rng, d_out * d_in);
         let mut o = GptqOptions::new(QuantSpec::new(bits, Some(64), false, ScaleSearch::MinMax));
-        o.act_order = true;
+        o.act_order = case < 6;
         let h: Vec<f64> = (0..d_in * d_in)
             .map(|k| {
                 if k / d_in == k % d_in {
@@ -268,6 +269,11 @@ fn packed_gemm_matches_dense_and_is_thread_count_independent() {
         let lin = PackedTensors::pack(&q, GptqVersion::V2)
             .unwrap()
             .into_linear(GptqVersion::V2);
+        assert_eq!(
+            lin.contiguous_group(),
+            (!o.act_order).then_some(64),
+            "case {case}"
+        );
         let x = randn(&mut rng, m * d_in);
         let y_ref = linear_f32(&x, &dequantize_f16_scales(&q), m, d_in, d_out);
         let run = |threads: usize| {

@@ -63,6 +63,9 @@ pub const QGEMM_NB: usize = 256;
 /// Input rows per dequantized tile (a multiple of 32: 3-bit tiles start on a word); the tile
 /// [QGEMM_TK × QGEMM_NB] f32 is 32 KiB.
 pub const QGEMM_TK: usize = 32;
+/// Up to this many tokens, contiguous groups use the fused tile (`boa_qdot_group_tile`): it unpacks once per
+/// token, so it wins only while m is small.
+const QGEMM_FUSED_M: usize = 2;
 /// Columns whose per-token partial sums stay in registers in the small-m loop (8 AVX2 registers).
 const QGEMM_SUB: usize = 64;
 /// From this many tokens on, each tile is multiplied with faer's GEMM instead of the plain loops (at m = 16
@@ -87,6 +90,10 @@ const QGEMM_FAER_M: usize = 16;
 pub fn packed_linear_f32(x: &[f32], p: &crate::quant::pack::PackedLinear, m: usize) -> Vec<f32> {
     let (k, n) = (p.d_in, p.d_out);
     assert_eq!(x.len(), m * k, "packed_linear: x is not [m={m} × k={k}]");
+    // Few tokens and contiguous groups that tiles do not straddle: the fused kernel (no dequantized tile).
+    let fused_group = p.contiguous_group().filter(|g| {
+        m <= QGEMM_FUSED_M && g.is_multiple_of(QGEMM_TK) || *g >= k && m <= QGEMM_FUSED_M
+    });
     let blocks: Vec<(usize, Vec<f32>)> = (0..n.div_ceil(QGEMM_NB))
         .into_par_iter()
         .map(|jb| {
@@ -96,6 +103,12 @@ pub fn packed_linear_f32(x: &[f32], p: &crate::quant::pack::PackedLinear, m: usi
             let mut tile = vec![0f32; QGEMM_TK * nj];
             for i0 in (0..k).step_by(QGEMM_TK) {
                 let ni = QGEMM_TK.min(k - i0);
+                if let Some(g) = fused_group
+                    && nj.is_multiple_of(crate::quant::pack::QDOT_COLS)
+                {
+                    p.qdot_group_tile(i0 / g, i0, ni, j0, nj, x, m, &mut y);
+                    continue;
+                }
                 p.dequant_tile(i0, ni, j0, nj, &mut tile);
                 if m >= QGEMM_FAER_M {
                     let a = MatRef::from_row_major_slice_with_stride(&x[i0..], m, ni, k);

@@ -93,8 +93,28 @@ mod ffi {
             nj: usize,
             out: *mut f32,
         );
+        pub fn boa_qdot_group_tile_f32(
+            qweight: *const u32,
+            d_out: usize,
+            bits: u32,
+            scales: *const f32,
+            zeros: *const f32,
+            g: usize,
+            i0: usize,
+            ni: usize,
+            j0: usize,
+            nj: usize,
+            x: *const f32,
+            ldx: usize,
+            m: usize,
+            y: *mut f32,
+            ldy: usize,
+        );
     }
 }
+
+/// Columns of one register block of the fused small-m tile (`BOA_QDOT_COLS` in include/boa_pack.h).
+pub const QDOT_COLS: usize = 64;
 
 fn check_bits(bits: u32) {
     assert!(
@@ -393,6 +413,72 @@ impl PackedLinear {
                 j0,
                 nj,
                 out.as_mut_ptr(),
+            )
+        }
+    }
+
+    /// The group size when groups are contiguous (g_idx[i] = i / g, no act-order), else None.
+    pub fn contiguous_group(&self) -> Option<usize> {
+        let g = if self.n_groups <= 1 {
+            self.d_in.max(1)
+        } else {
+            self.g_idx.iter().take_while(|&&v| v == 0).count().max(1)
+        };
+        (self.d_in.div_ceil(g) == self.n_groups
+            && self
+                .g_idx
+                .iter()
+                .enumerate()
+                .all(|(i, &v)| v as usize == i / g))
+        .then_some(g)
+    }
+
+    /// Y[t, j0 + c] += Σ_{i0 ≤ i < i0+ni} X[t, i] · Ŵ[j0 + c, i] for t < m, c < nj (`boa_qdot_group_tile`): rows
+    /// i0 .. i0+ni must all be in group `g` and nj a multiple of QDOT_COLS. X is [m × d_in] and Y [m × nj]
+    /// (the task's own column block), both row-major.
+    #[allow(clippy::too_many_arguments)]
+    pub fn qdot_group_tile(
+        &self,
+        g: usize,
+        i0: usize,
+        ni: usize,
+        j0: usize,
+        nj: usize,
+        x: &[f32],
+        m: usize,
+        y: &mut [f32],
+    ) {
+        assert!(
+            i0 + ni <= self.d_in
+                && j0 + nj <= self.d_out
+                && nj.is_multiple_of(QDOT_COLS)
+                && x.len() >= m * self.d_in
+                && y.len() >= m * nj
+                && g < self.n_groups
+                && self.g_idx[i0..i0 + ni].iter().all(|&v| v as usize == g),
+            "qdot_group_tile: tile [{i0}+{ni}, {j0}+{nj}] of group {g}, m {m} does not fit [{} × {}]",
+            self.d_in,
+            self.d_out
+        );
+        // SAFETY: sizes as in `dequant_tile` (checked by `validate`); the tile is inside the matrix and in group
+        // g < n_groups, X holds m·d_in floats and Y m·nj (checked above).
+        unsafe {
+            ffi::boa_qdot_group_tile_f32(
+                self.qweight.as_ptr(),
+                self.d_out,
+                self.bits,
+                self.scales.as_ptr(),
+                self.zeros.as_ptr(),
+                g,
+                i0,
+                ni,
+                j0,
+                nj,
+                x.as_ptr(),
+                self.d_in,
+                m,
+                y.as_mut_ptr(),
+                nj,
             )
         }
     }
