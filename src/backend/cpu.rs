@@ -91,9 +91,9 @@ pub fn packed_linear_f32(x: &[f32], p: &crate::quant::pack::PackedLinear, m: usi
     let (k, n) = (p.d_in, p.d_out);
     assert_eq!(x.len(), m * k, "packed_linear: x is not [m={m} × k={k}]");
     // Few tokens and contiguous groups that tiles do not straddle: the fused kernel (no dequantized tile).
-    let fused_group = p.contiguous_group().filter(|g| {
-        m <= QGEMM_FUSED_M && g.is_multiple_of(QGEMM_TK) || *g >= k && m <= QGEMM_FUSED_M
-    });
+    let fused_group = p
+        .contiguous_group()
+        .filter(|g| m <= QGEMM_FUSED_M && (g.is_multiple_of(QGEMM_TK) || *g >= k));
     let blocks: Vec<(usize, Vec<f32>)> = (0..n.div_ceil(QGEMM_NB))
         .into_par_iter()
         .map(|jb| {
