@@ -104,8 +104,9 @@ struct RunArgs {
     /// Scale/zero search: hessian (default for gptq/boa), mse, or minmax (default for rtn).
     #[arg(long, value_enum)]
     scale_search: Option<ScaleSearchArg>,
-    /// BoA's row Hessian for V: identity (reference code) or wout (the paper's Table 1).
-    #[arg(long, value_enum, default_value_t = VRowHessian::Identity)]
+    /// BoA's row Hessian for V: wout (the paper's Table 1; measured better, README) or identity (the
+    /// reference code's).
+    #[arg(long, value_enum, default_value_t = VRowHessian::Wout)]
     v_row_hessian: VRowHessian,
     /// Calibration windows.
     #[arg(long, default_value_t = 128)]
