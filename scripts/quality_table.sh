@@ -11,7 +11,9 @@ eval_windows=${EVAL_WINDOWS:-40}
 mkdir -p "$out"
 scripts/fetch_demo.sh
 cargo build --release --quiet
-bin=target/release/boa-cuda
+# A private copy, so rebuilding while the table runs cannot mix two versions in one table.
+cp target/release/boa-cuda "$out/boa-cuda"
+bin=$out/boa-cuda
 model=demo/smollm2-135m
 sotu=../shared/data/sotu
 calib=$(ls $sotu | awk -F_ '$1 < 2000' | sed "s|^|$sotu/|")
