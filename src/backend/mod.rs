@@ -7,7 +7,6 @@
 
 pub mod cpu;
 pub mod cuda;
-pub mod qgemm_bench;
 mod select;
 
 pub use select::{Device, select_backend};

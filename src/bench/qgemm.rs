@@ -8,7 +8,7 @@
 //! bytes the GEMM must read from memory: f32 W (4·n·k) for the dense GEMM; qweight (n·k·b/8) plus the f32
 //! scales and zeros (8·n·k/g) for the packed one. Activations and outputs are negligible at small m.
 
-use super::cpu::{linear_f32, packed_linear_f32};
+use crate::backend::cpu::{linear_f32, packed_linear_f32};
 use crate::quant::pack::{PackedLinear, pack_words};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
