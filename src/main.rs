@@ -127,6 +127,11 @@ struct RunArgs {
     /// Replace --out if it exists.
     #[arg(long)]
     force: bool,
+    /// Continue an interrupted run of the same --out (its `.NAME.partial` folder) from its last finished
+    /// block; refused when the model, calibration data or options differ. Without it, a partial folder is
+    /// replaced.
+    #[arg(long)]
+    resume: bool,
     /// No progress output.
     #[arg(long)]
     quiet: bool,
@@ -190,6 +195,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 layers,
                 device: a.device,
                 force: a.force,
+                resume: a.resume,
             };
             if opts.calib.is_empty()
                 && !(opts.method == Method::Rtn && scale_search != ScaleSearchArg::Hessian)

@@ -6,6 +6,7 @@ use super::config::Config;
 use super::weights::WeightStore;
 use crate::backend::Backend;
 use crate::error::file_err;
+use safetensors::Dtype;
 use std::path::{Path, PathBuf};
 
 /// A linear layer y = W x (+ b), W [d_out × d_in] row-major f32.
@@ -196,6 +197,17 @@ impl Model {
                     &self.dir,
                     format!("tensor {name} has shape {:?}, expected {shape:?}", e.shape),
                 )),
+                // Checked here, not when the block is loaded: a copied-through block would otherwise carry
+                // an integer tensor into the output, and a quantized one would fail hours into a run.
+                Some(e) if !matches!(e.dtype, Dtype::F32 | Dtype::F16 | Dtype::BF16) => {
+                    Err(file_err(
+                        &self.dir,
+                        format!(
+                            "tensor {name} has dtype {:?}; weights must be F32, F16 or BF16",
+                            e.dtype
+                        ),
+                    ))
+                }
                 Some(_) => Ok(()),
             }
         };
