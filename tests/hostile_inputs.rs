@@ -186,7 +186,7 @@ fn hostile_dtypes_and_index() {
     )
     .unwrap();
     fs::write(
-        &m.join("model.safetensors.index.json"),
+        m.join("model.safetensors.index.json"),
         "{\"weight_map\": 5}",
     )
     .unwrap();
@@ -197,7 +197,7 @@ fn hostile_dtypes_and_index() {
         &["invalid index"],
     );
     fs::write(
-        &m.join("model.safetensors.index.json"),
+        m.join("model.safetensors.index.json"),
         r#"{"weight_map": {"a": "../../etc/passwd"}}"#,
     )
     .unwrap();
@@ -208,7 +208,7 @@ fn hostile_dtypes_and_index() {
         &["must be a plain file name"],
     );
     fs::write(
-        &m.join("model.safetensors.index.json"),
+        m.join("model.safetensors.index.json"),
         r#"{"weight_map": {"a": "model-00002-of-00002.safetensors"}}"#,
     )
     .unwrap();
@@ -351,4 +351,71 @@ fn hostile_gguf_headers() {
         report(case, &["import-gguf", s(&p), "--out", s(&out)], &[needle]);
         assert!(!out.join("model.safetensors").exists());
     }
+}
+
+/// Seeded mutations of the tiny model's model.safetensors, opened and read as `run` would. Never a panic;
+/// the address-space cap turns an allocation sized by a hostile header into a failure. Slow-ish: run by
+/// scripts/fuzz.sh (BOA_FUZZ_ITERS, BOA_FUZZ_SECS, BOA_FUZZ_SEED).
+#[test]
+#[ignore]
+fn fuzz_safetensors_mutations() {
+    use rand::SeedableRng;
+    let (_t, m, _calib) = setup();
+    let good = fs::read(m.join("model.safetensors")).unwrap();
+    let hot = 8 + u64::from_le_bytes(good[..8].try_into().unwrap()) as usize;
+    let seed: u64 = std::env::var("BOA_FUZZ_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    limit_address_space(16 << 30);
+    let (iters, secs) = fuzz_budget();
+    let t0 = std::time::Instant::now();
+    let (mut n, mut opened) = (0u64, 0u64);
+    while n < iters && t0.elapsed() < secs {
+        let bytes = mutate(&good, &mut rng, hot);
+        fs::write(m.join("model.safetensors"), &bytes).unwrap();
+        let r = std::panic::catch_unwind(|| {
+            let model = boa_cuda::model::Model::open(&m)?;
+            for l in 0..model.cfg.n_layers {
+                model.load_block(l)?;
+            }
+            model.embed(&[0, 1, 255])?;
+            model.lm_head()?;
+            anyhow::Ok(())
+        });
+        match r {
+            Ok(Ok(())) => opened += 1,
+            Ok(Err(e)) => assert!(
+                e.downcast_ref::<boa_cuda::error::BoaError>().is_some(),
+                "iteration {n} (seed {seed}): not a user error: {e:#}"
+            ),
+            Err(_) => {
+                let p = std::env::temp_dir().join(format!("boa-fuzz-crash-{seed}-{n}.safetensors"));
+                fs::write(&p, &bytes).unwrap();
+                panic!(
+                    "iteration {n} (seed {seed}) panicked; input saved to {}",
+                    p.display()
+                );
+            }
+        }
+        n += 1;
+    }
+    eprintln!(
+        "fuzz_safetensors_mutations: {n} inputs ({opened} still valid) in {:.1?}",
+        t0.elapsed()
+    );
+}
+
+/// Writes the tiny model's model.safetensors into $BOA_FUZZ_SEED_DIR/weight_store (scripts/fuzz.sh).
+#[test]
+#[ignore]
+fn write_fuzz_seed() {
+    let Some(dir) = std::env::var_os("BOA_FUZZ_SEED_DIR") else {
+        return;
+    };
+    let (_t, m, _) = setup();
+    let d = Path::new(&dir).join("weight_store");
+    fs::create_dir_all(&d).unwrap();
+    fs::copy(m.join("model.safetensors"), d.join("tiny.safetensors")).unwrap();
 }

@@ -451,7 +451,9 @@ fn free_bytes(dir: &Path) -> Option<u64> {
         }
         // SAFETY: initialized by the successful call above.
         let st = unsafe { st.assume_init() };
-        Some(st.f_bavail as u64 * st.f_frsize as u64)
+        // The field widths differ between platforms (u32 on some 32-bit ones).
+        #[allow(clippy::unnecessary_cast)]
+        Some((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
     }
     #[cfg(not(unix))]
     {
