@@ -214,14 +214,20 @@ fn kill_then_resume_matches_uninterrupted_run() {
 }
 
 #[test]
-fn output_is_identical_for_1_and_2_threads() {
+fn output_is_identical_for_1_2_and_3_threads() {
     let tmp = tempfile::tempdir().unwrap();
     let m = model(tmp.path(), 2);
     let calib = shared_data().join("moby-dick.txt");
-    let (a, b) = (tmp.path().join("t1"), tmp.path().join("t2"));
-    run_ok(&run_args(&m, &a, &calib), Some("1"));
-    run_ok(&run_args(&m, &b, &calib), Some("2"));
-    assert_same(&a, &b);
+    let outs: Vec<PathBuf> = ["1", "2", "3"]
+        .iter()
+        .map(|t| {
+            let out = tmp.path().join(format!("t{t}"));
+            run_ok(&run_args(&m, &out, &calib), Some(t));
+            out
+        })
+        .collect();
+    assert_same(&outs[0], &outs[1]);
+    assert_same(&outs[0], &outs[2]);
 }
 
 #[test]
@@ -271,6 +277,10 @@ fn unwritable_out_and_full_disk_fail_before_the_work() {
     let blocker = tmp.path().join("file");
     std::fs::write(&blocker, b"").unwrap();
     let out = blocker.join("out");
+    eprintln!(
+        "HOSTILE | unwritable | {}",
+        run(&run_args(&m, &out, &calib)).2
+    );
     assert_user_error(
         &run_args(&m, &out, &calib),
         &["cannot create the output folder"],
@@ -285,6 +295,7 @@ fn unwritable_out_and_full_disk_fail_before_the_work() {
         .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
+    eprintln!("HOSTILE | full disk | {err}");
     assert!(err.contains("not enough free space"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
     assert!(!out.exists() && !tmp.path().join(".out.partial").exists());

@@ -402,14 +402,19 @@ pub fn check_free_space(dir: &Path, need: u64) -> anyhow::Result<()> {
         return Ok(());
     };
     if free < need {
-        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        let size = |b: u64| {
+            if b >= 1 << 30 {
+                format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+            } else {
+                format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
+            }
+        };
         return Err(file_err(
             dir,
             format!(
-                "not enough free space: the output and its resume checkpoint need about {:.2} GiB, {:.2} GiB \
-                 are free",
-                gib(need),
-                gib(free)
+                "not enough free space: the output and its resume checkpoint need about {}, {} are free",
+                size(need),
+                size(free)
             ),
         ));
     }
