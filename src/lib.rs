@@ -2,6 +2,7 @@
 //! and a CPU reference backend. See design.md for the architecture and the math.
 
 pub mod backend;
+pub mod bench;
 pub mod data;
 pub mod error;
 pub mod eval;

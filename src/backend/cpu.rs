@@ -107,17 +107,21 @@ impl Backend for CpuBackend {
             cos.len() >= t * d_h / 2 && sin.len() >= t * d_h / 2,
             "rope: tables shorter than t={t}"
         );
-        x.par_chunks_mut(width).enumerate().for_each(|(row, xr)| {
-            let p = row % t;
-            let half = d_h / 2;
-            let (c, s) = (
-                &cos[p * half..(p + 1) * half],
-                &sin[p * half..(p + 1) * half],
-            );
-            for head in xr.chunks_mut(d_h) {
-                rope_head(head, c, s);
-            }
-        });
+        x.par_chunks_mut(width * ROWS_PER_TASK)
+            .enumerate()
+            .for_each(|(chunk, xc)| {
+                let half = d_h / 2;
+                for (r, xr) in xc.chunks_mut(width).enumerate() {
+                    let p = (chunk * ROWS_PER_TASK + r) % t;
+                    let (c, s) = (
+                        &cos[p * half..(p + 1) * half],
+                        &sin[p * half..(p + 1) * half],
+                    );
+                    for head in xr.chunks_mut(d_h) {
+                        rope_head(head, c, s);
+                    }
+                }
+            });
     }
 
     fn causal_attention(
@@ -158,10 +162,7 @@ impl Backend for CpuBackend {
                     d_h,
                     kvh,
                 );
-                let p = causal_softmax_probs(&qh, &kh, t, d_h);
-                let mut o = vec![0f32; t * d_h];
-                gemm_nn(&mut o, &p, &vh, t, t, d_h);
-                o
+                causal_attention_head(&qh, &kh, &vh, t, d_h)
             })
             .collect();
         let mut out = vec![0f32; n_seq * t * h * d_h];
@@ -267,25 +268,108 @@ pub fn gather_head(x: &[f32], t: usize, n_heads: usize, d_h: usize, head: usize)
     out
 }
 
+/// Query rows per block of the causal attention: block b only needs keys 0..(b+1)·B, which skips the masked
+/// half of Q Kᵀ and of P V.
+const ATTENTION_BLOCK: usize = 64;
+
+/// Max and sum over 16 lanes: a fixed order the compiler can vectorize (a plain fold is a serial chain).
+fn max_lanes(x: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; 16];
+    let mut chunks = x.chunks_exact(16);
+    for c in &mut chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a = a.max(v);
+        }
+    }
+    chunks
+        .remainder()
+        .iter()
+        .chain(acc.iter())
+        .fold(f32::NEG_INFINITY, |m, &v| m.max(v))
+}
+
+fn sum_lanes(x: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let mut chunks = x.chunks_exact(16);
+    for c in &mut chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a += v;
+        }
+    }
+    acc.iter().sum::<f32>() + chunks.remainder().iter().sum::<f32>()
+}
+
+/// Scores S [rows × width] of queries i0.. against keys 0..width → causal softmax probabilities in place
+/// (row r sees keys 0..=i0+r; the rest is set to 0).
+fn causal_softmax_rows(s: &mut [f32], width: usize, i0: usize, scale: f32) {
+    for (r, row) in s.chunks_mut(width).enumerate() {
+        let (live, masked) = row.split_at_mut(i0 + r + 1);
+        let max = max_lanes(live) * scale;
+        for v in live.iter_mut() {
+            *v = exp_f32(*v * scale - max);
+        }
+        let inv = 1.0 / sum_lanes(live);
+        live.iter_mut().for_each(|v| *v *= inv);
+        masked.iter_mut().for_each(|v| *v = 0.0);
+    }
+}
+
+/// Calls `f(i0, rows, P_block)` for each block of query rows, P_block [rows × i0+rows] the causal softmax
+/// probabilities of those queries against keys 0..i0+rows.
+fn causal_prob_blocks(
+    qh: &[f32],
+    kh: &[f32],
+    t: usize,
+    d_h: usize,
+    mut f: impl FnMut(usize, usize, &[f32]),
+) {
+    let scale = 1.0 / (d_h as f32).sqrt();
+    let mut s = Vec::new();
+    for i0 in (0..t).step_by(ATTENTION_BLOCK) {
+        let i1 = (i0 + ATTENTION_BLOCK).min(t);
+        let rows = i1 - i0;
+        s.resize(rows * i1, 0.0);
+        gemm_nt(
+            &mut s,
+            &qh[i0 * d_h..i1 * d_h],
+            &kh[..i1 * d_h],
+            rows,
+            d_h,
+            i1,
+            false,
+        );
+        causal_softmax_rows(&mut s, i1, i0, scale);
+        f(i0, rows, &s);
+    }
+}
+
 /// A = softmax(Q Kᵀ / sqrt(d_h)) with the causal mask, [t × t] row-major (entries above the diagonal are 0).
 pub fn causal_softmax_probs(qh: &[f32], kh: &[f32], t: usize, d_h: usize) -> Vec<f32> {
     let mut p = vec![0f32; t * t];
-    gemm_nt(&mut p, qh, kh, t, d_h, t, false);
-    let scale = 1.0 / (d_h as f32).sqrt();
-    for (i, row) in p.chunks_mut(t).enumerate() {
-        let max = row[..=i]
-            .iter()
-            .fold(f32::NEG_INFINITY, |m, &v| m.max(v * scale));
-        let mut sum = 0f32;
-        for v in row[..=i].iter_mut() {
-            *v = exp_f32(*v * scale - max);
-            sum += *v;
+    causal_prob_blocks(qh, kh, t, d_h, |i0, rows, s| {
+        let w = i0 + rows;
+        for r in 0..rows {
+            p[(i0 + r) * t..(i0 + r) * t + w].copy_from_slice(&s[r * w..(r + 1) * w]);
         }
-        let inv = 1.0 / sum;
-        row[..=i].iter_mut().for_each(|v| *v *= inv);
-        row[i + 1..].iter_mut().for_each(|v| *v = 0.0);
-    }
+    });
     p
+}
+
+/// One head's causal attention output [t × d_h] = A V, block by block (A is never stored whole).
+pub fn causal_attention_head(qh: &[f32], kh: &[f32], vh: &[f32], t: usize, d_h: usize) -> Vec<f32> {
+    let mut o = vec![0f32; t * d_h];
+    causal_prob_blocks(qh, kh, t, d_h, |i0, rows, s| {
+        let w = i0 + rows;
+        gemm_nn(
+            &mut o[i0 * d_h..(i0 + rows) * d_h],
+            s,
+            &vh[..w * d_h],
+            rows,
+            w,
+            d_h,
+        );
+    });
+    o
 }
 
 #[cfg(test)]

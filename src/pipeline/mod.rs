@@ -170,9 +170,16 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                     timings.statistics += s.stats_time.as_secs_f64();
                 }
                 let t = Instant::now();
+                crate::quant::profile::take();
                 let quantized =
                     quantize_block::quantize_block(&mut w, stats.as_ref(), cfg, opts, l)?;
                 timings.quantize += t.elapsed().as_secs_f64();
+                let [factor, search, sweep] = crate::quant::profile::take();
+                (timings.factor, timings.search, timings.sweep) = (
+                    timings.factor + factor,
+                    timings.search + search,
+                    timings.sweep + sweep,
+                );
                 drop(stats);
                 if needs_calib && l < last_needed {
                     let t = Instant::now();

@@ -8,7 +8,12 @@ pub struct Timings {
     pub calibration_data: f64,
     pub forward: f64,
     pub statistics: f64,
+    /// All of quantization, and its parts: factorizations (damping + U = chol(H⁻¹)ᵀ), static scale
+    /// search, sweeps (including dynamic group searches). The rest is the before/after error report.
     pub quantize: f64,
+    pub factor: f64,
+    pub search: f64,
+    pub sweep: f64,
     pub write: f64,
     pub total: f64,
 }

@@ -14,6 +14,7 @@ use super::gptq::{
     DynamicGroups, GptqOptions, Quantized, gptq_block_sweep, permute_cols, plan_sweep, static_grids,
 };
 use super::linalg::{act_order_perm, damped_upper_inverse, fix_dead_inputs, permute_sym};
+use super::profile::{Phase, timed};
 use super::quantizer::Grid;
 use rayon::prelude::*;
 
@@ -190,6 +191,7 @@ pub fn boa_quantize<T: Real>(
     let hs = d_h * n;
 
     // Column factors (Alg. 1 l.5–6, H_col side); dead inputs zeroed in the heads that use the H_col.
+    let t_factor = std::time::Instant::now();
     let (plans, head_col) = match h_col {
         ColHessian::Shared(hc) => (
             vec![plan_sweep::<T>(&mut w0, n, hc, g, opts.act_order_col)?],
@@ -216,6 +218,7 @@ pub fn boa_quantize<T: Real>(
             (plans, (0..n_heads).collect())
         }
     };
+    super::profile::add(Phase::Factor, t_factor);
     let n_groups = plans[0].n_groups;
 
     // Row factors (Alg. 1 l.5–6, H_row side).
@@ -230,8 +233,10 @@ pub fn boa_quantize<T: Real>(
             (0..d_h).collect()
         };
         let mut hp = permute_sym(&hr, d_h, &perm);
-        let u = damped_upper_inverse(&mut hp, d_h, g.damp, g.max_damp_tries)
-            .map_err(|e| e.context(format!("H_row of head {h}")))?;
+        let u = timed(Phase::Factor, || {
+            damped_upper_inverse(&mut hp, d_h, g.damp, g.max_damp_tries)
+        })
+        .map_err(|e| e.context(format!("H_row of head {h}")))?;
         u_row.extend(u.iter().map(|&x| T::from_f64(x)));
         row_perm.push(perm);
     }
@@ -242,7 +247,9 @@ pub fn boa_quantize<T: Real>(
     if !dynamic {
         for h in 0..n_heads {
             let p = &plans[head_col[h]];
-            let gh = static_grids(&w0[h * hs..(h + 1) * hs], d_h, n, p, &g.spec);
+            let gh = timed(Phase::Search, || {
+                static_grids(&w0[h * hs..(h + 1) * hs], d_h, n, p, &g.spec)
+            });
             grids_orig[h * d_h * n_groups..(h + 1) * d_h * n_groups].copy_from_slice(&gh);
         }
     }
@@ -273,21 +280,23 @@ pub fn boa_quantize<T: Real>(
         .collect();
     let mut qp = vec![T::ZERO; d_out * n];
     let mut cp = vec![0u8; d_out * n];
-    boa_sweep(
-        &mut wp,
-        &mut qp,
-        &mut cp,
-        &cols,
-        &head_col,
-        &u_row,
-        n_heads,
-        d_h,
-        n,
-        g.block_size,
-        &mut grids,
-        n_groups,
-        g.spec.maxq(),
-    );
+    timed(Phase::Sweep, || {
+        boa_sweep(
+            &mut wp,
+            &mut qp,
+            &mut cp,
+            &cols,
+            &head_col,
+            &u_row,
+            n_heads,
+            d_h,
+            n,
+            g.block_size,
+            &mut grids,
+            n_groups,
+            g.spec.maxq(),
+        )
+    });
 
     // Back to the original row and column order.
     let mut w_hat = vec![T::ZERO; d_out * n];

@@ -8,6 +8,7 @@ use super::linalg::{
     DEFAULT_DAMP, MAX_DAMP_TRIES, act_order_perm, damped_upper_inverse, fix_dead_inputs,
     permute_sym,
 };
+use super::profile::{Phase, timed};
 use super::quantizer::{
     Grid, QuantSpec, ScaleSearch, dequantize, quantize, search_grid, search_grids_rows,
 };
@@ -408,10 +409,14 @@ pub fn gptq_quantize<T: Real>(
     opts.spec.validate()?;
     assert_eq!(w.len(), d_out * d_in, "W is not [{d_out} × {d_in}]");
     let mut w0 = w.to_vec();
-    let plan = plan_sweep::<T>(&mut w0, d_in, h, opts, opts.act_order)?;
+    let plan = timed(Phase::Factor, || {
+        plan_sweep::<T>(&mut w0, d_in, h, opts, opts.act_order)
+    })?;
     let mut grids = match plan.dyn_blocks {
         Some(_) => vec![Grid::default(); d_out * plan.n_groups],
-        None => static_grids(&w0, d_out, d_in, &plan, &opts.spec),
+        None => timed(Phase::Search, || {
+            static_grids(&w0, d_out, d_in, &plan, &opts.spec)
+        }),
     };
     let mut wp = permute_cols(&w0, d_in, &plan.perm);
     let mut qp = vec![T::ZERO; d_out * d_in];
@@ -421,20 +426,22 @@ pub fn gptq_quantize<T: Real>(
         h_blocks: b,
         spec: &opts.spec,
     });
-    gptq_block_sweep(
-        &mut wp,
-        &mut qp,
-        &mut cp,
-        &plan.u,
-        d_out,
-        d_in,
-        opts.block_size,
-        &mut grids,
-        plan.n_groups,
-        &plan.col_group,
-        dynamic.as_ref(),
-        opts.spec.maxq(),
-    );
+    timed(Phase::Sweep, || {
+        gptq_block_sweep(
+            &mut wp,
+            &mut qp,
+            &mut cp,
+            &plan.u,
+            d_out,
+            d_in,
+            opts.block_size,
+            &mut grids,
+            plan.n_groups,
+            &plan.col_group,
+            dynamic.as_ref(),
+            opts.spec.maxq(),
+        )
+    });
     let mut g_idx = vec![0u32; d_in];
     for (k, &c) in plan.perm.iter().enumerate() {
         g_idx[c] = plan.col_group[k];

@@ -22,7 +22,15 @@ pub fn hessian_xxt(h: &mut [f32], x: &[f32], m: usize, d: usize, ld: usize) {
     );
     let xr = MatRef::from_row_major_slice_with_stride(&x[..(m - 1) * ld + d], m, d, ld);
     let hm = MatMut::from_row_major_slice_mut(h, d, d);
-    matmul(hm, Accum::Replace, xr.transpose(), xr, 1.0f32, Par::Seq);
+    // faer's parallel GEMM splits the output, never the reduction over m: thread-count independent.
+    matmul(
+        hm,
+        Accum::Replace,
+        xr.transpose(),
+        xr,
+        1.0f32,
+        Par::rayon(0),
+    );
 }
 
 /// Tokens per f32 GEMM chunk before the sum is folded into f64 (bounds f32 accumulation error).
@@ -354,7 +362,7 @@ impl VColAccumulator {
                 a,
                 xr,
                 1.0f32,
-                Par::Seq,
+                Par::rayon(0),
             );
             let kv = h / gs;
             add_xxt_f64(

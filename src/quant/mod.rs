@@ -9,9 +9,11 @@
 //! `gptq_block_sweep`, `boa_sweep`.
 
 pub mod boa;
+pub mod boa_reference;
 pub mod gptq;
 pub mod hessian;
 pub mod linalg;
+pub mod profile;
 pub mod quantizer;
 pub mod rtn;
 

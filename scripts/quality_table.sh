@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The README's quality table: RTN, GPTQ and BoA on the demo model, calibrated on the State of the Union
+# speeches before 2000 (128 windows × 512 tokens, seed 0), evaluated on the 2001–2016 speeches and on
+# Moby-Dick (perplexity, seqlen 512, the first $EVAL_WINDOWS windows of each). Resumable: finished entries
+# in $OUT/results.jsonl are skipped. Usage: scripts/quality_table.sh [OUT_DIR]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-target/quality}
+nsamples=${NSAMPLES:-128}
+eval_windows=${EVAL_WINDOWS:-40}
+mkdir -p "$out"
+scripts/fetch_demo.sh
+cargo build --release --quiet
+# A private copy, so rebuilding while the table runs cannot mix two versions in one table.
+cp target/release/boa-cuda "$out/boa-cuda"
+bin=$out/boa-cuda
+model=demo/smollm2-135m
+sotu=../shared/data/sotu
+calib=$(ls $sotu | awk -F_ '$1 < 2000' | sed "s|^|$sotu/|")
+speeches=$(ls $sotu | awk -F_ '$1 >= 2001 && $1 <= 2016' | sed "s|^|$sotu/|")
+moby=../shared/data/moby-dick.txt
+results=$out/results.jsonl
+touch "$results"
+
+evaluate() { # name model_dir extra-json
+  local name=$1 dir=$2 extra=$3
+  grep -q "\"name\": \"$name\"" "$results" && return 0
+  local s m
+  s=$($bin eval --model "$dir" --data $speeches --seqlen 512 --max-windows "$eval_windows" --device cpu --json)
+  m=$($bin eval --model "$dir" --data $moby --seqlen 512 --max-windows "$eval_windows" --device cpu --json)
+  python3 -c "import json,sys; s,m=json.loads(sys.argv[2]),json.loads(sys.argv[3]); e=json.loads(sys.argv[4]); \
+print(json.dumps(dict(name=sys.argv[1], speeches=s['perplexity'], moby=m['perplexity'], **e)))" \
+    "$name" "$s" "$m" "$extra" >> "$results"
+}
+
+evaluate fp "$model" '{}'
+for setting in "2 64" "3 -1" "3 64" "4 -1"; do
+  set -- $setting
+  for method in rtn gptq boa; do
+    name="w$1-g$2-$method"
+    grep -q "\"name\": \"$name\"" "$results" && continue
+    start=$(date +%s)
+    $bin run --model $model --calib $calib --method $method --wbits $1 --group-size $2 --nsamples "$nsamples" \
+      --seqlen 512 --seed 0 --device cpu --out "$out/$name" --force --quiet
+    secs=$(( $(date +%s) - start ))
+    evaluate "$name" "$out/$name" "{\"bits\": $1, \"group\": $2, \"method\": \"$method\", \"run_seconds\": $secs}"
+    rm -rf "$out/$name"
+  done
+done
+
+python3 - "$results" "$nsamples" "$eval_windows" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+fp = next(r for r in rows if r["name"] == "fp")
+print(f"calibration {sys.argv[2]} x 512 tokens (speeches < 2000, seed 0); eval: first {sys.argv[3]} windows x 512")
+print(f"FP: 2001-2016 speeches {fp['speeches']:.2f}, Moby-Dick {fp['moby']:.2f}\n")
+print("| setting | method | 2001–2016 speeches | Moby-Dick | run time (s) |")
+print("|---|---|---|---|---|")
+ok = True
+for bits, group in [(2, 64), (3, -1), (3, 64), (4, -1)]:
+    ppl = {}
+    for m in ["rtn", "gptq", "boa"]:
+        r = next((r for r in rows if r["name"] == f"w{bits}-g{group}-{m}"), None)
+        if r is None:
+            continue
+        ppl[m] = r
+        g = "per-channel" if group == -1 else f"g{group}"
+        print(f"| {bits}-bit {g} | {m.upper() if m != 'boa' else 'BoA'} | {r['speeches']:.2f} | {r['moby']:.2f} | {r['run_seconds']} |")
+    if len(ppl) == 3:
+        for t in ["speeches", "moby"]:
+            ok &= ppl["boa"][t] < ppl["gptq"][t] < ppl["rtn"][t]
+print(f"\nordering BoA < GPTQ < RTN on both texts in every setting: {'yes' if ok else 'NO'}")
+PY

@@ -1,0 +1,4 @@
+//! Benchmarks behind `boa-cuda bench-*` subcommands: they synthesize or run what they time and return
+//! numbers; main.rs prints them.
+
+pub mod quant;

@@ -1,0 +1,35 @@
+//! Wall time of the quantization phases (factorization, scale search, sweep), summed over every call since
+//! the last `take()`: the run report and `bench-quant` split "quantize" with it. Counters are global, so
+//! concurrent quantizations in one process would share them; the pipeline quantizes one layer at a time.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+#[derive(Clone, Copy)]
+pub enum Phase {
+    /// Damping, dead inputs, permutations and U = chol(H⁻¹)ᵀ of every H_col / H_row.
+    Factor = 0,
+    /// Static scale/zero search before the sweep (dynamic group searches count in the sweep).
+    Search = 1,
+    /// The GPTQ / BoA sweep itself.
+    Sweep = 2,
+}
+
+static NANOS: [AtomicU64; 3] = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
+
+pub fn timed<R>(phase: Phase, f: impl FnOnce() -> R) -> R {
+    let t = Instant::now();
+    let r = f();
+    add(phase, t);
+    r
+}
+
+/// Adds the time since `start` to `phase` (for regions that return early with `?`).
+pub fn add(phase: Phase, start: Instant) {
+    NANOS[phase as usize].fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+}
+
+/// Seconds per phase (factor, search, sweep) since the last call; resets the counters.
+pub fn take() -> [f64; 3] {
+    [0, 1, 2].map(|i| NANOS[i].swap(0, Ordering::Relaxed) as f64 * 1e-9)
+}

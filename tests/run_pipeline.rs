@@ -1,0 +1,226 @@
+//! `boa-cuda run` end to end on a tiny synthetic model: every method writes a folder that `eval` loads, with
+//! report.json; unselected blocks are copied through byte for byte; bad input is refused before anything is
+//! written to --out.
+
+mod common;
+use common::*;
+use std::fs;
+use std::path::Path;
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn calib_text(dir: &Path) -> std::path::PathBuf {
+    let p = dir.join("calib.txt");
+    let speeches = shared_data().join("sotu/1946_harry_s_truman_d.txt");
+    fs::write(&p, fs::read_to_string(speeches).unwrap()).unwrap();
+    p
+}
+
+fn tensors(dir: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
+    let mut out = std::collections::BTreeMap::new();
+    for f in fs::read_dir(dir).unwrap() {
+        let p = f.unwrap().path();
+        if p.extension().is_some_and(|e| e == "safetensors") {
+            let bytes = fs::read(&p).unwrap();
+            let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+            for (n, v) in st.tensors() {
+                out.insert(n, v.data().to_vec());
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn every_method_writes_a_loadable_folder_with_report() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tiny_model(tmp.path());
+    let calib = calib_text(tmp.path());
+    for method in ["rtn", "gptq", "boa"] {
+        let out = tmp.path().join(format!("q-{method}"));
+        let (code, stdout, err) = run(&[
+            "run",
+            "--model",
+            s(&m),
+            "--calib",
+            s(&calib),
+            "--method",
+            method,
+            "--wbits",
+            "3",
+            "--group-size",
+            "32",
+            "--nsamples",
+            "4",
+            "--seqlen",
+            "64",
+            "--layers",
+            "1",
+            "--out",
+            s(&out),
+            "--quiet",
+        ]);
+        assert_eq!(code, 0, "{method}: {err}");
+        assert!(stdout.contains("wrote"), "{stdout}");
+        for f in [
+            "config.json",
+            "tokenizer.json",
+            "report.json",
+            "model.safetensors.index.json",
+        ] {
+            assert!(out.join(f).is_file(), "{method}: {f} missing");
+        }
+        let report: serde_json::Value =
+            serde_json::from_str(&fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
+        let layers = report["layers"].as_array().unwrap();
+        assert_eq!(layers.len(), 1, "only layer 1 was selected");
+        assert_eq!(layers[0]["linears"].as_array().unwrap().len(), 7);
+        assert!(report["peak_rss_bytes"].as_u64().unwrap() > 0);
+        assert!(report["seconds"]["total"].as_f64().unwrap() > 0.0);
+        if method != "rtn" {
+            for lin in layers[0]["linears"].as_array().unwrap() {
+                let (before, after) = (
+                    lin["rtn_error"].as_f64().unwrap(),
+                    lin["error"].as_f64().unwrap(),
+                );
+                assert!(
+                    after < before,
+                    "{method} {}: error {after} not below RTN's {before}",
+                    lin["name"]
+                );
+            }
+        }
+        // Layer 0 was not selected: copied through byte for byte; layer 1's weights changed.
+        let (a, b) = (tensors(&m), tensors(&out));
+        assert_eq!(
+            a["model.layers.0.self_attn.q_proj.weight"],
+            b["model.layers.0.self_attn.q_proj.weight"]
+        );
+        assert_ne!(
+            a["model.layers.1.self_attn.q_proj.weight"],
+            b["model.layers.1.self_attn.q_proj.weight"]
+        );
+        assert_eq!(
+            a["model.embed_tokens.weight"],
+            b["model.embed_tokens.weight"]
+        );
+        let (code, _, err) = run(&[
+            "eval",
+            "--model",
+            s(&out),
+            "--data",
+            s(&calib),
+            "--seqlen",
+            "64",
+            "--max-windows",
+            "2",
+            "--json",
+        ]);
+        assert_eq!(code, 0, "{method}: eval of the output failed: {err}");
+    }
+}
+
+/// Each bad input: exit 2, one line naming the problem, and no --out (nor partial folder) left behind.
+#[test]
+fn bad_input_is_refused_and_nothing_is_written() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tiny_model(tmp.path());
+    let calib = calib_text(tmp.path());
+    let out = tmp.path().join("out");
+    let base = |extra: &[&str]| -> Vec<String> {
+        let mut v: Vec<String> = [
+            "run",
+            "--model",
+            s(&m),
+            "--calib",
+            s(&calib),
+            "--out",
+            s(&out),
+            "--seqlen",
+            "64",
+        ]
+        .iter()
+        .map(|x| x.to_string())
+        .collect();
+        v.extend(extra.iter().map(|x| x.to_string()));
+        v
+    };
+    let check = |extra: &[&str], needles: &[&str]| {
+        let args = base(extra);
+        let refs: Vec<&str> = args.iter().map(|x| x.as_str()).collect();
+        assert_user_error(&refs, needles);
+        assert!(!out.exists(), "--out was written for {extra:?}");
+        assert!(
+            !tmp.path().join(".out.partial").exists(),
+            "partial folder left for {extra:?}"
+        );
+    };
+    check(
+        &["--nsamples", "50000"],
+        &["calibration text has", "fewer than --nsamples 50000"],
+    );
+    check(&["--layers", "0-5"], &["layer 2", "layers 0-1"]);
+    check(&["--layers", "1-x"], &["invalid layer range"]);
+    check(&["--wbits", "5"], &["--wbits 5", "2, 3, 4, 8"]);
+    check(&["--group-size", "7"], &["--group-size 7"]);
+    check(&["--group-size", "0"], &["--group-size 0"]);
+    check(&["--group-size", "256"], &["larger than"]);
+    check(&["--damp", "0"], &["--damp"]);
+
+    // NaN in a weight: the tensor is named.
+    let bad = tmp.path().join("nan");
+    boa_cuda::model::synth::write_model(&bad, &boa_cuda::model::synth::SynthSpec::tiny()).unwrap();
+    poke(&bad, "model.layers.1.mlp.up_proj.weight", f32::NAN);
+    let args = [
+        "run",
+        "--model",
+        s(&bad),
+        "--calib",
+        s(&calib),
+        "--out",
+        s(&out),
+        "--nsamples",
+        "2",
+        "--seqlen",
+        "64",
+        "--method",
+        "gptq",
+    ];
+    assert_user_error(&args, &["model.layers.1.mlp.up_proj.weight", "non-finite"]);
+    assert!(!out.exists());
+
+    // A norm weight of 1e30 makes X Xᵀ overflow: the Hessian stays singular through every damping retry.
+    let bad = tmp.path().join("huge");
+    boa_cuda::model::synth::write_model(&bad, &boa_cuda::model::synth::SynthSpec::tiny()).unwrap();
+    poke(&bad, "model.layers.0.input_layernorm.weight", 1e30);
+    let args = [
+        "run",
+        "--model",
+        s(&bad),
+        "--calib",
+        s(&calib),
+        "--out",
+        s(&out),
+        "--nsamples",
+        "2",
+        "--seqlen",
+        "64",
+        "--method",
+        "gptq",
+    ];
+    assert_user_error(&args, &["layer 0 self_attn.q_proj", "singular"]);
+    assert!(!out.exists());
+}
+
+/// Sets element 3 of tensor `name` (f32) in the model's safetensors to `v`.
+fn poke(model: &Path, name: &str, v: f32) {
+    let path = model.join("model.safetensors");
+    let mut bytes = fs::read(&path).unwrap();
+    let (n, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let info = meta.tensors()[name].clone();
+    let off = 8 + n + info.data_offsets.0 + 3 * 4;
+    bytes[off..off + 4].copy_from_slice(&v.to_le_bytes());
+    fs::write(&path, bytes).unwrap();
+}
