@@ -300,3 +300,106 @@ fn unwritable_out_and_full_disk_fail_before_the_work() {
     assert!(!err.contains("panicked"), "{err}");
     assert!(!out.exists() && !tmp.path().join(".out.partial").exists());
 }
+
+/// The parallel kernels the pipeline relies on, at shapes larger than the whole-run test reaches (a long
+/// reduction for XᵀX, a 7B-wide GEMM, a 1024-wide Cholesky inverse), in pools of 1, 2, 3 and 8 threads.
+#[test]
+fn parallel_kernels_are_thread_count_independent() {
+    use rand::{RngExt, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+    let mut rand_vec =
+        |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random::<f32>() - 0.5).collect() };
+    let (m, d) = (4096, 96);
+    let x = rand_vec(m * d);
+    let (mm, k, n) = (64, 1024, 704);
+    let a = rand_vec(mm * k);
+    let w = rand_vec(n * k);
+    let nh = 1024;
+    let xs = rand_vec(2 * nh * nh);
+    // A well-conditioned SPD matrix: XᵀX/N + I.
+    let mut h = vec![0f64; nh * nh];
+    for i in 0..nh {
+        for j in 0..nh {
+            h[i * nh + j] = (0..2)
+                .map(|r| xs[r * nh + i] as f64 * xs[r * nh + j] as f64)
+                .sum::<f64>()
+                + if i == j { 1.0 } else { 0.0 };
+        }
+    }
+    let compute = || {
+        let mut hx = vec![0f32; d * d];
+        boa_cuda::quant::hessian::hessian_xxt(&mut hx, &x, m, d, d);
+        let y = boa_cuda::backend::cpu::linear_f32(&a, &w, mm, k, n);
+        let u = boa_cuda::quant::linalg::cholesky_upper_inverse(&h, nh).unwrap();
+        (hx, y, u)
+    };
+    let results: Vec<_> = [1, 2, 3, 8]
+        .iter()
+        .map(|&t| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(t)
+                .build()
+                .unwrap()
+                .install(compute)
+        })
+        .collect();
+    for (i, r) in results.iter().enumerate().skip(1) {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert!(
+            bits(&r.0) == bits(&results[0].0),
+            "hessian_xxt differs (pool {i})"
+        );
+        assert!(
+            bits(&r.1) == bits(&results[0].1),
+            "linear_f32 differs (pool {i})"
+        );
+        let bits64 = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert!(
+            bits64(&r.2) == bits64(&results[0].2),
+            "cholesky_upper_inverse differs (pool {i})"
+        );
+    }
+}
+
+/// A failure after a finished block keeps the partial folder; once the input is fixed (same header, so
+/// the same fingerprint), --resume finishes the run with the bytes of an uninterrupted one.
+#[test]
+fn error_after_a_block_keeps_the_partial_folder_for_resume() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tiny_model(tmp.path());
+    let calib = shared_data().join("moby-dick.txt");
+    let reference = tmp.path().join("reference");
+    run_ok(&run_args(&m, &reference, &calib), None);
+
+    let path = m.join("model.safetensors");
+    let good = std::fs::read(&path).unwrap();
+    let mut bad = good.clone();
+    let (n, meta) = safetensors::SafeTensors::read_metadata(&good).unwrap();
+    let off = 8
+        + n
+        + meta.tensors()["model.layers.1.self_attn.q_proj.weight"]
+            .data_offsets
+            .0;
+    bad[off..off + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    std::fs::write(&path, &bad).unwrap();
+
+    let out = tmp.path().join("out");
+    let partial = tmp.path().join(".out.partial");
+    let mut args = run_args(&m, &out, &calib);
+    args.retain(|a| *a != "--quiet");
+    let o = bin().args(&args).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("non-finite"), "{err}");
+    assert!(err.contains("rerun with --resume"), "{err}");
+    assert_eq!(next_block(&partial), 1);
+    assert!(!out.exists());
+
+    std::fs::write(&path, &good).unwrap();
+    args.push("--resume");
+    let o = bin().args(&args).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("resuming from block 1 of 2"), "{err}");
+    assert_same(&reference, &out);
+}

@@ -111,7 +111,21 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                     folder.adopt_shard(i)?;
                 }
                 timings = s.timings;
-                (s.next_block, s.x.unwrap_or_default(), s.reports)
+                let x = s.x.unwrap_or_default();
+                let want = if needs_calib && s.next_block <= last_needed {
+                    n_seq * opts.seqlen * cfg.d
+                } else {
+                    0
+                };
+                if x.len() != want {
+                    return Err(crate::input_err!(
+                        "the resume state in {} has {} activations, expected {want}; run without \
+                         --resume to start over",
+                        folder.tmp.display(),
+                        x.len()
+                    ));
+                }
+                (s.next_block, x, s.reports)
             }
             None => {
                 if opts.resume {
