@@ -34,7 +34,8 @@ const FORMAT: u32 = 1;
 const DIR: &str = "resume";
 const STATE: &str = "state.json";
 
-/// 64-bit FNV-1a, twice with different offsets for 128 bits: detects accidental change, not tampering.
+/// Two 64-bit FNV-1a-style hashes (different offsets and multipliers) for 128 bits: detects accidental
+/// change, not tampering.
 fn hash128(parts: &[&[u8]]) -> String {
     let mut h = [0xcbf2_9ce4_8422_2325u64, 0x6c62_272e_07bb_0142u64];
     for (i, h) in h.iter_mut().enumerate() {
