@@ -271,8 +271,26 @@ fn write_kernels_rs(out_dir: &Path, k: Option<&Kernels>) {
 }
 
 /// Compiles cuda/boa_host.cpp (the include/ headers seen by a plain C++ compiler) into a static library.
+///
+/// The host code is built for the same x86-64 level as the Rust code (.cargo/config.toml): the packed GEMM's
+/// tile dequantization (include/boa_pack.h) runs here and needs AVX2 to keep up with memory.
+/// -ffp-contract=off keeps the compiler from contracting a·b + c into FMAs, so the host rounds exactly as written.
 fn build_host(root: &Path) {
-    cc::Build::new()
+    let features = env::var("CARGO_CFG_TARGET_FEATURE").unwrap_or_default();
+    let has = |f: &str| features.split(',').any(|x| x == f);
+    let mut build = cc::Build::new();
+    for (feature, flag) in [
+        ("avx2", "-mavx2"),
+        ("fma", "-mfma"),
+        ("bmi2", "-mbmi2"),
+        ("f16c", "-mf16c"),
+    ] {
+        if has(feature) {
+            build.flag_if_supported(flag);
+        }
+    }
+    build.flag_if_supported("-ffp-contract=off");
+    build
         .cpp(true)
         .std("c++17")
         .include(root.join("include"))

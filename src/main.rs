@@ -3,6 +3,7 @@
 
 use boa_cuda::backend::{Device, select_backend};
 use boa_cuda::eval::{EvalOptions, perplexity};
+use boa_cuda::export::gptq_packed::OutFormat;
 use boa_cuda::model::Model;
 use boa_cuda::pipeline::options::{LayerSet, Method, RunOptions, ScaleSearchArg, VRowHessian};
 use boa_cuda::progress::Progress;
@@ -23,7 +24,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Quantize a model block by block (BoA, GPTQ or RTN) and write a fake-quant HF folder + report.json.
+    /// Quantize a model block by block (BoA, GPTQ or RTN) and write a packed GPTQ checkpoint (or a fake-quant
+    /// HF folder) + report.json.
     Run(Box<RunArgs>),
     /// Benchmark of the quantization engine: phase times of whole-model GPTQ and BoA runs, and BoA's sweep
     /// against the reference-style column-at-a-time sweep on one attention projection.
@@ -79,6 +81,26 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// What a model folder holds: architecture, layers, quantized layers, bits, group size, format, size.
+    Inspect {
+        /// Model folder (HF or packed GPTQ checkpoint).
+        dir: PathBuf,
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Benchmark the CPU packed low-bit GEMM against the f32 GEMM (4096×4096 and 11008×4096, m = 1, 4, 16).
+    BenchQgemm {
+        /// Timed repeats per case (the median is reported).
+        #[arg(long, default_value_t = 15)]
+        repeats: usize,
+        /// Untimed calls before timing.
+        #[arg(long, default_value_t = 3)]
+        warmup: usize,
+        /// Print JSON rows instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -96,9 +118,14 @@ struct RunArgs {
     /// Calibration text file(s) or folder(s) (a folder's .txt files in name order).
     #[arg(long, num_args = 1..)]
     calib: Vec<PathBuf>,
-    /// Output folder: a fake-quant HF folder (dequantized weights in the input dtype) with report.json.
+    /// Output folder: an HF folder with report.json, its linears in --format.
     #[arg(long)]
     out: PathBuf,
+    /// gptq: packed GPTQ checkpoint, zeros stored as zero − 1 (AutoGPTQ v1; refuses a zero point of 0: use
+    /// gptq_v2 or --sym). gptq_v2: packed with the true zeros. fake: dequantized weights in the input dtype.
+    /// Scales are f16 in every format.
+    #[arg(long, value_enum, default_value_t = OutFormat::Gptq)]
+    format: OutFormat,
     /// boa: BoA on q/k/v, GPTQ on o and the MLP. gptq: GPTQ everywhere. rtn: round-to-nearest.
     #[arg(long, value_enum, default_value_t = Method::Boa)]
     method: Method,
@@ -217,6 +244,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 device: a.device,
                 force: a.force,
                 resume: a.resume,
+                format: a.format,
             };
             if opts.calib.is_empty()
                 && !(opts.method == Method::Rtn && scale_search != ScaleSearchArg::Hessian)
@@ -316,8 +344,104 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 );
             }
         }
+        Cmd::Inspect { dir, json } => {
+            let s = boa_cuda::model::packed::inspect(&dir)?;
+            if json {
+                println!("{}", serde_json::to_string(&s)?);
+            } else {
+                println!("folder        {}", dir.display());
+                println!("architecture  {}, {} layers", s.architecture, s.n_layers);
+                match (s.bits, s.checkpoint_format) {
+                    (Some(bits), Some(fmt)) => {
+                        println!(
+                            "quantized     {} of {} layers ({} packed linears): {}",
+                            s.quantized_layers.len(),
+                            s.n_layers,
+                            s.packed_linears,
+                            compact_ranges(&s.quantized_layers)
+                        );
+                        println!(
+                            "format        {fmt}, {bits}-bit, group size {}, desc_act {}, sym {}, act-order g_idx {}",
+                            s.group_size.unwrap_or(-1),
+                            s.desc_act.unwrap_or(false),
+                            s.sym.unwrap_or(false),
+                            if s.act_order_g_idx { "yes" } else { "no" }
+                        );
+                    }
+                    _ => println!("quantized     no packed layers (dense weights)"),
+                }
+                println!(
+                    "size on disk  {:.1} MiB in {} files",
+                    s.size_bytes as f64 / (1u64 << 20) as f64,
+                    s.files
+                );
+            }
+        }
+        Cmd::BenchQgemm {
+            repeats,
+            warmup,
+            json,
+        } => {
+            let rows = boa_cuda::bench::qgemm::bench_qgemm(
+                &[(4096, 4096), (11008, 4096)],
+                &[1, 4, 16],
+                &[4, 3],
+                128,
+                warmup,
+                repeats.max(1),
+            );
+            if json {
+                for r in &rows {
+                    println!("{}", serde_json::to_string(r)?);
+                }
+            } else {
+                println!(
+                    "{:>13} {:>3} {:>8} {:>10} {:>9} {:>8} {:>8} {:>10}",
+                    "d_out×d_in",
+                    "m",
+                    "variant",
+                    "median ms",
+                    "MB",
+                    "GB/s",
+                    "vs f32",
+                    "max rel err"
+                );
+                for r in &rows {
+                    println!(
+                        "{:>13} {:>3} {:>8} {:>10.3} {:>9.1} {:>8.1} {:>7.2}× {:>10.1e}",
+                        format!("{}×{}", r.d_out, r.d_in),
+                        r.m,
+                        r.variant,
+                        r.median_ms,
+                        r.weight_bytes as f64 / 1e6,
+                        r.gb_per_s,
+                        r.speedup_vs_f32,
+                        r.max_rel_err
+                    );
+                }
+            }
+        }
     }
     Ok(())
+}
+
+/// "0-3,8,10-12" from a sorted list.
+fn compact_ranges(v: &[usize]) -> String {
+    let mut parts = Vec::new();
+    let mut i = 0;
+    while i < v.len() {
+        let mut j = i;
+        while j + 1 < v.len() && v[j + 1] == v[j] + 1 {
+            j += 1;
+        }
+        parts.push(if i == j {
+            v[i].to_string()
+        } else {
+            format!("{}-{}", v[i], v[j])
+        });
+        i = j + 1;
+    }
+    parts.join(",")
 }
 
 fn bench_quant(
@@ -361,6 +485,7 @@ fn bench_quant(
                 device: Device::Cpu,
                 force: true,
                 resume: false,
+                format: OutFormat::Fake,
             };
             let r = boa_cuda::pipeline::run(&opts, &Progress::Quiet);
             let _ = std::fs::remove_dir_all(&out);

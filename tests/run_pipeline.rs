@@ -61,6 +61,8 @@ fn every_method_writes_a_loadable_folder_with_report() {
             "--out",
             s(&out),
             "--quiet",
+            "--format",
+            "fake",
         ]);
         assert_eq!(code, 0, "{method}: {err}");
         assert!(stdout.contains("wrote"), "{stdout}");

@@ -56,6 +56,104 @@ pub fn linear_f32(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f32
     y
 }
 
+/// Output columns per task of the packed GEMM. Wide, because a task reads QGEMM_NB contiguous words of each
+/// qweight row and then jumps d_out words: 1 KiB runs keep the prefetchers busy (64 columns, 256 B runs one
+/// page apart, ran 2× slower at m = 1).
+pub const QGEMM_NB: usize = 256;
+/// Input rows per dequantized tile (a multiple of 32: 3-bit tiles start on a word); the tile
+/// [QGEMM_TK × QGEMM_NB] f32 is 32 KiB.
+pub const QGEMM_TK: usize = 32;
+/// Up to this many tokens, contiguous groups use the fused tile (`boa_qdot_group_tile`): it unpacks once per
+/// token, so it wins only while m is small.
+const QGEMM_FUSED_M: usize = 2;
+/// Columns whose per-token partial sums stay in registers in the small-m loop (8 AVX2 registers).
+const QGEMM_SUB: usize = 64;
+/// From this many tokens on, each tile is multiplied with faer's GEMM instead of the plain loops (at m = 16
+/// both took the same time in bench-qgemm).
+const QGEMM_FAER_M: usize = 16;
+
+/// Y [m × n] = X [m × k] · Ŵᵀ, Ŵ [n × k] packed (`PackedLinear`, n = d_out, k = d_in): the CPU twin of the
+/// packed GEMM kernel.
+///
+/// Work partition: rayon over blocks of QGEMM_NB output columns; each block walks the input dimension in tiles
+/// of QGEMM_TK rows, dequantizes the tile Ŵᵀ[i0.., j0..] (QGEMM_TK × QGEMM_NB f32, 32 KiB, L1/L2-resident)
+/// with the shared C code (`boa_dequant_tile`, include/boa_pack.h), and accumulates X[:, i0..] · tile into its
+/// own [m × QGEMM_NB] output block. Each output element is owned by one task and reduced over k in a fixed
+/// order, so the result does not depend on the thread count. Weight traffic: the packed words once.
+///
+/// ```text
+///            j0 ─ QGEMM_NB ─┐
+///   i0 ┌──────────────────┐ │   task (j0): for i0 in (0..k).step_by(QGEMM_TK):
+///      │ tile Ŵᵀ[i0.., j0..] │     tile ← dequant(qweight[i0·b/32.., j0..])
+///      └──────────────────┘      Y[:, j0..] += X[:, i0..] · tile
+/// ```
+pub fn packed_linear_f32(x: &[f32], p: &crate::quant::pack::PackedLinear, m: usize) -> Vec<f32> {
+    let (k, n) = (p.d_in, p.d_out);
+    assert_eq!(x.len(), m * k, "packed_linear: x is not [m={m} × k={k}]");
+    // Few tokens and contiguous groups that tiles do not straddle: the fused kernel (no dequantized tile).
+    let fused_group = p
+        .contiguous_group()
+        .filter(|g| m <= QGEMM_FUSED_M && (g.is_multiple_of(QGEMM_TK) || *g >= k));
+    let blocks: Vec<(usize, Vec<f32>)> = (0..n.div_ceil(QGEMM_NB))
+        .into_par_iter()
+        .map(|jb| {
+            let j0 = jb * QGEMM_NB;
+            let nj = QGEMM_NB.min(n - j0);
+            let mut y = vec![0f32; m * nj];
+            let mut tile = vec![0f32; QGEMM_TK * nj];
+            for i0 in (0..k).step_by(QGEMM_TK) {
+                let ni = QGEMM_TK.min(k - i0);
+                if let Some(g) = fused_group
+                    && nj.is_multiple_of(crate::quant::pack::QDOT_COLS)
+                {
+                    p.qdot_group_tile(i0 / g, i0, ni, j0, nj, x, m, &mut y);
+                    continue;
+                }
+                p.dequant_tile(i0, ni, j0, nj, &mut tile);
+                if m >= QGEMM_FAER_M {
+                    let a = MatRef::from_row_major_slice_with_stride(&x[i0..], m, ni, k);
+                    let b = MatRef::from_row_major_slice(&tile[..ni * nj], ni, nj);
+                    let c = MatMut::from_row_major_slice_mut(&mut y, m, nj);
+                    matmul(c, Accum::Add, a, b, 1.0f32, Par::Seq);
+                } else if nj.is_multiple_of(QGEMM_SUB) {
+                    // QGEMM_SUB partial sums of a token live in registers (8 ymm) across the tile's rows and
+                    // are added to Y once per tile.
+                    for (yr, xr) in y.chunks_exact_mut(nj).zip(x.chunks(k)) {
+                        for c0 in (0..nj).step_by(QGEMM_SUB) {
+                            let mut acc = [0f32; QGEMM_SUB];
+                            for (t, &xv) in tile.chunks_exact(nj).zip(&xr[i0..i0 + ni]) {
+                                let t = &t[c0..c0 + QGEMM_SUB];
+                                for c in 0..QGEMM_SUB {
+                                    acc[c] += xv * t[c];
+                                }
+                            }
+                            yr[c0..c0 + QGEMM_SUB]
+                                .iter_mut()
+                                .zip(&acc)
+                                .for_each(|(y, a)| *y += a);
+                        }
+                    }
+                } else {
+                    for (yr, xr) in y.chunks_mut(nj).zip(x.chunks(k)) {
+                        for (t, &xv) in tile.chunks(nj).zip(&xr[i0..i0 + ni]) {
+                            yr.iter_mut().zip(t).for_each(|(y, w)| *y += xv * w);
+                        }
+                    }
+                }
+            }
+            (j0, y)
+        })
+        .collect();
+    let mut y = vec![0f32; m * n];
+    for (j0, yb) in blocks {
+        let nj = yb.len() / m.max(1);
+        for (yr, br) in y.chunks_mut(n).zip(yb.chunks(nj.max(1))) {
+            yr[j0..j0 + nj].copy_from_slice(br);
+        }
+    }
+    y
+}
+
 /// Rows per parallel task for row-wise elementwise ops.
 const ROWS_PER_TASK: usize = 16;
 
@@ -76,6 +174,23 @@ impl Backend for CpuBackend {
         let mut y = linear_f32(x, w, m, k, n);
         if let Some(b) = bias {
             assert_eq!(b.len(), n, "linear: bias is not [n={n}]");
+            y.par_chunks_mut(n)
+                .for_each(|row| row.iter_mut().zip(b).for_each(|(y, b)| *y += b));
+        }
+        y
+    }
+
+    fn packed_linear(
+        &self,
+        x: &[f32],
+        w: &crate::quant::pack::PackedLinear,
+        bias: Option<&[f32]>,
+        m: usize,
+    ) -> Vec<f32> {
+        let n = w.d_out;
+        let mut y = packed_linear_f32(x, w, m);
+        if let Some(b) = bias {
+            assert_eq!(b.len(), n, "packed_linear: bias is not [n={n}]");
             y.par_chunks_mut(n)
                 .for_each(|row| row.iter_mut().zip(b).for_each(|(y, b)| *y += b));
         }

@@ -26,6 +26,16 @@ pub trait Backend: Send + Sync {
         n: usize,
     ) -> Vec<f32>;
 
+    /// Y [m × n] = X [m × k] · Ŵᵀ (+ bias [n]) with Ŵ [n × k] held packed (`quant::pack::PackedLinear`,
+    /// n = d_out, k = d_in): dequantized a tile at a time, never whole.
+    fn packed_linear(
+        &self,
+        x: &[f32],
+        w: &crate::quant::pack::PackedLinear,
+        bias: Option<&[f32]>,
+        m: usize,
+    ) -> Vec<f32>;
+
     /// Row-wise RMSNorm of X [rows × d]: y = x / sqrt(mean(x²) + eps) · w.
     fn rms_norm(&self, x: &[f32], w: &[f32], d: usize, eps: f32) -> Vec<f32>;
 

@@ -1,4 +1,5 @@
 //! Benchmarks behind `boa-cuda bench-*` subcommands: they synthesize or run what they time and return
 //! numbers; main.rs prints them.
 
+pub mod qgemm;
 pub mod quant;

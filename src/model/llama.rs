@@ -3,24 +3,32 @@
 //! time; the forward runs on any `Backend` and can record the intermediates the quantizer needs.
 
 use super::config::Config;
+use super::packed::{GptqConfig, load_packed_linear};
 use super::weights::WeightStore;
 use crate::backend::Backend;
 use crate::error::file_err;
+use crate::quant::pack::PackedLinear;
 use safetensors::Dtype;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-/// A linear layer y = W x (+ b), W [d_out × d_in] row-major f32.
+/// A linear layer y = W x (+ b), W [d_out × d_in]: row-major f32 in `w`, or, loaded from a packed GPTQ
+/// checkpoint, held packed in `packed` (then `w` is empty and the forward dequantizes tile by tile).
 #[derive(Clone, Debug)]
 pub struct Linear {
     pub w: Vec<f32>,
     pub b: Option<Vec<f32>>,
     pub d_out: usize,
     pub d_in: usize,
+    pub packed: Option<Arc<PackedLinear>>,
 }
 
 impl Linear {
     pub fn forward(&self, be: &dyn Backend, x: &[f32], m: usize) -> Vec<f32> {
-        be.linear(x, &self.w, self.b.as_deref(), m, self.d_in, self.d_out)
+        match &self.packed {
+            Some(p) => be.packed_linear(x, p, self.b.as_deref(), m),
+            None => be.linear(x, &self.w, self.b.as_deref(), m, self.d_in, self.d_out),
+        }
     }
 }
 
@@ -169,6 +177,8 @@ pub struct Model {
     pub dir: PathBuf,
     pub cfg: Config,
     pub store: WeightStore,
+    /// Set for a packed GPTQ checkpoint: linears with a `qweight` tensor are loaded packed.
+    pub gptq: Option<GptqConfig>,
 }
 
 impl Model {
@@ -178,10 +188,12 @@ impl Model {
         }
         let cfg = Config::load(dir)?;
         let store = WeightStore::open(dir)?;
+        let gptq = GptqConfig::load(dir)?;
         let model = Model {
             dir: dir.to_path_buf(),
             cfg,
             store,
+            gptq,
         };
         model.check_globals()?;
         Ok(model)
@@ -216,6 +228,17 @@ impl Model {
         if !c.tie_word_embeddings {
             check("lm_head.weight", &[c.vocab, c.d])?;
         }
+        if self.gptq.is_none()
+            && let Some(n) = self.store.names().find(|n| n.ends_with(".qweight"))
+        {
+            return Err(file_err(
+                &self.dir,
+                format!(
+                    "tensor {n} is packed but the folder has no quantization config \
+                     (config.json quantization_config or quantize_config.json)"
+                ),
+            ));
+        }
         for l in 0..c.n_layers {
             for (name, shape) in self.block_shapes(l) {
                 check(&name, &shape)?;
@@ -224,7 +247,12 @@ impl Model {
         Ok(())
     }
 
-    /// Every tensor of block l with its expected shape.
+    /// Whether the linear `prefix` (e.g. "model.layers.3.mlp.up_proj") is stored packed.
+    pub fn is_packed(&self, prefix: &str) -> bool {
+        self.gptq.is_some() && self.store.contains(&format!("{prefix}.qweight"))
+    }
+
+    /// Every tensor of block l with its expected shape (a packed linear's g_idx only when stored).
     pub fn block_shapes(&self, l: usize) -> Vec<(String, Vec<usize>)> {
         let c = &self.cfg;
         let p = format!("model.layers.{l}.");
@@ -234,7 +262,17 @@ impl Model {
             (format!("{p}post_attention_layernorm.weight"), vec![c.d]),
         ];
         for (name, d_out, d_in) in self.linear_shapes() {
-            v.push((format!("{p}{name}.weight"), vec![d_out, d_in]));
+            match &self.gptq {
+                Some(q) if self.is_packed(&format!("{p}{name}")) => {
+                    for (suffix, shape) in q.tensor_shapes(d_out, d_in) {
+                        let n = format!("{p}{name}.{suffix}");
+                        if suffix != "g_idx" || self.store.contains(&n) {
+                            v.push((n, shape));
+                        }
+                    }
+                }
+                _ => v.push((format!("{p}{name}.weight"), vec![d_out, d_in])),
+            }
             if c.qkv_bias
                 && matches!(
                     name,
@@ -269,16 +307,31 @@ impl Model {
         let c = &self.cfg;
         let p = format!("model.layers.{l}.");
         let lin = |name: &str, d_out: usize, d_in: usize| -> anyhow::Result<Linear> {
-            let w = self
-                .store
-                .f32(&format!("{p}{name}.weight"), &[d_out, d_in])?;
-            let bname = format!("{p}{name}.bias");
+            let prefix = format!("{p}{name}");
+            let (w, packed) = match &self.gptq {
+                Some(q) if self.is_packed(&prefix) => {
+                    let pl = load_packed_linear(&self.store, &self.dir, q, &prefix, d_out, d_in)?;
+                    (Vec::new(), Some(Arc::new(pl)))
+                }
+                _ => (
+                    self.store
+                        .f32(&format!("{prefix}.weight"), &[d_out, d_in])?,
+                    None,
+                ),
+            };
+            let bname = format!("{prefix}.bias");
             let b = if self.store.contains(&bname) {
                 Some(self.store.f32(&bname, &[d_out])?)
             } else {
                 None
             };
-            Ok(Linear { w, b, d_out, d_in })
+            Ok(Linear {
+                w,
+                b,
+                d_out,
+                d_in,
+                packed,
+            })
         };
         let [q, k, v, o, gate, up, down] = self
             .linear_shapes()

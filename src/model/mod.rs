@@ -3,6 +3,7 @@
 pub mod config;
 pub mod gguf;
 pub mod llama;
+pub mod packed;
 pub mod synth;
 pub mod weights;
 

@@ -14,7 +14,8 @@ pub mod stats;
 use crate::backend::select_backend;
 use crate::data::{text, tokenizer::Tokenizer, windows};
 use crate::error::file_err;
-use crate::export::hf_folder::{OutFolder, f32_to_bytes};
+use crate::export::gptq_packed::{OutFormat, linear_entries, quantization_config};
+use crate::export::hf_folder::OutFolder;
 use crate::export::safetensors_out::TensorEntry;
 use crate::model::Model;
 use crate::model::llama::{BlockWeights, LINEAR_NAMES, block_forward};
@@ -34,6 +35,12 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
         progress.line(&n);
     }
     let model = Model::open(&opts.model)?;
+    if model.gptq.is_some() {
+        return Err(file_err(
+            &opts.model,
+            "is a packed GPTQ checkpoint; quantize the original model instead",
+        ));
+    }
     let cfg = &model.cfg;
     let layers = opts
         .layers
@@ -201,7 +208,10 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                     timings.forward += t.elapsed().as_secs_f64();
                 }
                 let t = Instant::now();
-                folder.write_shard(l, &quantized_entries(&model, l, &w, out_dtype)?)?;
+                folder.write_shard(
+                    l,
+                    &quantized_entries(&model, l, &quantized, opts.format, out_dtype)?,
+                )?;
                 timings.write += t.elapsed().as_secs_f64();
                 reports.push(LayerReport {
                     layer: l,
@@ -222,7 +232,21 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
         folder.write_shard(cfg.n_layers, &global_entries(&model)?)?;
         let mut config = cfg.json.clone();
         config["boa_cuda"] = serde_json::json!({"quantized": true, "method": opts.method, "wbits": opts.wbits,
-        "group_size": opts.group_size.map(|g| g as i64).unwrap_or(-1), "sym": opts.sym, "format": "fake"});
+            "group_size": opts.group_size.map(|g| g as i64).unwrap_or(-1), "sym": opts.sym,
+            "format": opts.format.name()});
+        if opts.format != OutFormat::Fake {
+            let q = quantization_config(
+                opts.format,
+                opts.wbits,
+                opts.group_size,
+                opts.act_order,
+                opts.sym,
+                opts.damp,
+                opts.static_groups,
+            );
+            config["quantization_config"] = q.clone();
+            folder.write_json("quantize_config.json", &q)?;
+        }
         folder.write_json("config.json", &config)?;
         folder.copy_tokenizer_files(&model.dir)?;
         timings.total = base_total + t_start.elapsed().as_secs_f64();
@@ -307,29 +331,35 @@ fn stored_entries(model: &Model, l: usize) -> anyhow::Result<Vec<TensorEntry<'_>
         .collect()
 }
 
-/// Block l with its linear weights replaced by the dequantized values of `w`, in `dtype`.
+/// Block l with each linear's weight replaced by its quantized form (`quantized`, in LINEAR_NAMES order):
+/// dequantized in `dtype` for the fake format, packed tensors otherwise.
 fn quantized_entries<'a>(
     model: &'a Model,
     l: usize,
-    w: &BlockWeights,
+    quantized: &[(
+        crate::quant::gptq::Quantized<f32>,
+        quantize_block::LinearReport,
+    )],
+    format: OutFormat,
     dtype: safetensors::Dtype,
 ) -> anyhow::Result<Vec<TensorEntry<'a>>> {
-    let mut out = stored_entries(model, l)?;
-    for e in out.iter_mut() {
+    let mut out = Vec::new();
+    for e in stored_entries(model, l)? {
         let short = e
             .name
             .trim_start_matches(&format!("model.layers.{l}."))
             .to_string();
-        if let Some(lin) = short
+        match short
             .strip_suffix(".weight")
-            .filter(|n| LINEAR_NAMES.contains(n))
+            .and_then(|n| LINEAR_NAMES.iter().position(|&x| x == n))
         {
-            *e = TensorEntry::new(
-                e.name.clone(),
+            Some(i) => out.extend(linear_entries(
+                &format!("model.layers.{l}.{}", LINEAR_NAMES[i]),
+                &quantized[i].0,
+                format,
                 dtype,
-                e.shape.clone(),
-                f32_to_bytes(dtype, &w.linear(lin).w),
-            );
+            )?),
+            None => out.push(e),
         }
     }
     Ok(out)

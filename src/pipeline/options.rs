@@ -115,6 +115,8 @@ pub struct RunOptions {
     /// resumed run's report equals an uninterrupted one's (timings aside).
     #[serde(skip_serializing)]
     pub resume: bool,
+    /// What the linears are written as (fake-quant or packed GPTQ).
+    pub format: crate::export::gptq_packed::OutFormat,
 }
 
 pub const SUPPORTED_WBITS: [u32; 4] = [2, 3, 4, 8];

@@ -13,6 +13,7 @@ pub mod boa_reference;
 pub mod gptq;
 pub mod hessian;
 pub mod linalg;
+pub mod pack;
 pub mod profile;
 pub mod quantizer;
 pub mod rtn;

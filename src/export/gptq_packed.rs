@@ -1,0 +1,127 @@
+//! The tensors and configs of a run's output for each `--format` (design.md §9):
+//!   fake     one dequantized `.weight` per linear (loads anywhere);
+//!   gptq     packed `qweight`/`qzeros`/`scales`/`g_idx` per linear, zeros stored as zero − 1 (AutoGPTQ v1);
+//!   gptq_v2  the same with the true zeros.
+//! Scales are stored in f16, so a packed checkpoint dequantizes with f16-rounded scales. The fake format
+//! writes exactly those values, ŵ = f16(s)·(q − z) (then cast to the model's dtype), so the two formats hold the
+//! same model; the pipeline's own forward of later blocks still uses the f32 scales.
+
+use super::hf_folder::f32_to_bytes;
+use super::safetensors_out::TensorEntry;
+use crate::quant::gptq::Quantized;
+use crate::quant::pack::{GptqVersion, PackedTensors, dequantize_f16_scales};
+use safetensors::Dtype;
+
+/// What `boa-cuda run --format` writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+pub enum OutFormat {
+    /// Dequantized weights (f16-rounded scales) in the model's dtype.
+    #[value(name = "fake")]
+    #[serde(rename = "fake")]
+    Fake,
+    /// Packed GPTQ, zeros stored as zero − 1 (AutoGPTQ's convention, `checkpoint_format: "gptq"`).
+    #[value(name = "gptq")]
+    #[serde(rename = "gptq")]
+    Gptq,
+    /// Packed GPTQ with the true zeros (`checkpoint_format: "gptq_v2"`).
+    #[value(name = "gptq_v2")]
+    #[serde(rename = "gptq_v2")]
+    GptqV2,
+}
+
+impl OutFormat {
+    pub fn version(self) -> Option<GptqVersion> {
+        match self {
+            OutFormat::Fake => None,
+            OutFormat::Gptq => Some(GptqVersion::V1),
+            OutFormat::GptqV2 => Some(GptqVersion::V2),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            OutFormat::Fake => "fake",
+            OutFormat::Gptq => "gptq",
+            OutFormat::GptqV2 => "gptq_v2",
+        }
+    }
+}
+
+fn i32_bytes(v: impl IntoIterator<Item = u32>) -> Vec<u8> {
+    v.into_iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// The entries replacing `{prefix}.weight` for one quantized linear (`prefix` e.g. "model.layers.3.mlp.up_proj").
+/// Errors name the tensor when v1 cannot store a zero point.
+pub fn linear_entries(
+    prefix: &str,
+    q: &Quantized<f32>,
+    format: OutFormat,
+    dtype: Dtype,
+) -> anyhow::Result<Vec<TensorEntry<'static>>> {
+    let Some(version) = format.version() else {
+        return Ok(vec![TensorEntry::new(
+            format!("{prefix}.weight"),
+            dtype,
+            vec![q.d_out, q.d_in],
+            f32_to_bytes(dtype, &dequantize_f16_scales(q)),
+        )]);
+    };
+    let p = PackedTensors::pack(q, version).map_err(|m| crate::input_err!("{prefix}: {m}"))?;
+    let kw = p.qweight.len() / p.d_out;
+    let zw = p.qzeros.len() / p.n_groups;
+    Ok(vec![
+        TensorEntry::new(
+            format!("{prefix}.qweight"),
+            Dtype::I32,
+            vec![kw, p.d_out],
+            i32_bytes(p.qweight.iter().copied()),
+        ),
+        TensorEntry::new(
+            format!("{prefix}.qzeros"),
+            Dtype::I32,
+            vec![p.n_groups, zw],
+            i32_bytes(p.qzeros.iter().copied()),
+        ),
+        TensorEntry::new(
+            format!("{prefix}.scales"),
+            Dtype::F16,
+            vec![p.n_groups, p.d_out],
+            p.scales
+                .iter()
+                .flat_map(|s| s.to_le_bytes())
+                .collect::<Vec<u8>>(),
+        ),
+        TensorEntry::new(
+            format!("{prefix}.g_idx"),
+            Dtype::I32,
+            vec![p.d_in],
+            i32_bytes(p.g_idx.iter().copied()),
+        ),
+    ])
+}
+
+/// The `quantization_config` block of config.json, also written as quantize_config.json.
+#[allow(clippy::too_many_arguments)]
+pub fn quantization_config(
+    format: OutFormat,
+    bits: u32,
+    group_size: Option<usize>,
+    desc_act: bool,
+    sym: bool,
+    damp: f64,
+    static_groups: bool,
+) -> serde_json::Value {
+    serde_json::json!({
+        "quant_method": "gptq",
+        "bits": bits,
+        "group_size": group_size.map(|g| g as i64).unwrap_or(-1),
+        "desc_act": desc_act,
+        "sym": sym,
+        "damp_percent": damp,
+        "static_groups": static_groups,
+        // A block's statistics come from one forward of the unquantized block (not linear by linear).
+        "true_sequential": false,
+        "checkpoint_format": format.name(),
+    })
+}

@@ -1,0 +1,276 @@
+//! Reading packed GPTQ checkpoints (design.md §9): the quantization config (config.json's
+//! `quantization_config`, else quantize_config.json) and one packed linear's tensors, from our runs or from
+//! other GPTQ tools that write the same layout (v1 "gptq" and v2 "gptq_v2", with or without act-order g_idx).
+
+use super::weights::WeightStore;
+use crate::error::file_err;
+use crate::quant::pack::{GptqVersion, PackedLinear, PackedTensors, pack_words};
+use half::{bf16, f16};
+use safetensors::Dtype;
+use std::path::Path;
+
+/// The fields of a GPTQ quantization config we use or report.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GptqConfig {
+    pub bits: u32,
+    /// None: one group per output channel (group_size −1).
+    pub group_size: Option<usize>,
+    pub desc_act: bool,
+    pub sym: bool,
+    pub version: GptqVersion,
+    /// Where it was read from ("config.json" or "quantize_config.json").
+    pub source: &'static str,
+}
+
+impl GptqConfig {
+    /// The folder's GPTQ config, None for an unquantized folder. Errors on a config we cannot run.
+    pub fn load(dir: &Path) -> anyhow::Result<Option<GptqConfig>> {
+        let cfg_path = dir.join("config.json");
+        let from_config = std::fs::read_to_string(&cfg_path)
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            .and_then(|v| v.get("quantization_config").cloned());
+        let (value, source, path) = match from_config {
+            Some(v) => (v, "config.json", cfg_path),
+            None => {
+                let p = dir.join("quantize_config.json");
+                if !p.is_file() {
+                    return Ok(None);
+                }
+                let text = std::fs::read_to_string(&p)
+                    .map_err(|e| file_err(&p, format!("cannot read: {e}")))?;
+                let v = serde_json::from_str(&text)
+                    .map_err(|e| file_err(&p, format!("invalid JSON: {e}")))?;
+                (v, "quantize_config.json", p)
+            }
+        };
+        Self::parse(&value, source).map_err(|m| file_err(&path, m))
+    }
+
+    /// From a `quantization_config` / quantize_config.json object.
+    pub fn parse(
+        v: &serde_json::Value,
+        source: &'static str,
+    ) -> Result<Option<GptqConfig>, String> {
+        if let Some(m) = v.get("quant_method").and_then(|m| m.as_str())
+            && m != "gptq"
+        {
+            return Err(format!(
+                "quantization_config.quant_method {m:?} is not supported (only \"gptq\")"
+            ));
+        }
+        let bits = v
+            .get("bits")
+            .and_then(|b| b.as_u64())
+            .ok_or("the quantization config has no integer \"bits\"")? as u32;
+        if !matches!(bits, 2 | 3 | 4 | 8) {
+            return Err(format!(
+                "quantization config bits {bits} is not supported (2, 3, 4 or 8)"
+            ));
+        }
+        let group_size = match v.get("group_size").and_then(|g| g.as_i64()).unwrap_or(-1) {
+            -1 => None,
+            g if g > 0 => Some(g as usize),
+            g => return Err(format!("quantization config group_size {g} is invalid")),
+        };
+        let format = v
+            .get("checkpoint_format")
+            .and_then(|f| f.as_str())
+            .unwrap_or("gptq");
+        let version = GptqVersion::parse(format).ok_or_else(|| {
+            format!(
+                "unknown checkpoint_format {format:?} in the quantization config (supported: \"gptq\", \"gptq_v2\")"
+            )
+        })?;
+        let flag = |k: &str| v.get(k).and_then(|b| b.as_bool()).unwrap_or(false);
+        Ok(Some(GptqConfig {
+            bits,
+            group_size,
+            desc_act: flag("desc_act"),
+            sym: flag("sym"),
+            version,
+            source,
+        }))
+    }
+
+    /// Number of groups of a linear with `d_in` inputs.
+    pub fn n_groups(&self, d_in: usize) -> usize {
+        d_in.div_ceil(self.group_size.unwrap_or(d_in).clamp(1, d_in.max(1)))
+    }
+
+    /// Expected (name suffix, shape) of the tensors of a packed [d_out × d_in] linear (g_idx may be absent).
+    pub fn tensor_shapes(&self, d_out: usize, d_in: usize) -> [(&'static str, Vec<usize>); 4] {
+        let ng = self.n_groups(d_in);
+        [
+            ("qweight", vec![pack_words(d_in, self.bits), d_out]),
+            ("qzeros", vec![ng, pack_words(d_out, self.bits)]),
+            ("scales", vec![ng, d_out]),
+            ("g_idx", vec![d_in]),
+        ]
+    }
+}
+
+fn words(store: &WeightStore, dir: &Path, name: &str) -> anyhow::Result<Vec<u32>> {
+    let e = store.entry(name).expect("checked by the caller");
+    if !matches!(e.dtype, Dtype::I32 | Dtype::U32) {
+        return Err(file_err(
+            dir,
+            format!("tensor {name} has dtype {:?}, expected I32", e.dtype),
+        ));
+    }
+    Ok(store
+        .bytes(name)?
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect())
+}
+
+/// Loads the packed linear `prefix` (e.g. "model.layers.3.mlp.up_proj") of a [d_out × d_in] layer, checking
+/// every shape, dtype and g_idx value, so a malformed checkpoint gives a one-line error, not a crash.
+pub fn load_packed_linear(
+    store: &WeightStore,
+    dir: &Path,
+    cfg: &GptqConfig,
+    prefix: &str,
+    d_out: usize,
+    d_in: usize,
+) -> anyhow::Result<PackedLinear> {
+    let ng = cfg.n_groups(d_in);
+    for (suffix, shape) in cfg.tensor_shapes(d_out, d_in) {
+        let name = format!("{prefix}.{suffix}");
+        match store.entry(&name) {
+            None if suffix == "g_idx" => {}
+            None => return Err(file_err(dir, format!("tensor {name} is missing"))),
+            Some(e) if e.shape != shape => {
+                return Err(file_err(
+                    dir,
+                    format!(
+                        "tensor {name} has shape {:?}, expected {shape:?} for {} bits, d_in {d_in}, d_out {d_out}, \
+                         group size {}",
+                        e.shape,
+                        cfg.bits,
+                        cfg.group_size.map(|g| g as i64).unwrap_or(-1)
+                    ),
+                ));
+            }
+            Some(_) => {}
+        }
+    }
+    let qweight = words(store, dir, &format!("{prefix}.qweight"))?;
+    let qzeros = words(store, dir, &format!("{prefix}.qzeros"))?;
+    let sname = format!("{prefix}.scales");
+    let sbytes = store.bytes(&sname)?;
+    let scales: Vec<f16> = match store.entry(&sname).expect("checked").dtype {
+        Dtype::F16 => sbytes
+            .chunks_exact(2)
+            .map(|c| f16::from_le_bytes([c[0], c[1]]))
+            .collect(),
+        Dtype::BF16 => sbytes
+            .chunks_exact(2)
+            .map(|c| f16::from_f32(bf16::from_le_bytes([c[0], c[1]]).to_f32()))
+            .collect(),
+        d => {
+            return Err(file_err(
+                dir,
+                format!("tensor {sname} has dtype {d:?}, expected F16"),
+            ));
+        }
+    };
+    let gname = format!("{prefix}.g_idx");
+    let g_idx = if store.contains(&gname) {
+        words(store, dir, &gname)?
+    } else {
+        // Old checkpoints without g_idx: contiguous groups.
+        let g = cfg.group_size.unwrap_or(d_in).max(1);
+        (0..d_in).map(|i| (i / g) as u32).collect()
+    };
+    let p = PackedTensors {
+        d_out,
+        d_in,
+        bits: cfg.bits,
+        n_groups: ng,
+        qweight,
+        qzeros,
+        scales,
+        g_idx,
+    }
+    .into_linear(cfg.version);
+    p.validate()
+        .map_err(|m| file_err(dir, format!("{prefix}: {m}")))?;
+    Ok(p)
+}
+
+/// What `boa-cuda inspect` reports about a model folder.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct CheckpointSummary {
+    pub architecture: String,
+    pub n_layers: usize,
+    /// Blocks with at least one packed linear.
+    pub quantized_layers: Vec<usize>,
+    pub packed_linears: usize,
+    pub bits: Option<u32>,
+    /// −1: per output channel.
+    pub group_size: Option<i64>,
+    /// "fake/unquantized" folders have none.
+    pub checkpoint_format: Option<&'static str>,
+    pub desc_act: Option<bool>,
+    pub sym: Option<bool>,
+    /// Some g_idx is not the contiguous i / group_size (act-order).
+    pub act_order_g_idx: bool,
+    pub size_bytes: u64,
+    pub files: usize,
+}
+
+/// Summarizes a model folder after validating it as `Model::open` does (so a broken checkpoint errors here).
+pub fn inspect(dir: &Path) -> anyhow::Result<CheckpointSummary> {
+    let model = super::Model::open(dir)?;
+    let c = &model.cfg;
+    let mut quantized_layers = Vec::new();
+    let mut packed_linears = 0;
+    let mut act_order = false;
+    for l in 0..c.n_layers {
+        let mut any = false;
+        for (name, _, d_in) in model.linear_shapes() {
+            let prefix = format!("model.layers.{l}.{name}");
+            if model.is_packed(&prefix) {
+                any = true;
+                packed_linears += 1;
+                let gname = format!("{prefix}.g_idx");
+                if let (Some(q), true) = (&model.gptq, model.store.contains(&gname)) {
+                    let g = q.group_size.unwrap_or(d_in).max(1);
+                    let words = words(&model.store, dir, &gname)?;
+                    act_order |= words.iter().enumerate().any(|(i, &v)| v as usize != i / g);
+                }
+            }
+        }
+        if any {
+            quantized_layers.push(l);
+        }
+    }
+    let mut size_bytes = 0;
+    let mut files = 0;
+    for e in std::fs::read_dir(dir).map_err(|e| file_err(dir, format!("cannot list: {e}")))? {
+        let md = e
+            .and_then(|e| e.metadata())
+            .map_err(|e| file_err(dir, format!("cannot list: {e}")))?;
+        if md.is_file() {
+            size_bytes += md.len();
+            files += 1;
+        }
+    }
+    let q = model.gptq.as_ref();
+    Ok(CheckpointSummary {
+        architecture: c.architecture.clone(),
+        n_layers: c.n_layers,
+        quantized_layers,
+        packed_linears,
+        bits: q.map(|q| q.bits),
+        group_size: q.map(|q| q.group_size.map(|g| g as i64).unwrap_or(-1)),
+        checkpoint_format: q.map(|q| q.version.name()),
+        desc_act: q.map(|q| q.desc_act),
+        sym: q.map(|q| q.sym),
+        act_order_g_idx: act_order,
+        size_bytes,
+        files,
+    })
+}

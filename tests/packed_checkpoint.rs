@@ -1,0 +1,339 @@
+//! Packed GPTQ checkpoints end to end, through the binary: `run --format gptq|gptq_v2` writes a checkpoint whose
+//! perplexity (evaluated with the packed GEMM, weights never dequantized whole) equals the fake-quant folder's
+//! from the same options; `inspect` describes it; malformed checkpoints and unstorable v1 zeros are one-line
+//! errors with exit code 2.
+
+mod common;
+
+use boa_cuda::export::safetensors_out::{TensorEntry, write_safetensors};
+use common::{assert_user_error, demo_model, run, shared_data, tiny_model};
+use std::collections::HashMap;
+use std::path::Path;
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn ok(args: &[&str]) -> String {
+    let (code, out, err) = run(args);
+    assert_eq!(code, 0, "{args:?} failed: {err}");
+    out
+}
+
+fn ppl(model: &Path, seqlen: &str) -> f64 {
+    let data = shared_data().join("sotu");
+    let out = ok(&[
+        "eval",
+        "--model",
+        s(model),
+        "--data",
+        s(&data),
+        "--seqlen",
+        seqlen,
+        "--max-windows",
+        "3",
+        "--json",
+    ]);
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    v["perplexity"].as_f64().unwrap()
+}
+
+/// Quantizes `model` with `args` once per format; returns the output folders.
+fn run_formats(
+    model: &Path,
+    tmp: &Path,
+    args: &[&str],
+    formats: &[&str],
+) -> Vec<std::path::PathBuf> {
+    formats
+        .iter()
+        .map(|f| {
+            let out = tmp.join(f);
+            let mut a = vec![
+                "run",
+                "--model",
+                s(model),
+                "--out",
+                s(&out),
+                "--format",
+                f,
+                "--quiet",
+            ];
+            a.extend_from_slice(args);
+            ok(&a);
+            out
+        })
+        .collect()
+}
+
+fn assert_close(a: f64, b: f64, what: &str) {
+    let rel = (a - b).abs() / b;
+    assert!(
+        rel < 1e-3,
+        "{what}: perplexity {a} vs fake-quant {b} (rel {rel:.2e})"
+    );
+}
+
+#[test]
+fn packed_demo_rtn_perplexity_matches_fake() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dirs = run_formats(
+        &demo_model(),
+        tmp.path(),
+        &["--method", "rtn", "--wbits", "4", "--group-size", "128"],
+        &["fake", "gptq"],
+    );
+    let (fake, packed) = (ppl(&dirs[0], "128"), ppl(&dirs[1], "128"));
+    assert_close(packed, fake, "rtn 4-bit g128 gptq");
+
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dirs[1].join("config.json")).unwrap())
+            .unwrap();
+    let q = &cfg["quantization_config"];
+    assert_eq!(q["quant_method"], "gptq");
+    assert_eq!(q["bits"], 4);
+    assert_eq!(q["group_size"], 128);
+    assert_eq!(q["checkpoint_format"], "gptq");
+    for k in [
+        "desc_act",
+        "sym",
+        "damp_percent",
+        "static_groups",
+        "true_sequential",
+    ] {
+        assert!(q.get(k).is_some(), "quantization_config lacks {k}");
+    }
+    let qc: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dirs[1].join("quantize_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(&qc, q);
+
+    let info = ok(&["inspect", s(&dirs[1])]);
+    assert!(
+        info.contains("30 of 30 layers (210 packed linears)")
+            && info.contains("gptq, 4-bit, group size 128"),
+        "{info}"
+    );
+}
+
+#[test]
+fn packed_demo_gptq_act_order_v2_perplexity_matches_fake() {
+    let tmp = tempfile::tempdir().unwrap();
+    let calib = shared_data().join("sotu");
+    let dirs = run_formats(
+        &demo_model(),
+        tmp.path(),
+        &[
+            "--method",
+            "gptq",
+            "--wbits",
+            "3",
+            "--group-size",
+            "64",
+            "--act-order",
+            "--layers",
+            "0",
+            "--nsamples",
+            "4",
+            "--seqlen",
+            "128",
+            "--calib",
+            s(&calib),
+        ],
+        &["fake", "gptq_v2"],
+    );
+    let (fake, packed) = (ppl(&dirs[0], "128"), ppl(&dirs[1], "128"));
+    assert_close(packed, fake, "gptq 3-bit g64 act-order gptq_v2");
+    let info = ok(&["inspect", s(&dirs[1])]);
+    assert!(
+        info.contains("1 of 30 layers (7 packed linears)")
+            && info.contains("gptq_v2, 3-bit, group size 64, desc_act true")
+            && info.contains("act-order g_idx yes"),
+        "{info}"
+    );
+}
+
+/// Rewrites every tensor of `file` through `f` (None drops it).
+fn rewrite(
+    file: &Path,
+    f: impl Fn(&str, safetensors::Dtype, &[usize], &[u8]) -> Option<(Vec<usize>, Vec<u8>)>,
+) {
+    let bytes = std::fs::read(file).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let entries: Vec<TensorEntry> = st
+        .tensors()
+        .into_iter()
+        .filter_map(|(name, v)| {
+            f(&name, v.dtype(), v.shape(), v.data())
+                .map(|(shape, data)| TensorEntry::new(name, v.dtype(), shape, data))
+        })
+        .collect();
+    write_safetensors(file, &entries, HashMap::new()).unwrap();
+}
+
+/// A tiny model quantized to gptq_v2 (4-bit, groups of 32), evaluated once to show it loads.
+fn tiny_packed(tmp: &Path) -> std::path::PathBuf {
+    let model = tiny_model(tmp);
+    let out = tmp.join("q");
+    ok(&[
+        "run",
+        "--model",
+        s(&model),
+        "--method",
+        "rtn",
+        "--wbits",
+        "3",
+        "--group-size",
+        "32",
+        "--out",
+        s(&out),
+        "--format",
+        "gptq_v2",
+        "--quiet",
+    ]);
+    out
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
+/// The shard holding block 0 of a run's output.
+fn shard0(dir: &Path) -> std::path::PathBuf {
+    let idx: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    dir.join(
+        idx["weight_map"]["model.layers.0.mlp.up_proj.qweight"]
+            .as_str()
+            .unwrap(),
+    )
+}
+
+#[test]
+fn packed_bad_checkpoints_are_user_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let good = tiny_packed(tmp.path());
+    let data = tmp.path().join("text.txt");
+    std::fs::write(
+        &data,
+        "the quick brown fox jumps over the lazy dog. ".repeat(40),
+    )
+    .unwrap();
+    let eval = |dir: &Path| {
+        vec![
+            "eval".to_string(),
+            "--model".into(),
+            s(dir).into(),
+            "--data".into(),
+            s(&data).into(),
+            "--seqlen".into(),
+            "32".into(),
+        ]
+    };
+    let (code, _, err) = run(&eval(&good).iter().map(|s| s.as_str()).collect::<Vec<_>>());
+    assert_eq!(code, 0, "the tiny packed checkpoint should evaluate: {err}");
+
+    // qweight with a row too few for 3 bits × d_in 160.
+    let d = tmp.path().join("bad_shape");
+    copy_dir(&good, &d);
+    rewrite(&shard0(&d), |name, _, shape, data| {
+        if name == "model.layers.0.mlp.down_proj.qweight" {
+            let row = shape[1] * 4;
+            Some((vec![shape[0] - 1, shape[1]], data[row..].to_vec()))
+        } else {
+            Some((shape.to_vec(), data.to_vec()))
+        }
+    });
+    let a = eval(&d);
+    assert_user_error(
+        &a.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
+        &[
+            "model.layers.0.mlp.down_proj.qweight",
+            "shape [14, 64]",
+            "[15, 64]",
+        ],
+    );
+    assert_user_error(&["inspect", s(&d)], &["down_proj.qweight", "shape"]);
+
+    // Missing scales.
+    let d = tmp.path().join("no_scales");
+    copy_dir(&good, &d);
+    rewrite(&shard0(&d), |name, _, shape, data| {
+        (name != "model.layers.0.self_attn.k_proj.scales").then(|| (shape.to_vec(), data.to_vec()))
+    });
+    let a = eval(&d);
+    assert_user_error(
+        &a.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
+        &["model.layers.0.self_attn.k_proj.scales is missing"],
+    );
+
+    // Unknown checkpoint_format.
+    let d = tmp.path().join("bad_format");
+    copy_dir(&good, &d);
+    let p = d.join("config.json");
+    let text = std::fs::read_to_string(&p)
+        .unwrap()
+        .replace("\"gptq_v2\"", "\"gptq_v9\"");
+    std::fs::write(&p, text).unwrap();
+    let a = eval(&d);
+    assert_user_error(
+        &a.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
+        &["unknown checkpoint_format \"gptq_v9\""],
+    );
+    assert_user_error(&["inspect", s(&d)], &["checkpoint_format"]);
+}
+
+#[test]
+fn packed_v1_refuses_zero_point_zero() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_model(tmp.path());
+    // Make one layer's weights nonnegative: its asymmetric min-max zero point is 0.
+    rewrite(&model.join("model.safetensors"), |name, _, shape, data| {
+        let data = if name == "model.layers.1.self_attn.o_proj.weight" {
+            data.chunks_exact(4)
+                .flat_map(|c| {
+                    f32::from_le_bytes([c[0], c[1], c[2], c[3]])
+                        .abs()
+                        .to_le_bytes()
+                })
+                .collect()
+        } else {
+            data.to_vec()
+        };
+        Some((shape.to_vec(), data))
+    });
+    let out = tmp.path().join("q");
+    let args = [
+        "run",
+        "--model",
+        s(&model),
+        "--method",
+        "rtn",
+        "--out",
+        s(&out),
+        "--format",
+        "gptq",
+        "--quiet",
+    ];
+    assert_user_error(
+        &args,
+        &[
+            "model.layers.1.self_attn.o_proj",
+            "zero point 0",
+            "--format gptq_v2",
+            "--sym",
+        ],
+    );
+    assert!(!out.exists(), "nothing may be written at --out");
+    // gptq_v2 stores it.
+    let mut a = args.to_vec();
+    a[8] = "gptq_v2";
+    ok(&a);
+}
