@@ -211,7 +211,12 @@ impl Model {
                 )),
                 // Checked here, not when the block is loaded: a copied-through block would otherwise carry
                 // an integer tensor into the output, and a quantized one would fail hours into a run.
-                Some(e) if !matches!(e.dtype, Dtype::F32 | Dtype::F16 | Dtype::BF16) => {
+                // (Packed GPTQ tensors — qweight, qzeros, g_idx — are integers by design; their loader
+                // checks them.)
+                Some(e)
+                    if (name.ends_with(".weight") || name.ends_with(".bias"))
+                        && !matches!(e.dtype, Dtype::F32 | Dtype::F16 | Dtype::BF16) =>
+                {
                     Err(file_err(
                         &self.dir,
                         format!(
