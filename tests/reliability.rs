@@ -365,11 +365,22 @@ fn parallel_kernels_are_thread_count_independent() {
 /// the same fingerprint), --resume finishes the run with the bytes of an uninterrupted one.
 #[test]
 fn error_after_a_block_keeps_the_partial_folder_for_resume() {
+    for format in ["fake", "gptq"] {
+        error_then_resume(format);
+    }
+}
+
+fn error_then_resume(format: &str) {
     let tmp = tempfile::tempdir().unwrap();
     let m = tiny_model(tmp.path());
     let calib = shared_data().join("moby-dick.txt");
     let reference = tmp.path().join("reference");
-    run_ok(&run_args(&m, &reference, &calib), None);
+    let with_format = |out| {
+        let mut a = run_args(&m, out, &calib);
+        a.extend(["--format", format]);
+        a
+    };
+    run_ok(&with_format(&reference), None);
 
     let path = m.join("model.safetensors");
     let good = std::fs::read(&path).unwrap();
@@ -385,7 +396,7 @@ fn error_after_a_block_keeps_the_partial_folder_for_resume() {
 
     let out = tmp.path().join("out");
     let partial = tmp.path().join(".out.partial");
-    let mut args = run_args(&m, &out, &calib);
+    let mut args = with_format(&out);
     args.retain(|a| *a != "--quiet");
     let o = bin().args(&args).output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
