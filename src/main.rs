@@ -175,6 +175,11 @@ struct RunArgs {
     /// Replace --out if it exists.
     #[arg(long)]
     force: bool,
+    /// Continue an interrupted run of the same --out (its `.NAME.partial` folder) from its last finished
+    /// block; refused when the model, calibration data or options differ. Without it, a partial folder is
+    /// replaced.
+    #[arg(long)]
+    resume: bool,
     /// No progress output.
     #[arg(long)]
     quiet: bool,
@@ -238,6 +243,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 layers,
                 device: a.device,
                 force: a.force,
+                resume: a.resume,
                 format: a.format,
             };
             if opts.calib.is_empty()
@@ -478,6 +484,7 @@ fn bench_quant(
                 layers: None,
                 device: Device::Cpu,
                 force: true,
+                resume: false,
                 format: OutFormat::Fake,
             };
             let r = boa_cuda::pipeline::run(&opts, &Progress::Quiet);

@@ -2,6 +2,7 @@
 //! applied here and undone by the importer), hostile files (each must give an error that says what is wrong,
 //! never a panic), and the real demo model (SmolLM2-135M-Instruct Q4_1, fetched by scripts/fetch_demo.sh).
 
+mod common;
 use std::path::{Path, PathBuf};
 
 use boa_cuda::model::gguf::{GgufFile, OutDType, import_gguf};
@@ -806,4 +807,65 @@ fn llama3_pre_tokenizer_and_bos() {
         "bfloat16"
     );
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Seeded mutations of the synthetic GGUF through the reader and the importer: never a panic, never an
+/// allocation the address-space cap refuses. Run by scripts/fuzz.sh (BOA_FUZZ_ITERS, BOA_FUZZ_SECS,
+/// BOA_FUZZ_SEED).
+#[test]
+#[ignore]
+fn fuzz_gguf_mutations() {
+    use rand::SeedableRng;
+    let dir = scratch("fuzz");
+    let good = synthetic("llama").bytes;
+    // The metadata and tensor infos end where the (aligned) data starts; bias the edits to them.
+    let hot = good
+        .len()
+        .min(tensor_offset_field(&good, "blk.1.ffn_down.weight") + 64);
+    let seed: u64 = std::env::var("BOA_FUZZ_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    common::limit_address_space(16 << 30);
+    let (iters, secs) = common::fuzz_budget();
+    let t0 = std::time::Instant::now();
+    let (mut n, mut imported) = (0u64, 0u64);
+    while n < iters && t0.elapsed() < secs {
+        let bytes = common::mutate(&good, &mut rng, hot);
+        let p = write_file(&dir, "m.gguf", &bytes);
+        let out = dir.join("out");
+        let _ = std::fs::remove_dir_all(&out);
+        let r = std::panic::catch_unwind(|| import_gguf(&p, &out, OutDType::F32));
+        match r {
+            Ok(Ok(_)) => imported += 1,
+            Ok(Err(_)) => {}
+            Err(_) => {
+                let c = std::env::temp_dir().join(format!("boa-fuzz-crash-{seed}-{n}.gguf"));
+                std::fs::write(&c, &bytes).unwrap();
+                panic!(
+                    "iteration {n} (seed {seed}) panicked; input saved to {}",
+                    c.display()
+                );
+            }
+        }
+        n += 1;
+    }
+    eprintln!(
+        "fuzz_gguf_mutations: {n} inputs ({imported} imported) in {:.1?}",
+        t0.elapsed()
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Writes the synthetic GGUF into $BOA_FUZZ_SEED_DIR/gguf_reader (scripts/fuzz.sh).
+#[test]
+#[ignore]
+fn write_fuzz_seed() {
+    let Some(dir) = std::env::var_os("BOA_FUZZ_SEED_DIR") else {
+        return;
+    };
+    let d = Path::new(&dir).join("gguf_reader");
+    std::fs::create_dir_all(&d).unwrap();
+    std::fs::write(d.join("synthetic.gguf"), synthetic("llama").bytes).unwrap();
 }

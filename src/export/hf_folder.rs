@@ -35,8 +35,16 @@ pub fn partial_path(out: &Path) -> PathBuf {
 }
 
 impl OutFolder {
-    /// Refuses an existing `out` unless `force`; starts a fresh temporary folder (an old one is removed).
-    pub fn create(out: &Path, force: bool, n_shards: usize) -> anyhow::Result<OutFolder> {
+    /// Refuses an existing `out` unless `force`; starts a fresh temporary folder (an old one is removed)
+    /// unless `keep_partial`, when an existing one is kept for resuming. Returns the folder and whether a
+    /// partial folder of an earlier run was found. Fails now, before any long work, when the folder cannot be
+    /// created or written.
+    pub fn prepare(
+        out: &Path,
+        force: bool,
+        keep_partial: bool,
+        n_shards: usize,
+    ) -> anyhow::Result<(OutFolder, bool)> {
         if out.exists() && !force {
             return Err(file_err(
                 out,
@@ -44,19 +52,53 @@ impl OutFolder {
             ));
         }
         let tmp = partial_path(out);
-        if tmp.exists() {
+        let existed = tmp.exists();
+        if existed && !keep_partial {
             std::fs::remove_dir_all(&tmp)
                 .map_err(|e| file_err(&tmp, format!("cannot remove: {e}")))?;
         }
         std::fs::create_dir_all(&tmp)
             .map_err(|e| file_err(&tmp, format!("cannot create the output folder: {e}")))?;
-        Ok(OutFolder {
-            out: out.to_path_buf(),
-            tmp,
-            n_shards,
-            weight_map: BTreeMap::new(),
-            total_bytes: 0,
-        })
+        let probe = tmp.join(".write-test");
+        std::fs::write(&probe, b"")
+            .and_then(|()| std::fs::remove_file(&probe))
+            .map_err(|e| file_err(&tmp, format!("cannot write in the output folder: {e}")))?;
+        Ok((
+            OutFolder {
+                out: out.to_path_buf(),
+                tmp,
+                n_shards,
+                weight_map: BTreeMap::new(),
+                total_bytes: 0,
+            },
+            existed,
+        ))
+    }
+
+    /// Counts shard `i`, written by an earlier (interrupted) run, into the index as if written now.
+    pub fn adopt_shard(&mut self, i: usize) -> anyhow::Result<()> {
+        let name = self.shard_name(i);
+        let path = self.tmp.join(&name);
+        // SAFETY: read-only map of a file only this run writes, and only after this map is dropped.
+        let bytes = std::fs::File::open(&path)
+            .and_then(|f| unsafe { memmap2::Mmap::map(&f) })
+            .map_err(|e| {
+                file_err(
+                    &path,
+                    format!("cannot read a shard of the run to resume: {e}"),
+                )
+            })?;
+        let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| {
+            file_err(
+                &path,
+                format!("a shard of the run to resume is damaged: {e}"),
+            )
+        })?;
+        for (t, info) in meta.tensors() {
+            self.total_bytes += (info.data_offsets.1 - info.data_offsets.0) as u64;
+            self.weight_map.insert(t, name.clone());
+        }
+        Ok(())
     }
 
     pub fn shard_name(&self, i: usize) -> String {
@@ -100,6 +142,8 @@ impl OutFolder {
         });
         self.write_json("model.safetensors.index.json", &index)?;
         if self.out.exists() {
+            // --force: the old folder steps aside only now, so a failed or killed run leaves it intact; a
+            // kill between the two renames leaves no folder at `out` (the old one is at `.NAME.old`).
             let old = self.out.with_file_name(format!(
                 ".{}.old",
                 self.out
@@ -107,6 +151,10 @@ impl OutFolder {
                     .map(|n| n.to_string_lossy().into_owned())
                     .unwrap_or_default()
             ));
+            if old.exists() {
+                std::fs::remove_dir_all(&old)
+                    .map_err(|e| file_err(&old, format!("cannot remove: {e}")))?;
+            }
             std::fs::rename(&self.out, &old)
                 .map_err(|e| file_err(&self.out, format!("cannot replace: {e}")))?;
             std::fs::rename(&self.tmp, &self.out)

@@ -8,6 +8,7 @@ use super::weights::WeightStore;
 use crate::backend::Backend;
 use crate::error::file_err;
 use crate::quant::pack::PackedLinear;
+use safetensors::Dtype;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -208,6 +209,22 @@ impl Model {
                     &self.dir,
                     format!("tensor {name} has shape {:?}, expected {shape:?}", e.shape),
                 )),
+                // Checked here, not when the block is loaded: a copied-through block would otherwise carry
+                // an integer tensor into the output, and a quantized one would fail hours into a run.
+                // (Packed GPTQ tensors — qweight, qzeros, g_idx — are integers by design; their loader
+                // checks them.)
+                Some(e)
+                    if (name.ends_with(".weight") || name.ends_with(".bias"))
+                        && !matches!(e.dtype, Dtype::F32 | Dtype::F16 | Dtype::BF16) =>
+                {
+                    Err(file_err(
+                        &self.dir,
+                        format!(
+                            "tensor {name} has dtype {:?}; weights must be F32, F16 or BF16",
+                            e.dtype
+                        ),
+                    ))
+                }
                 Some(_) => Ok(()),
             }
         };

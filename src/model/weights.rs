@@ -88,6 +88,19 @@ impl WeightStore {
         Ok(())
     }
 
+    /// Each shard file with its memory-mapped bytes, in open order.
+    pub fn shard_files(&self) -> impl Iterator<Item = (&Path, &[u8])> {
+        self.shards.iter().map(|(p, m)| (p.as_path(), &m[..]))
+    }
+
+    /// Sum of the tensors' stored sizes, bytes.
+    pub fn total_bytes(&self) -> u64 {
+        self.entries
+            .values()
+            .map(|e| (e.end - e.start) as u64)
+            .sum()
+    }
+
     pub fn names(&self) -> impl Iterator<Item = &String> {
         self.entries.keys()
     }

@@ -8,6 +8,7 @@
 pub mod options;
 pub mod quantize_block;
 pub mod report;
+pub mod resume;
 pub mod stats;
 
 use crate::backend::select_backend;
@@ -60,35 +61,104 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
     let needs_calib = opts.method != Method::Rtn || opts.scale_search == ScaleSearchArg::Hessian;
     let last_needed = *layers.0.last().expect("non-empty");
 
-    let mut timings = Timings::default();
-    let t0 = Instant::now();
-    let (mut x, n_seq) = if needs_calib {
-        let tok = Tokenizer::load(&model.dir)?;
-        let ids = tok.encode(&text::read_all(&opts.calib)?)?;
-        let need = opts.nsamples * opts.seqlen;
-        if ids.len() < need {
-            return Err(crate::input_err!(
-                "the calibration text has {} tokens, fewer than --nsamples {} × --seqlen {} = {need}",
-                ids.len(),
-                opts.nsamples,
-                opts.seqlen
-            ));
-        }
-        let wins = windows::calibration_windows(&ids, opts.nsamples, opts.seqlen, opts.seed)?;
-        let flat: Vec<u32> = wins.concat();
-        (model.embed(&flat)?, opts.nsamples)
-    } else {
-        (Vec::new(), 0)
-    };
-    timings.calibration_data = t0.elapsed().as_secs_f64();
-    let rope = model.rope_table(opts.seqlen);
-    let out_dtype = model.store.main_dtype();
+    // The output folder first: an unwritable --out or a full disk fails now, not after the calibration.
+    let (mut folder, existed) =
+        OutFolder::prepare(&opts.out, opts.force, opts.resume, cfg.n_layers + 1)?;
+    if existed && !opts.resume {
+        progress.line(&format!(
+            "replaced the partial folder {} of an earlier run (pass --resume to continue one)",
+            folder.tmp.display()
+        ));
+    }
+    // From here on, an error removes the partial folder unless it holds finished blocks.
+    let had_state = opts.resume && resume::exists(&folder.tmp);
+    let mut progressed = false;
+    let result = (|| -> anyhow::Result<RunReport> {
+        let x_bytes = if needs_calib {
+            (opts.nsamples * opts.seqlen * cfg.d * 4) as u64
+        } else {
+            0
+        };
+        resume::check_free_space(&folder.tmp, model.store.total_bytes() + 2 * x_bytes)?;
 
-    let mut folder = OutFolder::create(&opts.out, opts.force, cfg.n_layers + 1)?;
-    let result = (|| -> anyhow::Result<Vec<LayerReport>> {
-        let mut reports = Vec::new();
+        let mut timings = Timings::default();
+        let t0 = Instant::now();
+        let (calib_ids, n_seq) = if needs_calib {
+            let tok = Tokenizer::load(&model.dir)?;
+            let ids = tok.encode(&text::read_all(&opts.calib)?)?;
+            let need = opts.nsamples * opts.seqlen;
+            if ids.len() < need {
+                return Err(crate::input_err!(
+                    "the calibration text has {} tokens, fewer than --nsamples {} × --seqlen {} = {need}",
+                    ids.len(),
+                    opts.nsamples,
+                    opts.seqlen
+                ));
+            }
+            let wins = windows::calibration_windows(&ids, opts.nsamples, opts.seqlen, opts.seed)?;
+            (Some(wins.concat()), opts.nsamples)
+        } else {
+            (None, 0)
+        };
+        let fingerprint = resume::fingerprint(opts, &model, &be.name(), calib_ids.as_deref())?;
+        let saved = if opts.resume {
+            resume::load(&folder.tmp, &fingerprint, cfg.n_layers)?
+        } else {
+            None
+        };
+        let (start, mut x, mut reports) = match saved {
+            Some(s) => {
+                progress.line(&format!(
+                    "resuming from block {} of {} ({})",
+                    s.next_block,
+                    cfg.n_layers,
+                    folder.tmp.display()
+                ));
+                for i in 0..s.next_block {
+                    folder.adopt_shard(i)?;
+                }
+                timings = s.timings;
+                let x = s.x.unwrap_or_default();
+                let want = if needs_calib && s.next_block <= last_needed {
+                    n_seq * opts.seqlen * cfg.d
+                } else {
+                    0
+                };
+                if x.len() != want {
+                    return Err(crate::input_err!(
+                        "the resume state in {} has {} activations, expected {want}; run without \
+                         --resume to start over",
+                        folder.tmp.display(),
+                        x.len()
+                    ));
+                }
+                (s.next_block, x, s.reports)
+            }
+            None => {
+                if opts.resume {
+                    progress.line(&format!(
+                        "nothing to resume at {}; starting from block 0",
+                        folder.tmp.display()
+                    ));
+                }
+                let x = match &calib_ids {
+                    Some(flat) => model.embed(flat)?,
+                    None => Vec::new(),
+                };
+                (0, x, Vec::new())
+            }
+        };
+        drop(calib_ids);
+        if start == 0 {
+            timings.calibration_data = t0.elapsed().as_secs_f64();
+        }
+        let rope = model.rope_table(opts.seqlen);
+        let out_dtype = model.store.main_dtype();
+
+        let base_total = timings.total;
         let mut bar = progress.bar("quantize", cfg.n_layers as u64, "blocks");
-        for l in 0..cfg.n_layers {
+        bar.inc(start as u64);
+        for l in start..cfg.n_layers {
             let selected = layers.contains(l);
             if !selected {
                 if needs_calib && l < last_needed {
@@ -100,92 +170,110 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                 let t = Instant::now();
                 folder.write_shard(l, &stored_entries(&model, l)?)?;
                 timings.write += t.elapsed().as_secs_f64();
-                bar.inc(1);
-                continue;
-            }
-            bar.set_message(format!("layer {l}"));
-            let mut w = model.load_block(l)?;
-            check_finite(&w, l)?;
-            let stats = needs_calib.then(|| {
-                stats::collect(
-                    be.as_ref(),
-                    &w,
-                    cfg,
-                    &rope,
-                    &x,
-                    n_seq,
-                    CHUNK,
-                    opts.method == Method::Boa,
-                )
-            });
-            if let Some(s) = &stats {
-                timings.forward += s.forward_time.as_secs_f64();
-                timings.statistics += s.stats_time.as_secs_f64();
-            }
-            let t = Instant::now();
-            crate::quant::profile::take();
-            let quantized = quantize_block::quantize_block(&mut w, stats.as_ref(), cfg, opts, l)?;
-            timings.quantize += t.elapsed().as_secs_f64();
-            let [factor, search, sweep] = crate::quant::profile::take();
-            (timings.factor, timings.search, timings.sweep) = (
-                timings.factor + factor,
-                timings.search + search,
-                timings.sweep + sweep,
-            );
-            drop(stats);
-            if needs_calib && l < last_needed {
+            } else {
+                bar.set_message(format!("layer {l}"));
+                let mut w = model.load_block(l)?;
+                check_finite(&w, l)?;
+                let stats = needs_calib.then(|| {
+                    stats::collect(
+                        be.as_ref(),
+                        &w,
+                        cfg,
+                        &rope,
+                        &x,
+                        n_seq,
+                        CHUNK,
+                        opts.method == Method::Boa,
+                    )
+                });
+                if let Some(s) = &stats {
+                    timings.forward += s.forward_time.as_secs_f64();
+                    timings.statistics += s.stats_time.as_secs_f64();
+                }
                 let t = Instant::now();
-                forward_all(be.as_ref(), &w, &model, &rope, &mut x, n_seq);
-                timings.forward += t.elapsed().as_secs_f64();
+                crate::quant::profile::take();
+                let quantized =
+                    quantize_block::quantize_block(&mut w, stats.as_ref(), cfg, opts, l)?;
+                timings.quantize += t.elapsed().as_secs_f64();
+                let [factor, search, sweep] = crate::quant::profile::take();
+                (timings.factor, timings.search, timings.sweep) = (
+                    timings.factor + factor,
+                    timings.search + search,
+                    timings.sweep + sweep,
+                );
+                drop(stats);
+                if needs_calib && l < last_needed {
+                    let t = Instant::now();
+                    forward_all(be.as_ref(), &w, &model, &rope, &mut x, n_seq);
+                    timings.forward += t.elapsed().as_secs_f64();
+                }
+                let t = Instant::now();
+                folder.write_shard(
+                    l,
+                    &quantized_entries(&model, l, &quantized, opts.format, out_dtype)?,
+                )?;
+                timings.write += t.elapsed().as_secs_f64();
+                reports.push(LayerReport {
+                    layer: l,
+                    linears: quantized.into_iter().map(|(_, r)| r).collect(),
+                });
             }
+            // X_{l+1} is kept only while a later block still needs it.
             let t = Instant::now();
-            folder.write_shard(
-                l,
-                &quantized_entries(&model, l, &quantized, opts.format, out_dtype)?,
-            )?;
+            let x_next = (needs_calib && l < last_needed).then_some(&x[..]);
+            timings.total = base_total + t_start.elapsed().as_secs_f64();
+            resume::checkpoint(&folder.tmp, &fingerprint, l + 1, x_next, &reports, &timings)?;
             timings.write += t.elapsed().as_secs_f64();
-            reports.push(LayerReport {
-                layer: l,
-                linears: quantized.into_iter().map(|(_, r)| r).collect(),
-            });
+            progressed = true;
+            resume::test_slow_block();
             bar.inc(1);
         }
         bar.finish();
         folder.write_shard(cfg.n_layers, &global_entries(&model)?)?;
-        Ok(reports)
-    })();
-    let layer_reports = match result {
-        Ok(r) => r,
-        Err(e) => {
-            // Nothing half-written stays behind: the partial folder goes with the error.
-            let _ = std::fs::remove_dir_all(&folder.tmp);
-            return Err(e);
+        let mut config = cfg.json.clone();
+        config["boa_cuda"] = serde_json::json!({"quantized": true, "method": opts.method, "wbits": opts.wbits,
+            "group_size": opts.group_size.map(|g| g as i64).unwrap_or(-1), "sym": opts.sym,
+            "format": opts.format.name()});
+        if opts.format != OutFormat::Fake {
+            let q = quantization_config(
+                opts.format,
+                opts.wbits,
+                opts.group_size,
+                opts.act_order,
+                opts.sym,
+                opts.damp,
+                opts.static_groups,
+            );
+            config["quantization_config"] = q.clone();
+            folder.write_json("quantize_config.json", &q)?;
         }
-    };
-    let mut config = cfg.json.clone();
-    config["boa_cuda"] = serde_json::json!({"quantized": true, "method": opts.method, "wbits": opts.wbits,
-        "group_size": opts.group_size.map(|g| g as i64).unwrap_or(-1), "sym": opts.sym,
-        "format": opts.format.name()});
-    if opts.format != OutFormat::Fake {
-        let q = quantization_config(
-            opts.format,
-            opts.wbits,
-            opts.group_size,
-            opts.act_order,
-            opts.sym,
-            opts.damp,
-            opts.static_groups,
-        );
-        config["quantization_config"] = q.clone();
-        folder.write_json("quantize_config.json", &q)?;
+        folder.write_json("config.json", &config)?;
+        folder.copy_tokenizer_files(&model.dir)?;
+        timings.total = base_total + t_start.elapsed().as_secs_f64();
+        let report = RunReport::new(opts, be.name(), reports, timings, n_seq * opts.seqlen);
+        folder.write_json("report.json", &serde_json::to_value(&report)?)?;
+        Ok(report)
+    })();
+    match result {
+        Ok(report) => {
+            resume::clear(&folder.tmp)?;
+            folder.publish()?;
+            Ok(report)
+        }
+        Err(e) => {
+            if progressed {
+                progress.line(&format!(
+                    "kept the finished blocks in {}: rerun with --resume to continue",
+                    folder.tmp.display()
+                ));
+            }
+            if !(progressed || had_state) {
+                // Nothing worth keeping: the partial folder goes with the error.
+                let _ = std::fs::remove_dir_all(&folder.tmp);
+            }
+            Err(e)
+        }
     }
-    folder.write_json("config.json", &config)?;
-    folder.copy_tokenizer_files(&model.dir)?;
-    timings.total = t_start.elapsed().as_secs_f64();
-    let report = RunReport::new(opts, be.name(), layer_reports, timings, n_seq * opts.seqlen);
-    folder.write_json("report.json", &serde_json::to_value(&report)?)?;
-    folder.publish()?;
-    Ok(report)
 }
 
 /// X [n_seq·t × d] ← block(X), chunk by chunk.

@@ -111,6 +111,10 @@ pub struct RunOptions {
     pub device: Device,
     /// Replace --out if it exists.
     pub force: bool,
+    /// Continue the partial run of the same --out from its last finished block. Not in report.json: a
+    /// resumed run's report equals an uninterrupted one's (timings aside).
+    #[serde(skip_serializing)]
+    pub resume: bool,
     /// What the linears are written as (fake-quant or packed GPTQ).
     pub format: crate::export::gptq_packed::OutFormat,
 }

@@ -3,7 +3,7 @@
 use super::options::RunOptions;
 use super::quantize_block::LinearReport;
 
-#[derive(Clone, Debug, Default, serde::Serialize)]
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct Timings {
     pub calibration_data: f64,
     pub forward: f64,

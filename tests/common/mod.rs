@@ -65,3 +65,90 @@ pub fn demo_model() -> PathBuf {
     );
     p
 }
+
+// ---------------------------------------------------------------------------------------------------------
+// Seeded mutation fuzzing on stable Rust (the cargo-fuzz targets in fuzz/ need nightly). Used by the
+// #[ignore]d `fuzz_*` tests; scripts/fuzz.sh runs them for a bounded time.
+
+/// Iterations and wall-clock budget: BOA_FUZZ_ITERS (default 300) and BOA_FUZZ_SECS (default 20).
+pub fn fuzz_budget() -> (u64, std::time::Duration) {
+    let get = |k: &str, d: u64| {
+        std::env::var(k)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(d)
+    };
+    (
+        get("BOA_FUZZ_ITERS", 300),
+        std::time::Duration::from_secs(get("BOA_FUZZ_SECS", 20)),
+    )
+}
+
+/// Caps this process's address space, so an allocation sized by a hostile file's claims aborts the test
+/// instead of going unnoticed on a big machine. Mappings count too: keep it above the model files' size.
+pub fn limit_address_space(bytes: u64) {
+    let lim = libc::rlimit {
+        rlim_cur: bytes,
+        rlim_max: libc::RLIM_INFINITY,
+    };
+    // SAFETY: setrlimit reads the struct; lowering a soft limit has no other effect on this process.
+    unsafe { libc::setrlimit(libc::RLIMIT_AS, &lim) };
+}
+
+/// One to four random edits of `good`, biased to its first `hot` bytes (the header, where the lengths,
+/// counts and offsets are).
+pub fn mutate(good: &[u8], rng: &mut rand_chacha::ChaCha8Rng, hot: usize) -> Vec<u8> {
+    use rand::RngExt;
+    let mut b = good.to_vec();
+    let n_edits = rng.random_range(1..=4);
+    for _ in 0..n_edits {
+        if b.is_empty() {
+            b.push(0);
+        }
+        let span = if rng.random_bool(0.8) {
+            hot.clamp(1, b.len())
+        } else {
+            b.len()
+        };
+        let at = rng.random_range(0..span);
+        match rng.random_range(0..7) {
+            0 => b[at] ^= 1 << rng.random_range(0..8),
+            1 => b[at] = [0u8, 0xff, 0x7f, 0x80, b'"', b'{', b'['][rng.random_range(0..7)],
+            2 => {
+                let v: u64 = [
+                    0,
+                    1,
+                    u32::MAX as u64,
+                    u64::MAX,
+                    1 << 40,
+                    good.len() as u64,
+                    good.len() as u64 + 1,
+                    rng.random(),
+                ][rng.random_range(0..8)];
+                let end = (at + 8).min(b.len());
+                let n = end - at;
+                b[at..end].copy_from_slice(&v.to_le_bytes()[..n]);
+            }
+            3 => b.truncate(at),
+            4 => {
+                let len = rng.random_range(1..=64).min(b.len() - at);
+                let chunk = b[at..at + len].to_vec();
+                let to = rng.random_range(0..b.len());
+                b.splice(to..to, chunk);
+            }
+            5 => {
+                let len = rng.random_range(1..=16).min(b.len() - at);
+                b.drain(at..at + len);
+            }
+            _ => {
+                // A decimal digit changed inside JSON text (safetensors headers): offsets and shapes.
+                if b[at].is_ascii_digit() {
+                    b[at] = b'0' + rng.random_range(0..10u8);
+                } else {
+                    b.insert(at, b'9');
+                }
+            }
+        }
+    }
+    b
+}

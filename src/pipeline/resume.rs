@@ -1,0 +1,468 @@
+//! Resume state of `boa-cuda run` (design.md §3 e): after every block, the partial output folder
+//! `.NAME.partial/` holds, besides the block's shard,
+//!
+//! ```text
+//! resume/state.json      {"format", "fingerprint", "next_block", "activations", "activations_len",
+//!                         "layers" (per-layer reports, f64 as bit patterns), "seconds"}
+//! resume/x-LLLLL.f32     X_{next_block}: the next block's input activations, raw little-endian f32
+//!                        [n_seq·t × d]; absent when no later block needs them (RTN without calibration,
+//!                        or past the last quantized layer)
+//! ```
+//!
+//! Order of a checkpoint: the shard is already in place (written under a temporary name and renamed);
+//! `x-(l+1).f32` is written to a `.tmp`, fsynced and renamed; then `state.json` the same way; then the folder
+//! is fsynced and only then is the previous `x-l.f32` removed. A kill at any point leaves either the old
+//! state with its activation file or the new one with its file, never a state naming a missing file.
+//! Shards after `next_block` that a killed run may have written are simply rewritten.
+//!
+//! The fingerprint is everything that determines the output bytes: the binary's version, the options that
+//! matter (not --out, --force, --quiet, --resume, nor the paths of the model and the calibration text, whose
+//! contents are fingerprinted instead), the backend, config.json's bytes, every safetensors shard's size and
+//! header bytes, and the calibration windows' token ids. Tensor data is not hashed (reading 140 GB to start
+//! a resume would defeat it); a weights file rewritten in place with the same header is not detected.
+
+use super::report::{LayerReport, Timings};
+use crate::error::file_err;
+use crate::model::Model;
+use crate::pipeline::options::RunOptions;
+use crate::pipeline::quantize_block::LinearReport;
+use serde_json::{Value, json};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+const FORMAT: u32 = 1;
+const DIR: &str = "resume";
+const STATE: &str = "state.json";
+
+/// Two 64-bit FNV-1a-style hashes (different offsets and multipliers) for 128 bits: detects accidental
+/// change, not tampering.
+fn hash128(parts: &[&[u8]]) -> String {
+    let mut h = [0xcbf2_9ce4_8422_2325u64, 0x6c62_272e_07bb_0142u64];
+    for (i, h) in h.iter_mut().enumerate() {
+        for p in parts {
+            for &b in p.iter() {
+                *h ^= b as u64;
+                *h = h.wrapping_mul(0x0000_0100_0000_01b3 + 2 * i as u64);
+            }
+            // Part boundaries count: ["ab", "c"] and ["a", "bc"] hash differently.
+            *h ^= 0xff;
+            *h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    format!("{:016x}{:016x}", h[0], h[1])
+}
+
+/// What determines the result of a run (see the module doc).
+pub fn fingerprint(
+    opts: &RunOptions,
+    model: &Model,
+    backend: &str,
+    calib_ids: Option<&[u32]>,
+) -> anyhow::Result<Value> {
+    let mut options = serde_json::to_value(opts)?;
+    if let Value::Object(m) = &mut options {
+        for k in ["model", "calib", "out", "force", "resume", "device"] {
+            m.remove(k);
+        }
+    }
+    let cfg_path = model.dir.join("config.json");
+    let cfg =
+        std::fs::read(&cfg_path).map_err(|e| file_err(&cfg_path, format!("cannot read: {e}")))?;
+    let weights: Vec<Value> = model
+        .store
+        .shard_files()
+        .map(|(p, bytes)| {
+            // The header was validated at open: 8-byte length, then that many bytes of JSON.
+            let n = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
+            json!({
+                "file": p.file_name().map(|f| f.to_string_lossy().into_owned()),
+                "size": bytes.len(),
+                "header": hash128(&[&bytes[..8 + n]]),
+            })
+        })
+        .collect();
+    let calib = calib_ids.map(|ids| {
+        let bytes: Vec<u8> = ids.iter().flat_map(|t| t.to_le_bytes()).collect();
+        json!({"tokens": ids.len(), "hash": hash128(&[&bytes])})
+    });
+    Ok(json!({
+        "version": env!("CARGO_PKG_VERSION"),
+        "options": options,
+        "backend": backend,
+        "config.json": hash128(&[&cfg]),
+        "weights": weights,
+        "calibration": calib,
+    }))
+}
+
+/// A per-linear report with its floats as bit patterns, so NaN and every last bit survive the JSON.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct LinearRecord {
+    name: String,
+    method: String,
+    rtn_error: u64,
+    error: u64,
+    seconds: f64,
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct LayerRecord {
+    layer: usize,
+    linears: Vec<LinearRecord>,
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct State {
+    format: u32,
+    fingerprint: Value,
+    next_block: usize,
+    activations: Option<String>,
+    activations_len: usize,
+    layers: Vec<LayerRecord>,
+    seconds: Timings,
+}
+
+/// What a resumed run starts from.
+pub struct Saved {
+    pub next_block: usize,
+    /// X_{next_block}, when a later block needs it.
+    pub x: Option<Vec<f32>>,
+    pub reports: Vec<LayerReport>,
+    pub timings: Timings,
+}
+
+fn to_record(r: &LayerReport) -> LayerRecord {
+    LayerRecord {
+        layer: r.layer,
+        linears: r
+            .linears
+            .iter()
+            .map(|l| LinearRecord {
+                name: l.name.clone(),
+                method: l.method.into(),
+                rtn_error: l.rtn_error.to_bits(),
+                error: l.error.to_bits(),
+                seconds: l.seconds,
+            })
+            .collect(),
+    }
+}
+
+fn from_record(r: LayerRecord, path: &Path) -> anyhow::Result<LayerReport> {
+    let linears = r
+        .linears
+        .into_iter()
+        .map(|l| {
+            let method = match l.method.as_str() {
+                "rtn" => "rtn",
+                "gptq" => "gptq",
+                "boa" => "boa",
+                m => {
+                    return Err(file_err(
+                        path,
+                        format!("unknown method {m:?} in the resume state"),
+                    ));
+                }
+            };
+            Ok(LinearReport {
+                name: l.name,
+                method,
+                rtn_error: f64::from_bits(l.rtn_error),
+                error: f64::from_bits(l.error),
+                seconds: l.seconds,
+            })
+        })
+        .collect::<anyhow::Result<_>>()?;
+    Ok(LayerReport {
+        layer: r.layer,
+        linears,
+    })
+}
+
+fn x_name(block: usize) -> String {
+    format!("x-{block:05}.f32")
+}
+
+/// Writes `bytes` to `path` durably and atomically: a `.tmp` sibling, fsync, rename.
+fn write_atomic(
+    path: &Path,
+    write: impl FnOnce(&mut std::fs::File) -> std::io::Result<()>,
+) -> anyhow::Result<()> {
+    let tmp = path.with_extension("tmp");
+    let res = std::fs::File::create(&tmp).and_then(|mut f| {
+        write(&mut f)?;
+        f.sync_all()
+    });
+    res.and_then(|()| std::fs::rename(&tmp, path)).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        file_err(path, format!("cannot write the resume state: {e}"))
+    })
+}
+
+fn sync_dir(dir: &Path) -> anyhow::Result<()> {
+    std::fs::File::open(dir)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| file_err(dir, format!("cannot sync: {e}")))
+}
+
+/// Records that blocks < `next_block` are done: `x` is X_{next_block} (None when no later block needs it).
+pub fn checkpoint(
+    tmp: &Path,
+    fingerprint: &Value,
+    next_block: usize,
+    x: Option<&[f32]>,
+    reports: &[LayerReport],
+    timings: &Timings,
+) -> anyhow::Result<()> {
+    let dir = tmp.join(DIR);
+    std::fs::create_dir_all(&dir).map_err(|e| file_err(&dir, format!("cannot create: {e}")))?;
+    // Shards are renamed into place unsynced; sync them before the state says they are done.
+    for entry in std::fs::read_dir(tmp).map_err(|e| file_err(tmp, format!("cannot list: {e}")))? {
+        let p = entry?.path();
+        if p.extension().is_some_and(|e| e == "safetensors") {
+            std::fs::File::open(&p)
+                .and_then(|f| f.sync_all())
+                .map_err(|e| file_err(&p, format!("cannot sync: {e}")))?;
+        }
+    }
+    let activations = match x {
+        Some(x) => {
+            let name = x_name(next_block);
+            write_atomic(&dir.join(&name), |f| {
+                let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
+                for c in x.chunks(1 << 16) {
+                    let b: Vec<u8> = c.iter().flat_map(|v| v.to_le_bytes()).collect();
+                    w.write_all(&b)?;
+                }
+                w.flush()
+            })?;
+            Some(name)
+        }
+        None => None,
+    };
+    let state = State {
+        format: FORMAT,
+        fingerprint: fingerprint.clone(),
+        next_block,
+        activations: activations.clone(),
+        activations_len: x.map_or(0, <[f32]>::len),
+        layers: reports.iter().map(to_record).collect(),
+        seconds: timings.clone(),
+    };
+    let text = serde_json::to_string_pretty(&state)? + "\n";
+    write_atomic(&dir.join(STATE), |f| f.write_all(text.as_bytes()))?;
+    sync_dir(&dir)?;
+    sync_dir(tmp)?;
+    // The new state is durable: older activation files are garbage now.
+    for entry in std::fs::read_dir(&dir).map_err(|e| file_err(&dir, format!("cannot list: {e}")))? {
+        let entry = entry?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with("x-") && Some(&name) != activations.as_ref() {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+    Ok(())
+}
+
+/// Whether `tmp` holds a resume state at all.
+pub fn exists(tmp: &Path) -> bool {
+    tmp.join(DIR).join(STATE).is_file()
+}
+
+/// Loads the state under `tmp` after checking it was made by the same inputs; None when there is none.
+pub fn load(tmp: &Path, fingerprint: &Value, n_layers: usize) -> anyhow::Result<Option<Saved>> {
+    let path = tmp.join(DIR).join(STATE);
+    if !path.is_file() {
+        return Ok(None);
+    }
+    let damaged = |why: String| {
+        file_err(
+            &path,
+            format!("the resume state is damaged ({why}); run without --resume to start over"),
+        )
+    };
+    let text = std::fs::read_to_string(&path).map_err(|e| damaged(e.to_string()))?;
+    let state: State = serde_json::from_str(&text).map_err(|e| damaged(e.to_string()))?;
+    if state.format != FORMAT {
+        return Err(damaged(format!("format {} is not {FORMAT}", state.format)));
+    }
+    if let Some(what) = first_difference(&state.fingerprint, fingerprint) {
+        return Err(crate::input_err!(
+            "cannot --resume from {}: it was made with a different {what}; run without --resume to start \
+             over",
+            tmp.display()
+        ));
+    }
+    if state.next_block > n_layers {
+        return Err(damaged(format!(
+            "next block {} of {n_layers}",
+            state.next_block
+        )));
+    }
+    let x = match &state.activations {
+        Some(name) => {
+            let p = tmp.join(DIR).join(name);
+            let bytes = std::fs::read(&p).map_err(|e| damaged(format!("{name}: {e}")))?;
+            if bytes.len() != state.activations_len * 4 {
+                return Err(damaged(format!(
+                    "{name} has {} bytes, expected {}",
+                    bytes.len(),
+                    state.activations_len * 4
+                )));
+            }
+            Some(
+                bytes
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect(),
+            )
+        }
+        None => None,
+    };
+    let reports = state
+        .layers
+        .into_iter()
+        .map(|r| from_record(r, &path))
+        .collect::<anyhow::Result<_>>()?;
+    Ok(Some(Saved {
+        next_block: state.next_block,
+        x,
+        reports,
+        timings: state.seconds,
+    }))
+}
+
+/// Names, for the user, the first thing that differs between two fingerprints.
+fn first_difference(old: &Value, new: &Value) -> Option<String> {
+    let keys = [
+        "version",
+        "backend",
+        "options",
+        "config.json",
+        "weights",
+        "calibration",
+    ];
+    let key = keys.into_iter().find(|k| old.get(k) != new.get(k))?;
+    Some(match key {
+        "version" => format!("boa-cuda version ({} then)", old["version"]),
+        "backend" => format!("backend ({} then, {} now)", old["backend"], new["backend"]),
+        "config.json" => "config.json".into(),
+        "weights" => "weights file (size or header)".into(),
+        "calibration" => {
+            "calibration text, --nsamples, --seqlen or --seed (the token ids differ)".into()
+        }
+        _ => {
+            let (a, b) = (&old["options"], &new["options"]);
+            let mut names: Vec<&String> = a
+                .as_object()
+                .into_iter()
+                .chain(b.as_object())
+                .flat_map(|m| m.keys())
+                .collect();
+            names.sort();
+            names.dedup();
+            match names.into_iter().find(|k| a.get(*k) != b.get(*k)) {
+                Some(k) => format!(
+                    "--{} ({} then, {} now)",
+                    k.replace('_', "-"),
+                    a.get(k).unwrap_or(&Value::Null),
+                    b.get(k).unwrap_or(&Value::Null)
+                ),
+                None => "options".into(),
+            }
+        }
+    })
+}
+
+/// Removes the resume files (before the folder is published).
+pub fn clear(tmp: &Path) -> anyhow::Result<()> {
+    let dir: PathBuf = tmp.join(DIR);
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir).map_err(|e| file_err(&dir, format!("cannot remove: {e}")))?;
+    }
+    Ok(())
+}
+
+/// Test hook: `BOA_TEST_SLOW_BLOCK_MS=N` sleeps N ms after each block's checkpoint, so a test can kill a
+/// run between blocks of a model that would otherwise finish before the kill arrives. Not for users.
+pub fn test_slow_block() {
+    if let Some(ms) = std::env::var("BOA_TEST_SLOW_BLOCK_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+    }
+}
+
+/// Fails when the file system holding `dir` has less room than `need` bytes minus what `dir` already holds
+/// (a resumed run has written part of its output).
+pub fn check_free_space(dir: &Path, need: u64) -> anyhow::Result<()> {
+    let have = dir_bytes(dir);
+    let need = need.saturating_sub(have);
+    let Some(free) = free_bytes(dir) else {
+        return Ok(());
+    };
+    if free < need {
+        let size = |b: u64| {
+            if b >= 1 << 30 {
+                format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+            } else {
+                format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
+            }
+        };
+        return Err(file_err(
+            dir,
+            format!(
+                "not enough free space: the output and its resume checkpoint need about {}, {} are free",
+                size(need),
+                size(free)
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn dir_bytes(dir: &Path) -> u64 {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    rd.filter_map(Result::ok)
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => dir_bytes(&e.path()),
+            Ok(t) if t.is_file() => e.metadata().map_or(0, |m| m.len()),
+            _ => 0,
+        })
+        .sum()
+}
+
+/// Bytes available to an unprivileged user on the file system of `dir` (statvfs); None when unknown.
+/// `BOA_TEST_FREE_BYTES` overrides it so tests can simulate a full disk.
+fn free_bytes(dir: &Path) -> Option<u64> {
+    if let Some(v) = std::env::var("BOA_TEST_FREE_BYTES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        return Some(v);
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::ffi::OsStrExt;
+        let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+        let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+        // SAFETY: `c` is a NUL-terminated path and `st` points to writable memory of the right type; the
+        // struct is read only when statvfs reports success.
+        let rc = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
+        if rc != 0 {
+            return None;
+        }
+        // SAFETY: initialized by the successful call above.
+        let st = unsafe { st.assume_init() };
+        // The field widths differ between platforms (u32 on some 32-bit ones).
+        #[allow(clippy::unnecessary_cast)]
+        Some((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
+    }
+    #[cfg(not(unix))]
+    {
+        None
+    }
+}

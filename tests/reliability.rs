@@ -1,0 +1,416 @@
+//! Reliability of `boa-cuda run` (issue "Reliability"): resume after SIGKILL gives the bytes of an
+//! uninterrupted run, output is bit-identical whatever the thread count, a killed run never leaves a folder
+//! at --out, --resume refuses a changed run, and an unwritable or full output disk fails before the work.
+//!
+//! Compared files: every file of the output folder byte for byte, except report.json, which is compared
+//! after removing its measurements — every "seconds" field (per-phase and per-linear timings) and
+//! "peak_rss_bytes". Everything else in report.json (options, per-layer errors as f64) must match exactly.
+
+mod common;
+use boa_cuda::model::synth::{SynthSpec, write_model};
+use common::*;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// A synthetic model big enough for faer's parallel GEMMs and the blocked Cholesky (d_ff ≥ 512) to engage.
+fn model(dir: &Path, n_layers: usize) -> PathBuf {
+    let m = dir.join("model");
+    let spec = SynthSpec {
+        d: 128,
+        d_ff: 576,
+        n_layers,
+        n_heads: 4,
+        n_kv_heads: 2,
+        vocab: 256,
+        tie_word_embeddings: false,
+        qkv_bias: false,
+        seed: 7,
+    };
+    write_model(&m, &spec).unwrap();
+    m
+}
+
+fn run_args<'a>(m: &'a Path, out: &'a Path, calib: &'a Path) -> Vec<&'a str> {
+    vec![
+        "run",
+        "--model",
+        s(m),
+        "--calib",
+        s(calib),
+        "--out",
+        s(out),
+        "--method",
+        "boa",
+        "--wbits",
+        "3",
+        "--nsamples",
+        "4",
+        "--seqlen",
+        "128",
+        "--device",
+        "cpu",
+        "--quiet",
+    ]
+}
+
+fn set<'a>(args: &mut [&'a str], flag: &str, value: &'a str) {
+    let i = args.iter().position(|a| *a == flag).unwrap();
+    args[i + 1] = value;
+}
+
+fn strip_measurements(v: &mut serde_json::Value) {
+    match v {
+        serde_json::Value::Object(m) => {
+            m.remove("seconds");
+            m.remove("peak_rss_bytes");
+            m.values_mut().for_each(strip_measurements);
+        }
+        serde_json::Value::Array(a) => a.iter_mut().for_each(strip_measurements),
+        _ => {}
+    }
+}
+
+/// Every file of an output folder (report.json without its measurements).
+fn contents(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    let mut out = BTreeMap::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        assert!(
+            p.is_file(),
+            "unexpected non-file {} in the output",
+            p.display()
+        );
+        let name = p.file_name().unwrap().to_string_lossy().into_owned();
+        let mut bytes = std::fs::read(&p).unwrap();
+        if name == "report.json" {
+            let mut v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+            strip_measurements(&mut v);
+            // The output path is an option; the compared runs write to different folders.
+            v["options"]["out"] = serde_json::Value::Null;
+            bytes = serde_json::to_vec_pretty(&v).unwrap();
+        }
+        out.insert(name, bytes);
+    }
+    out
+}
+
+fn assert_same(a: &Path, b: &Path) {
+    let (ca, cb) = (contents(a), contents(b));
+    assert_eq!(
+        ca.keys().collect::<Vec<_>>(),
+        cb.keys().collect::<Vec<_>>(),
+        "different file lists"
+    );
+    for (name, bytes) in &ca {
+        assert!(
+            bytes == &cb[name],
+            "{name} differs between {} and {}",
+            a.display(),
+            b.display()
+        );
+    }
+}
+
+fn run_ok(args: &[&str], threads: Option<&str>) {
+    let mut c = bin();
+    c.args(args);
+    if let Some(t) = threads {
+        c.env("RAYON_NUM_THREADS", t);
+    }
+    let o = c.output().unwrap();
+    assert!(
+        o.status.success(),
+        "run failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+fn next_block(partial: &Path) -> usize {
+    std::fs::read(partial.join("resume/state.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+        .and_then(|v| v["next_block"].as_u64())
+        .unwrap_or(0) as usize
+}
+
+#[test]
+fn kill_then_resume_matches_uninterrupted_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = model(tmp.path(), 4);
+    let calib = shared_data().join("moby-dick.txt");
+    let reference = tmp.path().join("reference");
+    run_ok(&run_args(&m, &reference, &calib), None);
+
+    // The run to kill: slowed after each block so the kill lands between blocks 1 and 4.
+    let out = tmp.path().join("out");
+    let partial = tmp.path().join(".out.partial");
+    let mut child = bin()
+        .args(run_args(&m, &out, &calib))
+        .env("BOA_TEST_SLOW_BLOCK_MS", "3000")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while next_block(&partial) < 1 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(300),
+            "no block recorded in 300 s"
+        );
+        assert!(child.try_wait().unwrap().is_none(), "the run ended early");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    let done = next_block(&partial);
+    assert!((1..4).contains(&done), "killed after {done} blocks");
+    assert!(!out.exists(), "a killed run left a folder at --out");
+
+    // A changed option is refused and the partial folder stays.
+    let mut args = run_args(&m, &out, &calib);
+    set(&mut args, "--wbits", "4");
+    args.push("--resume");
+    assert_user_error(
+        &args,
+        &[
+            "cannot --resume",
+            "--wbits (3 then, 4 now)",
+            "without --resume",
+        ],
+    );
+    assert_eq!(
+        next_block(&partial),
+        done,
+        "a refused resume touched the state"
+    );
+
+    let mut args = run_args(&m, &out, &calib);
+    args.push("--resume");
+    let o = bin().args(&args).output().unwrap();
+    assert!(
+        o.status.success(),
+        "resume failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(!partial.exists(), "the partial folder outlived the publish");
+    assert!(
+        !out.join("resume").exists(),
+        "resume files leaked into the output"
+    );
+    assert_same(&reference, &out);
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
+    assert_eq!(
+        report["layers"].as_array().unwrap().len(),
+        4,
+        "per-layer reports of the blocks done before the kill are lost"
+    );
+}
+
+#[test]
+fn output_is_identical_for_1_2_and_3_threads() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = model(tmp.path(), 2);
+    let calib = shared_data().join("moby-dick.txt");
+    let outs: Vec<PathBuf> = ["1", "2", "3"]
+        .iter()
+        .map(|t| {
+            let out = tmp.path().join(format!("t{t}"));
+            run_ok(&run_args(&m, &out, &calib), Some(t));
+            out
+        })
+        .collect();
+    assert_same(&outs[0], &outs[1]);
+    assert_same(&outs[0], &outs[2]);
+}
+
+#[test]
+fn partial_folder_replaced_without_resume_and_force_keeps_old_output_on_failure() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tiny_model(tmp.path());
+    let calib = shared_data().join("moby-dick.txt");
+    let out = tmp.path().join("out");
+    let partial = tmp.path().join(".out.partial");
+    std::fs::create_dir_all(partial.join("resume")).unwrap();
+    std::fs::write(partial.join("junk"), b"x").unwrap();
+    let mut args = run_args(&m, &out, &calib);
+    args.retain(|a| *a != "--quiet");
+    let o = bin().args(&args).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("replaced the partial folder"), "{err}");
+    assert!(!out.join("junk").exists() && !partial.exists());
+
+    // --resume with nothing to resume starts from block 0.
+    let out2 = tmp.path().join("out2");
+    let mut args = run_args(&m, &out2, &calib);
+    args.retain(|a| *a != "--quiet");
+    args.push("--resume");
+    let o = bin().args(&args).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("nothing to resume"), "{err}");
+    assert_same(&out, &out2);
+
+    // --force over an existing output that then fails: the old output is untouched, nothing partial stays.
+    let before = contents(&out);
+    let mut args = run_args(&m, &out, &calib);
+    set(&mut args, "--nsamples", "100000");
+    args.push("--force");
+    assert_user_error(&args, &["fewer than"]);
+    assert_eq!(before, contents(&out));
+    assert!(!partial.exists(), "an input error left the partial folder");
+}
+
+#[test]
+fn unwritable_out_and_full_disk_fail_before_the_work() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tiny_model(tmp.path());
+    let calib = shared_data().join("moby-dick.txt");
+    // A file where the parent folder should be: the same answer as a read-only parent, also under root.
+    let blocker = tmp.path().join("file");
+    std::fs::write(&blocker, b"").unwrap();
+    let out = blocker.join("out");
+    eprintln!(
+        "HOSTILE | unwritable | {}",
+        run(&run_args(&m, &out, &calib)).2
+    );
+    assert_user_error(
+        &run_args(&m, &out, &calib),
+        &["cannot create the output folder"],
+    );
+
+    let out = tmp.path().join("out");
+    let args = run_args(&m, &out, &calib);
+    let o = Command::new(env!("CARGO_BIN_EXE_boa-cuda"))
+        .args(&args)
+        .env("BOA_TEST_FREE_BYTES", "1000")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    eprintln!("HOSTILE | full disk | {err}");
+    assert!(err.contains("not enough free space"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(!out.exists() && !tmp.path().join(".out.partial").exists());
+}
+
+/// The parallel kernels the pipeline relies on, at shapes larger than the whole-run test reaches (a long
+/// reduction for XᵀX, a 7B-wide GEMM, a 1024-wide Cholesky inverse), in pools of 1, 2, 3 and 8 threads.
+#[test]
+fn parallel_kernels_are_thread_count_independent() {
+    use rand::{RngExt, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+    let mut rand_vec =
+        |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random::<f32>() - 0.5).collect() };
+    let (m, d) = (4096, 96);
+    let x = rand_vec(m * d);
+    let (mm, k, n) = (64, 1024, 704);
+    let a = rand_vec(mm * k);
+    let w = rand_vec(n * k);
+    let nh = 1024;
+    let xs = rand_vec(2 * nh * nh);
+    // A well-conditioned SPD matrix: XᵀX/N + I.
+    let mut h = vec![0f64; nh * nh];
+    for i in 0..nh {
+        for j in 0..nh {
+            h[i * nh + j] = (0..2)
+                .map(|r| xs[r * nh + i] as f64 * xs[r * nh + j] as f64)
+                .sum::<f64>()
+                + if i == j { 1.0 } else { 0.0 };
+        }
+    }
+    let compute = || {
+        let mut hx = vec![0f32; d * d];
+        boa_cuda::quant::hessian::hessian_xxt(&mut hx, &x, m, d, d);
+        let y = boa_cuda::backend::cpu::linear_f32(&a, &w, mm, k, n);
+        let u = boa_cuda::quant::linalg::cholesky_upper_inverse(&h, nh).unwrap();
+        (hx, y, u)
+    };
+    let results: Vec<_> = [1, 2, 3, 8]
+        .iter()
+        .map(|&t| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(t)
+                .build()
+                .unwrap()
+                .install(compute)
+        })
+        .collect();
+    for (i, r) in results.iter().enumerate().skip(1) {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert!(
+            bits(&r.0) == bits(&results[0].0),
+            "hessian_xxt differs (pool {i})"
+        );
+        assert!(
+            bits(&r.1) == bits(&results[0].1),
+            "linear_f32 differs (pool {i})"
+        );
+        let bits64 = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert!(
+            bits64(&r.2) == bits64(&results[0].2),
+            "cholesky_upper_inverse differs (pool {i})"
+        );
+    }
+}
+
+/// A failure after a finished block keeps the partial folder; once the input is fixed (same header, so
+/// the same fingerprint), --resume finishes the run with the bytes of an uninterrupted one.
+#[test]
+fn error_after_a_block_keeps_the_partial_folder_for_resume() {
+    for format in ["fake", "gptq"] {
+        error_then_resume(format);
+    }
+}
+
+fn error_then_resume(format: &str) {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tiny_model(tmp.path());
+    let calib = shared_data().join("moby-dick.txt");
+    let reference = tmp.path().join("reference");
+    let with_format = |out| {
+        let mut a = run_args(&m, out, &calib);
+        a.extend(["--format", format]);
+        a
+    };
+    run_ok(&with_format(&reference), None);
+
+    let path = m.join("model.safetensors");
+    let good = std::fs::read(&path).unwrap();
+    let mut bad = good.clone();
+    let (n, meta) = safetensors::SafeTensors::read_metadata(&good).unwrap();
+    let off = 8
+        + n
+        + meta.tensors()["model.layers.1.self_attn.q_proj.weight"]
+            .data_offsets
+            .0;
+    bad[off..off + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    std::fs::write(&path, &bad).unwrap();
+
+    let out = tmp.path().join("out");
+    let partial = tmp.path().join(".out.partial");
+    let mut args = with_format(&out);
+    args.retain(|a| *a != "--quiet");
+    let o = bin().args(&args).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("non-finite"), "{err}");
+    assert!(err.contains("rerun with --resume"), "{err}");
+    assert_eq!(next_block(&partial), 1);
+    assert!(!out.exists());
+
+    std::fs::write(&path, &good).unwrap();
+    args.push("--resume");
+    let o = bin().args(&args).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("resuming from block 1 of 2"), "{err}");
+    assert_same(&reference, &out);
+}
