@@ -14,5 +14,5 @@ echo "== FP model"
 $bin eval --model demo/smollm2-135m --data $evalset --seqlen 512 --max-windows 8
 echo "== BoA 3-bit g64"
 $bin run --model demo/smollm2-135m --calib $calib --method boa --wbits 3 --group-size 64 --nsamples 32 \
-  --seqlen 512 --out demo/smollm2-135m-boa-w3g64 --force
+  --seqlen 512 --format gptq_v2 --out demo/smollm2-135m-boa-w3g64 --force
 $bin eval --model demo/smollm2-135m-boa-w3g64 --data $evalset --seqlen 512 --max-windows 8

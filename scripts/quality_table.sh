@@ -41,7 +41,7 @@ for setting in "2 64" "3 -1" "3 64" "4 -1"; do
     grep -q "\"name\": \"$name\"" "$results" && continue
     start=$(date +%s)
     $bin run --model $model --calib $calib --method $method --wbits $1 --group-size $2 --nsamples "$nsamples" \
-      --seqlen 512 --seed 0 --device cpu --out "$out/$name" --force --quiet
+      --seqlen 512 --seed 0 --device cpu --format fake --out "$out/$name" --force --quiet
     secs=$(( $(date +%s) - start ))
     evaluate "$name" "$out/$name" "{\"bits\": $1, \"group\": $2, \"method\": \"$method\", \"run_seconds\": $secs}"
     rm -rf "$out/$name"
