@@ -626,12 +626,20 @@ fn hostile_ggufs_give_clear_errors() {
     // Through the binary: one line, exit code 2, nothing at --out.
     let out = dir.join("bert-out");
     let o = std::process::Command::new(env!("CARGO_BIN_EXE_boa-cuda"))
-        .args(["import-gguf", dir.join("bert.gguf").to_str().unwrap(), "--out", out.to_str().unwrap()])
+        .args([
+            "import-gguf",
+            dir.join("bert.gguf").to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ])
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
-    assert!(err.starts_with("error:") && err.contains("only \"llama\" is supported"), "{err}");
+    assert!(
+        err.starts_with("error:") && err.contains("only \"llama\" is supported"),
+        "{err}"
+    );
     assert!(!err.contains("panicked") && !out.join("model.safetensors").exists());
 
     // SentencePiece vocabularies are refused by name.
