@@ -171,49 +171,42 @@ fn bad_input_is_refused_and_nothing_is_written() {
     check(&["--group-size", "256"], &["larger than"]);
     check(&["--damp", "0"], &["--damp"]);
 
-    // NaN in a weight: the tensor is named.
-    let bad = tmp.path().join("nan");
-    boa_cuda::model::synth::write_model(&bad, &boa_cuda::model::synth::SynthSpec::tiny()).unwrap();
-    poke(&bad, "model.layers.1.mlp.up_proj.weight", f32::NAN);
-    let args = [
-        "run",
-        "--model",
-        s(&bad),
-        "--calib",
-        s(&calib),
-        "--out",
-        s(&out),
-        "--nsamples",
-        "2",
-        "--seqlen",
-        "64",
-        "--method",
-        "gptq",
-    ];
-    assert_user_error(&args, &["model.layers.1.mlp.up_proj.weight", "non-finite"]);
-    assert!(!out.exists());
-
-    // A norm weight of 1e30 makes X Xᵀ overflow: the Hessian stays singular through every damping retry.
-    let bad = tmp.path().join("huge");
-    boa_cuda::model::synth::write_model(&bad, &boa_cuda::model::synth::SynthSpec::tiny()).unwrap();
-    poke(&bad, "model.layers.0.input_layernorm.weight", 1e30);
-    let args = [
-        "run",
-        "--model",
-        s(&bad),
-        "--calib",
-        s(&calib),
-        "--out",
-        s(&out),
-        "--nsamples",
-        "2",
-        "--seqlen",
-        "64",
-        "--method",
-        "gptq",
-    ];
-    assert_user_error(&args, &["layer 0 self_attn.q_proj", "singular"]);
-    assert!(!out.exists());
+    // NaN in a weight: the tensor is named. A norm weight of 1e30 makes X Xᵀ overflow: the Hessian stays
+    // singular through every damping retry, and the layer is named.
+    for (tensor, value, needles) in [
+        (
+            "model.layers.1.mlp.up_proj.weight",
+            f32::NAN,
+            ["model.layers.1.mlp.up_proj.weight", "non-finite"],
+        ),
+        (
+            "model.layers.0.input_layernorm.weight",
+            1e30,
+            ["layer 0 self_attn.q_proj", "singular"],
+        ),
+    ] {
+        let bad = tmp.path().join(tensor);
+        boa_cuda::model::synth::write_model(&bad, &boa_cuda::model::synth::SynthSpec::tiny())
+            .unwrap();
+        poke(&bad, tensor, value);
+        let args = [
+            "run",
+            "--model",
+            s(&bad),
+            "--calib",
+            s(&calib),
+            "--out",
+            s(&out),
+            "--nsamples",
+            "2",
+            "--seqlen",
+            "64",
+            "--method",
+            "gptq",
+        ];
+        assert_user_error(&args, &needles);
+        assert!(!out.exists());
+    }
 }
 
 /// Sets element 3 of tensor `name` (f32) in the model's safetensors to `v`.
