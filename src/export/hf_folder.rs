@@ -169,18 +169,25 @@ impl OutFolder {
     }
 }
 
-/// f32 values as little-endian bytes of `dtype` (F32, F16 or BF16).
+/// f32 values as little-endian bytes of `dtype` (F32, F16 or BF16), converted in parallel chunks.
 pub fn f32_to_bytes(dtype: Dtype, v: &[f32]) -> Vec<u8> {
-    match dtype {
-        Dtype::F16 => v
-            .iter()
-            .flat_map(|x| f16::from_f32(*x).to_le_bytes())
-            .collect(),
-        Dtype::BF16 => v
-            .iter()
-            .flat_map(|x| bf16::from_f32(*x).to_le_bytes())
-            .collect(),
-        Dtype::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    use rayon::prelude::*;
+    let size = match dtype {
+        Dtype::F32 => 4,
+        Dtype::F16 | Dtype::BF16 => 2,
         other => panic!("f32_to_bytes: {other:?} is not a float dtype"),
-    }
+    };
+    let mut out = vec![0u8; v.len() * size];
+    out.par_chunks_mut(size * 4096)
+        .zip(v.par_chunks(4096))
+        .for_each(|(o, x)| {
+            for (o, &x) in o.chunks_exact_mut(size).zip(x) {
+                match dtype {
+                    Dtype::F16 => o.copy_from_slice(&f16::from_f32(x).to_le_bytes()),
+                    Dtype::BF16 => o.copy_from_slice(&bf16::from_f32(x).to_le_bytes()),
+                    _ => o.copy_from_slice(&x.to_le_bytes()),
+                }
+            }
+        });
+    out
 }

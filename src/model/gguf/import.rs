@@ -13,7 +13,6 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use half::{bf16, f16};
 use rayon::prelude::*;
 use serde_json::json;
 
@@ -52,20 +51,7 @@ impl OutDType {
     }
 
     fn encode(self, x: &[f32]) -> Vec<u8> {
-        let size = self.safetensors().bitsize() / 8;
-        let mut out = vec![0u8; x.len() * size];
-        out.par_chunks_mut(size * 4096)
-            .zip(x.par_chunks(4096))
-            .for_each(|(o, x)| {
-                for (o, &v) in o.chunks_exact_mut(size).zip(x) {
-                    match self {
-                        OutDType::F32 => o.copy_from_slice(&v.to_le_bytes()),
-                        OutDType::F16 => o.copy_from_slice(&f16::from_f32(v).to_le_bytes()),
-                        OutDType::BF16 => o.copy_from_slice(&bf16::from_f32(v).to_le_bytes()),
-                    }
-                }
-            });
-        out
+        crate::export::hf_folder::f32_to_bytes(self.safetensors(), x)
     }
 }
 
