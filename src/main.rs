@@ -43,8 +43,8 @@ enum Cmd {
         #[arg(long, default_value_t = 3)]
         wbits: u32,
         /// Projection shapes for the sweep comparison, as heads,head_dim,input_width triples (default: the
-        /// demo model's q_proj and two heads of a 7B q_proj).
-        #[arg(long, num_args = 1.., default_values = ["9,64,576", "2,128,4096"])]
+        /// demo model's q_proj and two 128-wide heads over a 2048-wide input).
+        #[arg(long, num_args = 1.., default_values = ["9,64,576", "2,128,2048"])]
         sweep_shape: Vec<String>,
     },
     /// Convert a llama-architecture GGUF (F32/F16/BF16/Q8_0/Q4_0/Q4_1 tensors) to an HF folder.
