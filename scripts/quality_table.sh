@@ -34,7 +34,7 @@ print(json.dumps(dict(name=sys.argv[1], speeches=s['perplexity'], moby=m['perple
 }
 
 evaluate fp "$model" '{}'
-for setting in "2 64" "3 -1" "3 64" "4 -1"; do
+for setting in "3 -1" "2 64" "3 64" "4 -1"; do
   set -- $setting
   for method in rtn gptq boa; do
     name="w$1-g$2-$method"
