@@ -356,7 +356,15 @@ pub fn exp_f32(x: f32) -> f32 {
 }
 
 pub fn rms_norm_row(y: &mut [f32], x: &[f32], w: &[f32], eps: f32) {
-    let ms = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    let mut acc = [0f32; 16];
+    let mut chunks = x.chunks_exact(16);
+    for c in &mut chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a += v * v;
+        }
+    }
+    let ms = (acc.iter().sum::<f32>() + chunks.remainder().iter().map(|v| v * v).sum::<f32>())
+        / x.len() as f32;
     let r = 1.0 / (ms + eps).sqrt();
     for ((y, x), w) in y.iter_mut().zip(x).zip(w) {
         *y = x * r * w;
@@ -388,7 +396,7 @@ pub fn gather_head(x: &[f32], t: usize, n_heads: usize, d_h: usize, head: usize)
 const ATTENTION_BLOCK: usize = 64;
 
 /// Max and sum over 16 lanes: a fixed order the compiler can vectorize (a plain fold is a serial chain).
-fn max_lanes(x: &[f32]) -> f32 {
+pub fn max_lanes(x: &[f32]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; 16];
     let mut chunks = x.chunks_exact(16);
     for c in &mut chunks {
@@ -412,6 +420,24 @@ fn sum_lanes(x: &[f32]) -> f32 {
         }
     }
     acc.iter().sum::<f32>() + chunks.remainder().iter().sum::<f32>()
+}
+
+/// Σ exp(x − shift) in f64: 16 f32 lanes over blocks of 1024 values (vectorizable), blocks summed in f64,
+/// in a fixed order. For log-sum-exp over a vocabulary of ~50K logits.
+pub fn sum_exp_f64(x: &[f32], shift: f32) -> f64 {
+    let mut total = 0f64;
+    for block in x.chunks(1024) {
+        let mut acc = [0f32; 16];
+        let mut chunks = block.chunks_exact(16);
+        for c in &mut chunks {
+            for (a, &v) in acc.iter_mut().zip(c) {
+                *a += exp_f32(v - shift);
+            }
+        }
+        let rest: f32 = chunks.remainder().iter().map(|&v| exp_f32(v - shift)).sum();
+        total += acc.iter().map(|&a| a as f64).sum::<f64>() + rest as f64;
+    }
+    total
 }
 
 /// Scores S [rows × width] of queries i0.. against keys 0..width → causal softmax probabilities in place

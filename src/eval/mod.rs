@@ -4,7 +4,7 @@
 //! weights plus the chunk's activations, whatever the model size.
 
 use crate::backend::Backend;
-use crate::backend::cpu::exp_f32;
+use crate::backend::cpu::{max_lanes, sum_exp_f64};
 use crate::data::{text, tokenizer::Tokenizer, windows};
 use crate::model::Model;
 use crate::model::llama::block_forward;
@@ -103,13 +103,8 @@ pub fn next_token_nll(logits: &[f32], ids: &[u32], vocab: usize) -> f64 {
         .par_chunks(vocab)
         .zip(ids[1..].par_iter())
         .map(|(row, &next)| {
-            let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-            // Terms in f32 (each within 2 ulp), summed in f64 so 49K of them lose nothing.
-            let sum: f64 = row
-                .chunks(64)
-                .map(|c| c.iter().map(|&v| exp_f32(v - max)).sum::<f32>() as f64)
-                .sum();
-            max as f64 + sum.ln() - row[next as usize] as f64
+            let max = max_lanes(row);
+            max as f64 + sum_exp_f64(row, max).ln() - row[next as usize] as f64
         })
         .collect();
     terms.iter().sum()
