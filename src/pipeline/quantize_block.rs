@@ -45,8 +45,9 @@ fn gptq_options(opts: &RunOptions, seqlen: usize) -> GptqOptions {
     g
 }
 
-/// Relative Hessian-weighted error tr(ΔW H ΔWᵀ) / tr(W H Wᵀ) (two f64 GEMMs).
-pub fn relative_error(w: &[f32], w_hat: &[f32], h: &[f64], d_in: usize) -> f64 {
+/// Relative Hessian-weighted errors tr(ΔW H ΔWᵀ) / tr(W H Wᵀ) of several approximations Ŵ of one W: the
+/// denominator is computed once, each numerator with one f64 GEMM.
+pub fn relative_errors(w: &[f32], w_hats: &[&[f32]], h: &[f64], d_in: usize) -> Vec<f64> {
     use faer::{Accum, Mat, MatRef, Par, linalg::matmul::matmul};
     let d_out = w.len() / d_in;
     let hm = MatRef::from_row_major_slice(h, d_in, d_in);
@@ -69,9 +70,14 @@ pub fn relative_error(w: &[f32], w_hat: &[f32], h: &[f64], d_in: usize) -> f64 {
         }
         total
     };
-    let num = quad(&|i| (w[i] - w_hat[i]) as f64);
     let den = quad(&|i| w[i] as f64);
-    if den > 0.0 { num / den } else { 0.0 }
+    w_hats
+        .iter()
+        .map(|w_hat| {
+            let num = quad(&|i| (w[i] - w_hat[i]) as f64);
+            if den > 0.0 { num / den } else { 0.0 }
+        })
+        .collect()
 }
 
 /// Quantizes every linear of `w` in place (weights replaced by their dequantized values) and returns the
@@ -176,10 +182,8 @@ pub fn quantize_block(
                 let minmax =
                     QuantSpec::new(opts.wbits, opts.group_size, opts.sym, ScaleSearch::MinMax);
                 let r = rtn_quantize(&lin.w, d_out, d_in, None, &minmax).with_context(ctx)?;
-                (
-                    relative_error(&lin.w, &r.w_hat, h, d_in),
-                    relative_error(&lin.w, &q.w_hat, h, d_in),
-                )
+                let e = relative_errors(&lin.w, &[&r.w_hat, &q.w_hat], h, d_in);
+                (e[0], e[1])
             }
             None => (f64::NAN, f64::NAN),
         };
