@@ -91,41 +91,39 @@ pub fn quantize_block(
 ) -> anyhow::Result<Vec<(Quantized<f32>, LinearReport)>> {
     let seqlen = opts.seqlen;
     let g = gptq_options(opts, seqlen);
-    let hess = |name: &str| -> Option<Vec<f64>> {
-        let s = stats?;
-        Some(match name {
-            "self_attn.q_proj" | "self_attn.k_proj" | "self_attn.v_proj" => s.h_attn.hessian(),
-            "self_attn.o_proj" => s.h_o.hessian(),
-            "mlp.gate_proj" | "mlp.up_proj" => s.h_mlp.hessian(),
-            _ => s.h_down.hessian(),
-        })
-    };
+    // Each input covariance once: q/k/v share one, gate/up share one.
+    let hessians = stats.map(|s| {
+        [
+            s.h_attn.hessian(),
+            s.h_o.hessian(),
+            s.h_mlp.hessian(),
+            s.h_down.hessian(),
+        ]
+    });
     let rope = RopeAverage::new(&cfg.inv_freq(), seqlen);
     let w_o = w.o.w.clone();
     let mut out = Vec::with_capacity(7);
-    let mut h_attn_cache: Option<Vec<f64>> = None;
     for name in LINEAR_NAMES {
         let start = Instant::now();
         let lin = w.linear(name).clone();
         let (d_out, d_in) = (lin.d_out, lin.d_in);
-        let h = if name.starts_with("self_attn.") && name != "self_attn.o_proj" {
-            if h_attn_cache.is_none() {
-                h_attn_cache = hess(name);
-            }
-            h_attn_cache.clone()
-        } else {
-            hess(name)
-        };
+        let h: Option<&[f64]> = hessians.as_ref().map(|hs| {
+            hs[match name {
+                "self_attn.q_proj" | "self_attn.k_proj" | "self_attn.v_proj" => 0,
+                "self_attn.o_proj" => 1,
+                "mlp.gate_proj" | "mlp.up_proj" => 2,
+                _ => 3,
+            }]
+            .as_slice()
+        });
         let is_qkv = matches!(
             name,
             "self_attn.q_proj" | "self_attn.k_proj" | "self_attn.v_proj"
         );
         let ctx = || format!("layer {layer} {name}");
-        let (q, method) = match (opts.method, h.as_ref()) {
+        let (q, method) = match (opts.method, h) {
             (Method::Rtn, _) | (_, None) => {
-                let hs = h
-                    .as_deref()
-                    .filter(|_| opts.scale_search == ScaleSearchArg::Hessian);
+                let hs = h.filter(|_| opts.scale_search == ScaleSearchArg::Hessian);
                 (
                     rtn_quantize(&lin.w, d_out, d_in, hs, &spec(opts)).with_context(ctx)?,
                     "rtn",
@@ -177,7 +175,7 @@ pub fn quantize_block(
                 "gptq",
             ),
         };
-        let (rtn_error, error) = match &h {
+        let (rtn_error, error) = match h {
             Some(h) => {
                 let minmax =
                     QuantSpec::new(opts.wbits, opts.group_size, opts.sym, ScaleSearch::MinMax);
