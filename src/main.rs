@@ -183,6 +183,10 @@ struct RunArgs {
     /// No progress output.
     #[arg(long)]
     quiet: bool,
+    /// At the end, print the time of every phase (calibration data, forward, statistics, factorization,
+    /// scale search, sweep, error report, write) and its share of the run.
+    #[arg(long)]
+    profile: bool,
 }
 
 fn main() -> ExitCode {
@@ -274,6 +278,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 t.write,
                 r.peak_rss_bytes.unwrap_or(0) as f64 / (1u64 << 30) as f64
             );
+            if a.profile {
+                print!("{}", t.phase_table());
+            }
         }
         Cmd::BenchQuant {
             model,

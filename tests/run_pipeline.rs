@@ -219,3 +219,62 @@ fn poke(model: &Path, name: &str, v: f32) {
     bytes[off..off + 4].copy_from_slice(&v.to_le_bytes());
     fs::write(&path, bytes).unwrap();
 }
+
+#[test]
+fn profile_prints_every_phase_and_the_memory_plan_comes_first() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tiny_model(tmp.path());
+    let calib = calib_text(tmp.path());
+    let out = tmp.path().join("q");
+    let (code, stdout, err) = run(&[
+        "run",
+        "--model",
+        s(&m),
+        "--calib",
+        s(&calib),
+        "--method",
+        "boa",
+        "--wbits",
+        "4",
+        "--nsamples",
+        "4",
+        "--seqlen",
+        "64",
+        "--out",
+        s(&out),
+        "--format",
+        "fake",
+        "--device",
+        "cpu",
+        "--profile",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    // The plan is stated before the work starts, with the activations of 4 × 64 tokens on the host.
+    let plan = err
+        .find("memory plan:")
+        .unwrap_or_else(|| panic!("no plan in {err}"));
+    assert!(err[plan..].contains("calibration activations X"), "{err}");
+    let shares: Vec<f64> = stdout
+        .lines()
+        .filter(|l| l.starts_with("| ") && l.ends_with("% |") && !l.starts_with("| total"))
+        .map(|l| {
+            let cell = l.rsplit('|').nth(1).unwrap().trim().trim_end_matches('%');
+            cell.parse().unwrap()
+        })
+        .collect();
+    for phase in [
+        "forward",
+        "statistics",
+        "factorization",
+        "scale search",
+        "sweep",
+        "write",
+    ] {
+        assert!(
+            stdout.contains(&format!("| {phase}")),
+            "{phase} missing: {stdout}"
+        );
+    }
+    let sum: f64 = shares.iter().sum();
+    assert!((sum - 100.0).abs() < 0.5, "shares sum to {sum}: {stdout}");
+}

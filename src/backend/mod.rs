@@ -72,4 +72,9 @@ pub trait Backend: Send + Sync {
 
     /// SwiGLU: silu(gate) ⊙ up, elementwise.
     fn swiglu(&self, gate: &[f32], up: &[f32]) -> Vec<f32>;
+
+    /// (free, total) bytes of the device's own memory; None when the device is the host.
+    fn device_memory(&self) -> Option<(u64, u64)> {
+        None
+    }
 }

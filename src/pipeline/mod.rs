@@ -5,6 +5,7 @@
 //! (d) forward the quantized block on X_l → X_{l+1}, (e) write its shard. Blocks outside --layers are copied
 //! through unquantized (and forwarded in FP while a later block still needs its inputs).
 
+pub mod memory_plan;
 pub mod options;
 pub mod quantize_block;
 pub mod report;
@@ -26,6 +27,38 @@ use std::time::Instant;
 
 /// Windows forwarded together; bounds the memory of one forward's intermediates.
 const CHUNK: usize = 8;
+
+/// Prints the memory plan before any long work. A GPU plan that cannot fit is refused now; on the host the
+/// estimate (f64 statistics, no reuse between buffers) is an upper bound, so it only warns.
+fn state_memory_plan(
+    be: &dyn crate::backend::Backend,
+    cfg: &crate::model::config::Config,
+    opts: &RunOptions,
+    needs_calib: bool,
+    progress: &Progress,
+) -> anyhow::Result<()> {
+    use memory_plan::{Calibration, ModelShape, Target, host_available_bytes, plan};
+    let calib = Calibration {
+        nsamples: if needs_calib { opts.nsamples } else { 0 },
+        seqlen: opts.seqlen,
+    };
+    let shape = ModelShape::of(cfg);
+    match be.device_memory() {
+        Some((free, _)) => {
+            let p = plan(&shape, calib, Target::Gpu, free, CHUNK)
+                .map_err(|m| crate::input_err!("{m}"))?;
+            progress.line(p.to_string().trim_end());
+        }
+        None => {
+            let free = host_available_bytes().unwrap_or(u64::MAX);
+            match plan(&shape, calib, Target::Cpu, free, CHUNK) {
+                Ok(p) => progress.line(p.to_string().trim_end()),
+                Err(m) => progress.line(&format!("warning: {m}")),
+            }
+        }
+    }
+    Ok(())
+}
 
 pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> {
     let t_start = Instant::now();
@@ -59,6 +92,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
     }
     // RTN with min-max or MSE scales never looks at activations.
     let needs_calib = opts.method != Method::Rtn || opts.scale_search == ScaleSearchArg::Hessian;
+    state_memory_plan(be.as_ref(), cfg, opts, needs_calib, progress)?;
     let last_needed = *layers.0.last().expect("non-empty");
 
     // The output folder first: an unwritable --out or a full disk fails now, not after the calibration.

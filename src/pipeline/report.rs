@@ -18,6 +18,37 @@ pub struct Timings {
     pub total: f64,
 }
 
+impl Timings {
+    /// Every phase with its seconds and share of the total; "other" is what no phase timer covered.
+    pub fn phases(&self) -> Vec<(&'static str, f64)> {
+        let report = (self.quantize - self.factor - self.search - self.sweep).max(0.0);
+        let mut rows = vec![
+            ("calibration data", self.calibration_data),
+            ("forward", self.forward),
+            ("statistics", self.statistics),
+            ("factorization (damping + Cholesky)", self.factor),
+            ("scale search", self.search),
+            ("sweep", self.sweep),
+            ("error report", report),
+            ("write", self.write),
+        ];
+        let covered: f64 = rows.iter().map(|r| r.1).sum();
+        rows.push(("other", (self.total - covered).max(0.0)));
+        rows
+    }
+
+    /// `run --profile`'s table.
+    pub fn phase_table(&self) -> String {
+        let total = self.total.max(f64::MIN_POSITIVE);
+        let mut s = String::from("| phase | seconds | share |\n|---|---:|---:|\n");
+        for (name, secs) in self.phases() {
+            s += &format!("| {name} | {secs:.2} | {:.1}% |\n", 100.0 * secs / total);
+        }
+        s += &format!("| total | {:.2} | 100.0% |\n", self.total);
+        s
+    }
+}
+
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct LayerReport {
     pub layer: usize,

@@ -277,4 +277,9 @@ impl Backend for CudaBackend {
     fn swiglu(&self, gate: &[f32], up: &[f32]) -> Vec<f32> {
         CpuBackend.swiglu(gate, up)
     }
+
+    fn device_memory(&self) -> Option<(u64, u64)> {
+        let (free, total) = self.ctx.mem_get_info().ok()?;
+        Some((free as u64, total as u64))
+    }
 }

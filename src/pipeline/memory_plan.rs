@@ -1,0 +1,426 @@
+//! The memory plan of a run (design.md §3), stated before any long work starts.
+//!
+//! A run holds at once: the calibration activations X_l (updated in place, chunk by chunk, by the quantized
+//! forward), the weights of one block (two on a GPU: block l+1 is prefetched while l is quantized), every
+//! statistic of the block (all of them come from one FP forward), the factorization and sweep workspace of
+//! the largest linear, and one forward chunk's intermediates. When that does not fit the device, X moves to
+//! pinned host memory and the device keeps two chunks of it (one in use, one in flight); when even that does
+//! not fit, the run is refused up front with the breakdown, instead of failing hours in.
+
+use crate::model::config::Config;
+use std::fmt;
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// The dimensions of a decoder that the plan depends on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ModelShape {
+    pub d: usize,
+    pub d_ff: usize,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub d_h: usize,
+}
+
+impl ModelShape {
+    pub fn of(cfg: &Config) -> ModelShape {
+        ModelShape {
+            d: cfg.d,
+            d_ff: cfg.d_ff,
+            n_layers: cfg.n_layers,
+            n_heads: cfg.n_heads,
+            n_kv_heads: cfg.n_kv_heads,
+            d_h: cfg.d_h,
+        }
+    }
+
+    fn d_kv(&self) -> usize {
+        self.n_kv_heads * self.d_h
+    }
+
+    /// The (d_out, d_in) of q, k, v, o, gate, up, down.
+    fn linears(&self) -> [(usize, usize); 7] {
+        let (d, f, q, kv) = (self.d, self.d_ff, self.n_heads * self.d_h, self.d_kv());
+        [(q, d), (kv, d), (kv, d), (d, q), (f, d), (f, d), (d, f)]
+    }
+
+    pub fn block_params(&self) -> usize {
+        self.linears().iter().map(|(o, i)| o * i).sum::<usize>() + 2 * self.d
+    }
+}
+
+/// Where the plan runs and in which precisions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Target {
+    /// A GPU: bf16 activations and weights, f32 statistics, a prefetched second block, pinned-host fallback.
+    Gpu,
+    /// The CPU backend: f32 activations and weights, f64 statistics, one block, no fallback (host = device).
+    Cpu,
+}
+
+impl Target {
+    fn act_bytes(self) -> usize {
+        match self {
+            Target::Gpu => 2,
+            Target::Cpu => 4,
+        }
+    }
+    fn weight_bytes(self) -> usize {
+        match self {
+            Target::Gpu => 2,
+            Target::Cpu => 4,
+        }
+    }
+    fn stat_bytes(self) -> usize {
+        match self {
+            Target::Gpu => 4,
+            Target::Cpu => 8,
+        }
+    }
+    fn resident_blocks(self) -> usize {
+        match self {
+            Target::Gpu => 2,
+            Target::Cpu => 1,
+        }
+    }
+    /// Context, cuBLAS workspace and allocator slack on a GPU; nothing extra on the host.
+    fn reserve(self) -> u64 {
+        match self {
+            Target::Gpu => 2 << 30,
+            Target::Cpu => 0,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activations {
+    /// X_l lives on the device for the whole run.
+    Device,
+    /// X_l lives in pinned host memory; the device holds two chunks of `chunk_seqs` sequences.
+    HostStreamed,
+}
+
+#[derive(Clone, Debug)]
+pub struct MemoryPlan {
+    pub target: Target,
+    /// (what, bytes) held on the device at the peak of a block.
+    pub items: Vec<(&'static str, u64)>,
+    pub activations: Activations,
+    /// Sequences forwarded together.
+    pub chunk_seqs: usize,
+    /// Pinned host memory for X when it is streamed.
+    pub host_bytes: u64,
+    pub budget: u64,
+}
+
+impl MemoryPlan {
+    pub fn device_bytes(&self) -> u64 {
+        self.items.iter().map(|(_, b)| b).sum()
+    }
+}
+
+/// The calibration set: `nsamples` sequences of `seqlen` tokens (0 samples: RTN without data).
+#[derive(Clone, Copy, Debug)]
+pub struct Calibration {
+    pub nsamples: usize,
+    pub seqlen: usize,
+}
+
+/// Plans a run of `shape` on `target` with `budget` bytes free. `max_chunk_seqs` bounds the forward chunk
+/// (the pipeline's own chunk); the plan takes the largest power of two ≤ it that fits, down to one sequence.
+pub fn plan(
+    shape: &ModelShape,
+    calib: Calibration,
+    target: Target,
+    budget: u64,
+    max_chunk_seqs: usize,
+) -> Result<MemoryPlan, String> {
+    let x_bytes = (calib.nsamples * calib.seqlen * shape.d * target.act_bytes()) as u64;
+    let fixed = fixed_items(shape, calib.nsamples > 0, target);
+    let mut chunk_options = Vec::new();
+    let mut c = max_chunk_seqs.clamp(1, calib.nsamples.max(1));
+    loop {
+        chunk_options.push(c);
+        if c == 1 {
+            break;
+        }
+        c /= 2;
+    }
+    let chunk_tokens = |seqs: usize| {
+        if calib.nsamples > 0 {
+            seqs * calib.seqlen
+        } else {
+            0
+        }
+    };
+    let with = |seqs: usize, first: (&'static str, u64)| {
+        let mut items = vec![first];
+        items.extend(fixed.iter().copied());
+        items.push((
+            "forward chunk intermediates (f32)",
+            forward_workspace(shape, chunk_tokens(seqs)),
+        ));
+        items
+    };
+    let fits = |items: &[(&'static str, u64)]| items.iter().map(|(_, b)| b).sum::<u64>() <= budget;
+    // Smaller chunks cost a little GEMM efficiency; moving X off the device costs two PCIe copies of it per
+    // block. So every chunk size is tried with X on the device before X moves.
+    for &seqs in &chunk_options {
+        let items = with(seqs, ("calibration activations X", x_bytes));
+        if fits(&items) {
+            return Ok(MemoryPlan {
+                target,
+                items,
+                activations: Activations::Device,
+                chunk_seqs: seqs,
+                host_bytes: 0,
+                budget,
+            });
+        }
+    }
+    let mut tightest = with(1, ("calibration activations X", x_bytes));
+    if target == Target::Gpu && x_bytes > 0 {
+        for &seqs in &chunk_options {
+            let chunk_x = (chunk_tokens(seqs) * shape.d * target.act_bytes()) as u64;
+            let items = with(
+                seqs,
+                ("two chunks of X (X in pinned host memory)", 2 * chunk_x),
+            );
+            if fits(&items) {
+                return Ok(MemoryPlan {
+                    target,
+                    items,
+                    activations: Activations::HostStreamed,
+                    chunk_seqs: seqs,
+                    host_bytes: x_bytes,
+                    budget,
+                });
+            }
+            tightest = items;
+        }
+    }
+    let items = tightest;
+    let total: u64 = items.iter().map(|(_, b)| b).sum();
+    let breakdown: Vec<String> = items
+        .iter()
+        .filter(|(_, b)| *b > 0)
+        .map(|(n, b)| format!("{n} {:.1} GiB", *b as f64 / GIB))
+        .collect();
+    Err(format!(
+        "the run needs at least {:.1} GiB on the {} but {:.1} GiB are free ({}); use a device with more \
+         memory or fewer --nsamples/--seqlen",
+        total as f64 / GIB,
+        match target {
+            Target::Gpu => "GPU",
+            Target::Cpu => "host",
+        },
+        budget as f64 / GIB,
+        breakdown.join(", ")
+    ))
+}
+
+/// Everything but X and the forward chunk: block weights, statistics, quantization workspace, reserve.
+fn fixed_items(shape: &ModelShape, with_stats: bool, target: Target) -> Vec<(&'static str, u64)> {
+    let wb = target.weight_bytes() as u64;
+    let sb = target.stat_bytes() as u64;
+    let (d, f) = (shape.d as u64, shape.d_ff as u64);
+    let blocks = (shape.block_params() as u64) * wb * target.resident_blocks() as u64;
+    // Input covariances of q/k/v, o, gate/up and down; V's per-KV-group H_col; q/k row Hessians.
+    let stats = if with_stats {
+        let dh = shape.d_h as u64;
+        let heads = (shape.n_heads + shape.n_kv_heads) as u64;
+        (3 * d * d + f * f + shape.n_kv_heads as u64 * d * d + heads * dh * dh) * sb
+    } else {
+        0
+    };
+    // The linear being quantized: W and Q in f32, H and U = chol(H⁻¹)ᵀ of its input width.
+    let work = shape
+        .linears()
+        .iter()
+        .map(|&(o, i)| (2 * o * i + 2 * i * i) as u64 * 4)
+        .max()
+        .unwrap_or(0);
+    vec![
+        (
+            if target == Target::Gpu {
+                "block weights ×2 (current + prefetch)"
+            } else {
+                "block weights (f32)"
+            },
+            blocks,
+        ),
+        ("block statistics", stats),
+        ("quantization workspace (largest linear)", work),
+        ("CUDA context + cuBLAS workspace", target.reserve()),
+    ]
+}
+
+/// f32 intermediates of one forward chunk: normed input, q/k/v, attention output, residual, gate/up/act.
+/// Attention probabilities are formed tile by tile (flash style) and need no t×t buffer per head.
+fn forward_workspace(shape: &ModelShape, tokens: usize) -> u64 {
+    let per_token = 4 * shape.d + 2 * shape.d_kv() + 3 * shape.d_ff;
+    (tokens * per_token * 4) as u64
+}
+
+impl fmt::Display for MemoryPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let where_ = match self.target {
+            Target::Gpu => "GPU",
+            Target::Cpu => "host",
+        };
+        writeln!(
+            f,
+            "memory plan: {:.1} GiB of {:.1} GiB free on the {where_}; forward chunks of {} sequences{}",
+            self.device_bytes() as f64 / GIB,
+            self.budget as f64 / GIB,
+            self.chunk_seqs,
+            match self.activations {
+                Activations::Device => String::new(),
+                Activations::HostStreamed => format!(
+                    "; X ({:.1} GiB) stays in pinned host memory and is streamed",
+                    self.host_bytes as f64 / GIB
+                ),
+            }
+        )?;
+        for (name, bytes) in self.items.iter().filter(|(_, b)| *b > 0) {
+            writeln!(f, "  {:>8.2} GiB  {name}", *bytes as f64 / GIB)?;
+        }
+        Ok(())
+    }
+}
+
+/// MemAvailable from /proc/meminfo (Linux); None elsewhere.
+pub fn host_available_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GB: u64 = 1_000_000_000;
+
+    fn llama(d: usize, d_ff: usize, n_layers: usize, n_heads: usize, n_kv: usize) -> ModelShape {
+        ModelShape {
+            d,
+            d_ff,
+            n_layers,
+            n_heads,
+            n_kv_heads: n_kv,
+            d_h: d / n_heads,
+        }
+    }
+
+    fn shapes() -> [(&'static str, ModelShape); 4] {
+        [
+            ("7B", llama(4096, 11008, 32, 32, 32)),
+            ("13B", llama(5120, 13824, 40, 40, 40)),
+            ("30B", llama(6656, 17920, 60, 52, 52)),
+            ("70B", llama(8192, 28672, 80, 64, 8)),
+        ]
+    }
+
+    const CALIB: Calibration = Calibration {
+        nsamples: 128,
+        seqlen: 2048,
+    };
+
+    #[test]
+    fn block_params_match_the_published_model_sizes() {
+        // Blocks are all but the embeddings and lm_head: 7B has 6.48e9 in blocks, 70B 68.5e9.
+        let [(_, s7), _, _, (_, s70)] = shapes();
+        let b7 = (s7.block_params() * s7.n_layers) as f64;
+        let b70 = (s70.block_params() * s70.n_layers) as f64;
+        assert!((b7 / 6.48e9 - 1.0).abs() < 0.01, "{b7}");
+        assert!((b70 / 68.5e9 - 1.0).abs() < 0.01, "{b70}");
+    }
+
+    #[test]
+    fn every_shape_fits_80gb_and_141gb_with_activations_on_the_gpu() {
+        for (name, s) in shapes() {
+            for budget in [80 * GB, 141 * GB] {
+                let p = plan(&s, CALIB, Target::Gpu, budget, 8)
+                    .unwrap_or_else(|e| panic!("{name}: {e}"));
+                assert!(p.device_bytes() <= budget, "{name}: {p}");
+                assert_eq!(
+                    p.activations,
+                    Activations::Device,
+                    "{name} at {budget}: {p}"
+                );
+                assert!(p.chunk_seqs >= 1, "{name}");
+            }
+        }
+    }
+
+    #[test]
+    fn x_of_70b_is_what_design_md_says() {
+        // 128 × 2048 × 8192 bf16 = 4 GiB (design.md §3: 4.3 GB).
+        let (_, s70) = shapes()[3];
+        let p = plan(&s70, CALIB, Target::Gpu, 80 * GB, 8).unwrap();
+        assert_eq!(p.items[0], ("calibration activations X", 4 << 30));
+    }
+
+    #[test]
+    fn a_small_gpu_streams_x_from_pinned_host_memory() {
+        let (_, s70) = shapes()[3];
+        let p = plan(&s70, CALIB, Target::Gpu, 24 * GB, 8).unwrap();
+        assert_eq!(p.activations, Activations::HostStreamed, "{p}");
+        assert_eq!(p.host_bytes, 4 << 30);
+        assert!(p.device_bytes() <= 24 * GB);
+        // Bigger chunks are dropped before X leaves the device only when no chunk size keeps it there.
+        let p7 = plan(&shapes()[0].1, CALIB, Target::Gpu, 24 * GB, 8).unwrap();
+        assert_eq!(p7.activations, Activations::Device, "{p7}");
+    }
+
+    #[test]
+    fn chunks_shrink_before_activations_move() {
+        let (_, s7) = shapes()[0];
+        let roomy = plan(&s7, CALIB, Target::Gpu, 141 * GB, 8).unwrap();
+        assert_eq!(roomy.chunk_seqs, 8);
+        // Just above the one-sequence plan: X stays, the chunk shrinks.
+        let one = plan(&s7, CALIB, Target::Gpu, u64::MAX, 1).unwrap();
+        let tight = plan(&s7, CALIB, Target::Gpu, one.device_bytes(), 8).unwrap();
+        assert_eq!(tight.activations, Activations::Device);
+        assert_eq!(tight.chunk_seqs, 1);
+    }
+
+    #[test]
+    fn too_small_a_gpu_is_refused_with_the_breakdown() {
+        let (_, s70) = shapes()[3];
+        let e = plan(&s70, CALIB, Target::Gpu, 8 * GB, 8).unwrap_err();
+        assert!(
+            e.contains("GiB are free") && e.contains("block statistics"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn rtn_without_data_needs_no_activations_or_statistics() {
+        let (_, s7) = shapes()[0];
+        let calib = Calibration {
+            nsamples: 0,
+            seqlen: 2048,
+        };
+        let p = plan(&s7, calib, Target::Cpu, 16 * GB, 8).unwrap();
+        assert_eq!(p.items[0].1, 0);
+        assert!(
+            p.items
+                .iter()
+                .any(|&(n, b)| n == "block statistics" && b == 0)
+        );
+    }
+
+    #[test]
+    fn the_cpu_plan_keeps_everything_in_host_memory() {
+        let (_, s7) = shapes()[0];
+        let p = plan(&s7, CALIB, Target::Cpu, 128 * GB, 8).unwrap();
+        assert_eq!(p.activations, Activations::Device);
+        // f32 X of 128 × 2048 × 4096 is 4 GiB.
+        assert_eq!(p.items[0].1, 4 << 30);
+        assert!(plan(&s7, CALIB, Target::Cpu, 4 * GB, 8).is_err());
+    }
+}
