@@ -10,6 +10,9 @@ use faer::linalg::matmul::matmul;
 use faer::{Accum, MatMut, MatRef, Par};
 use rayon::prelude::*;
 
+#[path = "cpu_qgemm.rs"]
+pub mod qgemm;
+
 #[derive(Default, Clone, Copy)]
 pub struct CpuBackend;
 
@@ -90,6 +93,9 @@ const QGEMM_FAER_M: usize = 16;
 pub fn packed_linear_f32(x: &[f32], p: &crate::quant::pack::PackedLinear, m: usize) -> Vec<f32> {
     let (k, n) = (p.d_in, p.d_out);
     assert_eq!(x.len(), m * k, "packed_linear: x is not [m={m} × k={k}]");
+    if let Some(y) = qgemm::packed_linear_fast(x, p, m) {
+        return y;
+    }
     // Few tokens and contiguous groups that tiles do not straddle: the fused kernel (no dequantized tile).
     let fused_group = p
         .contiguous_group()
