@@ -1,7 +1,8 @@
 //! The CPU packed GEMM (`cpu::packed_linear_f32`, with its AVX-512 fast path `cpu::qgemm` where the CPU has
 //! AVX-512F) against dequantize + a naive f64 dot, on random shapes: odd d_out (masked column tails), bits
 //! 2/3/4/8 (3-bit codes straddle words), groups 32/64/128/whole row, contiguous and act-order g_idx (the
-//! latter takes the tile path), m = 1/3/16 (token runs of 8/4/2/1), d_in both a multiple of 32 and not.
+//! latter takes the tile path), partial last groups, m = 1/3/16 (token runs of 8/4/2/1), d_in both a
+//! multiple of 32 and not.
 
 use boa_cuda::backend::cpu::{packed_linear_f32, qgemm};
 use boa_cuda::bench::qgemm::random_packed;
@@ -19,11 +20,12 @@ fn packed_gemm_matches_dequantized_naive_dot() {
             for act_order in [false, true] {
                 for m in [1usize, 3, 16] {
                     let d_out = 2 * rng.random_range(1..200usize) + 1;
-                    // d_in: a multiple of the group (of 32 for the whole-row group), sometimes not of 32.
+                    // d_in: whole groups plus, half the time, a partial last group (a multiple of 32, as the
+                    // demo's 576 = 4.5 × 128); for the whole-row group sometimes not a multiple of 32.
                     let d_in = if group == 0 {
                         [96, 200, 352][rng.random_range(0..3usize)]
                     } else {
-                        group * rng.random_range(1..5usize)
+                        group * rng.random_range(1..5usize) + 32 * rng.random_range(0..group / 32)
                     };
                     let g = if group == 0 { d_in } else { group };
                     let mut p = random_packed(d_out, d_in, bits, g, rng.random());
