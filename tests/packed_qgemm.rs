@@ -1,5 +1,5 @@
-//! The CPU packed GEMM (`cpu::packed_linear_f32`, with its AVX-512 fast path `cpu::qgemm` where the CPU has
-//! AVX-512F) against dequantize + a naive f64 dot, on random shapes: odd d_out (masked column tails), bits
+//! The CPU packed GEMM (`cpu::packed_linear_f32`, with its fast path `cpu::qgemm`: AVX-512 where the CPU has
+//! AVX-512F, and the AVX2 kernel run explicitly) against dequantize + a naive f64 dot, on random shapes: odd d_out (masked column tails), bits
 //! 2/3/4/8 (3-bit codes straddle words), groups 32/64/128/whole row, contiguous and act-order g_idx (the
 //! latter takes the tile path), partial last groups, m = 1/3/16 (token runs of 8/4/2/1), d_in both a
 //! multiple of 32 and not.
@@ -36,16 +36,18 @@ fn packed_gemm_matches_dequantized_naive_dot() {
                     let w = p.dequantize();
                     let y = packed_linear_f32(&x, &p, m);
                     let fast = qgemm::packed_linear_fast(&x, &p, m);
-                    if !act_order
-                        && d_in % 32 == 0
-                        && std::arch::is_x86_feature_detected!("avx512f")
-                    {
+                    // A shuffled g_idx of one group is still contiguous.
+                    let fast_ok = p.contiguous_group().is_some() && d_in % 32 == 0;
+                    if fast_ok {
                         assert!(fast.is_some(), "the fast path refused a contiguous case");
                         fast_cases += 1;
                     }
                     if let Some(f) = fast {
                         assert_eq!(f, y, "the dispatcher did not take the fast path");
                     }
+                    // The AVX2 kernel too, where the dispatcher picked AVX-512.
+                    let y2 = qgemm::packed_linear_fast_isa(&x, &p, m, qgemm::QgemmIsa::Avx2);
+                    assert_eq!(y2.is_some(), fast_ok, "AVX2 coverage");
                     let y_ref: Vec<f64> = (0..m * d_out)
                         .map(|tj| {
                             let (t, j) = (tj / d_out, tj % d_out);
@@ -57,20 +59,23 @@ fn packed_gemm_matches_dequantized_naive_dot() {
                     // f32 sums of ≤ 512 products, zero point folded per group: a few ulp of Σ|x·q|·s, which is
                     // ≲ 10× the output scale here; 1e-5 of the scale leaves a wide margin.
                     let scale = y_ref.iter().fold(0f64, |a, v| a.max(v.abs()));
-                    let err = y
-                        .iter()
-                        .zip(&y_ref)
-                        .fold(0f64, |a, (p, r)| a.max((*p as f64 - r).abs()));
-                    assert!(
-                        err <= 1e-5 * scale,
-                        "bits {bits} group {g} act_order {act_order} m {m} [{d_out} × {d_in}]: max error \
-                         {err:e} vs scale {scale:e}"
-                    );
+                    for (what, y) in [("dispatched", Some(&y)), ("AVX2", y2.as_ref())] {
+                        let Some(y) = y else { continue };
+                        let err = y
+                            .iter()
+                            .zip(&y_ref)
+                            .fold(0f64, |a, (p, r)| a.max((*p as f64 - r).abs()));
+                        assert!(
+                            err <= 1e-5 * scale,
+                            "{what}: bits {bits} group {g} act_order {act_order} m {m} [{d_out} × {d_in}]: \
+                             max error {err:e} vs scale {scale:e}"
+                        );
+                    }
                     cases += 1;
                 }
             }
         }
     }
     assert_eq!(cases, 96);
-    println!("{fast_cases} of {cases} cases took the AVX-512 path");
+    println!("{fast_cases} of {cases} cases took the fast path (and the AVX2 kernel)");
 }

@@ -43,16 +43,48 @@ const CHUNK: usize = 64;
 /// L1), which is cheap next to the 8 FMAs per code.
 pub const FAST_MAX_M: usize = 16;
 
-/// The fast path of `cpu::packed_linear_f32`, or None when it does not apply (the caller falls back).
-/// BOA_QGEMM_GENERIC=1 in the environment turns it off, so the portable tile path (variant 1, style.md rule 4)
-/// can be timed and compared on the same machine.
+/// Which SIMD kernel runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QgemmIsa {
+    /// 16 columns per zmm, codes → floats through a `vpermps` LUT.
+    Avx512,
+    /// 8 columns per ymm, codes → floats by and + cvtdq2ps (AVX2 + FMA: the build's x86-64-v3 baseline).
+    Avx2,
+}
+
+/// The fast path of `cpu::packed_linear_f32`, or None when it does not apply (the caller falls back): AVX-512
+/// where the CPU has AVX-512F, else AVX2. BOA_QGEMM_GENERIC=1 in the environment turns it off, so the portable
+/// tile path (variant 1, style.md rule 4) can be timed on the same machine; BOA_QGEMM_ISA=avx2 forces AVX2.
 pub fn packed_linear_fast(x: &[f32], p: &PackedLinear, m: usize) -> Option<Vec<f32>> {
+    if std::env::var_os("BOA_QGEMM_GENERIC").is_some() {
+        return None;
+    }
     #[cfg(target_arch = "x86_64")]
     {
-        if std::env::var_os("BOA_QGEMM_GENERIC").is_some() {
-            return None;
+        if std::arch::is_x86_feature_detected!("avx512f")
+            && std::env::var("BOA_QGEMM_ISA").as_deref() != Ok("avx2")
+        {
+            return packed_linear_fast_isa(x, p, m, QgemmIsa::Avx512);
         }
-        if m == 0 || m > FAST_MAX_M || !std::arch::is_x86_feature_detected!("avx512f") {
+    }
+    packed_linear_fast_isa(x, p, m, QgemmIsa::Avx2)
+}
+
+/// `packed_linear_fast` with the kernel chosen by the caller (tests run both); None also when `isa` is not
+/// available on this CPU or build.
+pub fn packed_linear_fast_isa(
+    x: &[f32],
+    p: &PackedLinear,
+    m: usize,
+    isa: QgemmIsa,
+) -> Option<Vec<f32>> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let have = match isa {
+            QgemmIsa::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
+            QgemmIsa::Avx2 => cfg!(all(target_feature = "avx2", target_feature = "fma")),
+        };
+        if m == 0 || m > FAST_MAX_M || !have {
             return None;
         }
         let (k, n) = (p.d_in, p.d_out);
@@ -86,16 +118,24 @@ pub fn packed_linear_fast(x: &[f32], p: &PackedLinear, m: usize) -> Option<Vec<f
                 let j0 = sb * QGEMM_NB;
                 let nj = QGEMM_NB.min(n - j0);
                 let mut yb = vec![0f32; m * nj];
-                // SAFETY: AVX-512F was detected above; `Ctx` satisfies the size invariants (`validate`, x is
+                // SAFETY: the ISA was checked above; `Ctx` satisfies the size invariants (`validate`, x is
                 // [m × k], xs [m × ng], k a multiple of 32, groups a multiple of 32 super-row aligned) and yb is
                 // [m × nj] with j0 + nj ≤ n.
                 unsafe {
-                    match p.bits {
-                        2 => avx512::strip::<2>(&ctx, j0, nj, &mut yb),
-                        3 => avx512::strip::<3>(&ctx, j0, nj, &mut yb),
-                        4 => avx512::strip::<4>(&ctx, j0, nj, &mut yb),
-                        8 => avx512::strip::<8>(&ctx, j0, nj, &mut yb),
-                        b => unreachable!("validated bit width {b}"),
+                    match (isa, p.bits) {
+                        (QgemmIsa::Avx512, 2) => avx512::strip::<2>(&ctx, j0, nj, &mut yb),
+                        (QgemmIsa::Avx512, 3) => avx512::strip::<3>(&ctx, j0, nj, &mut yb),
+                        (QgemmIsa::Avx512, 4) => avx512::strip::<4>(&ctx, j0, nj, &mut yb),
+                        (QgemmIsa::Avx512, 8) => avx512::strip::<8>(&ctx, j0, nj, &mut yb),
+                        #[cfg(all(target_feature = "avx2", target_feature = "fma"))]
+                        (QgemmIsa::Avx2, 2) => avx2::strip::<2>(&ctx, j0, nj, &mut yb),
+                        #[cfg(all(target_feature = "avx2", target_feature = "fma"))]
+                        (QgemmIsa::Avx2, 3) => avx2::strip::<3>(&ctx, j0, nj, &mut yb),
+                        #[cfg(all(target_feature = "avx2", target_feature = "fma"))]
+                        (QgemmIsa::Avx2, 4) => avx2::strip::<4>(&ctx, j0, nj, &mut yb),
+                        #[cfg(all(target_feature = "avx2", target_feature = "fma"))]
+                        (QgemmIsa::Avx2, 8) => avx2::strip::<8>(&ctx, j0, nj, &mut yb),
+                        (i, b) => unreachable!("{i:?} {b}-bit was checked above"),
                     }
                 }
                 (j0, yb)
@@ -112,7 +152,7 @@ pub fn packed_linear_fast(x: &[f32], p: &PackedLinear, m: usize) -> Option<Vec<f
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (x, p, m);
+        let _ = (x, p, m, isa);
         None
     }
 }
@@ -334,6 +374,196 @@ mod avx512 {
                         mk,
                         _mm512_fmadd_ps(s, d, yv),
                     );
+                }
+            }
+        }
+    }
+}
+
+/// The AVX2 twin of `avx512`: 8 columns per ymm, 32-column chunks, runs of ≤ 4 tokens (16 ymm registers),
+/// codes → floats by and + cvtdq2ps (vpermps on ymm has only 8 entries). Compiled only where the build enables
+/// AVX2 + FMA (the x86-64-v3 baseline of .cargo/config.toml), so it needs no run-time check.
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+mod avx2 {
+    use super::Ctx;
+    use std::arch::x86_64::*;
+
+    const CHUNK: usize = 32;
+
+    /// As `avx512::strip`.
+    ///
+    /// # Safety
+    /// ctx as built by `packed_linear_fast_isa`; yb.len() = m·nj, j0 + nj ≤ d_out.
+    pub unsafe fn strip<const BITS: u32>(ctx: &Ctx, j0: usize, nj: usize, yb: &mut [f32]) {
+        let p = ctx.p;
+        let (n, k) = (p.d_out, p.d_in);
+        let nsr = k / 32;
+        let b = BITS as usize;
+        for gi in 0..p.n_groups {
+            let sr0 = gi * ctx.gsr;
+            let sr1 = (sr0 + ctx.gsr).min(nsr);
+            let sr2 = (sr1 + ctx.gsr).min(nsr);
+            for c0 in (0..nj).step_by(CHUNK) {
+                let cols = CHUNK.min(nj - c0);
+                for r in sr1 * b..sr2 * b {
+                    let row = p.qweight.as_ptr().wrapping_add(r * n + j0 + c0);
+                    for l in (0..cols).step_by(16) {
+                        // SAFETY: r < k·b/32 and j0 + c0 + l < n, so the address is inside qweight.
+                        unsafe { _mm_prefetch::<_MM_HINT_T0>(row.add(l) as *const i8) };
+                    }
+                }
+                let mut t0 = 0;
+                while t0 < ctx.m {
+                    let rem = ctx.m - t0;
+                    // SAFETY: as for `strip`; the tokens t0 .. t0+MT are < m and the columns inside the strip.
+                    unsafe {
+                        if rem >= 4 {
+                            group_dot::<BITS, 4, 2>(ctx, gi, sr0, sr1, j0, nj, c0, t0, yb);
+                            group_dot::<BITS, 4, 2>(ctx, gi, sr0, sr1, j0, nj, c0 + 16, t0, yb);
+                            t0 += 4;
+                        } else if rem >= 2 {
+                            group_dot::<BITS, 2, 4>(ctx, gi, sr0, sr1, j0, nj, c0, t0, yb);
+                            t0 += 2;
+                        } else {
+                            group_dot::<BITS, 1, 4>(ctx, gi, sr0, sr1, j0, nj, c0, t0, yb);
+                            t0 += 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// As `avx512::group_dot`, CV·8 columns.
+    ///
+    /// # Safety
+    /// As for `strip`; t0 + MT ≤ m, super-rows sr0 .. sr1 all in group gi.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    unsafe fn group_dot<const BITS: u32, const MT: usize, const CV: usize>(
+        ctx: &Ctx,
+        gi: usize,
+        sr0: usize,
+        sr1: usize,
+        j0: usize,
+        nj: usize,
+        c: usize,
+        t0: usize,
+        yb: &mut [f32],
+    ) {
+        if c >= nj {
+            return;
+        }
+        let p = ctx.p;
+        let (n, k) = (p.d_out, p.d_in);
+        let b = BITS as usize;
+        // SAFETY (whole body): as in `avx512::group_dot`; masked loads and stores skip columns at or past nj.
+        unsafe {
+            let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            // Lane l of masks[v] is all ones when column c + 8v + l < nj (maskload reads the top bit).
+            let masks: [__m256i; CV] = std::array::from_fn(|v| {
+                let valid = nj.saturating_sub(c + 8 * v).min(8) as i32;
+                _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), lane)
+            });
+            let code = _mm256_set1_epi32(((1u64 << BITS) - 1) as i32);
+            let shift = _mm256_set1_epi32(BITS as i32);
+            let mut acc = [[_mm256_setzero_ps(); CV]; MT];
+            let qw = p.qweight.as_ptr();
+            let x = ctx.x.as_ptr();
+            macro_rules! load_words {
+                ($r:expr) => {{
+                    let row = qw.wrapping_add($r * n + j0 + c);
+                    let mut v = [_mm256_setzero_si256(); CV];
+                    for (cv, vv) in v.iter_mut().enumerate() {
+                        *vv = _mm256_maskload_epi32(
+                            row.wrapping_add(8 * cv) as *const i32,
+                            masks[cv],
+                        );
+                    }
+                    v
+                }};
+            }
+            macro_rules! step {
+                ($v:expr, $i:expr) => {{
+                    let mut q = [_mm256_setzero_ps(); CV];
+                    for cv in 0..CV {
+                        q[cv] = _mm256_cvtepi32_ps(_mm256_and_si256($v[cv], code));
+                    }
+                    for t in 0..MT {
+                        let xb = _mm256_set1_ps(*x.add((t0 + t) * k + $i));
+                        for cv in 0..CV {
+                            acc[t][cv] = _mm256_fmadd_ps(q[cv], xb, acc[t][cv]);
+                        }
+                    }
+                }};
+            }
+            macro_rules! shift {
+                ($v:expr, $s:literal) => {{
+                    for vv in $v.iter_mut() {
+                        *vv = _mm256_srli_epi32::<$s>(*vv);
+                    }
+                }};
+            }
+            for sr in sr0..sr1 {
+                let i0 = 32 * sr;
+                if BITS == 3 {
+                    let w1 = load_words!(3 * sr + 1);
+                    let w2 = load_words!(3 * sr + 2);
+                    let mut v = load_words!(3 * sr);
+                    for s in 0..10 {
+                        step!(v, i0 + s);
+                        shift!(v, 3);
+                    }
+                    for cv in 0..CV {
+                        v[cv] = _mm256_or_si256(v[cv], _mm256_slli_epi32::<2>(w1[cv]));
+                    }
+                    step!(v, i0 + 10);
+                    let mut v = w1;
+                    shift!(v, 1);
+                    for s in 0..10 {
+                        step!(v, i0 + 11 + s);
+                        shift!(v, 3);
+                    }
+                    for cv in 0..CV {
+                        v[cv] = _mm256_or_si256(v[cv], _mm256_slli_epi32::<1>(w2[cv]));
+                    }
+                    step!(v, i0 + 21);
+                    let mut v = w2;
+                    shift!(v, 2);
+                    for s in 0..10 {
+                        step!(v, i0 + 22 + s);
+                        shift!(v, 3);
+                    }
+                } else {
+                    let per = 32 / b;
+                    for w in 0..b {
+                        let mut v = load_words!(sr * b + w);
+                        for s in 0..per {
+                            step!(v, i0 + w * per + s);
+                            for vv in v.iter_mut() {
+                                *vv = _mm256_srlv_epi32(*vv, shift);
+                            }
+                        }
+                    }
+                }
+            }
+            let s_ptr = p.scales.as_ptr().wrapping_add(gi * n + j0 + c);
+            let z_ptr = p.zeros.as_ptr().wrapping_add(gi * n + j0 + c);
+            let ng = p.n_groups;
+            for (t, acc_t) in acc.iter().enumerate() {
+                let xs = _mm256_set1_ps(ctx.xs[(t0 + t) * ng + gi]);
+                let y_ptr = yb.as_mut_ptr().wrapping_add((t0 + t) * nj + c);
+                for cv in 0..CV {
+                    let mk = masks[cv];
+                    let s = _mm256_maskload_ps(s_ptr.wrapping_add(8 * cv), mk);
+                    let z = _mm256_maskload_ps(z_ptr.wrapping_add(8 * cv), mk);
+                    let yv = _mm256_maskload_ps(y_ptr.wrapping_add(8 * cv), mk);
+                    let d = _mm256_fnmadd_ps(z, xs, acc_t[cv]);
+                    _mm256_maskstore_ps(y_ptr.wrapping_add(8 * cv), mk, _mm256_fmadd_ps(s, d, yv));
                 }
             }
         }
