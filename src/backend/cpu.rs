@@ -76,7 +76,8 @@ const QGEMM_SUB: usize = 64;
 const QGEMM_FAER_M: usize = 16;
 
 /// Y [m × n] = X [m × k] · Ŵᵀ, Ŵ [n × k] packed (`PackedLinear`, n = d_out, k = d_in): the CPU twin of the
-/// packed GEMM kernel.
+/// packed GEMM kernel. Up to 16 tokens on contiguous groups, the SIMD kernels of `qgemm` (cpu_qgemm.rs) run;
+/// the tile path below is the portable one for everything else.
 ///
 /// Work partition: rayon over blocks of QGEMM_NB output columns; each block walks the input dimension in tiles
 /// of QGEMM_TK rows, dequantizes the tile Ŵᵀ[i0.., j0..] (QGEMM_TK × QGEMM_NB f32, 32 KiB, L1/L2-resident)

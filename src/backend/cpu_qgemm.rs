@@ -23,12 +23,15 @@
 //!       for each run of MT tokens:   acc[MT × 64] = Σ_{i∈gi} x[t, i]·q[i, j]      (registers)
 //!                                    Y[t, j] += s[gi, j]·(acc − z[gi, j]·Σx[t, gi])
 //! ```
-//! Variants measured (bench-qgemm, 2 shared cores of a Sapphire Rapids VM, load average 5–7, weights from DRAM;
-//! packed GB/s counts qweight + f32 scales and zeros). Variant 1, the C tile path (`boa_qdot_group_tile` /
-//! `boa_dequant_tile`, AVX2 and + cvt, BOA_QGEMM_GENERIC=1): 4-bit 4096×4096 m = 1 3.97 ms (2.4 GB/s),
-//! 11008×4096 19.5 ms (1.3 GB/s). Variant 2, this kernel: 1.69 ms (5.6 GB/s) and 6.9 ms (3.7 GB/s) in the same
-//! conditions; on one thread 1.23 ms (7.7 GB/s), ~14 G weights/s on one core, close to its shift (port 0) +
-//! FMA issue limit, so at m = 1 it is bound by the unpack issue rate about as much as by DRAM.
+//! Variants measured (bench-qgemm, 2 shared cores of a Sapphire Rapids VM, load average 6–10, weights from
+//! DRAM; packed GB/s counts qweight + f32 scales and zeros), 4-bit m = 1, 4096×4096 and 11008×4096:
+//!   variant 1, the C tile path (`boa_qdot_group_tile` / `boa_dequant_tile`, BOA_QGEMM_GENERIC=1): 3.97 ms
+//!     (2.4 GB/s) and 19.5 ms (1.3 GB/s);
+//!   variant 2, `avx2` (BOA_QGEMM_ISA=avx2): 3.57 ms and 11.8 ms, at load 10;
+//!   variant 3, `avx512`: 1.40–1.82 ms (5–7 GB/s) and 6.9–12.2 ms over three runs; on one thread 1.23 ms
+//!     (7.7 GB/s), ~14 G weights/s on one core, close to its shift (port 0) + FMA issue limit, so at m = 1 it
+//!     is bound by the unpack issue rate about as much as by DRAM. The 11008×4096 times vary most: a call
+//!     waits for its slowest thread, and on this loaded machine a thread loses the CPU for milliseconds.
 //! At m = 16 it does 16 FMAs per unpacked code and ran 1.5× faster than variant 1 (dequantized tile + faer).
 
 use crate::quant::pack::PackedLinear;
