@@ -10,6 +10,9 @@ use faer::linalg::matmul::matmul;
 use faer::{Accum, MatMut, MatRef, Par};
 use rayon::prelude::*;
 
+#[path = "cpu_qgemm.rs"]
+pub mod qgemm;
+
 #[derive(Default, Clone, Copy)]
 pub struct CpuBackend;
 
@@ -73,7 +76,8 @@ const QGEMM_SUB: usize = 64;
 const QGEMM_FAER_M: usize = 16;
 
 /// Y [m × n] = X [m × k] · Ŵᵀ, Ŵ [n × k] packed (`PackedLinear`, n = d_out, k = d_in): the CPU twin of the
-/// packed GEMM kernel.
+/// packed GEMM kernel. Up to 16 tokens on contiguous groups, the SIMD kernels of `qgemm` (cpu_qgemm.rs) run;
+/// the tile path below is the portable one for everything else.
 ///
 /// Work partition: rayon over blocks of QGEMM_NB output columns; each block walks the input dimension in tiles
 /// of QGEMM_TK rows, dequantizes the tile Ŵᵀ[i0.., j0..] (QGEMM_TK × QGEMM_NB f32, 32 KiB, L1/L2-resident)
@@ -90,6 +94,9 @@ const QGEMM_FAER_M: usize = 16;
 pub fn packed_linear_f32(x: &[f32], p: &crate::quant::pack::PackedLinear, m: usize) -> Vec<f32> {
     let (k, n) = (p.d_in, p.d_out);
     assert_eq!(x.len(), m * k, "packed_linear: x is not [m={m} × k={k}]");
+    if let Some(y) = qgemm::packed_linear_fast(x, p, m) {
+        return y;
+    }
     // Few tokens and contiguous groups that tiles do not straddle: the fused kernel (no dequantized tile).
     let fused_group = p
         .contiguous_group()

@@ -3,8 +3,8 @@
 //!
 //! Method (style.md rule 13): for each (matrix, batch m, variant) the result is first validated against the
 //! f32 GEMM on the dequantized weights (max relative error, printed), then run `warmup` times untimed and
-//! `repeats` times timed; the median is reported. Before each timed call a 128 MiB buffer is rewritten, so
-//! caches hold nothing of the weights (a decode step sees the weights cold too). Weight traffic counts the
+//! `repeats` times timed; the median is reported. Timed calls rotate through distinct copies of the weights
+//! totalling ≥ 1 GiB (ROTATE_BYTES), so every call reads its weights from DRAM. Weight traffic counts the
 //! bytes the GEMM must read from memory: f32 W (4·n·k) for the dense GEMM; qweight (n·k·b/8) plus the f32
 //! scales and zeros (8·n·k/g) for the packed one. Activations and outputs are negligible at small m.
 
@@ -12,6 +12,7 @@ use crate::backend::cpu::{linear_f32, packed_linear_f32};
 use crate::quant::pack::{PackedLinear, pack_words};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
 use std::time::Instant;
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -24,7 +25,8 @@ pub struct QgemmRow {
     pub median_ms: f64,
     pub weight_bytes: usize,
     pub gb_per_s: f64,
-    /// Time of the f32 GEMM at the same shape / time of this variant.
+    /// Time of the f32 GEMM at the same shape / time of this variant ("read" rows, m = 0: the f32 GEMM at the
+    /// first batch / the plain read, i.e. how far the f32 GEMM is from the roofline).
     pub speedup_vs_f32: f64,
     /// max |y − y_ref| / max |y_ref| against the f32 GEMM on the dequantized weights.
     pub max_rel_err: f64,
@@ -61,18 +63,29 @@ pub fn random_packed(
     p
 }
 
-fn median_ms(mut f: impl FnMut(), warmup: usize, repeats: usize, flush: &mut [u8]) -> f64 {
-    for _ in 0..warmup {
-        f();
+/// Bytes of distinct weight copies every timed call rotates through: over 3× this CPU's 300 MiB L3, so the copy
+/// a call reads was last touched ≥ 1 GiB of other traffic ago and comes from DRAM (a decode step sees its
+/// weights cold too). A flush buffer smaller than the L3 left much of a 67 MB f32 matrix cached.
+const ROTATE_BYTES: usize = 1 << 30;
+
+/// Distinct copies of a `bytes`-sized operand that fill ROTATE_BYTES.
+fn n_copies(bytes: usize) -> usize {
+    ROTATE_BYTES.div_ceil(bytes.max(1)).max(2)
+}
+
+/// Median over `repeats` timed calls f(c), c cycling through the copies; warm-up calls first (at least one full
+/// rotation, so page faults and first-touch costs are not timed).
+fn median_ms(mut f: impl FnMut(usize), copies: usize, warmup: usize, repeats: usize) -> f64 {
+    let mut c = 0;
+    for _ in 0..warmup.max(copies) {
+        f(c % copies);
+        c += 1;
     }
     let mut t: Vec<f64> = (0..repeats)
-        .map(|r| {
-            flush
-                .iter_mut()
-                .for_each(|b| *b = b.wrapping_add(r as u8 | 1));
-            std::hint::black_box(&flush);
+        .map(|_| {
             let s = Instant::now();
-            f();
+            f(c % copies);
+            c += 1;
             s.elapsed().as_secs_f64() * 1e3
         })
         .collect();
@@ -88,7 +101,8 @@ fn max_rel_err(y: &[f32], r: &[f32]) -> f64 {
         / den
 }
 
-/// Runs the benchmark over `shapes` (d_out, d_in) × `batches` × {f32, each of `bits` at group `group`}.
+/// Runs the benchmark over `shapes` (d_out, d_in) × `batches` × {f32, each of `bits` at group `group`}, plus
+/// one "read" row per shape: a plain parallel read of the f32 weight bytes (the DRAM roofline of this run).
 pub fn bench_qgemm(
     shapes: &[(usize, usize)],
     batches: &[usize],
@@ -98,62 +112,112 @@ pub fn bench_qgemm(
     repeats: usize,
 ) -> Vec<QgemmRow> {
     let mut rows = Vec::new();
-    let mut flush = vec![0u8; 128 << 20];
     for &(n, k) in shapes {
-        let packed: Vec<PackedLinear> = bits
-            .iter()
-            .map(|&b| random_packed(n, k, b, group, 1000 + b as u64))
-            .collect();
         let mut rng = ChaCha8Rng::seed_from_u64(7);
-        let w: Vec<f32> = (0..n * k).map(|_| rng.random::<f32>() - 0.5).collect();
-        for &m in batches {
-            let x: Vec<f32> = (0..m * k).map(|_| rng.random::<f32>() - 0.5).collect();
-            let t_f32 = median_ms(
-                || {
-                    std::hint::black_box(linear_f32(&x, &w, m, k, n));
+        let xs: Vec<Vec<f32>> = batches
+            .iter()
+            .map(|&m| (0..m * k).map(|_| rng.random::<f32>() - 0.5).collect())
+            .collect();
+        let f32_bytes = 4 * n * k;
+        let mut t_f32 = Vec::new();
+        {
+            let w0: Vec<f32> = (0..n * k).map(|_| rng.random::<f32>() - 0.5).collect();
+            let ws: Vec<Vec<f32>> = vec![w0; n_copies(f32_bytes)];
+            let t_read = median_ms(
+                |c| {
+                    std::hint::black_box(
+                        ws[c]
+                            .par_chunks(1 << 16)
+                            .map(|ch| ch.iter().fold(0u32, |a, v| a.wrapping_add(v.to_bits())))
+                            .reduce(|| 0, u32::wrapping_add),
+                    );
                 },
+                ws.len(),
                 warmup,
                 repeats,
-                &mut flush,
             );
-            let f32_bytes = 4 * n * k;
             rows.push(QgemmRow {
                 d_out: n,
                 d_in: k,
-                m,
-                variant: "f32".into(),
-                median_ms: t_f32,
+                m: 0,
+                variant: "read".into(),
+                median_ms: t_read,
                 weight_bytes: f32_bytes,
-                gb_per_s: f32_bytes as f64 / t_f32 / 1e6,
-                speedup_vs_f32: 1.0,
+                gb_per_s: f32_bytes as f64 / t_read / 1e6,
+                speedup_vs_f32: f64::NAN,
                 max_rel_err: 0.0,
             });
-            for p in &packed {
-                let y = packed_linear_f32(&x, p, m);
-                let y_ref = linear_f32(&x, &p.dequantize(), m, k, n);
-                let err = max_rel_err(&y, &y_ref);
+            let i_read = rows.len() - 1;
+            for (&m, x) in batches.iter().zip(&xs) {
                 let t = median_ms(
-                    || {
-                        std::hint::black_box(packed_linear_f32(&x, p, m));
+                    |c| {
+                        std::hint::black_box(linear_f32(x, &ws[c], m, k, n));
                     },
+                    ws.len(),
                     warmup,
                     repeats,
-                    &mut flush,
                 );
-                let bytes = 4 * p.qweight.len() + 4 * (p.scales.len() + p.zeros.len());
+                if t_f32.is_empty() {
+                    rows[i_read].speedup_vs_f32 = t / t_read;
+                }
+                t_f32.push(t);
                 rows.push(QgemmRow {
                     d_out: n,
                     d_in: k,
                     m,
-                    variant: format!("q{}g{group}", p.bits),
+                    variant: "f32".into(),
+                    median_ms: t,
+                    weight_bytes: f32_bytes,
+                    gb_per_s: f32_bytes as f64 / t / 1e6,
+                    speedup_vs_f32: 1.0,
+                    max_rel_err: 0.0,
+                });
+            }
+        }
+        for &b in bits {
+            let p0 = random_packed(n, k, b, group, 1000 + b as u64);
+            let w_deq = p0.dequantize();
+            let bytes = 4 * p0.qweight.len() + 4 * (p0.scales.len() + p0.zeros.len());
+            let ps: Vec<PackedLinear> = vec![p0; n_copies(bytes)];
+            for ((&m, x), &tf) in batches.iter().zip(&xs).zip(&t_f32) {
+                let y = packed_linear_f32(x, &ps[0], m);
+                let y_ref = linear_f32(x, &w_deq, m, k, n);
+                let err = max_rel_err(&y, &y_ref);
+                let t = median_ms(
+                    |c| {
+                        std::hint::black_box(packed_linear_f32(x, &ps[c], m));
+                    },
+                    ps.len(),
+                    warmup,
+                    repeats,
+                );
+                rows.push(QgemmRow {
+                    d_out: n,
+                    d_in: k,
+                    m,
+                    variant: format!("q{b}g{group}"),
                     median_ms: t,
                     weight_bytes: bytes,
                     gb_per_s: bytes as f64 / t / 1e6,
-                    speedup_vs_f32: t_f32 / t,
+                    speedup_vs_f32: tf / t,
                     max_rel_err: err,
                 });
             }
         }
     }
+    // Table order: per shape and batch, f32 then each packed variant.
+    rows.sort_by_key(|r| {
+        let v = match r.variant.as_str() {
+            "read" => 0,
+            "f32" => 1,
+            _ => {
+                2 + bits
+                    .iter()
+                    .position(|&b| r.variant.starts_with(&format!("q{b}g")))
+                    .unwrap_or(0)
+            }
+        };
+        (shapes.iter().position(|&s| s == (r.d_out, r.d_in)), r.m, v)
+    });
     rows
 }
