@@ -17,10 +17,10 @@
 //!   ulp of a rounding boundary may round the other way, and in GPTQ that changes every later error of the
 //!   row; the tests report the fraction of differing codes (documented ties) and bound it by CODE_MISMATCH_TOL.
 
-use boa_cuda::backend::Backend;
 use boa_cuda::backend::cpu::CpuBackend;
 use boa_cuda::backend::cuda::{CudaBackend, XxtVariant};
 use boa_cuda::backend::quant_ops::{AttnShape, StaticGrids, SweepResult, UCol};
+use boa_cuda::backend::{Backend, QuantOps};
 use boa_cuda::quant::linalg::cholesky_upper_inverse_reference;
 use boa_cuda::quant::quantizer::{Grid, dequantize, minmax_grid};
 use rand::{RngExt, SeedableRng};
@@ -664,4 +664,149 @@ fn parity_boa_sweep_cuda() {
         parity_boa_sweep(b, Some(&CpuBackend));
         parity_boa_sweep(b, None);
     });
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// The BoA kernel's schedule, emulated on the host: cuda/sweep.cu's boa_block_kernel (wavefront over rows,
+// cross-row term from the δ's of the rows above, δ = W0 − cross − q) and the trailing GEMM, step by step in
+// f32, checked against the row-by-row CPU twin. Without a GPU this is what tests the wavefront algebra the
+// kernel relies on (design.md §4.3); on a GPU, parity_boa_sweep_cuda tests the kernel itself.
+
+/// Must match kBoaBw in cuda/sweep.cu.
+const BOA_BW: usize = 32;
+
+#[allow(clippy::too_many_arguments)]
+fn boa_wavefront_emulated(
+    w: &[f32],
+    u_col: &[f32],
+    per_head: bool,
+    u_row: &[f32],
+    n_heads: usize,
+    d_h: usize,
+    n: usize,
+    grids: &[Grid<f32>],
+    ng: usize,
+    col_group: &[u32],
+    maxq: u32,
+) -> Vec<u8> {
+    use boa_cuda::quant::quantizer::quantize;
+    let rows = n_heads * d_h;
+    let w0 = w.to_vec();
+    let mut w = w.to_vec();
+    let mut codes = vec![0u8; rows * n];
+    let mut e = vec![0f32; BOA_BW * rows]; // [bw × rows], as the kernel writes it
+    let mut i1 = 0;
+    while i1 < n {
+        let i2 = (i1 + BOA_BW).min(n);
+        let bw = i2 - i1;
+        for h in 0..n_heads {
+            let uc = if per_head {
+                &u_col[h * n * n..(h + 1) * n * n]
+            } else {
+                u_col
+            };
+            let ur = &u_row[h * d_h * d_h..(h + 1) * d_h * d_h];
+            let mut w_sh = vec![0f32; bw * d_h];
+            let mut dl_sh = vec![0f32; bw * d_h];
+            for i in 0..d_h {
+                for c in 0..bw {
+                    w_sh[c * d_h + i] = w[(h * d_h + i) * n + i1 + c];
+                }
+            }
+            for s in 0..bw + d_h - 1 {
+                for i in (0..d_h).rev() {
+                    let Some(c) = s.checked_sub(i).filter(|&c| c < bw) else {
+                        continue;
+                    };
+                    let mut cross = 0f32;
+                    for j in 0..i {
+                        cross += ur[j * d_h + i] / ur[j * d_h + j] * dl_sh[c * d_h + j];
+                    }
+                    let (col, r) = (i1 + c, h * d_h + i);
+                    let g = grids[r * ng + col_group[col] as usize];
+                    let v = w_sh[c * d_h + i] - cross;
+                    let qc = quantize(v, g.scale, g.zero, maxq as f32);
+                    let qv = dequantize(qc, g.scale, g.zero);
+                    let err = (v - qv) / uc[col * n + col];
+                    e[c * rows + r] = err;
+                    dl_sh[c * d_h + i] = (w0[r * n + col] - cross) - qv;
+                    for c2 in c + 1..bw {
+                        w_sh[c2 * d_h + i] -= err * uc[col * n + i1 + c2];
+                    }
+                    codes[r * n + col] = qc as u8;
+                }
+            }
+        }
+        // W[:, i2:] −= E · U_col[i1:i2, i2:] (per head's U_col)
+        for r in 0..rows {
+            let uc = if per_head {
+                &u_col[(r / d_h) * n * n..(r / d_h + 1) * n * n]
+            } else {
+                u_col
+            };
+            for c in i2..n {
+                let mut acc = 0f32;
+                for k in 0..bw {
+                    acc += e[k * rows + r] * uc[(i1 + k) * n + c];
+                }
+                w[r * n + c] -= acc;
+            }
+        }
+        i1 = i2;
+    }
+    codes
+}
+
+#[test]
+fn boa_wavefront_schedule_matches_cpu() {
+    let mut rng = rng();
+    let mut worst = 0f64;
+    for (n_heads, d_h, n, g, per_head, maxq) in [
+        (3, 64, 100, 64, false, 7),
+        (2, 128, 70, 70, true, 15),
+        (4, 16, 77, 32, false, 3),
+    ] {
+        let rows = n_heads * d_h;
+        let w = randn(&mut rng, rows * n, 1.0);
+        let u_col: Vec<f32> = if per_head {
+            (0..n_heads).flat_map(|_| upper_f32(&mut rng, n)).collect()
+        } else {
+            upper_f32(&mut rng, n)
+        };
+        let u_row: Vec<f32> = (0..n_heads)
+            .flat_map(|_| upper_f32(&mut rng, d_h))
+            .collect();
+        let (grids, col_group) = grids_for(&w, rows, n, g, maxq);
+        let ng = n.div_ceil(g);
+        let sg = StaticGrids {
+            grids: &grids,
+            n_groups: ng,
+            col_group: &col_group,
+        };
+        let uc = if per_head {
+            UCol::PerHead(&u_col)
+        } else {
+            UCol::Shared(&u_col)
+        };
+        let cpu = CpuBackend
+            .boa_sweep(&w, uc, &u_row, n_heads, d_h, n, 128, sg, maxq)
+            .codes;
+        let emu = boa_wavefront_emulated(
+            &w, &u_col, per_head, &u_row, n_heads, d_h, n, &grids, ng, &col_group, maxq,
+        );
+        let diff = cpu.iter().zip(&emu).filter(|(a, b)| a != b).count() as f64 / cpu.len() as f64;
+        println!(
+            "wavefront emulation d_h={d_h} n={n} per_head={per_head}: {:.4}% codes differ",
+            100.0 * diff
+        );
+        assert!(
+            diff <= CODE_MISMATCH_TOL,
+            "wavefront schedule d_h={d_h} n={n}: {diff} of codes differ"
+        );
+        worst = worst.max(diff);
+    }
+    println!(
+        "wavefront emulation worst code mismatch {:.4}%",
+        100.0 * worst
+    );
 }
