@@ -48,10 +48,11 @@ impl CudaBackend {
 
         // Copy: 1 GiB each way, far beyond L2.
         let n4: usize = 1 << 26; // float4 elements
+        // Non-zero data: zeros can run faster than real data (METHOD.md "Correct first").
         let x = self
             .stream
-            .alloc_zeros::<f32>(4 * n4)
-            .map_err(driver("alloc copy src"))?;
+            .clone_htod(&vec![1.2345f32; 4 * n4])
+            .map_err(driver("upload copy src"))?;
         let mut y = self
             .stream
             .alloc_zeros::<f32>(4 * n4)
