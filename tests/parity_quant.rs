@@ -810,3 +810,52 @@ fn boa_wavefront_schedule_matches_cpu() {
         100.0 * worst
     );
 }
+
+/// The pipeline's device route (pipeline/stats.rs `add_through_backend`) folds QuantOps sums into the
+/// accumulators; with the CPU's QuantOps it must give the accumulators' own results (f32 rounding apart).
+#[test]
+fn accumulators_fold_backend_sums() {
+    use boa_cuda::quant::hessian::{HeadCovAccumulator, VColAccumulator, XxtAccumulator};
+    let mut rng = rng();
+    let b = CpuBackend;
+    assert!(
+        !b.accelerates_statistics(),
+        "the CPU keeps its own statistics path"
+    );
+    let rel = |a: &[f64], r: &[f64]| {
+        let a32: Vec<f32> = a.iter().map(|&v| v as f32).collect();
+        rel_err(&a32, r)
+    };
+    let (t, h, h_kv, d_h, d) = (40, 4, 2, 64, 96);
+    let x = randn(&mut rng, t * d, 1.0);
+    let q = randn(&mut rng, t * h * d_h, 1.0);
+    let k = randn(&mut rng, t * h_kv * d_h, 1.0);
+
+    let (mut direct, mut folded) = (XxtAccumulator::new(d), XxtAccumulator::new(d));
+    direct.add_batch(&x, t);
+    let mut g = vec![0f32; d * d];
+    b.xxt_accumulate(&mut g, &x, t, d);
+    folded.add_sum(&g, t);
+    assert!(rel(&folded.hessian(), &direct.hessian()) < XXT_F32_TOL);
+
+    let (mut direct, mut folded) = (
+        HeadCovAccumulator::new(h, d_h),
+        HeadCovAccumulator::new(h, d_h),
+    );
+    direct.add_batch(&q, t);
+    folded.add_sums(&b.head_covariance(&q, t, h, d_h), t);
+    assert!(rel(&folded.covariances(), &direct.covariances()) < XXT_F32_TOL);
+
+    let (mut direct, mut folded) = (
+        VColAccumulator::new(d, h, h_kv),
+        VColAccumulator::new(d, h, h_kv),
+    );
+    direct.add_sequence(&x, &b.attention_probs(&q, &k, t, h, h_kv, d_h), t);
+    folded.add_head_sums(
+        &b.v_col_covariance(&x, &q, &k, AttnShape { t, h, h_kv, d_h, d }),
+        t,
+    );
+    let err = rel(&folded.hessians(), &direct.hessians());
+    println!("V column statistics, folded vs direct: rel. error {err:.3e}");
+    assert!(err < ATTN_F32_TOL);
+}

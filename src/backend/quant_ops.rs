@@ -50,6 +50,12 @@ pub struct SweepResult {
 }
 
 pub trait QuantOps {
+    /// Whether the pipeline should compute the calibration statistics through this trait (device backends)
+    /// instead of the accumulators' own f64-chunked CPU path, which the CPU backend keeps bit for bit.
+    fn accelerates_statistics(&self) -> bool {
+        false
+    }
+
     /// H [d × d] += Xᵀ X over the m tokens of X [m × d] (one token per row); H stays symmetric.
     fn xxt_accumulate(&self, h: &mut [f32], x: &[f32], m: usize, d: usize);
 

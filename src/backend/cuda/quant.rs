@@ -450,6 +450,10 @@ impl CudaBackend {
 }
 
 impl QuantOps for CudaBackend {
+    fn accelerates_statistics(&self) -> bool {
+        true
+    }
+
     fn xxt_accumulate(&self, h: &mut [f32], x: &[f32], m: usize, d: usize) {
         self.try_xxt_accumulate(h, x, m, d)
             .unwrap_or_else(|e| panic!("{} xxt_accumulate (m={m}, d={d}): {e}", self.name));
