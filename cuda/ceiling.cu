@@ -2,8 +2,8 @@
 // style.md rule 13): copy bandwidth and tensor-core rate, measured on the card as found.
 //
 // ---------------------------------------------------------------------------------------------------------
-// ceiling_copy_kernel: y[i] = x[i] over n float4 (16-byte loads and stores, grid-stride). Launch: grid
-//   4·SMs… chosen by the host (enough blocks to fill the chip), block 256. Bytes moved = 2·16·n (read + write).
+// ceiling_copy_kernel: y[i] = x[i] over n float4 (16-byte loads and stores, grid-stride). Launch: grid 8·SMs,
+//   block 256 (enough blocks to fill the chip). Bytes moved = 2·16·n (read + write), 1 GiB each way.
 //   Expect ~85–90% of the datasheet HBM bandwidth (H200: 4.8 TB/s → ~4.2 TB/s).
 //
 // ceiling_mma_kernel: every warp issues `iters` × 4 independent bf16 wmma m16n16k16 (mma.sync, f32
@@ -13,6 +13,7 @@
 //   bf16 TFLOP/s vs ~660 for mma.sync as commonly measured), so fractions against this number are fractions
 //   of what wmma can reach, not of the datasheet.
 //   Launch: grid 8·SMs (host), block 256 (8 warps).
+// ptxas (nvcc 13.0): copy 14 regs, mma 48 regs, 0 spills.
 // ---------------------------------------------------------------------------------------------------------
 
 #include <cuda_bf16.h>

@@ -164,6 +164,9 @@ impl QuantOps for CpuBackend {
         let rows = n_heads * d_h;
         check_grids(&grids, rows, n);
         assert_eq!(w.len(), rows * n, "W is not [{n_heads}·{d_h} × {n}]");
+        if rows == 0 || n == 0 {
+            return SweepResult::default();
+        }
         let (cols, head_col): (Vec<ColFactor<f32>>, Vec<usize>) = match u_col {
             UCol::Shared(u) => {
                 assert_eq!(u.len(), n * n, "U_col is not [{n} × {n}]");
@@ -183,7 +186,7 @@ impl QuantOps for CpuBackend {
                     "U_col is not [{n_heads} × {n} × {n}]"
                 );
                 (
-                    u.chunks(n * n.max(1))
+                    u.chunks(n * n)
                         .map(|u| ColFactor {
                             u,
                             col_group: grids.col_group,
