@@ -5,8 +5,13 @@
 #   profiling/gpu_check.sh                 on the build machine: build the binary and every test executable
 #                                          with the kernels embedded (BOA_REQUIRE_KERNELS=1), copy them into
 #                                          .gpu_carry/, and print how to run the device half through `run`.
-#   profiling/gpu_check.sh --on-device     on the GPU machine (the `run` tool's command): run each staged
-#                                          test executable, write logs and a results table under $OUT.
+#   profiling/gpu_check.sh --on-device [TEST…]
+#                                          on the GPU machine (the `run` tool's command): run each staged
+#                                          test executable (or only the named ones, e.g. parity_ops
+#                                          parity_quant, to keep the call short), then `boa-cuda bench
+#                                          --device cuda` (the quantization-core kernels on 7B/8B/70B layer
+#                                          shapes against the measured copy and tensor-core ceilings), and
+#                                          write logs, results.md and bench.md under $OUT.
 #
 # Build half: needs nvcc (NVCC=<path>, CUDA_HOME, PATH or /usr/local/cuda/bin; otherwise it is installed with
 # scripts/install_nvcc.sh into $NVCC_DIR, default .nvcc-venv/). Everything staged must fit the 64 MiB the
@@ -66,14 +71,16 @@ for line in sys.stdin:
     cat <<MSG
 
 == staged $((size >> 20)) MiB in $carry_rel/. Now call the \`run\` tool (one call; it prints the table last):
-     command:   bash profiling/gpu_check.sh --on-device
+     command:   bash profiling/gpu_check.sh --on-device parity_ops parity_quant
      carry:     ["$carry_rel"]
-     timeout_s: 300
+     timeout_s: 360
+   (drop the test names to run every test binary: several minutes more)
    Logs and results.md come back under \$OUT (files_at). Give the machine back afterwards unless you rerun at once.
 MSG
 }
 
 device_half() {
+    local only=("$@")
     cd "$root"
     local out="${OUT:-$root/gpu_out}"
     mkdir -p "$out"
@@ -97,6 +104,7 @@ device_half() {
     for t in "$carry"/tests/*; do
         local name log rc t0 t1 passed failed skipped
         name="$(basename "$t")"
+        if ((${#only[@]} > 0)) && [[ ! " ${only[*]} " == *" $name "* ]]; then continue; fi
         log="$out/$name.log"
         chmod +x "$t"
         t0="$(date +%s.%N)"
@@ -128,7 +136,21 @@ device_half() {
             grep -e 'panicked' -e 'FAILED' -A4 "$log" | head -n 40
         fi
     done
+    # Kernel speed: every QuantOps method on real layer shapes (src/bench/gpu.rs states the method).
+    local bench_rc=0
+    chmod +x "$carry/bin/boa-cuda"
+    set +e
+    timeout 150 "$carry/bin/boa-cuda" bench --device cuda --reps 3 >"$out/bench.md" 2>"$out/bench.log"
+    bench_rc=$?
+    set -e
+    if ((bench_rc != 0)); then
+        status=1
+        echo "== bench failed (exit $bench_rc):"
+        tail -n 20 "$out/bench.log"
+    fi
     [[ -f "$out/notes.txt" ]] && cat "$out/notes.txt"
+    echo
+    cat "$out/bench.md"
     echo
     cat "$table"
     echo "status: $([[ $status == 0 ]] && echo PASS || echo FAIL)"
@@ -136,7 +158,7 @@ device_half() {
 }
 
 case "${1:-}" in
-    --on-device) device_half ;;
+    --on-device) shift; device_half "$@" ;;
     "") build_half ;;
-    *) echo "usage: $0 [--on-device]" >&2; exit 2 ;;
+    *) echo "usage: $0 [--on-device [TEST…]]" >&2; exit 2 ;;
 esac

@@ -101,6 +101,22 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Benchmark the quantization core (XᵀX, head covariances, V statistics, batched Cholesky, GPTQ and BoA
+    /// sweeps) on random inputs of real layer shapes, against the device's measured ceilings.
+    Bench {
+        /// cpu, cuda, or auto (CUDA when usable).
+        #[arg(long, value_enum, default_value = "auto")]
+        device: boa_cuda::backend::Device,
+        /// Comma-separated layer shapes: smol, 7b, 8b, 70b (default: smol on the CPU, 7b,8b,70b on CUDA).
+        #[arg(long, value_delimiter = ',')]
+        shapes: Vec<String>,
+        /// Calibration tokens per call (default: 256 on the CPU, 2048 on CUDA).
+        #[arg(long)]
+        tokens: Option<usize>,
+        /// Timed repeats per case (the median is reported).
+        #[arg(long, default_value_t = 3)]
+        reps: usize,
+    },
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -383,6 +399,29 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     s.files
                 );
             }
+        }
+        Cmd::Bench {
+            device,
+            shapes,
+            tokens,
+            reps,
+        } => {
+            use boa_cuda::bench::gpu;
+            let (b, note) = gpu::open_backend(device)?;
+            if let Some(note) = note {
+                eprintln!("{note}");
+            }
+            let (default_shapes, default_tokens) = gpu::defaults(&b);
+            let shapes = if shapes.is_empty() {
+                default_shapes
+            } else {
+                shapes
+                    .iter()
+                    .map(|s| gpu::shape_by_name(s))
+                    .collect::<anyhow::Result<_>>()?
+            };
+            let report = gpu::bench_quant_ops(&b, &shapes, tokens.unwrap_or(default_tokens), reps)?;
+            print!("{report}");
         }
         Cmd::BenchQgemm {
             repeats,

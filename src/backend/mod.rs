@@ -6,12 +6,16 @@
 //! tokens is X [m × d_in] with one token per row.
 
 pub mod cpu;
+mod cpu_quant;
 pub mod cuda;
+pub mod quant_ops;
 mod select;
 
+pub use quant_ops::QuantOps;
 pub use select::{Device, select_backend};
 
-pub trait Backend: Send + Sync {
+/// Every backend also provides the quantization core (`QuantOps`, quant_ops.rs).
+pub trait Backend: QuantOps + Send + Sync {
     /// Short name for reports ("cpu", "cuda:0 NVIDIA H200").
     fn name(&self) -> String;
 

@@ -1,5 +1,6 @@
 //! Benchmarks behind `boa-cuda bench-*` subcommands: they synthesize or run what they time and return
 //! numbers; main.rs prints them.
 
+pub mod gpu;
 pub mod qgemm;
 pub mod quant;

@@ -2,6 +2,7 @@
 //! §4.2–4.3, accumulated window chunk by window chunk so memory holds one chunk's intermediates.
 
 use crate::backend::Backend;
+use crate::backend::quant_ops::AttnShape;
 use crate::model::Config;
 use crate::model::llama::{BlockTrace, BlockWeights, RopeTable, block_forward};
 use crate::quant::hessian::{HeadCovAccumulator, VColAccumulator, XxtAccumulator};
@@ -57,6 +58,12 @@ pub fn collect(
         let t0 = Instant::now();
         block_forward(be, w, cfg, rope, &mut xc, ns, Some(&mut tr));
         let t1 = Instant::now();
+        if be.accelerates_statistics() {
+            add_through_backend(be, &mut s, &tr, cfg, t, ns, attention_aware);
+            s.forward_time += t1 - t0;
+            s.stats_time += t1.elapsed();
+            continue;
+        }
         s.h_attn.add_batch(&tr.x_attn, m);
         s.h_o.add_batch(&tr.attn_out, m);
         s.h_mlp.add_batch(&tr.x_mlp, m);
@@ -78,4 +85,44 @@ pub fn collect(
         s.stats_time += t1.elapsed();
     }
     s
+}
+
+/// The statistics of one chunk through the backend's `QuantOps` (the CUDA kernels): each sum is computed in f32
+/// on the device over the whole chunk and folded into the accumulators' f64 totals, and V's attention
+/// probabilities are never materialized.
+fn add_through_backend(
+    be: &dyn Backend,
+    s: &mut BlockStats,
+    tr: &BlockTrace,
+    cfg: &Config,
+    t: usize,
+    ns: usize,
+    attention_aware: bool,
+) {
+    let (d, m) = (cfg.d, ns * t);
+    let (h, h_kv, d_h) = (cfg.n_heads, cfg.n_kv_heads, cfg.d_h);
+    let gram = |x: &[f32], width: usize| {
+        let mut g = vec![0f32; width * width];
+        be.xxt_accumulate(&mut g, x, m, width);
+        g
+    };
+    s.h_attn.add_sum(&gram(&tr.x_attn, d), m);
+    s.h_o.add_sum(&gram(&tr.attn_out, h * d_h), m);
+    s.h_mlp.add_sum(&gram(&tr.x_mlp, d), m);
+    s.h_down.add_sum(&gram(&tr.act, cfg.d_ff), m);
+    if attention_aware {
+        s.c_k.add_sums(&be.head_covariance(&tr.k, m, h_kv, d_h), m);
+        s.c_q.add_sums(&be.head_covariance(&tr.q, m, h, d_h), m);
+        let v_col = s.v_col.as_mut().expect("attention-aware");
+        let shape = AttnShape { t, h, h_kv, d_h, d };
+        for q in 0..ns {
+            let sums = be.v_col_covariance(
+                &tr.x_attn[q * t * d..(q + 1) * t * d],
+                &tr.q[q * t * h * d_h..(q + 1) * t * h * d_h],
+                &tr.k[q * t * h_kv * d_h..(q + 1) * t * h_kv * d_h],
+                shape,
+            );
+            v_col.add_head_sums(&sums, t);
+        }
+    }
 }

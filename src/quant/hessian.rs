@@ -96,6 +96,21 @@ impl XxtAccumulator {
         self.n
     }
 
+    /// Adds Σ x xᵀ [d × d] of m tokens computed elsewhere (a backend's `QuantOps::xxt_accumulate`).
+    pub fn add_sum(&mut self, sum: &[f32], m: usize) {
+        assert_eq!(
+            sum.len(),
+            self.d * self.d,
+            "Σ x xᵀ is not [{0} × {0}]",
+            self.d
+        );
+        self.sum
+            .iter_mut()
+            .zip(sum)
+            .for_each(|(s, &v)| *s += v as f64);
+        self.n += m;
+    }
+
     /// (2/N) Σ x xᵀ [d × d].
     pub fn hessian(&self) -> Vec<f64> {
         finish(&self.sum, self.d, self.n, 1.0)
@@ -132,6 +147,21 @@ impl HeadCovAccumulator {
                 add_xxt_f64(sum, &x[h * dh..], m, dh, nh * dh, &mut s);
             }
         }
+        self.n += m;
+    }
+
+    /// Adds per-head sums [n_heads × d_h × d_h] of m tokens computed elsewhere
+    /// (a backend's `QuantOps::head_covariance`).
+    pub fn add_sums(&mut self, sums: &[f32], m: usize) {
+        assert_eq!(
+            sums.len(),
+            self.sums.len(),
+            "per-head sums have the wrong shape"
+        );
+        self.sums
+            .iter_mut()
+            .zip(sums)
+            .for_each(|(s, &v)| *s += v as f64);
         self.n += m;
     }
 
@@ -373,6 +403,26 @@ impl VColAccumulator {
                 d,
                 &mut s,
             );
+        }
+        self.n += t;
+    }
+
+    /// One sequence of t tokens whose per-QUERY-head sums (A_h X)ᵀ(A_h X) [n_heads × d × d] were computed
+    /// elsewhere (a backend's `QuantOps::v_col_covariance`); folded into the KV heads as `add_sequence` does.
+    pub fn add_head_sums(&mut self, sums: &[f32], t: usize) {
+        let dd = self.d * self.d;
+        assert_eq!(
+            sums.len(),
+            self.n_heads * dd,
+            "per-head sums have the wrong shape"
+        );
+        let gs = self.n_heads / self.n_kv;
+        for (h, g) in sums.chunks(dd).enumerate() {
+            let kv = h / gs;
+            self.sums[kv * dd..(kv + 1) * dd]
+                .iter_mut()
+                .zip(g)
+                .for_each(|(s, &v)| *s += v as f64);
         }
         self.n += t;
     }

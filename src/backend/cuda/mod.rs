@@ -1,5 +1,6 @@
 //! CUDA backend: the cudarc host layer over the kernels build.rs embedded (one file per cuda/*.cu:
-//! `ops.rs` ↔ cuda/ops.cu).
+//! `ops.rs` ↔ cuda/ops.cu, `hessian.rs`, `cholesky.rs`, `sweep.rs` ↔ their .cu; `quant.rs` implements
+//! `QuantOps` over the last three).
 //!
 //! Opening it never panics: libcuda is loaded at run time (cudarc `dynamic-loading`), so `CudaBackend::new`
 //! first probes for the driver, then checks that kernels were compiled in, then opens the context inside
@@ -10,16 +11,22 @@
 //! Operations without a kernel yet delegate to the CPU backend, each saying so.
 
 pub mod abi;
+pub mod ceiling;
+pub mod cholesky;
+pub mod hessian;
 pub mod kernels;
 mod nvtx;
 pub mod ops;
+mod quant;
+pub mod sweep;
 
+pub use hessian::XxtVariant;
 pub use nvtx::{Range, range};
 pub use ops::RmsNormVariant;
 
 use super::Backend;
 use super::cpu::CpuBackend;
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DriverError};
+use cudarc::driver::{CudaContext, CudaModule, CudaSlice, CudaStream, DriverError};
 use cudarc::nvrtc::Ptx;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
@@ -51,13 +58,45 @@ fn driver(what: &'static str) -> impl FnOnce(DriverError) -> CudaError {
     move |source| CudaError::Driver { what, source }
 }
 
+/// Function handles of the quantization-core modules (cuda/hessian.cu, cholesky.cu, sweep.cu).
+struct QuantKernels {
+    hessian: hessian::HessianKernels,
+    cholesky: cholesky::CholeskyKernels,
+    sweep: sweep::SweepKernels,
+}
+
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     ops: ops::OpsKernels,
+    quant: QuantKernels,
     name: String,
     rms_norm_variant: RmsNormVariant,
+    xxt_variant: XxtVariant,
     poison_outputs: bool,
+    /// Device time of the kernels of the last QuantOps call (events around the launches, transfers excluded).
+    last_kernel_ms: std::sync::Mutex<f32>,
+}
+
+/// Loads the embedded fatbin of cuda/`stem`.cu, or says why it cannot.
+fn load_module(
+    ctx: &Arc<CudaContext>,
+    stem: &'static str,
+    gpu: &str,
+    cc: (i32, i32),
+) -> Result<Arc<CudaModule>, String> {
+    let fatbin = kernels::fatbin(stem)
+        .ok_or_else(|| format!("cuda/{stem}.cu is missing from the embedded kernels"))?;
+    ctx.load_module(Ptx::from_binary(fatbin.to_vec()))
+        .map_err(|e| {
+            format!(
+                "cannot load the embedded cuda/{stem}.cu kernels on {gpu} (sm_{}{}): {e}; they were built by \
+                 nvcc {}, and the driver cannot load PTX from a newer nvcc",
+                cc.0,
+                cc.1,
+                kernels::NVCC_VERSION
+            )
+        })
 }
 
 impl CudaBackend {
@@ -102,36 +141,75 @@ impl CudaBackend {
                 cc.0, cc.1, MIN_COMPUTE_CAPABILITY.0, MIN_COMPUTE_CAPABILITY.1
             ));
         }
-        let fatbin = kernels::fatbin(ops::MODULE).ok_or_else(|| {
-            format!(
-                "cuda/{}.cu is missing from the embedded kernels",
-                ops::MODULE
-            )
-        })?;
-        let module = ctx.load_module(Ptx::from_binary(fatbin.to_vec())).map_err(|e| {
-            format!(
-                "cannot load the embedded cuda/{}.cu kernels on {gpu} (sm_{}{}): {e}; they were built by \
-                 nvcc {}, and the driver cannot load PTX from a newer nvcc",
-                ops::MODULE,
-                cc.0,
-                cc.1,
-                kernels::NVCC_VERSION
-            )
-        })?;
+        let module = load_module(&ctx, ops::MODULE, &gpu, cc)?;
         let ops = ops::OpsKernels::load(&module).map_err(|e| e.to_string())?;
+        let quant = QuantKernels {
+            hessian: hessian::HessianKernels::load(&load_module(&ctx, hessian::MODULE, &gpu, cc)?)
+                .map_err(|e| e.to_string())?,
+            cholesky: cholesky::CholeskyKernels::load(&load_module(
+                &ctx,
+                cholesky::MODULE,
+                &gpu,
+                cc,
+            )?)
+            .map_err(|e| e.to_string())?,
+            sweep: sweep::SweepKernels::load(&load_module(&ctx, sweep::MODULE, &gpu, cc)?)
+                .map_err(|e| e.to_string())?,
+        };
         Ok(CudaBackend {
             stream: ctx.default_stream(),
             ctx,
             ops,
+            quant,
             name: format!("cuda:{ordinal} {gpu}"),
             rms_norm_variant: RmsNormVariant::WarpPerRow,
+            xxt_variant: XxtVariant::Bf16Wmma,
             poison_outputs: false,
+            last_kernel_ms: std::sync::Mutex::new(0.0),
         })
     }
 
     /// Selects the RMSNorm kernel variant (style.md rule 4: the naive one stays selectable).
     pub fn set_rms_norm_variant(&mut self, v: RmsNormVariant) {
         self.rms_norm_variant = v;
+    }
+
+    /// Selects the XᵀX kernel variant used by xxt_accumulate, head_covariance and v_col_covariance.
+    pub fn set_xxt_variant(&mut self, v: XxtVariant) {
+        self.xxt_variant = v;
+    }
+
+    /// Device milliseconds of the kernels of the last QuantOps call (uploads and downloads excluded).
+    pub fn last_kernel_ms(&self) -> f32 {
+        *self
+            .last_kernel_ms
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Runs `launches` between two timing events on the stream and records the elapsed device time.
+    fn timed<R>(&self, launches: impl FnOnce() -> Result<R, CudaError>) -> Result<R, CudaError> {
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self
+            .stream
+            .record_event(flags)
+            .map_err(driver("record start event"))?;
+        let r = launches()?;
+        let end = self
+            .stream
+            .record_event(flags)
+            .map_err(driver("record end event"))?;
+        let ms = start.elapsed_ms(&end).map_err(driver("kernel time"))?;
+        *self
+            .last_kernel_ms
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = ms;
+        Ok(r)
+    }
+
+    /// Synchronizes the stream (benchmarks: the QuantOps methods already synchronize before returning).
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.stream.synchronize().map_err(driver("synchronize"))
     }
 
     /// Fills every output buffer with NaN before the kernel runs, so an element the kernel forgets to write
@@ -154,6 +232,18 @@ impl CudaBackend {
             // SAFETY: every caller launches a kernel that writes all n elements before anything reads them
             // (the parity tests check this with poisoned outputs).
             unsafe { self.stream.alloc::<f32>(n) }.map_err(driver("alloc output"))
+        }
+    }
+
+    /// An output buffer of `n` codes: 0xFF-filled when poisoning (no code of a ≤ 4-bit grid), else uninitialised.
+    fn codes_output(&self, n: usize) -> Result<CudaSlice<u8>, CudaError> {
+        if self.poison_outputs {
+            self.stream
+                .clone_htod(&vec![0xFFu8; n])
+                .map_err(driver("upload poison"))
+        } else {
+            // SAFETY: as `output`: the sweep kernels write every code before it is read.
+            unsafe { self.stream.alloc::<u8>(n) }.map_err(driver("alloc codes"))
         }
     }
 

@@ -1,0 +1,305 @@
+// hessian.cu — Hessian statistics of the quantization core (design.md §4.2–4.3, §6 "Hessian accumulation").
+//
+// ---------------------------------------------------------------------------------------------------------
+// hessian_xxt: H [d × d] += Xᵀ X, X [m × d] (one token per row, row stride ld), batched over blockIdx.z with
+//   element offsets x_bs (into X) and h_bs (into H). One launch covers:
+//     - GPTQ's H = Σ x xᵀ (ld = d, batch 1),
+//     - the per-head covariances Σ_t k_{t,h} k_{t,h}ᵀ of post-RoPE Q or K (ld = n_heads·d_h, x_bs = d_h,
+//       h_bs = d_h², batch n_heads),
+//     - the Gram (A_h X)ᵀ(A_h X) of v_col below.
+//   CPU twin: quant::hessian::hessian_xxt (cpu_quant.rs); launcher: launch_hessian_xxt (backend/cuda/hessian.rs);
+//   parity test: parity_xxt_accumulate / parity_head_covariance (tests/parity_quant.rs).
+//
+// Launch shapes:
+//   v1 f32 tiled     grid (ceil(d/16), ceil(d/16), batch), block 16×16: the textbook shared-memory SGEMM tile
+//                    over 16 tokens at a time, every output element, f32 FFMA. The exact baseline.
+//   v2 bf16 wmma     grid (T(T+1)/2, 1, batch) with T = ceil(d/64), block 128 (4 warps): only the tiles of the
+//                    upper triangle (tile row ≤ tile column); each 64×64 output tile is 2×2 warps of 32×32,
+//                    each warp 2×2 wmma 16×16×16 bf16 fragments with f32 accumulators. X is read as f32,
+//                    rounded to bf16 on the way into shared memory (32 tokens × 64 columns per operand per
+//                    stage); off-diagonal tiles are added to both H[i, j] and the mirror H[j, i].
+//
+//        tiles of H (T = 4):   [0 1 2 3]      block b ↦ (ti, tj) row by row through the upper triangle;
+//                              [. 4 5 6]      the '.' tiles are written by the mirror of their transpose.
+//                              [. . 7 8]
+//                              [. . . 9]
+//
+// Roofline (H200: ~990 TFLOP/s dense bf16, ~4.8 TB/s): XᵀX over N = 128×2048 tokens at d = 4096 is
+//   N·d²  = 4.4 TFLOP (half of it with the triangle) → ≈ 2.2 ms of tensor-core time, while reading X costs
+//   N·d·4 B = 4.3 GB → ≈ 0.9 ms (each X tile is read by T/2 tile columns, mostly from L2). Compute-bound at
+//   the tensor-core rate only with a deeper pipeline than v2 has (no cp.async, one stage): expect v2 well
+//   under the ceiling; the bench reports the fraction.
+//
+// Variants measured: none yet (no GPU run so far). Record each measurement here with card and date.
+// ptxas (nvcc 13.0, sm_90a / sm_80), 0 spills everywhere: v1 32 regs, 2.2 KB smem; v2 117 / 118 regs (the
+//   (128, 4) launch bound; without the min-blocks hint ptxas spilled 4 B on sm_90a), 26 KB smem.
+// ---------------------------------------------------------------------------------------------------------
+// v_col: per query head h, G_h [d × d] = (A_h X)ᵀ (A_h X), A_h = causal softmax(Q_h K_hᵀ/√d_h) [t × t],
+//   X [t × d], Q [t × h·d_h], K [t × h_kv·d_h] (query head h reads KV head h / (h/h_kv)). Three kernels:
+//     softmax_stats_kernel  grid ceil(t·h/4), block 128: one warp per (head, query row): the row's max and
+//                           Σ exp(s − max) over the causal keys (scores recomputed, never stored);
+//     attn_x_kernel         grid (ceil(d/64), ceil(t/32)), block 256, 45 KB static smem: Y = A_h X for one head,
+//                           flash-attention style: per 32-key tile the 32×32 probabilities are formed in shared
+//                           memory from the stats and multiplied into the 32×64 output tile; A_h never reaches
+//                           global memory (only Y [t × d], one head at a time);
+//     hessian_xxt           the Gram of Y into G_h.
+//   CPU twin: cpu_quant.rs v_col_covariance (attention probabilities, then faer GEMMs); launcher:
+//   launch_v_col (backend/cuda/hessian.rs); parity test: parity_v_col_covariance.
+//
+// Roofline (7B, one sequence t = 2048, d = 4096, 32 heads): A_h X is t²·d (causal: half) = 17 GFLOP per head,
+//   the Gram t·d² = 34 GFLOP per head → ≈ 1.6 TFLOP per sequence, 210 TFLOP for 128 sequences per layer.
+//   At tensor-core rate ≈ 0.2 s per layer; attn_x_kernel is f32 FFMA (~60 TFLOP/s on an H200) and also
+//   recomputes the scores once per 64-column tile (d/64 × t²·d_h/2 = the same again as A_h X), so this first
+//   version is bound near 1 s per layer by FFMA. Next step: bf16 mma for P·X and a wider column tile.
+// ptxas (sm_90a / sm_80), 0 spills: softmax_stats 32 / 40 regs, 2 KB smem; attn_x 64 / 79 regs, 45 KB smem.
+// ---------------------------------------------------------------------------------------------------------
+
+#include <cuda_bf16.h>
+#include <mma.h>
+#include <stdint.h>
+
+// --- device helpers ---------------------------------------------------------------------------------------
+
+constexpr int kWarpSize = 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+constexpr int kXxtV1Tile = 16;      // v1: output tile edge = tokens per stage
+constexpr int kXxtV2Tile = 64;      // v2: output tile edge
+constexpr int kXxtV2K = 32;         // v2: tokens per shared-memory stage
+constexpr int kXxtV2Threads = 128;  // v2: 4 warps, 2×2 of 32×32
+constexpr int kXxtV2Pad = 8;        // bf16 elements of row padding (keeps wmma's 32-byte alignment, spreads banks)
+constexpr int kXxtV2CPad = 4;       // f32 padding of the accumulator staging tile
+
+constexpr int kStatsWarps = 4;      // softmax_stats: warps (= query rows) per block
+constexpr int kMaxDh = 128;         // largest head dimension the attention kernels take
+constexpr int kAxRows = 32;         // attn_x: query rows per block
+constexpr int kAxKeys = 32;         // attn_x: keys per stage
+constexpr int kAxCols = 64;         // attn_x: columns of X / Y per block
+constexpr int kAxThreads = 256;
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = kWarpSize / 2; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
+    return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = kWarpSize / 2; o > 0; o /= 2) v += __shfl_xor_sync(kFullMask, v, o);
+    return v;
+}
+
+// (ti, tj), ti ≤ tj, of the b-th tile of the upper triangle of a T×T tile grid, row by row.
+__device__ __forceinline__ void upper_tile(uint32_t b, uint32_t T, uint32_t& ti, uint32_t& tj) {
+    ti = 0;
+    while (b >= T - ti) {
+        b -= T - ti;
+        ++ti;
+    }
+    tj = ti + b;
+}
+
+// --- GPU kernels ------------------------------------------------------------------------------------------
+
+// v1: f32 shared-memory tiles, every element of H (a direct GEMM; exact up to f32 summation order).
+extern "C" __global__ void __launch_bounds__(kXxtV1Tile * kXxtV1Tile)
+hessian_xxt_kernel_v1(float* __restrict__ h,        // [batch × d × d] accumulated (+=), row-major
+                      const float* __restrict__ x,  // [m × ld] row-major; batch z reads columns x_bs·z ..
+                      const uint32_t m,             // tokens
+                      const uint32_t d,             // columns per batch entry (H is d × d)
+                      const uint32_t ld,            // row stride of X, ≥ d
+                      const uint64_t x_bs,          // element offset of batch entry z in X, per z
+                      const uint64_t h_bs) {        // element offset of batch entry z in H, per z
+    __shared__ float a_sh[kXxtV1Tile][kXxtV1Tile + 1];  // [token][row i]
+    __shared__ float b_sh[kXxtV1Tile][kXxtV1Tile + 1];  // [token][col j]
+    x += x_bs * blockIdx.z;
+    h += h_bs * blockIdx.z;
+    const uint32_t tx = threadIdx.x, ty = threadIdx.y;
+    const uint32_t i0 = blockIdx.y * kXxtV1Tile, j0 = blockIdx.x * kXxtV1Tile;
+    float acc = 0.f;
+    for (uint32_t k0 = 0; k0 < m; k0 += kXxtV1Tile) {
+        const uint32_t k = k0 + ty;
+        a_sh[ty][tx] = (k < m && i0 + tx < d) ? x[(size_t)k * ld + i0 + tx] : 0.f;
+        b_sh[ty][tx] = (k < m && j0 + tx < d) ? x[(size_t)k * ld + j0 + tx] : 0.f;
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < kXxtV1Tile; ++kk) acc += a_sh[kk][ty] * b_sh[kk][tx];
+        __syncthreads();
+    }
+    const uint32_t i = i0 + ty, j = j0 + tx;
+    if (i < d && j < d) h[(size_t)i * d + j] += acc;
+}
+
+// v2: bf16 tensor cores (wmma m16n16k16, f32 accumulate), upper-triangle tiles only, mirrored on the way out.
+extern "C" __global__ void __launch_bounds__(kXxtV2Threads, 4)  // the min-blocks hint avoids a 4-byte spill ptxas makes on sm_90a without it
+hessian_xxt_kernel_v2(float* __restrict__ h,        // [batch × d × d] accumulated (+=), row-major
+                      const float* __restrict__ x,  // [m × ld] row-major f32 (rounded to bf16 on load)
+                      const uint32_t m, const uint32_t d, const uint32_t ld, const uint64_t x_bs,
+                      const uint64_t h_bs) {        // as v1
+    using namespace nvcuda;
+    constexpr int kLd = kXxtV2Tile + kXxtV2Pad;
+    constexpr int kCLd = kXxtV2Tile + kXxtV2CPad;
+    __shared__ __align__(32) __nv_bfloat16 a_sh[kXxtV2K][kLd];  // [token][i − i0]: A = Xᵀ tile, col-major
+    __shared__ __align__(32) __nv_bfloat16 b_sh[kXxtV2K][kLd];  // [token][j − j0]: B = X tile, row-major
+    __shared__ __align__(32) float c_sh[kXxtV2Tile][kCLd];      // accumulator staging for the guarded store
+    x += x_bs * blockIdx.z;
+    h += h_bs * blockIdx.z;
+    const uint32_t T = (d + kXxtV2Tile - 1) / kXxtV2Tile;
+    uint32_t ti, tj;
+    upper_tile(blockIdx.x, T, ti, tj);
+    const uint32_t i0 = ti * kXxtV2Tile, j0 = tj * kXxtV2Tile;
+    const int warp = threadIdx.x / kWarpSize;
+    const int wr = (warp / 2) * 32, wc = (warp % 2) * 32;  // this warp's 32×32 sub-tile
+
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+        for (int b = 0; b < 2; ++b) wmma::fill_fragment(acc[a][b], 0.f);
+
+    for (uint32_t k0 = 0; k0 < m; k0 += kXxtV2K) {
+        // 32 tokens × 64 columns per operand: each thread converts 16 + 16 elements; a warp reads 128
+        // contiguous bytes of one token row per step.
+        for (int e = threadIdx.x; e < kXxtV2K * kXxtV2Tile; e += kXxtV2Threads) {
+            const int kk = e / kXxtV2Tile, c = e % kXxtV2Tile;
+            const uint32_t k = k0 + kk;
+            const bool kin = k < m;
+            const float va = (kin && i0 + c < d) ? x[(size_t)k * ld + i0 + c] : 0.f;
+            const float vb = (kin && j0 + c < d) ? x[(size_t)k * ld + j0 + c] : 0.f;
+            a_sh[kk][c] = __float2bfloat16_rn(va);
+            b_sh[kk][c] = __float2bfloat16_rn(vb);
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < kXxtV2K; kk += 16) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::col_major> fa[2];
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> fb[2];
+#pragma unroll
+            for (int a = 0; a < 2; ++a) wmma::load_matrix_sync(fa[a], &a_sh[kk][wr + 16 * a], kLd);
+#pragma unroll
+            for (int b = 0; b < 2; ++b) wmma::load_matrix_sync(fb[b], &b_sh[kk][wc + 16 * b], kLd);
+#pragma unroll
+            for (int a = 0; a < 2; ++a)
+#pragma unroll
+                for (int b = 0; b < 2; ++b) wmma::mma_sync(acc[a][b], fa[a], fb[b], acc[a][b]);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+        for (int b = 0; b < 2; ++b)
+            wmma::store_matrix_sync(&c_sh[wr + 16 * a][wc + 16 * b], acc[a][b], kCLd, wmma::mem_row_major);
+    __syncthreads();
+    const bool mirror = ti != tj;
+    for (int e = threadIdx.x; e < kXxtV2Tile * kXxtV2Tile; e += kXxtV2Threads) {
+        const int r = e / kXxtV2Tile, c = e % kXxtV2Tile;
+        const uint32_t i = i0 + r, j = j0 + c;
+        if (i >= d || j >= d) continue;
+        const float v = c_sh[r][c];
+        h[(size_t)i * d + j] += v;
+        // The transposed store is uncoalesced (stride d); it is 1/m of the arithmetic, so it stays simple.
+        if (mirror) h[(size_t)j * d + i] += v;
+    }
+}
+
+// One warp per (head, query row i): stats[head·t + i] = (max_j s_ij, Σ_j exp(s_ij − max)), j ≤ i,
+// s_ij = q_i·k_j / √d_h.
+extern "C" __global__ void __launch_bounds__(kStatsWarps * kWarpSize)
+softmax_stats_kernel(float2* __restrict__ stats,    // [h × t] (row max, Σ exp) out
+                     const float* __restrict__ q,   // [t × h·d_h] post-RoPE queries
+                     const float* __restrict__ k,   // [t × h_kv·d_h] post-RoPE keys
+                     const uint32_t t, const uint32_t n_heads, const uint32_t n_kv, const uint32_t d_h) {
+    __shared__ float q_sh[kStatsWarps][kMaxDh];
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    const uint32_t row = blockIdx.x * kStatsWarps + warp;  // = head·t + i
+    if (row >= n_heads * t) return;                         // warp-uniform
+    const uint32_t head = row / t, i = row % t;
+    const uint32_t kvh = head / (n_heads / n_kv);
+    const float* q_row = q + (size_t)i * n_heads * d_h + head * d_h;
+    for (uint32_t c = lane; c < d_h; c += kWarpSize) q_sh[warp][c] = q_row[c];
+    __syncwarp();
+    const float scale = rsqrtf((float)d_h);
+    float mx = -INFINITY, sum = 0.f;
+    for (uint32_t j = lane; j <= i; j += kWarpSize) {
+        const float* k_row = k + (size_t)j * n_kv * d_h + kvh * d_h;
+        float s = 0.f;
+        for (uint32_t c = 0; c < d_h; ++c) s += q_sh[warp][c] * k_row[c];
+        s *= scale;
+        const float nm = fmaxf(mx, s);
+        sum = sum * __expf(mx - nm) + __expf(s - nm);
+        mx = nm;
+    }
+    const float gm = warp_max(mx);
+    sum = (mx == -INFINITY) ? 0.f : sum * __expf(mx - gm);
+    sum = warp_sum(sum);
+    if (lane == 0) stats[row] = make_float2(gm, sum);
+}
+
+// Y [t × d] = A_h X for one query head, A_h formed a 32×32 tile at a time from the scores and the stats.
+extern "C" __global__ void __launch_bounds__(kAxThreads)
+attn_x_kernel(float* __restrict__ y,             // [t × d] out
+              const float* __restrict__ x,       // [t × d] block input
+              const float* __restrict__ q,       // [t × h·d_h]
+              const float* __restrict__ k,       // [t × h_kv·d_h]
+              const float2* __restrict__ stats,  // [h × t] from softmax_stats_kernel
+              const uint32_t head, const uint32_t t, const uint32_t n_heads, const uint32_t n_kv,
+              const uint32_t d_h, const uint32_t d) {
+    __shared__ float q_sh[kAxRows][kMaxDh];        // this block's query rows (broadcast reads)
+    __shared__ float k_sh[kAxKeys][kMaxDh + 1];    // key tile, padded: lane = key reads distinct banks
+    __shared__ float p_sh[kAxRows][kAxKeys + 1];   // probabilities of the tile
+    __shared__ float x_sh[kAxKeys][kAxCols];       // X rows of the key tile, this block's columns
+    const uint32_t kvh = head / (n_heads / n_kv);
+    const uint32_t c0 = blockIdx.x * kAxCols, i0 = blockIdx.y * kAxRows;
+    const int tid = threadIdx.x;
+    const float scale = rsqrtf((float)d_h);
+    for (int e = tid; e < kAxRows * (int)d_h; e += kAxThreads) {
+        const int r = e / d_h, c = e % d_h;
+        q_sh[r][c] = (i0 + r < t) ? q[(size_t)(i0 + r) * n_heads * d_h + head * d_h + c] : 0.f;
+    }
+    // Thread owns output row r_out, columns c_out + 8·u (u < 8): a warp covers 4 rows × 64 columns.
+    const int r_out = tid / 8, c_out = tid % 8;
+    float acc[kAxCols / 8];
+#pragma unroll
+    for (int u = 0; u < kAxCols / 8; ++u) acc[u] = 0.f;
+    const uint32_t i_last = min(i0 + kAxRows, t) - 1;  // causal: keys beyond the last query row add nothing
+    for (uint32_t j0 = 0; j0 <= i_last; j0 += kAxKeys) {
+        __syncthreads();  // previous tile fully consumed (and q_sh written, first time round)
+        for (int e = tid; e < kAxKeys * (int)d_h; e += kAxThreads) {
+            const int r = e / d_h, c = e % d_h;
+            k_sh[r][c] = (j0 + r < t) ? k[(size_t)(j0 + r) * n_kv * d_h + kvh * d_h + c] : 0.f;
+        }
+        for (int e = tid; e < kAxKeys * kAxCols; e += kAxThreads) {
+            const int r = e / kAxCols, c = e % kAxCols;
+            x_sh[r][c] = (j0 + r < t && c0 + c < d) ? x[(size_t)(j0 + r) * d + c0 + c] : 0.f;
+        }
+        __syncthreads();
+        for (int e = tid; e < kAxRows * kAxKeys; e += kAxThreads) {
+            const int r = e / kAxKeys, jj = e % kAxKeys;  // warp: one query row, 32 keys
+            const uint32_t i = i0 + r, j = j0 + jj;
+            float p = 0.f;
+            if (i < t && j <= i) {
+                float s = 0.f;
+                for (uint32_t c = 0; c < d_h; ++c) s += q_sh[r][c] * k_sh[jj][c];
+                const float2 st = stats[(size_t)head * t + i];
+                p = __expf(s * scale - st.x) / st.y;
+            }
+            p_sh[r][jj] = p;
+        }
+        __syncthreads();
+#pragma unroll 4
+        for (int jj = 0; jj < kAxKeys; ++jj) {
+            const float p = p_sh[r_out][jj];
+#pragma unroll
+            for (int u = 0; u < kAxCols / 8; ++u) acc[u] += p * x_sh[jj][c_out + 8 * u];
+        }
+    }
+    const uint32_t i = i0 + r_out;
+    if (i < t) {
+#pragma unroll
+        for (int u = 0; u < kAxCols / 8; ++u) {
+            const uint32_t c = c0 + c_out + 8 * u;
+            if (c < d) y[(size_t)i * d + c] = acc[u];
+        }
+    }
+}

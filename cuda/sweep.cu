@@ -1,0 +1,225 @@
+// sweep.cu — the lazy-batched rounding sweeps (design.md §4.2 GPTQ, §4.3 BoA; §6 "lazy-batched rounding",
+// "BoA sweep"), static grids (one (scale, zero) per row and group, fixed before the sweep).
+//
+// Symbols as in the paper: W (weights, [rows × n], sweep order), U = U_col = chol(H⁻¹)ᵀ upper [n × n],
+// Q (dequantized result), E (scaled errors of the current column block), block bounds i1/i2 as in gptq.py.
+// Rounding matches the CPU twins operation for operation inside a block (quantize/dequantize from
+// include/boa_quant.h; w −= e·u as a rounded product then a rounded difference, like Rust's non-fused
+// `x -= err * uu`); the trailing GEMMs sum in a different order, so near-ties may round differently.
+//
+// ---------------------------------------------------------------------------------------------------------
+// gptq_block_kernel: one column block [i1, i2) (i2 − i1 ≤ 128) of the GPTQ sweep (Alg. 2 l.3–6 inside the
+//   block). CPU twin: quant::gptq::gptq_block_sweep (static grids); launcher: launch_gptq_sweep
+//   (backend/cuda/sweep.rs); parity test: parity_gptq_sweep.
+//   Launch: grid ceil(rows/32), block 32 (one warp, one thread per row), static smem 18.6 KB: the block's W
+//   columns staged column-major w_sh[c][row] (a warp reads one column in one conflict-free access), the
+//   codes beside them. U[c, c..i2] is read from global memory with a warp-uniform address (one broadcast
+//   transaction, L1-resident). After column c is quantized w_sh[c] holds Q, written out coalesced at the end;
+//   E goes out as [bw × rows] (coalesced: a warp writes one column of E per step).
+//
+// sweep_trailing_gemm_kernel: W[:, i2:] −= E[:, i1:i2] · U[i1:i2, i2:] (the lazy batch, one GEMM), batched
+//   over z (BoA's per-head U_col). C [rows × ncol] (ldc) −= Eᵀ · B, Eᵀ given as [k × rows] (lda), B [k × ncol]
+//   (ldb). Launch: grid (ceil(ncol/64), ceil(rows/64), batch), block 256, 8 KB smem: 64×64 output tile, 4×4
+//   per thread, 16-deep k stages; f32 FFMA (tf32 tensor cores would move codes off the CPU oracle).
+//
+// boa_block_kernel: one column block [i1, i2) (≤ 32 columns) of the head-wise BoA sweep for every head at
+//   once, rows of a head in a WAVEFRONT (design.md §4.3): at step s thread i (row i of head blockIdx.x)
+//   quantizes block column c = s − i, so row i reaches column c exactly one step after row i − 1 did, and
+//   all d_h rows run together: d_h + bw − 1 steps per block instead of d_h·bw. Row i at column c first takes
+//   the cross-row term of Eq. (12) (Prop. 3.1) from the rows above,
+//       cross = Σ_{j<i} F[j, i]·δ_{j,c},   F[j, i] = U_row[j, i] / U_row[j, j],
+//       δ_{j,c} = (row j's value at c after the cross-row updates, before its own GPTQ updates) − q_{j,c}
+//               = W0[j, c] − cross_{j,c} − q_{j,c}        (W0: the weights before the sweep),
+//   then quantizes v = W[i, c] − cross (W holds the row's own GPTQ updates), e = (v − q)/U_col[c, c] and
+//   updates its own later block columns. The trailing update of every row is the GEMM above (U_col shared:
+//   one GEMM over all n_heads·d_h rows; per head: batched over heads).
+//   CPU twin: quant::boa::boa_sweep (row by row; bit-identical order-independence is design.md §4.3's
+//   "any order within the grid's partial order"); launcher: launch_boa_sweep; parity test: parity_boa_sweep.
+//   Launch: grid n_heads, block 128 (d_h ≤ 128; threads ≥ d_h only join the barriers), static smem 41 KB:
+//   w_sh[c][i] (stride 130: in the wavefront, thread i touches column s − i, and an even stride keeps those
+//   addresses in distinct banks), δ_sh[c][j] (stride 129: read at (s − i, j), written at (s − i, i)), the
+//   U_col block, the codes. One barrier per step.
+//
+// Roofline (7B q_proj, 4096 × 4096): the sweeps are latency-bound (design.md §6): GPTQ has n/128 = 32 block
+//   launches of 128 dependent column steps each (~0.1–0.2 µs per step: a divide, a rint, a 128-wide row
+//   update from smem) plus 32 trailing GEMMs of ≤ 4096×128×4096 (137 GFLOP in all, ~3 ms at FFMA rate) →
+//   target ≤ 5 ms. BoA: n/32 = 128 blocks × (d_h + 31) = 159 steps with a barrier and a ≤ 128-long cross-row
+//   dot each → ~20K steps, ~20–40 ms at first; the next version widens the block (bw = 128 with the
+//   δ tile in registers) to bring it toward the ≤ 2× GPTQ goal.
+//
+// Variants measured: none yet (no GPU run so far).
+// ptxas (nvcc 13.0, sm_90a / sm_80), 0 spills: gptq_block 40 / 40 regs, 21 KB smem; sweep_trailing_gemm
+//   57 / 58 regs, 8 KB; boa_block 51 / 44 regs, 41 KB.
+// ---------------------------------------------------------------------------------------------------------
+
+#include <stdint.h>
+
+#include "boa_quant.h"
+
+constexpr int kWarpSize = 32;
+constexpr int kGptqRows = 32;     // gptq_block: rows (threads) per CTA
+constexpr int kGptqMaxBw = 128;   // gptq_block: widest column block; must match GPTQ_MAX_BLOCK in sweep.rs
+constexpr int kGemmTile = 64;
+constexpr int kGemmK = 16;
+constexpr int kGemmThreads = 256;
+constexpr int kBoaMaxDh = 128;    // boa_block: must match BOA_MAX_DH in sweep.rs
+constexpr int kBoaBw = 32;        // boa_block: column block width; must match BOA_BLOCK in sweep.rs
+constexpr int kBoaWStride = kBoaMaxDh + 2;
+constexpr int kBoaDStride = kBoaMaxDh + 1;
+
+// --- device helpers ---------------------------------------------------------------------------------------
+
+// w − e·u rounded as Rust's `w -= e * u` (no fused multiply-add), so the CPU twin's rounding is reproduced.
+__device__ __forceinline__ float sub_prod(float w, float e, float u) { return __fsub_rn(w, __fmul_rn(e, u)); }
+
+// --- GPU kernels ------------------------------------------------------------------------------------------
+
+extern "C" __global__ void __launch_bounds__(kGptqRows)
+gptq_block_kernel(float* __restrict__ w,               // [rows × n] in: W (after earlier blocks' updates)
+                  float* __restrict__ q,               // [rows × n] out: Q of block columns
+                  uint8_t* __restrict__ codes,         // [rows × n] out: integer codes of block columns
+                  float* __restrict__ e,               // [bw × rows] out: E of the block, column-major
+                  const float* __restrict__ u,         // [n × n] U_col, upper
+                  const float* __restrict__ scales,    // [rows × n_groups]
+                  const float* __restrict__ zeros,     // [rows × n_groups]
+                  const uint32_t* __restrict__ col_group,  // [n] group of each sweep column
+                  const uint32_t rows, const uint32_t n, const uint32_t n_groups, const uint32_t i1,
+                  const uint32_t i2, const float maxq) {
+    __shared__ float w_sh[kGptqMaxBw][kGptqRows + 1];
+    __shared__ uint8_t c_sh[kGptqMaxBw][kGptqRows + 4];
+    const uint32_t lane = threadIdx.x, r0 = blockIdx.x * kGptqRows;
+    const uint32_t bw = i2 - i1;
+    // Coalesced: lanes walk along a row's block columns.
+    for (uint32_t rr = 0; rr < kGptqRows && r0 + rr < rows; ++rr)
+        for (uint32_t c = lane; c < bw; c += kWarpSize) w_sh[c][rr] = w[(size_t)(r0 + rr) * n + i1 + c];
+    __syncwarp();
+    const uint32_t r = r0 + lane;
+    if (r < rows) {
+        for (uint32_t c = 0; c < bw; ++c) {
+            const uint32_t col = i1 + c;
+            const uint32_t g = col_group[col];
+            const float s = scales[(size_t)r * n_groups + g], z = zeros[(size_t)r * n_groups + g];
+            const float wc = w_sh[c][lane];
+            const float qc = boa_quantize(wc, s, z, maxq);     // Alg. 2 l.4
+            const float qv = boa_dequantize(qc, s, z);
+            const float* u_row = u + (size_t)col * n;
+            const float err = (wc - qv) / u_row[col];           // Alg. 2 l.5
+            e[(size_t)c * rows + r] = err;
+            for (uint32_t c2 = c + 1; c2 < bw; ++c2)            // Alg. 2 l.6 inside the block
+                w_sh[c2][lane] = sub_prod(w_sh[c2][lane], err, u_row[i1 + c2]);
+            w_sh[c][lane] = qv;
+            c_sh[c][lane] = (uint8_t)qc;
+        }
+    }
+    __syncwarp();
+    for (uint32_t rr = 0; rr < kGptqRows && r0 + rr < rows; ++rr)
+        for (uint32_t c = lane; c < bw; c += kWarpSize) {
+            q[(size_t)(r0 + rr) * n + i1 + c] = w_sh[c][rr];
+            codes[(size_t)(r0 + rr) * n + i1 + c] = c_sh[c][rr];
+        }
+}
+
+extern "C" __global__ void __launch_bounds__(kGemmThreads)
+sweep_trailing_gemm_kernel(float* __restrict__ c,        // [rows × ncol], row stride ldc: C −= Eᵀ·B
+                           const float* __restrict__ et,  // [k × rows], row stride lda (E transposed)
+                           const float* __restrict__ b,   // [k × ncol], row stride ldb
+                           const uint32_t rows, const uint32_t ncol, const uint32_t k, const uint32_t ldc,
+                           const uint32_t lda, const uint32_t ldb,
+                           const uint64_t c_bs, const uint64_t a_bs, const uint64_t b_bs) {  // per-z offsets
+    __shared__ float a_sh[kGemmK][kGemmTile];
+    __shared__ float b_sh[kGemmK][kGemmTile];
+    c += c_bs * blockIdx.z;
+    et += a_bs * blockIdx.z;
+    b += b_bs * blockIdx.z;
+    const uint32_t r0 = blockIdx.y * kGemmTile, c0 = blockIdx.x * kGemmTile;
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;  // thread owns rows ty + 16a, cols tx + 16b
+    float acc[4][4] = {};
+    for (uint32_t k0 = 0; k0 < k; k0 += kGemmK) {
+        for (int e = threadIdx.x; e < kGemmK * kGemmTile; e += kGemmThreads) {
+            const int kk = e / kGemmTile, x = e % kGemmTile;
+            const bool kin = k0 + kk < k;
+            a_sh[kk][x] = (kin && r0 + x < rows) ? et[(size_t)(k0 + kk) * lda + r0 + x] : 0.f;
+            b_sh[kk][x] = (kin && c0 + x < ncol) ? b[(size_t)(k0 + kk) * ldb + c0 + x] : 0.f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < kGemmK; ++kk) {
+            float av[4], bv[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) av[i] = a_sh[kk][ty + 16 * i];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) bv[j] = b_sh[kk][tx + 16 * j];
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) acc[i][j] += av[i] * bv[j];
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const uint32_t r = r0 + ty + 16 * i, col = c0 + tx + 16 * j;
+            if (r < rows && col < ncol) c[(size_t)r * ldc + col] -= acc[i][j];
+        }
+}
+
+extern "C" __global__ void __launch_bounds__(kBoaMaxDh)
+boa_block_kernel(float* __restrict__ w,              // [n_heads·d_h × n] in: W with earlier blocks' own updates
+                 const float* __restrict__ w0,       // [n_heads·d_h × n] the weights before the sweep
+                 float* __restrict__ q,              // [n_heads·d_h × n] out: Q of block columns
+                 uint8_t* __restrict__ codes,        // [n_heads·d_h × n] out
+                 float* __restrict__ e,              // [bw × n_heads·d_h] out: E of the block, column-major
+                 const float* __restrict__ u_col,    // [n × n] shared, or [n_heads × n × n] per head
+                 const uint64_t u_head_stride,       // 0 (shared U_col) or n² (per head)
+                 const float* __restrict__ f_row,    // [n_heads × d_h × d_h]: F[j, i] = U_row[j, i]/U_row[j, j]
+                 const float* __restrict__ scales,   // [n_heads·d_h × n_groups]
+                 const float* __restrict__ zeros,    // [n_heads·d_h × n_groups]
+                 const uint32_t* __restrict__ col_group,  // [n]
+                 const uint32_t d_h, const uint32_t n, const uint32_t n_groups, const uint32_t i1,
+                 const uint32_t i2, const float maxq) {
+    __shared__ float w_sh[kBoaBw][kBoaWStride];   // own-updated W of the block; Q once quantized
+    __shared__ float dl_sh[kBoaBw][kBoaDStride];  // δ_{j,c}
+    __shared__ float u_sh[kBoaBw][kBoaBw + 1];    // U_col[i1.., i1..] block
+    __shared__ uint8_t c_sh[kBoaBw][kBoaMaxDh];
+    const uint32_t head = blockIdx.x, tid = threadIdx.x, bw = i2 - i1;
+    const uint32_t rows_total = gridDim.x * d_h, row0 = head * d_h;
+    const float* uc = u_col + u_head_stride * head;
+    const float* f = f_row + (size_t)head * d_h * d_h;
+    for (uint32_t x = tid; x < d_h * bw; x += blockDim.x) {
+        const uint32_t i = x / bw, c = x % bw;
+        w_sh[c][i] = w[(size_t)(row0 + i) * n + i1 + c];
+    }
+    for (uint32_t x = tid; x < bw * bw; x += blockDim.x) {
+        const uint32_t a = x / bw, b = x % bw;
+        u_sh[a][b] = uc[(size_t)(i1 + a) * n + i1 + b];
+    }
+    __syncthreads();
+    const uint32_t i = tid;
+    for (uint32_t s = 0; s + 1 < bw + d_h; ++s) {
+        const int c = (int)s - (int)i;
+        if (i < d_h && c >= 0 && c < (int)bw) {
+            float cross = 0.f;  // Eq. (12), the rows above at this column
+            for (uint32_t j = 0; j < i; ++j) cross += f[(size_t)j * d_h + i] * dl_sh[c][j];
+            const uint32_t col = i1 + c, r = row0 + i;
+            const uint32_t g = col_group[col];
+            const float sc = scales[(size_t)r * n_groups + g], z = zeros[(size_t)r * n_groups + g];
+            const float v = w_sh[c][i] - cross;
+            const float qc = boa_quantize(v, sc, z, maxq);
+            const float qv = boa_dequantize(qc, sc, z);
+            const float err = (v - qv) / u_sh[c][c];
+            e[(size_t)c * rows_total + r] = err;
+            dl_sh[c][i] = (w0[(size_t)r * n + col] - cross) - qv;
+            for (uint32_t c2 = c + 1; c2 < bw; ++c2) w_sh[c2][i] = sub_prod(w_sh[c2][i], err, u_sh[c][c2]);
+            w_sh[c][i] = qv;
+            c_sh[c][i] = (uint8_t)qc;
+        }
+        __syncthreads();
+    }
+    for (uint32_t x = tid; x < d_h * bw; x += blockDim.x) {
+        const uint32_t ii = x / bw, c = x % bw;
+        q[(size_t)(row0 + ii) * n + i1 + c] = w_sh[c][ii];
+        codes[(size_t)(row0 + ii) * n + i1 + c] = c_sh[c][ii];
+    }
+}

@@ -1,0 +1,274 @@
+//! Host side of cuda/hessian.cu (same order: kernel handles, then launchers). Launch shapes and rooflines are
+//! in the .cu header.
+
+use super::CudaError;
+use super::nvtx::range;
+use cudarc::driver::{
+    CudaFunction, CudaModule, CudaStream, CudaView, CudaViewMut, LaunchConfig, PushKernelArg,
+};
+use std::sync::Arc;
+
+/// Stem of the .cu file these kernels come from (cuda/hessian.cu).
+pub const MODULE: &str = "hessian";
+
+/// XᵀX kernel variants (style.md rule 17: every instantiated variant, with its reason).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum XxtVariant {
+    /// v1: f32 shared-memory tiles, every element: the exact baseline.
+    F32Tiled = 1,
+    /// v2: bf16 wmma tensor cores with f32 accumulation, upper-triangle tiles mirrored; the default.
+    Bf16Wmma = 2,
+}
+
+impl XxtVariant {
+    pub const ALL: [XxtVariant; 2] = [XxtVariant::F32Tiled, XxtVariant::Bf16Wmma];
+
+    fn kernel_name(self) -> &'static str {
+        match self {
+            XxtVariant::F32Tiled => "hessian_xxt_kernel_v1",
+            XxtVariant::Bf16Wmma => "hessian_xxt_kernel_v2",
+        }
+    }
+}
+
+/// Must match kXxtV1Tile / kXxtV2Tile, kXxtV2Threads in cuda/hessian.cu.
+const XXT_V1_TILE: u32 = 16;
+const XXT_V2_TILE: u32 = 64;
+const XXT_V2_THREADS: u32 = 128;
+/// Must match kStatsWarps, kMaxDh, kAxRows, kAxCols, kAxThreads in cuda/hessian.cu.
+const STATS_WARPS: u32 = 4;
+pub const ATTN_MAX_DH: usize = 128;
+const AX_ROWS: u32 = 32;
+const AX_COLS: u32 = 64;
+const AX_THREADS: u32 = 256;
+
+pub struct HessianKernels {
+    xxt_v1: CudaFunction,
+    xxt_v2: CudaFunction,
+    softmax_stats: CudaFunction,
+    attn_x: CudaFunction,
+}
+
+impl HessianKernels {
+    pub fn load(module: &Arc<CudaModule>) -> Result<Self, CudaError> {
+        let get = |name: &'static str| {
+            module
+                .load_function(name)
+                .map_err(|e| CudaError::MissingKernel {
+                    module: MODULE,
+                    kernel: name,
+                    source: e,
+                })
+        };
+        Ok(HessianKernels {
+            xxt_v1: get(XxtVariant::F32Tiled.kernel_name())?,
+            xxt_v2: get(XxtVariant::Bf16Wmma.kernel_name())?,
+            softmax_stats: get("softmax_stats_kernel")?,
+            attn_x: get("attn_x_kernel")?,
+        })
+    }
+}
+
+fn launch_err(what: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> CudaError {
+    move |source| CudaError::Driver { what, source }
+}
+
+fn u32_of(op: &'static str, name: &str, v: usize) -> Result<u32, CudaError> {
+    u32::try_from(v).map_err(|_| CudaError::Shape {
+        op,
+        msg: format!("{name}={v} does not fit in u32"),
+    })
+}
+
+/// H_z [d × d] += X_zᵀ X_z for z < batch, X_z = columns x_bs·z .. x_bs·z + d of X [m × ld], H_z at h_bs·z.
+#[allow(clippy::too_many_arguments)]
+pub fn launch_hessian_xxt(
+    stream: &Arc<CudaStream>,
+    k: &HessianKernels,
+    variant: XxtVariant,
+    h: &mut CudaViewMut<f32>,
+    x: &CudaView<f32>,
+    m: usize,
+    d: usize,
+    ld: usize,
+    batch: usize,
+    x_bs: usize,
+    h_bs: usize,
+) -> Result<(), CudaError> {
+    const OP: &str = "hessian_xxt";
+    let shape = |msg: &str| CudaError::Shape {
+        op: OP,
+        msg: format!(
+            "{msg} (m={m}, d={d}, ld={ld}, batch={batch}, x.len={}, h.len={})",
+            x.len(),
+            h.len()
+        ),
+    };
+    if d == 0 || batch == 0 || m == 0 {
+        return Ok(());
+    }
+    if ld < d || x.len() < (m - 1) * ld + (batch - 1) * x_bs + d {
+        return Err(shape("X too short for [m × ld] and the batch offsets"));
+    }
+    if h.len() < (batch - 1) * h_bs + d * d {
+        return Err(shape("H too short for the batch"));
+    }
+    let (m32, d32, ld32, b32) = (
+        u32_of(OP, "m", m)?,
+        u32_of(OP, "d", d)?,
+        u32_of(OP, "ld", ld)?,
+        u32_of(OP, "batch", batch)?,
+    );
+    let (xbs, hbs) = (x_bs as u64, h_bs as u64);
+    let cfg = match variant {
+        XxtVariant::F32Tiled => {
+            let t = d32.div_ceil(XXT_V1_TILE);
+            LaunchConfig {
+                grid_dim: (t, t, b32),
+                block_dim: (XXT_V1_TILE, XXT_V1_TILE, 1),
+                shared_mem_bytes: 0,
+            }
+        }
+        XxtVariant::Bf16Wmma => {
+            let t = d32.div_ceil(XXT_V2_TILE);
+            LaunchConfig {
+                grid_dim: (t * (t + 1) / 2, 1, b32),
+                block_dim: (XXT_V2_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            }
+        }
+    };
+    let f = match variant {
+        XxtVariant::F32Tiled => &k.xxt_v1,
+        XxtVariant::Bf16Wmma => &k.xxt_v2,
+    };
+    let _r = range(c"hessian_xxt");
+    let mut b = stream.launch_builder(f);
+    b.arg(h)
+        .arg(x)
+        .arg(&m32)
+        .arg(&d32)
+        .arg(&ld32)
+        .arg(&xbs)
+        .arg(&hbs);
+    // SAFETY: arguments match hessian_xxt_kernel_v{1,2}(float* h, const float* x, uint32 m, d, ld, uint64 x_bs,
+    // h_bs); X and H cover every index the grid touches (checked above); out-of-range tiles are guarded.
+    unsafe { b.launch(cfg) }.map_err(launch_err("launch hessian_xxt"))?;
+    Ok(())
+}
+
+/// stats [h × t] (row max, Σ exp) of the causal softmax of every query head.
+#[allow(clippy::too_many_arguments)]
+pub fn launch_softmax_stats(
+    stream: &Arc<CudaStream>,
+    k: &HessianKernels,
+    stats: &mut CudaViewMut<f32>,
+    q: &CudaView<f32>,
+    kk: &CudaView<f32>,
+    t: usize,
+    h: usize,
+    h_kv: usize,
+    d_h: usize,
+) -> Result<(), CudaError> {
+    const OP: &str = "softmax_stats";
+    if d_h > ATTN_MAX_DH
+        || h_kv == 0
+        || !h.is_multiple_of(h_kv)
+        || stats.len() != 2 * h * t
+        || q.len() != t * h * d_h
+        || kk.len() != t * h_kv * d_h
+    {
+        return Err(CudaError::Shape {
+            op: OP,
+            msg: format!(
+                "t={t}, h={h}, h_kv={h_kv}, d_h={d_h} (≤ {ATTN_MAX_DH}), stats.len={}, q.len={}, k.len={}",
+                stats.len(),
+                q.len(),
+                kk.len()
+            ),
+        });
+    }
+    if t == 0 || h == 0 {
+        return Ok(());
+    }
+    let rows = u32_of(OP, "h·t", h * t)?;
+    let (t32, h32, hkv32, dh32) = (t as u32, h as u32, h_kv as u32, d_h as u32);
+    let cfg = LaunchConfig {
+        grid_dim: (rows.div_ceil(STATS_WARPS), 1, 1),
+        block_dim: (STATS_WARPS * 32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let _r = range(c"softmax_stats");
+    let mut b = stream.launch_builder(&k.softmax_stats);
+    b.arg(stats)
+        .arg(q)
+        .arg(kk)
+        .arg(&t32)
+        .arg(&h32)
+        .arg(&hkv32)
+        .arg(&dh32);
+    // SAFETY: arguments match softmax_stats_kernel(float2* stats, const float* q, const float* k, uint32 t,
+    // n_heads, n_kv, d_h); stats holds h·t float2 (= 2·h·t f32, checked), q and k their [t × ·] shapes.
+    unsafe { b.launch(cfg) }.map_err(launch_err("launch softmax_stats"))?;
+    Ok(())
+}
+
+/// Y [t × d] = A_head X, A formed tile by tile from Q, K and the stats.
+#[allow(clippy::too_many_arguments)]
+pub fn launch_attn_x(
+    stream: &Arc<CudaStream>,
+    k: &HessianKernels,
+    y: &mut CudaViewMut<f32>,
+    x: &CudaView<f32>,
+    q: &CudaView<f32>,
+    kk: &CudaView<f32>,
+    stats: &CudaView<f32>,
+    head: usize,
+    t: usize,
+    h: usize,
+    h_kv: usize,
+    d_h: usize,
+    d: usize,
+) -> Result<(), CudaError> {
+    const OP: &str = "attn_x";
+    if d_h > ATTN_MAX_DH
+        || head >= h
+        || y.len() != t * d
+        || x.len() != t * d
+        || stats.len() != 2 * h * t
+        || q.len() != t * h * d_h
+        || kk.len() != t * h_kv * d_h
+    {
+        return Err(CudaError::Shape {
+            op: OP,
+            msg: format!("head={head}, t={t}, h={h}, h_kv={h_kv}, d_h={d_h}, d={d}"),
+        });
+    }
+    if t == 0 || d == 0 {
+        return Ok(());
+    }
+    let (t32, d32) = (u32_of(OP, "t", t)?, u32_of(OP, "d", d)?);
+    let (head32, h32, hkv32, dh32) = (head as u32, h as u32, h_kv as u32, d_h as u32);
+    let cfg = LaunchConfig {
+        grid_dim: (d32.div_ceil(AX_COLS), t32.div_ceil(AX_ROWS), 1),
+        block_dim: (AX_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let _r = range(c"attn_x");
+    let mut b = stream.launch_builder(&k.attn_x);
+    b.arg(y)
+        .arg(x)
+        .arg(q)
+        .arg(kk)
+        .arg(stats)
+        .arg(&head32)
+        .arg(&t32)
+        .arg(&h32)
+        .arg(&hkv32)
+        .arg(&dh32)
+        .arg(&d32);
+    // SAFETY: arguments match attn_x_kernel(float* y, const float* x, q, k, const float2* stats, uint32 head,
+    // t, n_heads, n_kv, d_h, d); every buffer has the shape checked above; out-of-range rows/cols are guarded.
+    unsafe { b.launch(cfg) }.map_err(launch_err("launch attn_x"))?;
+    Ok(())
+}

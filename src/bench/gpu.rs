@@ -1,0 +1,510 @@
+//! `boa-cuda bench`: every `QuantOps` method on random inputs of real layer shapes, on the CPU or CUDA, each
+//! reported against the device's measured ceilings (METHOD.md "Two numbers first", style.md rule 13).
+//!
+//! Method: inputs are drawn once per (method, shape) as two independent sets that alternate between runs
+//! (never zeros; two sets so a repeated run does not find its inputs in L2); one warm-up call, then `reps`
+//! timed calls, median. CUDA rows give the device time of the kernels (events around the launches) next to
+//! the wall time of the call, which also moves the host slices over PCIe; the fraction of the ceiling uses
+//! the kernel time. Work counts the useful arithmetic (a symmetric Gram counts the full d² output, as a
+//! GEMM would: the triangle kernel halves the work, so its fraction can exceed what a GEMM reaches).
+//! Ceilings: CUDA measures a 1 GiB copy and a register-only bf16 mma.sync loop (cuda/ceiling.cu); the CPU a
+//! 256 MiB memcpy and a 1024³ f32 faer GEMM.
+
+use crate::backend::cpu::CpuBackend;
+use crate::backend::cuda::CudaBackend;
+use crate::backend::quant_ops::{AttnShape, QuantOps, StaticGrids, UCol};
+use crate::quant::quantizer::{Grid, minmax_grid};
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::fmt;
+use std::time::Instant;
+
+/// One transformer layer's shapes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerShape {
+    pub name: &'static str,
+    pub d: usize,
+    pub h: usize,
+    pub h_kv: usize,
+    pub d_h: usize,
+    pub d_ff: usize,
+}
+
+/// The shapes `--shapes` accepts.
+pub const SHAPES: [LayerShape; 4] = [
+    LayerShape {
+        name: "smol",
+        d: 576,
+        h: 9,
+        h_kv: 3,
+        d_h: 64,
+        d_ff: 1536,
+    },
+    LayerShape {
+        name: "7b",
+        d: 4096,
+        h: 32,
+        h_kv: 32,
+        d_h: 128,
+        d_ff: 11008,
+    },
+    LayerShape {
+        name: "8b",
+        d: 4096,
+        h: 32,
+        h_kv: 8,
+        d_h: 128,
+        d_ff: 14336,
+    },
+    LayerShape {
+        name: "70b",
+        d: 8192,
+        h: 64,
+        h_kv: 8,
+        d_h: 128,
+        d_ff: 28672,
+    },
+];
+
+pub fn shape_by_name(name: &str) -> anyhow::Result<LayerShape> {
+    SHAPES
+        .iter()
+        .find(|s| s.name == name)
+        .copied()
+        .ok_or_else(|| {
+            crate::input_err!(
+                "unknown shape {name:?} (expected one of {})",
+                SHAPES.map(|s| s.name).join(", ")
+            )
+        })
+}
+
+/// Query heads the V statistics are timed on: the output is [heads × d × d] (17 GB for all 64 heads of a
+/// 70B layer), so the bench times a slice of the heads and reports per-layer time scaled up.
+const V_HEADS: usize = 4;
+
+/// What a row's fraction is measured against.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Ceiling {
+    /// Tensor-core (CUDA) or f32 GEMM (CPU) rate, TFLOP/s.
+    Compute,
+    /// Copy bandwidth, GB/s.
+    Bandwidth,
+}
+
+#[derive(Clone, Debug)]
+pub struct BenchRow {
+    pub method: &'static str,
+    pub shape: String,
+    /// Median wall time of the call (host slices in and out).
+    pub wall_ms: f64,
+    /// Median device time of the kernels (CUDA), None on the CPU.
+    pub kernel_ms: Option<f64>,
+    /// Useful floating-point operations, or bytes for bandwidth rows.
+    pub work: f64,
+    pub ceiling: Ceiling,
+    /// Multiply the time by this for a whole layer (V statistics: heads timed vs heads of the layer).
+    pub layer_scale: f64,
+}
+
+#[derive(Clone, Debug)]
+pub struct BenchReport {
+    pub backend: String,
+    pub copy_gbs: f64,
+    pub compute_tflops: f64,
+    pub ceiling_note: &'static str,
+    pub tokens: usize,
+    pub rows: Vec<BenchRow>,
+}
+
+/// The backend being timed: the CPU, or CUDA (with kernel times from device events).
+pub enum BenchBackend {
+    Cpu(CpuBackend),
+    Cuda(Box<CudaBackend>),
+}
+
+impl BenchBackend {
+    fn ops(&self) -> &dyn QuantOps {
+        match self {
+            BenchBackend::Cpu(b) => b,
+            BenchBackend::Cuda(b) => b.as_ref(),
+        }
+    }
+
+    fn name(&self) -> String {
+        use crate::backend::Backend;
+        match self {
+            BenchBackend::Cpu(b) => b.name(),
+            BenchBackend::Cuda(b) => b.name(),
+        }
+    }
+
+    fn kernel_ms(&self) -> Option<f64> {
+        match self {
+            BenchBackend::Cpu(_) => None,
+            BenchBackend::Cuda(b) => Some(b.last_kernel_ms() as f64),
+        }
+    }
+}
+
+fn randn(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|_| rng.random_range(-1.0f32..1.0) + rng.random_range(-1.0f32..1.0))
+        .collect()
+}
+
+/// An upper-triangular U with a positive diagonal and small off-diagonal entries (a stand-in for
+/// chol(H⁻¹)ᵀ: the sweeps' cost does not depend on its values, only that they are finite).
+fn upper(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
+    let mut u = vec![0f32; n * n];
+    for i in 0..n {
+        u[i * n + i] = 1.0 + rng.random_range(0.0f32..0.5);
+        for j in i + 1..n {
+            u[i * n + j] = rng.random_range(-0.5f32..0.5) / (n as f32).sqrt();
+        }
+    }
+    u
+}
+
+fn spd(rng: &mut ChaCha8Rng, n: usize, count: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(count * n * n);
+    for _ in 0..count {
+        let a = randn(rng, 2 * n * n);
+        let mut h = vec![0f32; n * n];
+        for r in 0..2 * n {
+            for i in 0..n {
+                for j in 0..n {
+                    h[i * n + j] += a[r * n + i] * a[r * n + j] / (2 * n) as f32;
+                }
+            }
+        }
+        for i in 0..n {
+            h[i * n + i] += 0.5;
+        }
+        out.extend(h);
+    }
+    out
+}
+
+fn row_grids(w: &[f32], rows: usize, n: usize, maxq: u32) -> Vec<Grid<f32>> {
+    (0..rows)
+        .map(|r| minmax_grid(&w[r * n..(r + 1) * n], maxq, false))
+        .collect()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Times `f(i)` (i = run index, so inputs can alternate): one warm-up, then `reps` runs; medians of wall and
+/// kernel time.
+fn time(b: &BenchBackend, reps: usize, mut f: impl FnMut(usize)) -> (f64, Option<f64>) {
+    f(1);
+    let (mut wall, mut kern) = (Vec::new(), Vec::new());
+    for i in 0..reps.max(1) {
+        let t0 = Instant::now();
+        f(i);
+        wall.push(t0.elapsed().as_secs_f64() * 1e3);
+        if let Some(k) = b.kernel_ms() {
+            kern.push(k);
+        }
+    }
+    (median(wall), (!kern.is_empty()).then(|| median(kern)))
+}
+
+/// CPU ceilings: a 256 MiB copy (bytes read + written) and a 1024³ f32 GEMM through faer.
+fn cpu_ceilings() -> (f64, f64) {
+    let n = 1 << 26;
+    let src = vec![1.5f32; n];
+    let mut dst = vec![0f32; n];
+    let copy_ms = median(
+        (0..3)
+            .map(|_| {
+                let t0 = Instant::now();
+                dst.copy_from_slice(&src);
+                std::hint::black_box(&dst);
+                t0.elapsed().as_secs_f64() * 1e3
+            })
+            .collect(),
+    );
+    let k = 1024;
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    let a = faer::Mat::<f32>::from_fn(k, k, |_, _| rng.random_range(-1.0f32..1.0));
+    let gemm_ms = median(
+        (0..3)
+            .map(|_| {
+                let t0 = Instant::now();
+                let c = &a * &a;
+                std::hint::black_box(&c);
+                t0.elapsed().as_secs_f64() * 1e3
+            })
+            .collect(),
+    );
+    (
+        8.0 * n as f64 / (copy_ms * 1e-3) / 1e9,
+        2.0 * (k as f64).powi(3) / (gemm_ms * 1e-3) / 1e12,
+    )
+}
+
+/// Runs every QuantOps method on each shape. `tokens`: calibration tokens per call (one sequence for the V
+/// statistics).
+pub fn bench_quant_ops(
+    b: &BenchBackend,
+    shapes: &[LayerShape],
+    tokens: usize,
+    reps: usize,
+) -> anyhow::Result<BenchReport> {
+    let (copy_gbs, compute_tflops, ceiling_note) = match b {
+        BenchBackend::Cpu(_) => {
+            let (c, g) = cpu_ceilings();
+            (c, g, "CPU: memcpy GB/s, faer f32 GEMM TFLOP/s")
+        }
+        BenchBackend::Cuda(cb) => {
+            let c = cb
+                .measure_ceilings()
+                .map_err(|e| anyhow::anyhow!("measuring the device ceilings: {e}"))?;
+            (
+                c.copy_gbs,
+                c.mma_tflops,
+                "CUDA: 1 GiB device copy GB/s, bf16 mma.sync TFLOP/s (cuda/ceiling.cu)",
+            )
+        }
+    };
+    let ops = b.ops();
+    let mut rng = ChaCha8Rng::seed_from_u64(0x5eed);
+    let mut rows = Vec::new();
+    let m = tokens;
+    for s in shapes {
+        let tag = |what: String| format!("{} {what}", s.name);
+
+        // XᵀX of the attention/MLP input (d) and of the down_proj input (d_ff).
+        for d in [s.d, s.d_ff] {
+            let xs = [randn(&mut rng, m * d), randn(&mut rng, m * d)];
+            let mut h = vec![0f32; d * d];
+            let (wall, kern) = time(b, reps, |i| ops.xxt_accumulate(&mut h, &xs[i % 2], m, d));
+            rows.push(BenchRow {
+                method: "xxt_accumulate",
+                shape: tag(format!("m={m} d={d}")),
+                wall_ms: wall,
+                kernel_ms: kern,
+                work: 2.0 * m as f64 * (d * d) as f64,
+                ceiling: Ceiling::Compute,
+                layer_scale: 1.0,
+            });
+        }
+
+        // Per-head covariance of post-RoPE queries.
+        {
+            let w = s.h * s.d_h;
+            let xs = [randn(&mut rng, m * w), randn(&mut rng, m * w)];
+            let (wall, kern) = time(b, reps, |i| {
+                std::hint::black_box(ops.head_covariance(&xs[i % 2], m, s.h, s.d_h));
+            });
+            rows.push(BenchRow {
+                method: "head_covariance",
+                shape: tag(format!("m={m} heads={} d_h={}", s.h, s.d_h)),
+                wall_ms: wall,
+                kernel_ms: kern,
+                work: 2.0 * m as f64 * (s.h * s.d_h * s.d_h) as f64,
+                ceiling: Ceiling::Compute,
+                layer_scale: 1.0,
+            });
+        }
+
+        // V column statistics on V_HEADS query heads (GQA ratio kept).
+        {
+            let gs = s.h / s.h_kv;
+            let h = V_HEADS.max(gs).min(s.h);
+            let a = AttnShape {
+                t: m,
+                h,
+                h_kv: (h / gs).max(1),
+                d_h: s.d_h,
+                d: s.d,
+            };
+            let x = randn(&mut rng, m * s.d);
+            let q = randn(&mut rng, m * a.h * s.d_h);
+            let k = randn(&mut rng, m * a.h_kv * s.d_h);
+            let (wall, kern) = time(b, reps, |_| {
+                std::hint::black_box(ops.v_col_covariance(&x, &q, &k, a));
+            });
+            let (t, d) = (m as f64, s.d as f64);
+            rows.push(BenchRow {
+                method: "v_col_covariance",
+                shape: tag(format!("t={m} heads={h}/{} d={}", s.h, s.d)),
+                wall_ms: wall,
+                kernel_ms: kern,
+                // scores (causal half) + A·X (causal half) + the Gram, per head
+                work: h as f64 * (t * t * s.d_h as f64 + t * t * d + 2.0 * t * d * d),
+                ceiling: Ceiling::Compute,
+                layer_scale: s.h as f64 / h as f64,
+            });
+        }
+
+        // Batched Cholesky of every head's H_row.
+        {
+            let hs = [spd(&mut rng, s.d_h, s.h), spd(&mut rng, s.d_h, s.h)];
+            let (wall, kern) = time(b, reps, |i| {
+                std::hint::black_box(ops.cholesky_upper_inverse_batched(&hs[i % 2], s.d_h, s.h));
+            });
+            rows.push(BenchRow {
+                method: "cholesky_batched",
+                shape: tag(format!("n={} count={}", s.d_h, s.h)),
+                wall_ms: wall,
+                kernel_ms: kern,
+                work: s.h as f64 * 2.0 / 3.0 * (s.d_h as f64).powi(3),
+                ceiling: Ceiling::Compute,
+                layer_scale: 1.0,
+            });
+        }
+
+        // GPTQ sweep of q_proj-sized (d × d) and down_proj-sized (d × d_ff) weights, 3-bit per channel.
+        let maxq = 7;
+        for (rows_w, n) in [(s.d, s.d), (s.d, s.d_ff)] {
+            let w = randn(&mut rng, rows_w * n);
+            let u = upper(&mut rng, n);
+            let grids = row_grids(&w, rows_w, n, maxq);
+            let col_group = vec![0u32; n];
+            let sg = StaticGrids {
+                grids: &grids,
+                n_groups: 1,
+                col_group: &col_group,
+            };
+            let (wall, kern) = time(b, reps, |_| {
+                std::hint::black_box(ops.gptq_sweep(&w, &u, rows_w, n, 128, sg, maxq));
+            });
+            rows.push(BenchRow {
+                method: "gptq_sweep",
+                shape: tag(format!("{rows_w}×{n}")),
+                wall_ms: wall,
+                kernel_ms: kern,
+                // the error updates W −= E U over the upper triangle: rows·n² multiply-adds
+                work: rows_w as f64 * (n as f64).powi(2),
+                ceiling: Ceiling::Compute,
+                layer_scale: 1.0,
+            });
+        }
+
+        // BoA sweep of q_proj (shared U_col) with per-head U_row.
+        {
+            let (heads, n) = (s.h, s.d);
+            let rows_w = heads * s.d_h;
+            let w = randn(&mut rng, rows_w * n);
+            let u = upper(&mut rng, n);
+            let u_row: Vec<f32> = (0..heads).flat_map(|_| upper(&mut rng, s.d_h)).collect();
+            let grids = row_grids(&w, rows_w, n, maxq);
+            let col_group = vec![0u32; n];
+            let sg = StaticGrids {
+                grids: &grids,
+                n_groups: 1,
+                col_group: &col_group,
+            };
+            let (wall, kern) = time(b, reps, |_| {
+                std::hint::black_box(ops.boa_sweep(
+                    &w,
+                    UCol::Shared(&u),
+                    &u_row,
+                    heads,
+                    s.d_h,
+                    n,
+                    128,
+                    sg,
+                    maxq,
+                ));
+            });
+            rows.push(BenchRow {
+                method: "boa_sweep",
+                shape: tag(format!("{heads}×{}×{n}", s.d_h)),
+                wall_ms: wall,
+                kernel_ms: kern,
+                // own GPTQ updates (rows·n²) + cross-row terms (heads·d_h²/2·n)
+                work: rows_w as f64 * (n as f64).powi(2)
+                    + heads as f64 * (s.d_h as f64).powi(2) / 2.0 * n as f64 * 2.0,
+                ceiling: Ceiling::Compute,
+                layer_scale: 1.0,
+            });
+        }
+    }
+    Ok(BenchReport {
+        backend: b.name(),
+        copy_gbs,
+        compute_tflops,
+        ceiling_note,
+        tokens,
+        rows,
+    })
+}
+
+impl fmt::Display for BenchReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "backend: {}", self.backend)?;
+        writeln!(
+            f,
+            "ceilings ({}): copy {:.0} GB/s, compute {:.3} TFLOP/s; tokens per call {}",
+            self.ceiling_note, self.copy_gbs, self.compute_tflops, self.tokens
+        )?;
+        writeln!(
+            f,
+            "| method | shape | wall ms | kernel ms | per layer ms | achieved | of ceiling |"
+        )?;
+        writeln!(f, "|---|---|---|---|---|---|---|")?;
+        for r in &self.rows {
+            let t = r.kernel_ms.unwrap_or(r.wall_ms);
+            let (achieved, frac) = match r.ceiling {
+                Ceiling::Compute => {
+                    let tf = r.work / (t * 1e-3) / 1e12;
+                    (format!("{tf:.3} TFLOP/s"), tf / self.compute_tflops)
+                }
+                Ceiling::Bandwidth => {
+                    let gb = r.work / (t * 1e-3) / 1e9;
+                    (format!("{gb:.0} GB/s"), gb / self.copy_gbs)
+                }
+            };
+            let kern = r
+                .kernel_ms
+                .map_or_else(|| "-".to_string(), |k| format!("{k:.3}"));
+            writeln!(
+                f,
+                "| {} | {} | {:.3} | {} | {:.3} | {} | {:.1}% |",
+                r.method,
+                r.shape,
+                r.wall_ms,
+                kern,
+                t * r.layer_scale,
+                achieved,
+                100.0 * frac
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// The backend for `--device`: `cuda` fails with the reason when CUDA is unusable, `auto` falls back to
+/// the CPU (and says why).
+pub fn open_backend(
+    device: crate::backend::Device,
+) -> anyhow::Result<(BenchBackend, Option<String>)> {
+    use crate::backend::Device;
+    match device {
+        Device::Cpu => Ok((BenchBackend::Cpu(CpuBackend), None)),
+        Device::Cuda => CudaBackend::new(0)
+            .map(|b| (BenchBackend::Cuda(Box::new(b)), None))
+            .map_err(|why| anyhow::Error::new(crate::error::BoaError::NoCuda(why))),
+        Device::Auto => Ok(match CudaBackend::new(0) {
+            Ok(b) => (BenchBackend::Cuda(Box::new(b)), None),
+            Err(why) => (
+                BenchBackend::Cpu(CpuBackend),
+                Some(format!("using the CPU: {why}")),
+            ),
+        }),
+    }
+}
+
+/// Default shapes and tokens per device: real layers on CUDA; SmolLM's on the CPU so it finishes in seconds.
+pub fn defaults(b: &BenchBackend) -> (Vec<LayerShape>, usize) {
+    match b {
+        BenchBackend::Cpu(_) => (vec![SHAPES[0]], 256),
+        BenchBackend::Cuda(_) => (SHAPES[1..].to_vec(), 2048),
+    }
+}
