@@ -343,7 +343,12 @@ pub fn exp_f32(x: f32) -> f32 {
     // e^x = 2^k · e^r with k = round(x·log2 e), |r| ≤ ln2/2; e^r by its Taylor series to r^7 (error < 1e-8).
     // Adding and subtracting 1.5·2^23 rounds to nearest-even without roundps (absent before SSE4.1).
     const ROUND: f32 = 12_582_912.0;
-    let k = (xc * LOG2E + ROUND) - ROUND;
+    let kf = xc * LOG2E + ROUND;
+    let k = kf - ROUND;
+    // k as an integer from kf's low mantissa bits (exact for |k| < 2^22): Rust's saturating `k as i32`
+    // compiles to a scalar conversion per lane and kept every loop calling this from vectorizing. Below −87
+    // the bits are garbage, but that lane returns 0.
+    let ki = kf.to_bits().wrapping_sub(ROUND.to_bits()) as i32;
     let r = xc - k * LN2_HI - k * LN2_LO;
     let p = 1.0
         + r * (1.0
@@ -351,7 +356,7 @@ pub fn exp_f32(x: f32) -> f32 {
                 + r * (1.0 / 6.0
                     + r * (1.0 / 24.0
                         + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
-    let scale = f32::from_bits(((k as i32 + 127).max(1) as u32) << 23);
+    let scale = f32::from_bits((ki.wrapping_add(127).max(1) as u32) << 23);
     if x < -87.0 { 0.0 } else { p * scale }
 }
 
