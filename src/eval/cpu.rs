@@ -321,7 +321,7 @@ pub fn chunk_nll(
     rope: &RopeTable,
     x: &mut [f32],
     group: &[&[u32]],
-    mut load: impl FnMut(usize) -> anyhow::Result<FusedBlock>,
+    load: impl Fn(usize) -> anyhow::Result<FusedBlock> + Sync,
     norm: &[f32],
     head: &[f32],
     mut on_block: impl FnMut(),
@@ -331,10 +331,20 @@ pub fn chunk_nll(
     }
     let (t, d) = (rope.t, cfg.d);
     assert_eq!(x.len(), group.len() * t * d);
+    // Block l + 1 is loaded (converted to f32 and stacked) while the windows go through block l, so the
+    // load does not leave a core idle.
+    let mut next = Some(load(0)?);
     for l in 0..cfg.n_layers {
-        let w = load(l)?;
-        x.par_chunks_mut(t * d)
-            .for_each(|xw| WS.with_borrow_mut(|ws| block_forward_window(&w, cfg, rope, xw, ws)));
+        let w = next.take().expect("loaded in the previous iteration");
+        let (loaded, ()) = rayon::join(
+            || (l + 1 < cfg.n_layers).then(|| load(l + 1)),
+            || {
+                x.par_chunks_mut(t * d).for_each(|xw| {
+                    WS.with_borrow_mut(|ws| block_forward_window(&w, cfg, rope, xw, ws))
+                })
+            },
+        );
+        next = loaded.transpose()?;
         on_block();
     }
     let terms: Vec<f64> = x
