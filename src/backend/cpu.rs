@@ -350,7 +350,12 @@ pub fn exp_f32(x: f32) -> f32 {
     // e^x = 2^k · e^r with k = round(x·log2 e), |r| ≤ ln2/2; e^r by its Taylor series to r^7 (error < 1e-8).
     // Adding and subtracting 1.5·2^23 rounds to nearest-even without roundps (absent before SSE4.1).
     const ROUND: f32 = 12_582_912.0;
-    let k = (xc * LOG2E + ROUND) - ROUND;
+    let kf = xc * LOG2E + ROUND;
+    let k = kf - ROUND;
+    // k as an integer from kf's low mantissa bits (exact for |k| < 2^22): Rust's saturating `k as i32`
+    // compiles to a scalar conversion per lane and kept every loop calling this from vectorizing. Below −87
+    // the bits are garbage, but that lane returns 0.
+    let ki = kf.to_bits().wrapping_sub(ROUND.to_bits()) as i32;
     let r = xc - k * LN2_HI - k * LN2_LO;
     let p = 1.0
         + r * (1.0
@@ -358,7 +363,7 @@ pub fn exp_f32(x: f32) -> f32 {
                 + r * (1.0 / 6.0
                     + r * (1.0 / 24.0
                         + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
-    let scale = f32::from_bits(((k as i32 + 127).max(1) as u32) << 23);
+    let scale = f32::from_bits((ki.wrapping_add(127).max(1) as u32) << 23);
     if x < -87.0 { 0.0 } else { p * scale }
 }
 
@@ -518,6 +523,83 @@ pub fn causal_attention_head(qh: &[f32], kh: &[f32], vh: &[f32], t: usize, d_h: 
         );
     });
     o
+}
+
+/// One sequence's causal GQA attention, sequential, for the CPU eval forward: Q [t × h·d_h] (row-major),
+/// K and V column ranges of one row-major [t × kv_width] matrix at columns k0 and v0, out [t × h·d_h]. The
+/// same blocks, mask and softmax as `causal_attention_head`, but the h/h_kv query heads that share a KV head
+/// go through the GEMMs together (3·64 rows instead of 64 for SmolLM2), and K and V are read in place
+/// through strided views. `scratch` is resized as needed.
+///
+/// ```text
+///   block i0..i1, KV head g:  Q_g = [Q_{g·r}[i0..i1]; …; Q_{g·r+r−1}[i0..i1]]      (r·rows × d_h, gathered)
+///                             S = Q_g · K_g[0..i1]ᵀ → causal softmax per head's rows → O = S · V_g[0..i1]
+///                             out[i0..i1, head·d_h..] ← O's rows of that head
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn causal_attention_grouped(
+    out: &mut [f32],
+    q: &[f32],
+    kv: &[f32],
+    kv_width: usize,
+    (k0, v0): (usize, usize),
+    t: usize,
+    (h, h_kv, d_h): (usize, usize, usize),
+    scratch: &mut Vec<f32>,
+) {
+    assert!(
+        h_kv > 0 && h.is_multiple_of(h_kv),
+        "attention: h={h} is not a multiple of h_kv={h_kv}"
+    );
+    let qd = h * d_h;
+    assert!(k0 + h_kv * d_h <= kv_width && v0 + h_kv * d_h <= kv_width);
+    assert_eq!(q.len(), t * qd);
+    assert_eq!(kv.len(), t * kv_width);
+    assert_eq!(out.len(), t * qd);
+    let scale = 1.0 / (d_h as f32).sqrt();
+    let r = h / h_kv;
+    let rows_max = ATTENTION_BLOCK.min(t);
+    scratch.resize(r * rows_max * (t + 2 * d_h), 0.0);
+    let (s, rest) = scratch.split_at_mut(r * rows_max * t);
+    let (qg, ob) = rest.split_at_mut(r * rows_max * d_h);
+    for g in 0..h_kv {
+        let (kc, vc) = (k0 + g * d_h, v0 + g * d_h);
+        for i0 in (0..t).step_by(ATTENTION_BLOCK) {
+            let i1 = (i0 + ATTENTION_BLOCK).min(t);
+            let rows = i1 - i0;
+            let n = r * rows;
+            for j in 0..r {
+                let col = (g * r + j) * d_h;
+                for i in 0..rows {
+                    let src = (i0 + i) * qd + col;
+                    qg[(j * rows + i) * d_h..(j * rows + i + 1) * d_h]
+                        .copy_from_slice(&q[src..src + d_h]);
+                }
+            }
+            let s = &mut s[..n * i1];
+            let qm = MatRef::from_row_major_slice(&qg[..n * d_h], n, d_h);
+            let k = MatRef::from_row_major_slice_with_stride(&kv[kc..], i1, d_h, kv_width);
+            let sm = MatMut::from_row_major_slice_mut(s, n, i1);
+            matmul(sm, Accum::Replace, qm, k.transpose(), 1.0f32, Par::Seq);
+            for sj in s.chunks_mut(rows * i1) {
+                causal_softmax_rows(sj, i1, i0, scale);
+            }
+            let p = MatRef::from_row_major_slice(s, n, i1);
+            let v = MatRef::from_row_major_slice_with_stride(&kv[vc..], i1, d_h, kv_width);
+            // Into a contiguous block, then scattered: faer 0.24.4 (private-gemm-x86 0.1.22) computes wrong
+            // values into a row-major destination whose row stride exceeds its width (seen 2026-11-30).
+            let o = MatMut::from_row_major_slice_mut(&mut ob[..n * d_h], n, d_h);
+            matmul(o, Accum::Replace, p, v, 1.0f32, Par::Seq);
+            for j in 0..r {
+                let col = (g * r + j) * d_h;
+                for i in 0..rows {
+                    let dst = (i0 + i) * qd + col;
+                    out[dst..dst + d_h]
+                        .copy_from_slice(&ob[(j * rows + i) * d_h..(j * rows + i + 1) * d_h]);
+                }
+            }
+        }
+    }
 }
 
 #[cfg(test)]

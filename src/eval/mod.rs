@@ -13,6 +13,8 @@ use rayon::prelude::*;
 use std::path::PathBuf;
 use std::time::Instant;
 
+pub mod cpu;
+
 pub struct EvalOptions {
     pub data: Vec<PathBuf>,
     pub seqlen: usize,
@@ -43,6 +45,7 @@ pub fn perplexity(
     let start = Instant::now();
     let (nll, count) = window_nll(be, model, &wins, opts.chunk.max(1), progress)?;
     let seconds = start.elapsed().as_secs_f64();
+    cpu::report_profile(seconds);
     let tokens = wins.len() * opts.seqlen;
     Ok(EvalResult {
         perplexity: (nll / count as f64).exp(),
@@ -69,9 +72,28 @@ pub fn window_nll(
     let n_chunks = wins.len().div_ceil(chunk);
     let mut bar = progress.bar("eval", (n_chunks * (c.n_layers + 1)) as u64, "blocks");
     let (mut nll, mut count) = (0f64, 0usize);
+    // The CPU backend on a model without packed linears takes the fused window-parallel path (eval::cpu).
+    let fused = be.name() == "cpu" && model.gptq.is_none();
     for group in wins.chunks(chunk) {
         let ids: Vec<u32> = group.iter().flat_map(|w| w.iter().copied()).collect();
         let mut x = model.embed(&ids)?;
+        if fused {
+            nll += cpu::chunk_nll(
+                c,
+                &rope,
+                &mut x,
+                group,
+                |l| {
+                    cpu::FusedBlock::new(model.load_block(l)?)
+                        .ok_or_else(|| anyhow::anyhow!("block {l} has packed linears"))
+                },
+                &norm,
+                &head,
+                || bar.inc(1),
+            )?;
+            count += group.len() * (t - 1);
+            continue;
+        }
         for l in 0..c.n_layers {
             let w = model.load_block(l)?;
             block_forward(be, &w, c, &rope, &mut x, group.len(), None);
