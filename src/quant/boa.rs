@@ -15,7 +15,7 @@ use super::gptq::{
 };
 use super::linalg::{act_order_perm, damped_upper_inverse, fix_dead_inputs, permute_sym};
 use super::profile::{Phase, timed};
-use super::quantizer::Grid;
+use super::quantizer::{Grid, ScaleSearch, dequantize, quantize, search_grid};
 use rayon::prelude::*;
 
 /// H_col of an attention projection.
@@ -59,16 +59,17 @@ pub struct ColFactor<'a, T> {
 /// One column factor's share of a step j: (W⁽ʲ⁾ before the sweep, Q, codes, grids).
 type Swept<T> = (Vec<T>, Vec<T>, Vec<u8>, Vec<Grid<T>>);
 
-/// The head-wise BoA sweep (Alg. 1 l.7–11) in sweep order (rows and columns already permuted per head).
+/// The head-wise BoA sweep in the row-by-row order of Alg. 1 l.7–11, in sweep order (rows and columns
+/// already permuted per head). The oracle of `boa_sweep`, which visits the same grid in 2-D blocks.
 ///
-/// * `w` [n_heads × d_h × n]: per head, its rows; modified in place (cross-row updates, then each row holds
-///   the values its columns had when quantized).
+/// * `w` [n_heads × d_h × n]: per head, its rows; on return each row holds its values after all cross-row
+///   updates and before its own GPTQ sweep.
 /// * `q`, `codes` [n_heads × d_h × n]: results.
 /// * `cols`: the distinct column factors; `head_col[h]` indexes the one of head h.
 /// * `u_row` [n_heads × d_h × d_h]: U_row,h, upper.
 /// * `grids` [n_heads × d_h × n_groups]: static grids in, or dynamic grids out.
 #[allow(clippy::too_many_arguments)]
-pub fn boa_sweep<T: Real>(
+pub fn boa_sweep_rowwise<T: Real>(
     w: &mut [T],
     q: &mut [T],
     codes: &mut [u8],
@@ -156,6 +157,189 @@ pub fn boa_sweep<T: Real>(
                     }
                 }
             });
+    }
+}
+
+/// Rows a task of `boa_sweep` aims for: enough for an efficient trailing GEMM, few enough that the heads of a
+/// projection spread over the cores. Depends on the shape only, so results do not depend on the thread count.
+const TASK_ROWS: usize = 64;
+
+/// The head-wise BoA sweep (Alg. 1 l.7–11) blocked in 2-D (design.md §4.3, last two paragraphs), in sweep
+/// order (rows and columns already permuted per head). Same arguments and results as `boa_sweep_rowwise`.
+///
+/// BoA is GPTQ over vec(W_h) with U = U_row ⊗ U_col, so element (j, c) may be quantized as soon as every
+/// (j'', c'') ≤ (j, c) has been. Columns go in blocks of B; within a block, rows go in order, and row j first
+/// takes the cross-row terms of rows i < j over the block, Σ_i (U_row[i, j]/U_row[i, i])·δ_i with δ_i = (row
+/// i's value after its cross-row updates) − q_i, then runs GPTQ's column loop over the block. After a block,
+/// the trailing GPTQ update of all rows is one GEMM. Heads never interact, so they run in parallel, each task
+/// over all blocks without barriers.
+#[allow(clippy::too_many_arguments)]
+pub fn boa_sweep<T: Real>(
+    w: &mut [T],
+    q: &mut [T],
+    codes: &mut [u8],
+    cols: &[ColFactor<T>],
+    head_col: &[usize],
+    u_row: &[T],
+    n_heads: usize,
+    d_h: usize,
+    n: usize,
+    block_size: usize,
+    grids: &mut [Grid<T>],
+    n_groups: usize,
+    maxq: u32,
+) {
+    let hs = d_h * n;
+    assert!(w.len() == n_heads * hs && q.len() == w.len() && codes.len() == w.len());
+    assert_eq!(u_row.len(), n_heads * d_h * d_h);
+    assert_eq!(grids.len(), n_heads * d_h * n_groups);
+    assert_eq!(head_col.len(), n_heads);
+    assert!(block_size > 0);
+    if n_heads == 0 || d_h == 0 || n == 0 {
+        return;
+    }
+    // Tasks: runs of consecutive heads with one column factor (their trailing updates share U_col).
+    let max_heads = TASK_ROWS.div_ceil(d_h);
+    let mut tasks = Vec::new();
+    let (mut rest_w, mut rest_q, mut rest_c, mut rest_g, mut rest_u) = (w, q, codes, grids, u_row);
+    let mut h0 = 0;
+    while h0 < n_heads {
+        let mut h1 = h0 + 1;
+        while h1 < n_heads && h1 - h0 < max_heads && head_col[h1] == head_col[h0] {
+            h1 += 1;
+        }
+        let nh = h1 - h0;
+        let (tw, rw) = rest_w.split_at_mut(nh * hs);
+        let (tq, rq) = rest_q.split_at_mut(nh * hs);
+        let (tc, rc) = rest_c.split_at_mut(nh * hs);
+        let (tg, rg) = rest_g.split_at_mut(nh * d_h * n_groups);
+        let (tu, ru) = rest_u.split_at(nh * d_h * d_h);
+        tasks.push((&cols[head_col[h0]], nh, tw, tq, tc, tg, tu));
+        (rest_w, rest_q, rest_c, rest_g, rest_u) = (rw, rq, rc, rg, ru);
+        h0 = h1;
+    }
+    tasks
+        .into_par_iter()
+        .for_each(|(cf, nh, w, q, codes, grids, u_row)| {
+            sweep_heads(
+                w, q, codes, cf, u_row, nh, d_h, n, block_size, grids, n_groups, maxq,
+            )
+        });
+}
+
+/// `boa_sweep` for `nh` consecutive heads sharing one column factor.
+#[allow(clippy::too_many_arguments)]
+fn sweep_heads<T: Real>(
+    w: &mut [T],
+    q: &mut [T],
+    codes: &mut [u8],
+    cf: &ColFactor<T>,
+    u_row: &[T],
+    nh: usize,
+    d_h: usize,
+    n: usize,
+    block_size: usize,
+    grids: &mut [Grid<T>],
+    n_groups: usize,
+    maxq: u32,
+) {
+    let rows = nh * d_h;
+    let u = cf.u;
+    let maxq_t = T::from_f64(maxq as f64);
+    let dynamic = cf.dynamic.as_ref();
+    // A dynamic group is searched over all its columns at its first one, so it must lie in one block: only
+    // then have the rows above already quantized, and handed down their cross-row terms for, all of it.
+    let bw = match dynamic {
+        Some(dg) if dg.g <= block_size => block_size / dg.g * dg.g,
+        Some(dg) => dg.g,
+        None => block_size,
+    };
+    // U_row[i, j] / U_row[i, i], computed as the row-by-row sweep does (same bits).
+    let f: Vec<T> = (0..nh * d_h * d_h)
+        .map(|k| {
+            let (h, i, j) = (k / (d_h * d_h), k / d_h % d_h, k % d_h);
+            let ur = &u_row[h * d_h * d_h..];
+            if j > i {
+                ur[i * d_h + j] / ur[i * d_h + i]
+            } else {
+                T::ZERO
+            }
+        })
+        .collect();
+    // −(the trailing GPTQ updates so far), kept apart from w so that δ (w after the cross-row updates − q)
+    // stays at hand.
+    let mut acc = vec![T::ZERO; rows * n];
+    let mut e = vec![T::ZERO; rows * bw];
+    let mut delta = vec![T::ZERO; rows * bw];
+    let mut x = vec![T::ZERO; bw];
+    let mut i1 = 0;
+    while i1 < n {
+        let i2 = (i1 + bw).min(n);
+        let len = i2 - i1;
+        for row in 0..rows {
+            let (h, j) = (row / d_h, row % d_h);
+            let o = row * n + i1;
+            let wr = &mut w[o..o + len];
+            // Eq. (12) over this block, rows i < j in ascending order as the row-by-row sweep adds them.
+            let (above, mine) = delta.split_at_mut(row * bw);
+            for i in 0..j {
+                let fij = f[(h * d_h + i) * d_h + j];
+                let di = &above[(h * d_h + i) * bw..(h * d_h + i) * bw + len];
+                for (a, &d) in wr.iter_mut().zip(di) {
+                    *a -= fij * d;
+                }
+            }
+            let x = &mut x[..len];
+            for ((xv, &a), &t) in x.iter_mut().zip(wr.iter()).zip(&acc[o..o + len]) {
+                *xv = a + t;
+            }
+            let qr = &mut q[o..o + len];
+            let cr = &mut codes[o..o + len];
+            let er = &mut e[row * bw..row * bw + len];
+            let gr_row = &mut grids[row * n_groups..(row + 1) * n_groups];
+            for k in 0..len {
+                let c = i1 + k;
+                if let Some(dg) = dynamic
+                    && c % dg.g == 0
+                {
+                    let g = c / dg.g;
+                    let gl = dg.g.min(n - c);
+                    let hb =
+                        (dg.spec.search == ScaleSearch::Hessian).then(|| dg.h_blocks[g].as_slice());
+                    gr_row[g] = search_grid(&x[k..k + gl], hb, dg.spec);
+                }
+                let gr = gr_row[cf.col_group[c] as usize];
+                let (head, tail) = x.split_at_mut(k + 1);
+                let wc = head[k];
+                let qc = quantize(wc, gr.scale, gr.zero, maxq_t);
+                let qv = dequantize(qc, gr.scale, gr.zero);
+                qr[k] = qv;
+                cr[k] = qc.to_f64() as u8;
+                let err = (wc - qv) / u[c * n + c];
+                er[k] = err;
+                for (xv, &uu) in tail.iter_mut().zip(&u[c * n + c + 1..c * n + i2]) {
+                    *xv -= err * uu;
+                }
+            }
+            for ((d, &a), &qv) in mine[..len].iter_mut().zip(wr.iter()).zip(qr.iter()) {
+                *d = a - qv;
+            }
+        }
+        // Lazy batch of all rows: acc[:, i2:] −= E[:, block] · U_col[block, i2:].
+        if i2 < n {
+            T::gemm_sub(
+                &mut acc[i2..],
+                n,
+                &e,
+                bw,
+                &u[i1 * n + i2..],
+                n,
+                rows,
+                len,
+                n - i2,
+            );
+        }
+        i1 = i2;
     }
 }
 
