@@ -7,7 +7,9 @@
 //!   W_h[i, :] −= (U_row,h[j, i] / U_row,h[j, j]) · (E_h U_col,h),  i > j,
 //! where E_h U_col,h = W_h[j, :]_before − Q_h[j, :] exactly (the GPTQ sweep moves every column of the row
 //! to its quantized value, so the row's total change is its error times U_col): a rank-1 update per head,
-//! no d_in × d_in GEMM per row.
+//! no d_in × d_in GEMM per row. `boa_sweep_rowwise` is that order; `boa_sweep` (what `boa_quantize` runs)
+//! visits the same grid in 2-D blocks, which gives the same codes (§4.3, last two paragraphs) with one
+//! trailing GEMM per column block for all the rows of a head instead of one per row.
 
 use super::Real;
 use super::gptq::{
@@ -160,9 +162,10 @@ pub fn boa_sweep_rowwise<T: Real>(
     }
 }
 
-/// Rows a task of `boa_sweep` aims for: enough for an efficient trailing GEMM, few enough that the heads of a
-/// projection spread over the cores. Depends on the shape only, so results do not depend on the thread count.
-const TASK_ROWS: usize = 64;
+/// Rows a task of `boa_sweep` aims for: its heads' column loops interleave (independent dependency chains)
+/// and share one trailing GEMM, but too many would leave cores idle. Depends on the shape only, so results do
+/// not depend on the thread count.
+const TASK_ROWS: usize = 128;
 
 /// The head-wise BoA sweep (Alg. 1 l.7–11) blocked in 2-D (design.md §4.3, last two paragraphs), in sweep
 /// order (rows and columns already permuted per head). Same arguments and results as `boa_sweep_rowwise`.
@@ -173,6 +176,11 @@ const TASK_ROWS: usize = 64;
 /// i's value after its cross-row updates) − q_i, then runs GPTQ's column loop over the block. After a block,
 /// the trailing GPTQ update of all rows is one GEMM. Heads never interact, so they run in parallel, each task
 /// over all blocks without barriers.
+///
+/// With dynamic groups, blocks hold whole groups (B rounded down to a multiple of g, or g if g > B), so at a
+/// group's first column every column of the group has all its cross-row and GPTQ updates, as in the
+/// row-by-row order. Values agree with `boa_sweep_rowwise` up to rounding (the trailing updates are summed in a
+/// different order), so codes agree except where a value or a scale search sits on a rounding knife edge.
 #[allow(clippy::too_many_arguments)]
 pub fn boa_sweep<T: Real>(
     w: &mut [T],
@@ -271,58 +279,67 @@ fn sweep_heads<T: Real>(
     let mut acc = vec![T::ZERO; rows * n];
     let mut e = vec![T::ZERO; rows * bw];
     let mut delta = vec![T::ZERO; rows * bw];
-    let mut x = vec![T::ZERO; bw];
+    // Working values of row j of every head of the task over the block, [nh × bw].
+    let mut x = vec![T::ZERO; nh * bw];
     let mut i1 = 0;
     while i1 < n {
         let i2 = (i1 + bw).min(n);
         let len = i2 - i1;
-        for row in 0..rows {
-            let (h, j) = (row / d_h, row % d_h);
-            let o = row * n + i1;
-            let wr = &mut w[o..o + len];
-            // Eq. (12) over this block, rows i < j in ascending order as the row-by-row sweep adds them.
-            let (above, mine) = delta.split_at_mut(row * bw);
-            for i in 0..j {
-                let fij = f[(h * d_h + i) * d_h + j];
-                let di = &above[(h * d_h + i) * bw..(h * d_h + i) * bw + len];
-                for (a, &d) in wr.iter_mut().zip(di) {
-                    *a -= fij * d;
+        for j in 0..d_h {
+            for (h, xh) in x.chunks_mut(bw).enumerate() {
+                let o = (h * d_h + j) * n + i1;
+                let wr = &mut w[o..o + len];
+                // Eq. (12) over this block, rows i < j in ascending order as the row-by-row sweep adds them.
+                for i in 0..j {
+                    let fij = f[(h * d_h + i) * d_h + j];
+                    let di = &delta[(h * d_h + i) * bw..(h * d_h + i) * bw + len];
+                    for (a, &d) in wr.iter_mut().zip(di) {
+                        *a -= fij * d;
+                    }
+                }
+                for ((xv, &a), &t) in xh.iter_mut().zip(wr.iter()).zip(&acc[o..o + len]) {
+                    *xv = a + t;
                 }
             }
-            let x = &mut x[..len];
-            for ((xv, &a), &t) in x.iter_mut().zip(wr.iter()).zip(&acc[o..o + len]) {
-                *xv = a + t;
-            }
-            let qr = &mut q[o..o + len];
-            let cr = &mut codes[o..o + len];
-            let er = &mut e[row * bw..row * bw + len];
-            let gr_row = &mut grids[row * n_groups..(row + 1) * n_groups];
+            // GPTQ's column loop over the block, the heads interleaved column by column: their chains
+            // (quantize → error → update of the next column) are independent, so their latencies overlap.
             for k in 0..len {
                 let c = i1 + k;
-                if let Some(dg) = dynamic
-                    && c % dg.g == 0
-                {
+                let ucc = u[c * n + c];
+                let urow = &u[c * n + c + 1..c * n + i2];
+                let group_start = dynamic.filter(|dg| c % dg.g == 0).map(|dg| {
                     let g = c / dg.g;
-                    let gl = dg.g.min(n - c);
                     let hb =
                         (dg.spec.search == ScaleSearch::Hessian).then(|| dg.h_blocks[g].as_slice());
-                    gr_row[g] = search_grid(&x[k..k + gl], hb, dg.spec);
-                }
-                let gr = gr_row[cf.col_group[c] as usize];
-                let (head, tail) = x.split_at_mut(k + 1);
-                let wc = head[k];
-                let qc = quantize(wc, gr.scale, gr.zero, maxq_t);
-                let qv = dequantize(qc, gr.scale, gr.zero);
-                qr[k] = qv;
-                cr[k] = qc.to_f64() as u8;
-                let err = (wc - qv) / u[c * n + c];
-                er[k] = err;
-                for (xv, &uu) in tail.iter_mut().zip(&u[c * n + c + 1..c * n + i2]) {
-                    *xv -= err * uu;
+                    (dg, g, dg.g.min(n - c), hb)
+                });
+                let cg = cf.col_group[c] as usize;
+                for (h, xh) in x.chunks_mut(bw).enumerate() {
+                    let row = h * d_h + j;
+                    let gr_row = &mut grids[row * n_groups..(row + 1) * n_groups];
+                    if let Some((dg, g, gl, hb)) = group_start {
+                        gr_row[g] = search_grid(&xh[k..k + gl], hb, dg.spec);
+                    }
+                    let gr = gr_row[cg];
+                    let (head, tail) = xh[..len].split_at_mut(k + 1);
+                    let wc = head[k];
+                    let qc = quantize(wc, gr.scale, gr.zero, maxq_t);
+                    let qv = dequantize(qc, gr.scale, gr.zero);
+                    q[row * n + c] = qv;
+                    codes[row * n + c] = qc.to_f64() as u8;
+                    let err = (wc - qv) / ucc;
+                    e[row * bw + k] = err;
+                    for (xv, &uu) in tail.iter_mut().zip(urow) {
+                        *xv -= err * uu;
+                    }
                 }
             }
-            for ((d, &a), &qv) in mine[..len].iter_mut().zip(wr.iter()).zip(qr.iter()) {
-                *d = a - qv;
+            for h in 0..nh {
+                let (row, o) = (h * d_h + j, (h * d_h + j) * n + i1);
+                let dr = &mut delta[row * bw..row * bw + len];
+                for ((d, &a), &qv) in dr.iter_mut().zip(&w[o..o + len]).zip(&q[o..o + len]) {
+                    *d = a - qv;
+                }
             }
         }
         // Lazy batch of all rows: acc[:, i2:] −= E[:, block] · U_col[block, i2:].
