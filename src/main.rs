@@ -571,15 +571,16 @@ fn bench_quant(
 }
 
 fn sweep_line(n_heads: usize, d_h: usize, d_in: usize, wbits: u32) -> anyhow::Result<()> {
-    let b = boa_cuda::bench::quant::sweep_comparison(n_heads, d_h, d_in, wbits, 5)?;
+    let b = boa_cuda::bench::quant::sweep_comparison(n_heads, d_h, d_in, wbits, 15)?;
     println!(
-        "BoA sweep of one {}×{} projection ({} heads × {} rows, {wbits}-bit): lazy batches + rank-1 identity {:.1} ms, \
+        "BoA sweep of one {}×{} projection ({} heads × {} rows, {wbits}-bit): 2-D blocked {:.1} ms (row by row {:.1} ms), \
          column at a time + GEMV per row (reference style) {:.1} ms: {:.1}× faster (target ≥ 10×); codes equal: {:.4}",
         b.n_heads * b.d_h,
         b.d_in,
         b.n_heads,
         b.d_h,
         b.fast_seconds * 1e3,
+        b.rowwise_seconds * 1e3,
         b.reference_seconds * 1e3,
         b.reference_seconds / b.fast_seconds,
         b.codes_equal

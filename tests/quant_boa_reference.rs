@@ -1,5 +1,5 @@
-//! BoA's fast sweep (lazy batches of 128 columns, rank-1 cross-row identity) gives the same integer codes
-//! as the reference-style sweep (one column at a time, explicit E·U_col per row), in f64.
+//! BoA's fast sweep (2-D blocked: column blocks of 128, one trailing GEMM per block) gives the same integer
+//! codes as the reference-style sweep (one column at a time, explicit E·U_col per row), in f64.
 
 use boa_cuda::quant::boa::{ColFactor, boa_sweep};
 use boa_cuda::quant::boa_reference::boa_sweep_reference;

@@ -1,8 +1,9 @@
-//! `bench-quant`: (1) the phases of whole-model GPTQ and BoA runs, (2) BoA's sweep (lazy batches + rank-1
-//! cross-row identity) against the reference-style sweep (column at a time, a GEMV per row), on one
-//! attention projection of a given shape, side by side in one process.
+//! `bench-quant`: (1) the phases of whole-model GPTQ and BoA runs, (2) BoA's sweep (2-D blocked: column
+//! blocks, one trailing GEMM per block, heads in parallel) against the reference-style sweep (column at a
+//! time, a GEMV per row) and the row-by-row sweep of Algorithm 1, on one attention projection of a given
+//! shape, side by side in one process.
 
-use crate::quant::boa::{ColFactor, boa_sweep};
+use crate::quant::boa::{ColFactor, boa_sweep, boa_sweep_rowwise};
 use crate::quant::boa_reference::boa_sweep_reference;
 use crate::quant::linalg::damped_upper_inverse;
 use crate::quant::quantizer::{Grid, minmax_grid};
@@ -15,9 +16,11 @@ pub struct SweepBench {
     pub d_h: usize,
     pub d_in: usize,
     pub bits: u32,
-    /// Median of `repeats` runs of `boa_sweep` (B = 128).
+    /// Median of the runs of `boa_sweep` (B = 128).
     pub fast_seconds: f64,
-    /// One run of the reference-style sweep.
+    /// Median of the runs of `boa_sweep_rowwise` (B = 128), the row-by-row order `boa_sweep` replaced.
+    pub rowwise_seconds: f64,
+    /// The reference-style sweep: median of 3 runs, or one run when that takes over a second.
     pub reference_seconds: f64,
     /// Fraction of integer codes equal between the two (f32 rounding of different operation orders can
     /// flip a value sitting on a rounding boundary).
@@ -50,6 +53,11 @@ fn random_spd(n: usize, rng: &mut ChaCha8Rng) -> Vec<f64> {
         }
     }
     h
+}
+
+fn median(mut t: Vec<f64>) -> f64 {
+    t.sort_by(f64::total_cmp);
+    t[t.len() / 2]
 }
 
 pub fn sweep_comparison(
@@ -91,28 +99,45 @@ pub fn sweep_comparison(
     }];
     let head_col = vec![0usize; n_heads];
 
-    let mut times = Vec::new();
+    // The two sweeps alternate, so a burst of load on a shared machine hits both alike.
+    let mut fast_times = Vec::new();
+    let mut rowwise_times = Vec::new();
     let mut fast_codes = Vec::new();
     for _ in 0..repeats.max(1) {
-        let (mut wp, mut q, mut codes, mut g) = (
-            w.clone(),
-            vec![0f32; w.len()],
-            vec![0u8; w.len()],
-            grids.clone(),
-        );
-        let t = Instant::now();
-        boa_sweep(
-            &mut wp, &mut q, &mut codes, &cols, &head_col, &u_row, n_heads, d_h, d_in, 128, &mut g,
-            1, maxq,
-        );
-        times.push(t.elapsed().as_secs_f64());
-        fast_codes = codes;
+        for rowwise in [false, true] {
+            let (mut wp, mut q, mut codes, mut g) = (
+                w.clone(),
+                vec![0f32; w.len()],
+                vec![0u8; w.len()],
+                grids.clone(),
+            );
+            let sweep = if rowwise {
+                boa_sweep_rowwise::<f32>
+            } else {
+                boa_sweep::<f32>
+            };
+            let t = Instant::now();
+            sweep(
+                &mut wp, &mut q, &mut codes, &cols, &head_col, &u_row, n_heads, d_h, d_in, 128,
+                &mut g, 1, maxq,
+            );
+            let dt = t.elapsed().as_secs_f64();
+            if rowwise {
+                rowwise_times.push(dt);
+            } else {
+                fast_times.push(dt);
+                fast_codes = codes;
+            }
+        }
     }
-    times.sort_by(f64::total_cmp);
-    let mut wr = w.clone();
-    let t = Instant::now();
-    let ref_codes = boa_sweep_reference(&mut wr, &u_col, &u_row, n_heads, d_h, d_in, &grids, maxq);
-    let reference_seconds = t.elapsed().as_secs_f64();
+    let mut ref_times = Vec::new();
+    let mut ref_codes = Vec::new();
+    while ref_times.len() < 3 && ref_times.iter().sum::<f64>() < 1.0 {
+        let mut wr = w.clone();
+        let t = Instant::now();
+        ref_codes = boa_sweep_reference(&mut wr, &u_col, &u_row, n_heads, d_h, d_in, &grids, maxq);
+        ref_times.push(t.elapsed().as_secs_f64());
+    }
     let equal = fast_codes
         .iter()
         .zip(&ref_codes)
@@ -123,8 +148,9 @@ pub fn sweep_comparison(
         d_h,
         d_in,
         bits,
-        fast_seconds: times[times.len() / 2],
-        reference_seconds,
+        fast_seconds: median(fast_times),
+        rowwise_seconds: median(rowwise_times),
+        reference_seconds: median(ref_times),
         codes_equal: equal as f64 / fast_codes.len() as f64,
     })
 }

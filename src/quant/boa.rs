@@ -7,7 +7,9 @@
 //!   W_h[i, :] −= (U_row,h[j, i] / U_row,h[j, j]) · (E_h U_col,h),  i > j,
 //! where E_h U_col,h = W_h[j, :]_before − Q_h[j, :] exactly (the GPTQ sweep moves every column of the row
 //! to its quantized value, so the row's total change is its error times U_col): a rank-1 update per head,
-//! no d_in × d_in GEMM per row.
+//! no d_in × d_in GEMM per row. `boa_sweep_rowwise` is that order; `boa_sweep` (what `boa_quantize` runs)
+//! visits the same grid in 2-D blocks, which gives the same codes (§4.3, last two paragraphs) with one
+//! trailing GEMM per column block for all the rows of a head instead of one per row.
 
 use super::Real;
 use super::gptq::{
@@ -15,7 +17,7 @@ use super::gptq::{
 };
 use super::linalg::{act_order_perm, damped_upper_inverse, fix_dead_inputs, permute_sym};
 use super::profile::{Phase, timed};
-use super::quantizer::Grid;
+use super::quantizer::{Grid, ScaleSearch, dequantize, quantize, search_grid};
 use rayon::prelude::*;
 
 /// H_col of an attention projection.
@@ -59,16 +61,17 @@ pub struct ColFactor<'a, T> {
 /// One column factor's share of a step j: (W⁽ʲ⁾ before the sweep, Q, codes, grids).
 type Swept<T> = (Vec<T>, Vec<T>, Vec<u8>, Vec<Grid<T>>);
 
-/// The head-wise BoA sweep (Alg. 1 l.7–11) in sweep order (rows and columns already permuted per head).
+/// The head-wise BoA sweep in the row-by-row order of Alg. 1 l.7–11, in sweep order (rows and columns
+/// already permuted per head). The oracle of `boa_sweep`, which visits the same grid in 2-D blocks.
 ///
-/// * `w` [n_heads × d_h × n]: per head, its rows; modified in place (cross-row updates, then each row holds
-///   the values its columns had when quantized).
+/// * `w` [n_heads × d_h × n]: per head, its rows; on return each row holds its values after all cross-row
+///   updates and before its own GPTQ sweep.
 /// * `q`, `codes` [n_heads × d_h × n]: results.
 /// * `cols`: the distinct column factors; `head_col[h]` indexes the one of head h.
 /// * `u_row` [n_heads × d_h × d_h]: U_row,h, upper.
 /// * `grids` [n_heads × d_h × n_groups]: static grids in, or dynamic grids out.
 #[allow(clippy::too_many_arguments)]
-pub fn boa_sweep<T: Real>(
+pub fn boa_sweep_rowwise<T: Real>(
     w: &mut [T],
     q: &mut [T],
     codes: &mut [u8],
@@ -156,6 +159,204 @@ pub fn boa_sweep<T: Real>(
                     }
                 }
             });
+    }
+}
+
+/// Rows a task of `boa_sweep` aims for: its heads' column loops interleave (independent dependency chains)
+/// and share one trailing GEMM, but too many would leave cores idle. Depends on the shape only, so results do
+/// not depend on the thread count.
+const TASK_ROWS: usize = 128;
+
+/// The head-wise BoA sweep (Alg. 1 l.7–11) blocked in 2-D (design.md §4.3, last two paragraphs), in sweep
+/// order (rows and columns already permuted per head). Same arguments and results as `boa_sweep_rowwise`.
+///
+/// BoA is GPTQ over vec(W_h) with U = U_row ⊗ U_col, so element (j, c) may be quantized as soon as every
+/// (j'', c'') ≤ (j, c) has been. Columns go in blocks of B; within a block, rows go in order, and row j first
+/// takes the cross-row terms of rows i < j over the block, Σ_i (U_row[i, j]/U_row[i, i])·δ_i with δ_i = (row
+/// i's value after its cross-row updates) − q_i, then runs GPTQ's column loop over the block. After a block,
+/// the trailing GPTQ update of all rows is one GEMM. Heads never interact, so they run in parallel, each task
+/// over all blocks without barriers.
+///
+/// With dynamic groups, blocks hold whole groups (B rounded down to a multiple of g, or g if g > B), so at a
+/// group's first column every column of the group has all its cross-row and GPTQ updates, as in the
+/// row-by-row order. Values agree with `boa_sweep_rowwise` up to rounding (the trailing updates are summed in a
+/// different order), so codes agree except where a value or a scale search sits on a rounding knife edge.
+#[allow(clippy::too_many_arguments)]
+pub fn boa_sweep<T: Real>(
+    w: &mut [T],
+    q: &mut [T],
+    codes: &mut [u8],
+    cols: &[ColFactor<T>],
+    head_col: &[usize],
+    u_row: &[T],
+    n_heads: usize,
+    d_h: usize,
+    n: usize,
+    block_size: usize,
+    grids: &mut [Grid<T>],
+    n_groups: usize,
+    maxq: u32,
+) {
+    let hs = d_h * n;
+    assert!(w.len() == n_heads * hs && q.len() == w.len() && codes.len() == w.len());
+    assert_eq!(u_row.len(), n_heads * d_h * d_h);
+    assert_eq!(grids.len(), n_heads * d_h * n_groups);
+    assert_eq!(head_col.len(), n_heads);
+    assert!(block_size > 0);
+    if n_heads == 0 || d_h == 0 || n == 0 {
+        return;
+    }
+    // Tasks: runs of consecutive heads with one column factor (their trailing updates share U_col).
+    let max_heads = TASK_ROWS.div_ceil(d_h);
+    let mut tasks = Vec::new();
+    let (mut rest_w, mut rest_q, mut rest_c, mut rest_g, mut rest_u) = (w, q, codes, grids, u_row);
+    let mut h0 = 0;
+    while h0 < n_heads {
+        let mut h1 = h0 + 1;
+        while h1 < n_heads && h1 - h0 < max_heads && head_col[h1] == head_col[h0] {
+            h1 += 1;
+        }
+        let nh = h1 - h0;
+        let (tw, rw) = rest_w.split_at_mut(nh * hs);
+        let (tq, rq) = rest_q.split_at_mut(nh * hs);
+        let (tc, rc) = rest_c.split_at_mut(nh * hs);
+        let (tg, rg) = rest_g.split_at_mut(nh * d_h * n_groups);
+        let (tu, ru) = rest_u.split_at(nh * d_h * d_h);
+        tasks.push((&cols[head_col[h0]], nh, tw, tq, tc, tg, tu));
+        (rest_w, rest_q, rest_c, rest_g, rest_u) = (rw, rq, rc, rg, ru);
+        h0 = h1;
+    }
+    tasks
+        .into_par_iter()
+        .for_each(|(cf, nh, w, q, codes, grids, u_row)| {
+            sweep_heads(
+                w, q, codes, cf, u_row, nh, d_h, n, block_size, grids, n_groups, maxq,
+            )
+        });
+}
+
+/// `boa_sweep` for `nh` consecutive heads sharing one column factor.
+#[allow(clippy::too_many_arguments)]
+fn sweep_heads<T: Real>(
+    w: &mut [T],
+    q: &mut [T],
+    codes: &mut [u8],
+    cf: &ColFactor<T>,
+    u_row: &[T],
+    nh: usize,
+    d_h: usize,
+    n: usize,
+    block_size: usize,
+    grids: &mut [Grid<T>],
+    n_groups: usize,
+    maxq: u32,
+) {
+    let rows = nh * d_h;
+    let u = cf.u;
+    let maxq_t = T::from_f64(maxq as f64);
+    let dynamic = cf.dynamic.as_ref();
+    // A dynamic group is searched over all its columns at its first one, so it must lie in one block: only
+    // then have the rows above already quantized, and handed down their cross-row terms for, all of it.
+    let bw = match dynamic {
+        Some(dg) if dg.g <= block_size => block_size / dg.g * dg.g,
+        Some(dg) => dg.g,
+        None => block_size,
+    };
+    // U_row[i, j] / U_row[i, i], computed as the row-by-row sweep does (same bits).
+    let f: Vec<T> = (0..nh * d_h * d_h)
+        .map(|k| {
+            let (h, i, j) = (k / (d_h * d_h), k / d_h % d_h, k % d_h);
+            let ur = &u_row[h * d_h * d_h..];
+            if j > i {
+                ur[i * d_h + j] / ur[i * d_h + i]
+            } else {
+                T::ZERO
+            }
+        })
+        .collect();
+    // −(the trailing GPTQ updates so far), kept apart from w so that δ (w after the cross-row updates − q)
+    // stays at hand.
+    let mut acc = vec![T::ZERO; rows * n];
+    let mut e = vec![T::ZERO; rows * bw];
+    let mut delta = vec![T::ZERO; rows * bw];
+    // Working values of row j of every head of the task over the block, [nh × bw].
+    let mut x = vec![T::ZERO; nh * bw];
+    let mut i1 = 0;
+    while i1 < n {
+        let i2 = (i1 + bw).min(n);
+        let len = i2 - i1;
+        for j in 0..d_h {
+            for (h, xh) in x.chunks_mut(bw).enumerate() {
+                let o = (h * d_h + j) * n + i1;
+                let wr = &mut w[o..o + len];
+                // Eq. (12) over this block, rows i < j in ascending order as the row-by-row sweep adds them.
+                for i in 0..j {
+                    let fij = f[(h * d_h + i) * d_h + j];
+                    let di = &delta[(h * d_h + i) * bw..(h * d_h + i) * bw + len];
+                    for (a, &d) in wr.iter_mut().zip(di) {
+                        *a -= fij * d;
+                    }
+                }
+                for ((xv, &a), &t) in xh.iter_mut().zip(wr.iter()).zip(&acc[o..o + len]) {
+                    *xv = a + t;
+                }
+            }
+            // GPTQ's column loop over the block, the heads interleaved column by column: their chains
+            // (quantize → error → update of the next column) are independent, so their latencies overlap.
+            for k in 0..len {
+                let c = i1 + k;
+                let ucc = u[c * n + c];
+                let urow = &u[c * n + c + 1..c * n + i2];
+                let group_start = dynamic.filter(|dg| c % dg.g == 0).map(|dg| {
+                    let g = c / dg.g;
+                    let hb =
+                        (dg.spec.search == ScaleSearch::Hessian).then(|| dg.h_blocks[g].as_slice());
+                    (dg, g, dg.g.min(n - c), hb)
+                });
+                let cg = cf.col_group[c] as usize;
+                for (h, xh) in x.chunks_mut(bw).enumerate() {
+                    let row = h * d_h + j;
+                    let gr_row = &mut grids[row * n_groups..(row + 1) * n_groups];
+                    if let Some((dg, g, gl, hb)) = group_start {
+                        gr_row[g] = search_grid(&xh[k..k + gl], hb, dg.spec);
+                    }
+                    let gr = gr_row[cg];
+                    let (head, tail) = xh[..len].split_at_mut(k + 1);
+                    let wc = head[k];
+                    let qc = quantize(wc, gr.scale, gr.zero, maxq_t);
+                    let qv = dequantize(qc, gr.scale, gr.zero);
+                    q[row * n + c] = qv;
+                    codes[row * n + c] = qc.to_f64() as u8;
+                    let err = (wc - qv) / ucc;
+                    e[row * bw + k] = err;
+                    for (xv, &uu) in tail.iter_mut().zip(urow) {
+                        *xv -= err * uu;
+                    }
+                }
+            }
+            for h in 0..nh {
+                let (row, o) = (h * d_h + j, (h * d_h + j) * n + i1);
+                let dr = &mut delta[row * bw..row * bw + len];
+                for ((d, &a), &qv) in dr.iter_mut().zip(&w[o..o + len]).zip(&q[o..o + len]) {
+                    *d = a - qv;
+                }
+            }
+        }
+        // Lazy batch of all rows: acc[:, i2:] −= E[:, block] · U_col[block, i2:].
+        if i2 < n {
+            T::gemm_sub(
+                &mut acc[i2..],
+                n,
+                &e,
+                bw,
+                &u[i1 * n + i2..],
+                n,
+                rows,
+                len,
+                n - i2,
+            );
+        }
+        i1 = i2;
     }
 }
 
