@@ -2,9 +2,10 @@
 # gpu_check.sh — GPU parity (and later speed) checks for a GPU machine that has a CUDA 13.0 driver but no Rust
 # toolchain and no network (design.md §8). Two halves:
 #
-#   profiling/gpu_check.sh                 on the build machine: build the binary and every test executable
-#                                          with the kernels embedded (BOA_REQUIRE_KERNELS=1), copy them into
-#                                          .gpu_carry/, and print how to run the device half through `run`.
+#   profiling/gpu_check.sh [TEST…]         on the build machine: build the binary and the test executables
+#                                          with the kernels embedded (BOA_REQUIRE_KERNELS=1), copy the binary
+#                                          and the named tests (default: parity_ops parity_quant, the ones with
+#                                          CUDA halves) into .gpu_carry/, and print the device call for `run`.
 #   profiling/gpu_check.sh --on-device [TEST…]
 #                                          on the GPU machine (the `run` tool's command): run each staged
 #                                          test executable (or only the named ones, e.g. parity_ops
@@ -23,7 +24,13 @@ carry_rel=".gpu_carry"
 carry="$root/$carry_rel"
 carry_limit=$((64 * 1024 * 1024))
 
+# Staged by default: the tests that exercise CUDA code. Every test binary together is ~94 MiB stripped, over
+# the 64 MiB the `run` tool carries; the rest are CPU tests that CI already runs.
+default_tests=(parity_ops parity_quant)
+
 build_half() {
+    local want=("$@")
+    ((${#want[@]} > 0)) || want=("${default_tests[@]}")
     cd "$root"
     if [[ -z "${NVCC:-}" && -z "${CUDA_HOME:-}" ]] && ! command -v nvcc >/dev/null \
         && [[ ! -x /usr/local/cuda/bin/nvcc ]]; then
@@ -51,8 +58,13 @@ for line in sys.stdin:
     mkdir -p "$carry/tests" "$carry/bin"
     cp target/release/boa-cuda "$carry/bin/"
     while IFS=$'\t' read -r name exe; do
-        cp "$exe" "$carry/tests/$name"
+        [[ " ${want[*]} " == *" $name "* ]] && cp "$exe" "$carry/tests/$name"
     done <<<"$list"
+    local staged
+    staged="$(ls "$carry/tests")"
+    for name in "${want[@]}"; do
+        grep -qx "$name" <<<"$staged" || { echo "gpu_check.sh: no test executable named $name" >&2; exit 1; }
+    done
     local size
     size="$(du -sb "$carry" | cut -f1)"
     if ((size > carry_limit)); then
@@ -71,10 +83,10 @@ for line in sys.stdin:
     cat <<MSG
 
 == staged $((size >> 20)) MiB in $carry_rel/. Now call the \`run\` tool (one call; it prints the table last):
-     command:   bash profiling/gpu_check.sh --on-device parity_ops parity_quant
+     command:   bash profiling/gpu_check.sh --on-device
      carry:     ["$carry_rel"]
      timeout_s: 360
-   (drop the test names to run every test binary: several minutes more)
+   (it runs the staged tests: ${want[*]}; stage others with \`profiling/gpu_check.sh NAME…\`)
    Logs and results.md come back under \$OUT (files_at). Give the machine back afterwards unless you rerun at once.
 MSG
 }
@@ -159,6 +171,6 @@ device_half() {
 
 case "${1:-}" in
     --on-device) shift; device_half "$@" ;;
-    "") build_half ;;
-    *) echo "usage: $0 [--on-device [TEST…]]" >&2; exit 2 ;;
+    -h|--help) echo "usage: $0 [TEST…]   |   $0 --on-device [TEST…]" >&2; exit 2 ;;
+    *) build_half "$@" ;;
 esac
