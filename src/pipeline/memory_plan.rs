@@ -292,10 +292,7 @@ impl fmt::Display for MemoryPlan {
 
 /// MemAvailable from /proc/meminfo (Linux); None elsewhere.
 pub fn host_available_bytes() -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
+    super::report::proc_kb_field("/proc/meminfo", "MemAvailable:")
 }
 
 #[cfg(test)]

@@ -99,8 +99,13 @@ impl RunReport {
 
 /// VmHWM from /proc/self/status (Linux); None elsewhere.
 pub fn peak_rss_bytes() -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    proc_kb_field("/proc/self/status", "VmHWM:")
+}
+
+/// The `KEY: N kB` line of a /proc file, in bytes (Linux); None elsewhere.
+pub(crate) fn proc_kb_field(path: &str, key: &str) -> Option<u64> {
+    let s = std::fs::read_to_string(path).ok()?;
+    let line = s.lines().find(|l| l.starts_with(key))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
 }
