@@ -16,8 +16,8 @@
 //     3. L⁻¹ in place, row by row: X[i, j] = −(Σ_{k=j}^{i−1} L[i, k] X[k, j]) / L[i, i] with thread j owning
 //        column j; row i of L is copied out first, since X[i, ·] overwrites it;
 //     4. U[i, j] = X[n−1−i, n−1−j] (j ≥ i), zeros below, to global memory.
-//   n > 128 is refused by the launcher: the large H_col (d_in up to 28672) is factorized on the host (f64,
-//   faer) for now — a blocked kernel or cuSOLVER is the follow-up.
+//   n > 128 is refused by the launcher: the large H_col (d_in up to 28672) goes through cuSOLVER (potrf and
+//   trtri on J H J, backend/cuda/solver.rs), with reverse_kernel below moving the data in and out.
 //
 // Roofline: n³/3 + n³/3 flop per matrix = 1.4 MFLOP at n = 128; 32 heads ≈ 45 MFLOP — nothing. The time is the
 //   3n + n dependent barrier steps (≈ 500 at n = 128, a few µs each): ~1 ms per launch for all heads, fine
@@ -112,4 +112,36 @@ cholesky_upper_inverse_kernel(float* __restrict__ u,        // [count × n × n]
     }
     __syncthreads();
     if (tid == 0) status[blockIdx.x] = fail;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// reverse_kernel: out[e] = in[n² − 1 − e] for e < n², i.e. out = J A J for row-major A [n × n]; with `upper`,
+//   entries below the diagonal are written as 0 and an entry on or above it that is not finite sets *bad = 1.
+//   The large-n route of U = chol(H⁻¹)ᵀ (solver.rs) runs it twice around cuSOLVER: in, J H J (symmetric, so
+//   row- and column-major agree); out, from X = (Lᵀ)⁻¹ column-major upper (potrf + trtri with fill UPPER on
+//   J H J = L Lᵀ), U[i, j] = X[n−1−j, n−1−i] = x[n² − 1 − (i·n + j)] — again a reversal, so both moves are
+//   coalesced 1-D copies. Parity: parity_cholesky_large (tests/parity_quant.rs).
+//
+// Launch shape: 1-D, 256 threads, grid min(⌈n²/256⌉, 65535·4) with a grid-stride loop.
+// Roofline: 8 B per element; n = 11008 moves 0.97 GB ≈ 0.2 ms at ~4.8 TB/s, next to ~10 ms of potrf + trtri.
+// ---------------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(256)
+reverse_kernel(float* __restrict__ out,       // [n × n]
+               int32_t* __restrict__ bad,     // [1] set to 1 on a non-finite kept entry (upper only)
+               const float* __restrict__ in,  // [n × n]
+               const uint64_t n,
+               const uint32_t upper) {
+    const uint64_t total = n * n;
+    for (uint64_t e = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; e < total;
+         e += (uint64_t)gridDim.x * blockDim.x) {
+        float v = in[total - 1 - e];
+        if (upper) {
+            if (e % n < e / n) {
+                v = 0.f;
+            } else if (!isfinite(v)) {
+                *bad = 1;
+            }
+        }
+        out[e] = v;
+    }
 }

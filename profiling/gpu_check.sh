@@ -160,6 +160,29 @@ device_half() {
         echo "== bench failed (exit $bench_rc):"
         tail -n 20 "$out/bench.log"
     fi
+    # End to end: `run --device cuda` (statistics, Cholesky and sweeps on the GPU) against `--device cpu` on a
+    # synthesized GQA model (d 512, 8 heads over 4 KV heads, 4 blocks), calibrated on this README (the model's
+    # tokenizer is byte-level). The relative output errors of report.json must agree (compare_reports below).
+    local e2e_rc=0
+    set +e
+    (
+        set -e
+        m="$out/synth"
+        rm -rf "$m" "$out"/q-*
+        "$carry/bin/boa-cuda" synth-model --out "$m" --d 512 --d-ff 1376 --layers 4 --heads 8 --kv-heads 4
+        for dev in cuda cpu; do
+            timeout 120 "$carry/bin/boa-cuda" run --model "$m" --calib README.md --method boa --wbits 3 \
+                --nsamples 16 --seqlen 256 --device "$dev" --format fake --out "$out/q-$dev" --quiet --profile
+            cp "$out/q-$dev/report.json" "$out/report-$dev.json"
+            rm -rf "$out/q-$dev"
+        done
+        compare_reports "$out/report-cuda.json" "$out/report-cpu.json"
+    ) >"$out/e2e.log" 2>&1
+    e2e_rc=$?
+    set -e
+    rm -rf "$out/synth"
+    if ((e2e_rc != 0)); then status=1; echo "== end-to-end run failed (exit $e2e_rc):"; fi
+    tail -n 30 "$out/e2e.log"
     [[ -f "$out/notes.txt" ]] && cat "$out/notes.txt"
     echo
     cat "$out/bench.md"
@@ -167,6 +190,33 @@ device_half() {
     cat "$table"
     echo "status: $([[ $status == 0 ]] && echo PASS || echo FAIL)"
     return "$status"
+}
+
+# Mean relative output error per method of two report.json files; fails when CUDA's is off by more than 10%
+# (the GPU statistics are bf16 and its factors f32, so the codes differ a little; a wrong kernel is far off).
+compare_reports() {
+    if ! command -v python3 >/dev/null; then
+        echo "e2e: no python3 on this machine; compare $1 and $2 (layers[].linears[].error) by hand"
+        return 0
+    fi
+    python3 - "$1" "$2" <<'PY'
+import json, sys
+def errs(path):
+    r = json.load(open(path))
+    out = {}
+    for layer in r["layers"]:
+        for lin in layer["linears"]:
+            out.setdefault(lin["method"], []).append(lin["error"])
+    return {m: sum(v) / len(v) for m, v in out.items()}
+cuda, cpu = errs(sys.argv[1]), errs(sys.argv[2])
+ok = True
+for m in sorted(cpu):
+    ratio = cuda[m] / cpu[m]
+    ok &= 0.9 <= ratio <= 1.1
+    print(f"e2e {m}: mean relative output error cuda {cuda[m]:.5f}, cpu {cpu[m]:.5f}, ratio {ratio:.3f}")
+print("e2e:", "PASS" if ok else "FAIL (ratio outside [0.9, 1.1])")
+sys.exit(0 if ok else 1)
+PY
 }
 
 case "${1:-}" in

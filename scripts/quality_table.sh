@@ -10,9 +10,12 @@ nsamples=${NSAMPLES:-128}
 eval_windows=${EVAL_WINDOWS:-40}
 mkdir -p "$out"
 scripts/fetch_demo.sh
-cargo build --release --quiet
-# A private copy, so rebuilding while the table runs cannot mix two versions in one table.
-cp target/release/boa-cuda "$out/boa-cuda"
+# A private copy, so rebuilding while the table runs cannot mix two versions in one table; a resumed table
+# keeps the copy it started with.
+if [[ ! -x "$out/boa-cuda" ]]; then
+  cargo build --release --quiet
+  cp target/release/boa-cuda "$out/boa-cuda"
+fi
 bin=$out/boa-cuda
 model=demo/smollm2-135m
 sotu=../shared/data/sotu
@@ -34,17 +37,23 @@ print(json.dumps(dict(name=sys.argv[1], speeches=s['perplexity'], moby=m['perple
 }
 
 evaluate fp "$model" '{}'
-for setting in "3 -1" "2 64" "3 64" "4 -1"; do
-  set -- $setting
-  for method in rtn gptq boa; do
-    name="w$1-g$2-$method"
-    grep -q "\"name\": \"$name\"" "$results" && continue
-    start=$(date +%s)
-    $bin run --model $model --calib $calib --method $method --wbits $1 --group-size $2 --nsamples "$nsamples" \
-      --seqlen 512 --seed 0 --device cpu --format fake --out "$out/$name" --force --quiet
-    secs=$(( $(date +%s) - start ))
-    evaluate "$name" "$out/$name" "{\"bits\": $1, \"group\": $2, \"method\": \"$method\", \"run_seconds\": $secs}"
-    rm -rf "$out/$name"
+# Two passes: the table's three methods first, then the V row Hessian variant the issue asks to compare.
+for pass in "rtn gptq boa" "boa-vid"; do
+  for setting in "3 -1" "2 64" "3 64" "4 -1"; do
+    set -- $setting
+    # boa-vid: BoA with the reference code's V row Hessian (identity) instead of the default W_out one.
+    for method in $pass; do
+      name="w$1-g$2-$method"
+      grep -q "\"name\": \"$name\"" "$results" && continue
+      flags="--method $method"
+      [[ $method == boa-vid ]] && flags="--method boa --v-row-hessian identity"
+      start=$(date +%s)
+      $bin run --model $model --calib $calib $flags --wbits $1 --group-size $2 --nsamples "$nsamples" \
+        --seqlen 512 --seed 0 --device cpu --format fake --out "$out/$name" --force --quiet
+      secs=$(( $(date +%s) - start ))
+      evaluate "$name" "$out/$name" "{\"bits\": $1, \"group\": $2, \"method\": \"$method\", \"run_seconds\": $secs}"
+      rm -rf "$out/$name"
+    done
   done
 done
 
@@ -59,15 +68,23 @@ print("|---|---|---|---|---|")
 ok = True
 for bits, group in [(2, 64), (3, -1), (3, 64), (4, -1)]:
     ppl = {}
-    for m in ["rtn", "gptq", "boa"]:
+    for m in ["rtn", "gptq", "boa", "boa-vid"]:
         r = next((r for r in rows if r["name"] == f"w{bits}-g{group}-{m}"), None)
         if r is None:
             continue
         ppl[m] = r
         g = "per-channel" if group == -1 else f"g{group}"
-        print(f"| {bits}-bit {g} | {m.upper() if m != 'boa' else 'BoA'} | {r['speeches']:.2f} | {r['moby']:.2f} | {r['run_seconds']} |")
-    if len(ppl) == 3:
+        label = {"rtn": "RTN", "gptq": "GPTQ", "boa": "BoA", "boa-vid": "BoA, V row identity"}[m]
+        print(f"| {bits}-bit {g} | {label} | {r['speeches']:.2f} | {r['moby']:.2f} | {r['run_seconds']} |")
+    if all(m in ppl for m in ["rtn", "gptq", "boa"]):
         for t in ["speeches", "moby"]:
             ok &= ppl["boa"][t] < ppl["gptq"][t] < ppl["rtn"][t]
 print(f"\nordering BoA < GPTQ < RTN on both texts in every setting: {'yes' if ok else 'NO'}")
+wins = {"wout": 0, "identity": 0}
+for r in rows:
+    if r["name"].endswith("-boa-vid"):
+        w = next((x for x in rows if x["name"] == r["name"][:-4]), None)
+        for t in ["speeches", "moby"] if w else []:
+            wins["identity" if r[t] < w[t] else "wout"] += 1
+print(f"V row Hessian, lower perplexity (setting x text): W_out {wins['wout']}, identity {wins['identity']}")
 PY

@@ -101,6 +101,29 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Write a Llama model with seeded random weights (f32 safetensors, uniform with variance 1/d_in) and a
+    /// byte-level tokenizer, so any text calibrates it: GPU checks and benchmarks without a model hub.
+    SynthModel {
+        /// Output folder (must not exist).
+        #[arg(long)]
+        out: PathBuf,
+        /// Hidden size.
+        #[arg(long, default_value_t = 512)]
+        d: usize,
+        /// MLP width.
+        #[arg(long, default_value_t = 1376)]
+        d_ff: usize,
+        #[arg(long, default_value_t = 4)]
+        layers: usize,
+        /// Query heads (head dim = d / heads).
+        #[arg(long, default_value_t = 8)]
+        heads: usize,
+        /// Key/value heads (GQA when fewer than --heads).
+        #[arg(long, default_value_t = 4)]
+        kv_heads: usize,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
     /// Benchmark the quantization core (XᵀX, head covariances, V statistics, batched Cholesky, GPTQ and BoA
     /// sweeps) on random inputs of real layer shapes, against the device's measured ceilings.
     Bench {
@@ -399,6 +422,29 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     s.files
                 );
             }
+        }
+        Cmd::SynthModel {
+            out,
+            d,
+            d_ff,
+            layers,
+            heads,
+            kv_heads,
+            seed,
+        } => {
+            let spec = boa_cuda::model::synth::SynthSpec {
+                d,
+                d_ff,
+                n_layers: layers,
+                n_heads: heads,
+                n_kv_heads: kv_heads,
+                vocab: 256,
+                tie_word_embeddings: false,
+                qkv_bias: false,
+                seed,
+            };
+            boa_cuda::model::synth::write_model_new(&out, &spec)?;
+            println!("wrote {}", out.display());
         }
         Cmd::Bench {
             device,

@@ -248,3 +248,31 @@ fn device_cuda_without_gpu_is_an_error_and_auto_falls_back() {
     let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     assert!(v["perplexity"].as_f64().unwrap() > 1.0);
 }
+
+#[test]
+fn synth_model_writes_a_loadable_model_and_refuses_bad_input() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let out = dir.join("m");
+    let (code, _, err) = run(&["synth-model", "--out", s(&out), "--d", "64", "--d-ff", "96"]);
+    assert_eq!(code, 0, "{err}");
+    let (code, info, err) = run(&["inspect", s(&out)]);
+    assert_eq!(code, 0, "{err}");
+    assert!(info.contains("LlamaForCausalLM"), "{info}");
+    // An existing folder is never overwritten; a shape the heads do not divide writes nothing.
+    assert_user_error(&["synth-model", "--out", s(&out)], &["already exists"]);
+    let bad = dir.join("bad");
+    assert_user_error(
+        &[
+            "synth-model",
+            "--out",
+            s(&bad),
+            "--d",
+            "100",
+            "--heads",
+            "8",
+        ],
+        &["multiple of --heads"],
+    );
+    assert!(!bad.exists());
+}

@@ -11,8 +11,9 @@
 //! * bf16 XᵀX (CUDA v2): X is rounded to bf16 (u = 2^-9 ≈ 2e-3), so every product is off by ≤ 2u ≈ 4e-3,
 //!   with random signs across tokens; normwise the error is ≲ u·√(d/(m+d))·(a few) ≈ 1e-3–3e-3 on these
 //!   shapes. XXT_BF16_TOL = 1e-2 is METHOD.md's upper bound for bf16 operands: an indexing bug is O(1).
-//! * Cholesky: f32 on SPD inputs with condition number ≲ 10: error ~ n·u·κ ≲ 8e-5 worst case, ~1e-6
-//!   typical; CHOL_TOL = 1e-4.
+//! * Cholesky: f32 on SPD inputs with condition number ≲ 10: error ~ n·u·κ ≲ 8e-5 worst case at n = 128,
+//!   ~1e-6 typical; CHOL_TOL = 1e-4, raised to the n·u·κ worst case for the larger n of the cuSOLVER route
+//!   (3.5e-4 at n = 576).
 //! * Sweeps: integer codes. Backends sum the trailing updates in different orders, so a value within a few
 //!   ulp of a rounding boundary may round the other way, and in GPTQ that changes every later error of the
 //!   row; the tests report the fraction of differing codes (documented ties) and bound it by CODE_MISMATCH_TOL.
@@ -386,7 +387,9 @@ fn parity_v_col_covariance(b: &dyn Backend, tol: f64) {
 fn parity_cholesky(b: &dyn Backend) {
     let mut rng = rng();
     let mut worst = 0f64;
-    for (n, count) in [(1, 3), (64, 5), (100, 2), (128, 4)] {
+    // n > 128 takes the CUDA backend's cuSOLVER route (one factorization per matrix).
+    for (n, count) in [(1, 3), (64, 5), (100, 2), (128, 4), (300, 3), (576, 2)] {
+        let tol = CHOL_TOL.max(n as f64 * 6e-8 * 10.0);
         let mut h = Vec::new();
         let mut reference = Vec::new();
         for _ in 0..count {
@@ -415,15 +418,15 @@ fn parity_cholesky(b: &dyn Backend) {
                 .unwrap_or_else(|| panic!("{}: SPD matrix {i} (n={n}) failed", b.name()));
             let err = rel_err(ub, r);
             assert!(
-                err <= CHOL_TOL,
-                "{}: cholesky n={n} #{i}: rel. error {err:.3e}",
+                err <= tol,
+                "{}: cholesky n={n} #{i}: rel. error {err:.3e} > {tol:.1e}",
                 b.name()
             );
             worst = worst.max(err);
         }
     }
     println!(
-        "{}: cholesky_upper_inverse max rel. error {worst:.3e} (bound {CHOL_TOL:.0e})",
+        "{}: cholesky_upper_inverse max rel. error {worst:.3e} (bound {CHOL_TOL:.0e}, n·u·κ above n = 128)",
         b.name()
     );
 }

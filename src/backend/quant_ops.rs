@@ -56,6 +56,12 @@ pub trait QuantOps {
         false
     }
 
+    /// Whether the quantizer should factor U and run static-grid sweeps through this trait (device backends)
+    /// instead of `quant::`'s own generic code, the oracle, which the CPU backend keeps (f64 factors).
+    fn accelerates_quantization(&self) -> bool {
+        false
+    }
+
     /// H [d × d] += Xᵀ X over the m tokens of X [m × d] (one token per row); H stays symmetric.
     fn xxt_accumulate(&self, h: &mut [f32], x: &[f32], m: usize, d: usize);
 

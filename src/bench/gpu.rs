@@ -186,6 +186,21 @@ fn spd(rng: &mut ChaCha8Rng, n: usize, count: usize) -> Vec<f32> {
     out
 }
 
+/// A diagonally dominant SPD matrix in O(n²) (off-diagonals ±0.5/√n, diagonal 1–1.5): Cholesky's cost does
+/// not depend on the values, and the AᵀA of `spd` would take minutes at d_ff = 28672.
+fn spd_cheap(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
+    let mut h = vec![0f32; n * n];
+    for i in 0..n {
+        h[i * n + i] = 1.0 + rng.random_range(0.0f32..0.5);
+        for j in i + 1..n {
+            let v = rng.random_range(-0.5f32..0.5) / (n as f32).sqrt();
+            h[i * n + j] = v;
+            h[j * n + i] = v;
+        }
+    }
+    h
+}
+
 fn row_grids(w: &[f32], rows: usize, n: usize, maxq: u32) -> Vec<Grid<f32>> {
     (0..rows)
         .map(|r| minmax_grid(&w[r * n..(r + 1) * n], maxq, false))
@@ -354,6 +369,24 @@ pub fn bench_quant_ops(
                 wall_ms: wall,
                 kernel_ms: kern,
                 work: s.h as f64 * 2.0 / 3.0 * (s.d_h as f64).powi(3),
+                ceiling: Ceiling::Compute,
+                layer_scale: 1.0,
+            });
+        }
+
+        // U of the d_in-sized H_col of q/k/v, o, gate/up (d) and down (d_ff): the large-n route.
+        for n in [s.d, s.d_ff] {
+            let h = spd_cheap(&mut rng, n);
+            let (wall, kern) = time(b, reps.min(3), |_| {
+                std::hint::black_box(ops.cholesky_upper_inverse_batched(&h, n, 1));
+            });
+            rows.push(BenchRow {
+                method: "cholesky_large",
+                shape: tag(format!("n={n}")),
+                wall_ms: wall,
+                kernel_ms: kern,
+                // potrf n³/3 + trtri n³/3
+                work: 2.0 / 3.0 * (n as f64).powi(3),
                 ceiling: Ceiling::Compute,
                 layer_scale: 1.0,
             });

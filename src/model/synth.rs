@@ -36,6 +36,36 @@ impl SynthSpec {
     }
 }
 
+/// `write_model` for a user: checks the shape, refuses an existing `dir`, and writes into a sibling folder
+/// renamed into place at the end, so a failure leaves nothing at `dir`.
+pub fn write_model_new(dir: &Path, s: &SynthSpec) -> anyhow::Result<()> {
+    if s.d == 0 || s.d_ff == 0 || s.n_layers == 0 || s.n_heads == 0 || s.n_kv_heads == 0 {
+        return Err(crate::input_err!(
+            "every size of a synthetic model must be positive"
+        ));
+    }
+    if !s.d.is_multiple_of(s.n_heads) || !s.n_heads.is_multiple_of(s.n_kv_heads) {
+        return Err(crate::input_err!(
+            "--d {} must be a multiple of --heads {}, and --heads of --kv-heads {}",
+            s.d,
+            s.n_heads,
+            s.n_kv_heads
+        ));
+    }
+    if dir.exists() {
+        return Err(crate::input_err!("{} already exists", dir.display()));
+    }
+    let mut tmp = dir.as_os_str().to_owned();
+    tmp.push(".partial");
+    let tmp = std::path::PathBuf::from(tmp);
+    let _ = std::fs::remove_dir_all(&tmp);
+    let r = write_model(&tmp, s).and_then(|()| Ok(std::fs::rename(&tmp, dir)?));
+    if r.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    r
+}
+
 /// Writes config.json, model.safetensors (f32) and a byte-level tokenizer.json into `dir`.
 pub fn write_model(dir: &Path, s: &SynthSpec) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir)?;

@@ -67,6 +67,14 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
     if let Some(n) = note {
         progress.line(&n);
     }
+    let ops: Option<&dyn crate::backend::quant_ops::QuantOps> =
+        be.accelerates_quantization().then_some(be.as_ref() as _);
+    if ops.is_some() && opts.group_size.is_some() && !opts.static_groups {
+        progress.line(&format!(
+            "{}: dynamic groups are searched inside the sweep, which runs on the CPU; pass --static-groups to sweep on the device",
+            be.name()
+        ));
+    }
     let model = Model::open(&opts.model)?;
     if model.gptq.is_some() {
         return Err(file_err(
@@ -227,7 +235,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                 let t = Instant::now();
                 crate::quant::profile::take();
                 let quantized =
-                    quantize_block::quantize_block(&mut w, stats.as_ref(), cfg, opts, l)?;
+                    quantize_block::quantize_block(&mut w, stats.as_ref(), cfg, opts, l, ops)?;
                 timings.quantize += t.elapsed().as_secs_f64();
                 let [factor, search, sweep] = crate::quant::profile::take();
                 (timings.factor, timings.search, timings.sweep) = (

@@ -3,10 +3,11 @@
 
 use super::options::{Method, RunOptions, ScaleSearchArg, VRowHessian};
 use super::stats::BlockStats;
+use crate::backend::quant_ops::QuantOps;
 use crate::model::Config;
 use crate::model::llama::{BlockWeights, LINEAR_NAMES};
-use crate::quant::boa::{BoaOptions, ColHessian, boa_quantize};
-use crate::quant::gptq::{GptqOptions, Quantized, gptq_quantize};
+use crate::quant::boa::{BoaOptions, ColHessian, boa_quantize_with};
+use crate::quant::gptq::{GptqOptions, Quantized, gptq_quantize_with};
 use crate::quant::hessian::{
     RopeAverage, identity_row_hessians, k_row_hessians, q_row_hessians, v_row_hessians_from_wout,
 };
@@ -81,13 +82,15 @@ pub fn relative_errors(w: &[f32], w_hats: &[&[f32]], h: &[f64], d_in: usize) -> 
 }
 
 /// Quantizes every linear of `w` in place (weights replaced by their dequantized values) and returns the
-/// quantized matrices (for packed exports) with their reports.
+/// quantized matrices (for packed exports) with their reports. `ops`: the backend that factors and sweeps
+/// (None: `quant::`'s own code).
 pub fn quantize_block(
     w: &mut BlockWeights,
     stats: Option<&BlockStats>,
     cfg: &Config,
     opts: &RunOptions,
     layer: usize,
+    ops: Option<&dyn QuantOps>,
 ) -> anyhow::Result<Vec<(Quantized<f32>, LinearReport)>> {
     let seqlen = opts.seqlen;
     let g = gptq_options(opts, seqlen);
@@ -165,13 +168,13 @@ pub fn quantize_block(
                     }
                 };
                 (
-                    boa_quantize(&lin.w, n_heads, d_h, d_in, h_col, &h_row, &b)
+                    boa_quantize_with(&lin.w, n_heads, d_h, d_in, h_col, &h_row, &b, ops)
                         .with_context(ctx)?,
                     "boa",
                 )
             }
             (_, Some(h)) => (
-                gptq_quantize(&lin.w, d_out, d_in, h, &g).with_context(ctx)?,
+                gptq_quantize_with(&lin.w, d_out, d_in, h, &g, ops).with_context(ctx)?,
                 "gptq",
             ),
         };

@@ -13,11 +13,13 @@
 
 use super::Real;
 use super::gptq::{
-    DynamicGroups, GptqOptions, Quantized, gptq_block_sweep, permute_cols, plan_sweep, static_grids,
+    DynamicGroups, GptqOptions, Quantized, gptq_block_sweep, grids_f32, permute_cols, plan_sweep,
+    static_grids, to_f32,
 };
-use super::linalg::{act_order_perm, damped_upper_inverse, fix_dead_inputs, permute_sym};
+use super::linalg::{act_order_perm, damped_upper_inverse_batch, fix_dead_inputs, permute_sym};
 use super::profile::{Phase, timed};
 use super::quantizer::{Grid, ScaleSearch, dequantize, quantize, search_grid};
+use crate::backend::quant_ops::{QuantOps, StaticGrids, UCol};
 use rayon::prelude::*;
 
 /// H_col of an attention projection.
@@ -371,6 +373,23 @@ pub fn boa_quantize<T: Real>(
     h_row: &[f64],
     opts: &BoaOptions,
 ) -> anyhow::Result<Quantized<T>> {
+    boa_quantize_with(w, n_heads, d_h, d_in, h_col, h_row, opts, None)
+}
+
+/// [`boa_quantize`] with the U factors (all heads' U_row in one batch) and static-grid sweeps through a
+/// backend's `QuantOps` (f32) when `ops` is given; dynamic groups keep this module's sweep, as in
+/// `gptq_quantize_with`.
+#[allow(clippy::too_many_arguments)]
+pub fn boa_quantize_with<T: Real>(
+    w: &[T],
+    n_heads: usize,
+    d_h: usize,
+    d_in: usize,
+    h_col: ColHessian,
+    h_row: &[f64],
+    opts: &BoaOptions,
+    ops: Option<&dyn QuantOps>,
+) -> anyhow::Result<Quantized<T>> {
     let g = &opts.gptq;
     g.spec.validate()?;
     let d_out = n_heads * d_h;
@@ -395,7 +414,7 @@ pub fn boa_quantize<T: Real>(
     let t_factor = std::time::Instant::now();
     let (plans, head_col) = match h_col {
         ColHessian::Shared(hc) => (
-            vec![plan_sweep::<T>(&mut w0, n, hc, g, opts.act_order_col)?],
+            vec![plan_sweep::<T>(&mut w0, n, hc, g, opts.act_order_col, ops)?],
             vec![0; n_heads],
         ),
         ColHessian::PerHead(hc) => {
@@ -412,6 +431,7 @@ pub fn boa_quantize<T: Real>(
                     &hc[h * n * n..(h + 1) * n * n],
                     g,
                     opts.act_order_col,
+                    ops,
                 )
                 .map_err(|e| e.context(format!("H_col of head {h}")))?;
                 plans.push(p);
@@ -422,9 +442,9 @@ pub fn boa_quantize<T: Real>(
     super::profile::add(Phase::Factor, t_factor);
     let n_groups = plans[0].n_groups;
 
-    // Row factors (Alg. 1 l.5–6, H_row side).
+    // Row factors (Alg. 1 l.5–6, H_row side), all heads in one batch.
     let mut row_perm = Vec::with_capacity(n_heads);
-    let mut u_row = Vec::with_capacity(n_heads * d_h * d_h);
+    let mut h_rows = Vec::with_capacity(n_heads);
     for h in 0..n_heads {
         let mut hr = h_row[h * d_h * d_h..(h + 1) * d_h * d_h].to_vec();
         fix_dead_inputs(&mut hr, d_h, 1.0);
@@ -433,13 +453,16 @@ pub fn boa_quantize<T: Real>(
         } else {
             (0..d_h).collect()
         };
-        let mut hp = permute_sym(&hr, d_h, &perm);
-        let u = timed(Phase::Factor, || {
-            damped_upper_inverse(&mut hp, d_h, g.damp, g.max_damp_tries)
-        })
-        .map_err(|e| e.context(format!("H_row of head {h}")))?;
-        u_row.extend(u.iter().map(|&x| T::from_f64(x)));
+        h_rows.push(permute_sym(&hr, d_h, &perm));
         row_perm.push(perm);
+    }
+    let us = timed(Phase::Factor, || {
+        damped_upper_inverse_batch(&mut h_rows, d_h, g.damp, g.max_damp_tries, ops)
+    });
+    let mut u_row = Vec::with_capacity(n_heads * d_h * d_h);
+    for (h, u) in us.into_iter().enumerate() {
+        let u = u.map_err(|e| e.context(format!("H_row of head {h}")))?;
+        u_row.extend(u.iter().map(|&x| T::from_f64(x)));
     }
 
     // Grids: static ones from the original rows; dynamic ones are searched in the sweep.
@@ -481,8 +504,35 @@ pub fn boa_quantize<T: Real>(
         .collect();
     let mut qp = vec![T::ZERO; d_out * n];
     let mut cp = vec![0u8; d_out * n];
-    timed(Phase::Sweep, || {
-        boa_sweep(
+    timed(Phase::Sweep, || match ops.filter(|_| !dynamic) {
+        Some(ops) => {
+            let grids32 = grids_f32(&grids);
+            let u_col = match h_col {
+                ColHessian::Shared(_) => to_f32(&plans[0].u),
+                ColHessian::PerHead(_) => plans.iter().flat_map(|p| to_f32(&p.u)).collect(),
+            };
+            let r = ops.boa_sweep(
+                &to_f32(&wp),
+                match h_col {
+                    ColHessian::Shared(_) => UCol::Shared(&u_col),
+                    ColHessian::PerHead(_) => UCol::PerHead(&u_col),
+                },
+                &to_f32(&u_row),
+                n_heads,
+                d_h,
+                n,
+                g.block_size,
+                StaticGrids {
+                    grids: &grids32,
+                    n_groups,
+                    col_group: &plans[0].col_group,
+                },
+                g.spec.maxq(),
+            );
+            qp = r.q.iter().map(|&v| T::from_f64(v as f64)).collect();
+            cp = r.codes;
+        }
+        None => boa_sweep(
             &mut wp,
             &mut qp,
             &mut cp,
@@ -496,7 +546,7 @@ pub fn boa_quantize<T: Real>(
             &mut grids,
             n_groups,
             g.spec.maxq(),
-        )
+        ),
     });
 
     // Back to the original row and column order.

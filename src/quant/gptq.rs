@@ -5,13 +5,14 @@
 
 use super::Real;
 use super::linalg::{
-    DEFAULT_DAMP, MAX_DAMP_TRIES, act_order_perm, damped_upper_inverse, fix_dead_inputs,
+    DEFAULT_DAMP, MAX_DAMP_TRIES, act_order_perm, damped_upper_inverse_batch, fix_dead_inputs,
     permute_sym,
 };
 use super::profile::{Phase, timed};
 use super::quantizer::{
     Grid, QuantSpec, ScaleSearch, dequantize, quantize, search_grid, search_grids_rows,
 };
+use crate::backend::quant_ops::{QuantOps, StaticGrids};
 use rayon::prelude::*;
 
 /// gptq.py's lazy-batch width B.
@@ -303,12 +304,14 @@ pub(crate) struct SweepPlan<T> {
 }
 
 /// Dead inputs, act-order permutation, damping and U for one H_col; zeroes dead columns of every row of `w`.
+/// U is factorized by `ops` when given (see [`gptq_quantize_with`]).
 pub(crate) fn plan_sweep<T: Real>(
     w: &mut [T],
     n: usize,
     h: &[f64],
     opts: &GptqOptions,
     act_order: bool,
+    ops: Option<&dyn QuantOps>,
 ) -> anyhow::Result<SweepPlan<T>> {
     assert_eq!(h.len(), n * n, "H is not [{n} × {n}]");
     let spec = &opts.spec;
@@ -327,8 +330,10 @@ pub(crate) fn plan_sweep<T: Real>(
     for (k, &c) in perm.iter().enumerate() {
         inv[c] = k;
     }
-    let mut h_p = permute_sym(&h, n, &perm);
-    let u = damped_upper_inverse(&mut h_p, n, opts.damp, opts.max_damp_tries)?;
+    let mut hs = [permute_sym(&h, n, &perm)];
+    let u =
+        damped_upper_inverse_batch(&mut hs, n, opts.damp, opts.max_damp_tries, ops).remove(0)?;
+    let [h_p] = hs;
     let g = spec.group_len(n);
     let n_groups = spec.n_groups(n);
     let grouped = spec.group_size.is_some() && g < n;
@@ -378,6 +383,19 @@ pub(crate) fn static_grids<T: Real>(
     grids
 }
 
+pub(crate) fn to_f32<T: Real>(v: &[T]) -> Vec<f32> {
+    v.iter().map(|x| x.to_f64() as f32).collect()
+}
+
+pub(crate) fn grids_f32<T: Real>(g: &[Grid<T>]) -> Vec<Grid<f32>> {
+    g.iter()
+        .map(|x| Grid {
+            scale: x.scale.to_f64() as f32,
+            zero: x.zero.to_f64() as f32,
+        })
+        .collect()
+}
+
 /// Gathers columns: out[:, k] = w[:, perm[k]].
 pub(crate) fn permute_cols<T: Copy>(w: &[T], n: usize, perm: &[usize]) -> Vec<T> {
     let mut out = Vec::with_capacity(w.len());
@@ -406,11 +424,25 @@ pub fn gptq_quantize<T: Real>(
     h: &[f64],
     opts: &GptqOptions,
 ) -> anyhow::Result<Quantized<T>> {
+    gptq_quantize_with(w, d_out, d_in, h, opts, None)
+}
+
+/// [`gptq_quantize`] with U factorized, and static-grid sweeps run, by a backend's `QuantOps` (f32) when `ops`
+/// is given. Dynamic groups are searched between columns of the sweep, which only this module's sweep does,
+/// so they keep it.
+pub fn gptq_quantize_with<T: Real>(
+    w: &[T],
+    d_out: usize,
+    d_in: usize,
+    h: &[f64],
+    opts: &GptqOptions,
+    ops: Option<&dyn QuantOps>,
+) -> anyhow::Result<Quantized<T>> {
     opts.spec.validate()?;
     assert_eq!(w.len(), d_out * d_in, "W is not [{d_out} × {d_in}]");
     let mut w0 = w.to_vec();
     let plan = timed(Phase::Factor, || {
-        plan_sweep::<T>(&mut w0, d_in, h, opts, opts.act_order)
+        plan_sweep::<T>(&mut w0, d_in, h, opts, opts.act_order, ops)
     })?;
     let mut grids = match plan.dyn_blocks {
         Some(_) => vec![Grid::default(); d_out * plan.n_groups],
@@ -426,8 +458,26 @@ pub fn gptq_quantize<T: Real>(
         h_blocks: b,
         spec: &opts.spec,
     });
-    timed(Phase::Sweep, || {
-        gptq_block_sweep(
+    timed(Phase::Sweep, || match ops.filter(|_| dynamic.is_none()) {
+        Some(ops) => {
+            let grids32 = grids_f32(&grids);
+            let r = ops.gptq_sweep(
+                &to_f32(&wp),
+                &to_f32(&plan.u),
+                d_out,
+                d_in,
+                opts.block_size,
+                StaticGrids {
+                    grids: &grids32,
+                    n_groups: plan.n_groups,
+                    col_group: &plan.col_group,
+                },
+                opts.spec.maxq(),
+            );
+            qp = r.q.iter().map(|&v| T::from_f64(v as f64)).collect();
+            cp = r.codes;
+        }
+        None => gptq_block_sweep(
             &mut wp,
             &mut qp,
             &mut cp,
@@ -440,7 +490,7 @@ pub fn gptq_quantize<T: Real>(
             &plan.col_group,
             dynamic.as_ref(),
             opts.spec.maxq(),
-        )
+        ),
     });
     let mut g_idx = vec![0u32; d_in];
     for (k, &c) in plan.perm.iter().enumerate() {

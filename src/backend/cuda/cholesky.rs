@@ -11,26 +11,31 @@ use std::sync::Arc;
 pub const MODULE: &str = "cholesky";
 
 /// Largest n the one-CTA kernel takes (its packed triangle must fit the 48 KB default shared memory);
-/// must match kCholMaxN in cuda/cholesky.cu. Larger matrices are factorized on the host.
+/// must match kCholMaxN in cuda/cholesky.cu. Larger matrices go through cuSOLVER (solver.rs).
 pub const CHOLESKY_MAX_N: usize = 128;
 /// Must match kCholThreads.
 const CHOL_THREADS: u32 = 256;
 
 pub struct CholeskyKernels {
     cholesky: CudaFunction,
+    /// reverse_kernel, the data movement of the cuSOLVER route (solver.rs).
+    pub(super) reverse: CudaFunction,
 }
 
 impl CholeskyKernels {
     pub fn load(module: &Arc<CudaModule>) -> Result<Self, CudaError> {
-        let name = "cholesky_upper_inverse_kernel";
-        Ok(CholeskyKernels {
-            cholesky: module
+        let load = |name: &'static str| {
+            module
                 .load_function(name)
                 .map_err(|e| CudaError::MissingKernel {
                     module: MODULE,
                     kernel: name,
                     source: e,
-                })?,
+                })
+        };
+        Ok(CholeskyKernels {
+            cholesky: load("cholesky_upper_inverse_kernel")?,
+            reverse: load("reverse_kernel")?,
         })
     }
 }

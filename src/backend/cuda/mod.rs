@@ -18,6 +18,7 @@ pub mod kernels;
 mod nvtx;
 pub mod ops;
 mod quant;
+mod solver;
 pub mod sweep;
 
 pub use hessian::XxtVariant;
@@ -52,6 +53,12 @@ pub enum CudaError {
     },
     #[error("{op}: unsupported shape: {msg}")]
     Shape { op: &'static str, msg: String },
+    #[error("cuSOLVER {what}: {source}")]
+    Solver {
+        what: &'static str,
+        #[source]
+        source: cudarc::cusolver::result::CusolverError,
+    },
 }
 
 fn driver(what: &'static str) -> impl FnOnce(DriverError) -> CudaError {
@@ -76,6 +83,8 @@ pub struct CudaBackend {
     poison_outputs: bool,
     /// Device time of the kernels of the last QuantOps call (events around the launches, transfers excluded).
     last_kernel_ms: std::sync::Mutex<f32>,
+    /// cuSOLVER for the large Cholesky factors, opened on first use; the reason when it cannot be.
+    solver: std::sync::OnceLock<Result<solver::Solver, String>>,
 }
 
 /// Loads the embedded fatbin of cuda/`stem`.cu, or says why it cannot.
@@ -166,6 +175,7 @@ impl CudaBackend {
             xxt_variant: XxtVariant::Bf16Wmma,
             poison_outputs: false,
             last_kernel_ms: std::sync::Mutex::new(0.0),
+            solver: std::sync::OnceLock::new(),
         })
     }
 

@@ -1,8 +1,8 @@
 //! `QuantOps` on CUDA: upload, launch (hessian.rs, cholesky.rs, sweep.rs), download. Each method has a
 //! `try_*` twin returning `CudaError`; the trait methods panic with the op and shape named, as `rms_norm` does.
 //!
-//! Shapes the kernels do not take fall back to the CPU, each saying why: Cholesky with n > 128 (d_in-sized
-//! H_col: a blocked kernel or cuSOLVER is the follow-up), attention and BoA with d_h > 128.
+//! Cholesky with n > 128 (the d_in-sized H_col) goes through cuSOLVER (solver.rs), or the CPU when the
+//! library is missing (said once on stderr). Attention and BoA with d_h > 128 fall back to the CPU.
 
 use super::cholesky::{CHOLESKY_MAX_N, launch_cholesky};
 use super::hessian::{ATTN_MAX_DH, launch_attn_x, launch_hessian_xxt, launch_softmax_stats};
@@ -286,6 +286,52 @@ impl CudaBackend {
             .collect())
     }
 
+    /// `cholesky_upper_inverse_batched` for n > CHOLESKY_MAX_N: one cuSOLVER factorization per matrix.
+    pub fn try_cholesky_upper_inverse_large(
+        &self,
+        solver: &super::solver::Solver,
+        h: &[f32],
+        n: usize,
+        count: usize,
+    ) -> Result<Vec<Option<Vec<f32>>>, CudaError> {
+        if h.len() != count * n * n {
+            return Err(shape(
+                "cholesky_upper_inverse",
+                format!("h.len={} ≠ {count}·{n}²", h.len()),
+            ));
+        }
+        let mut out = Vec::with_capacity(count);
+        for hb in h.chunks(n * n) {
+            let h_d = self.upload(hb, "upload H")?;
+            let u_d = self.timed(|| solver.upper_inverse(&self.quant.cholesky, &h_d, n))?;
+            out.push(match u_d {
+                Some(u_d) => Some(self.stream.clone_dtoh(&u_d).map_err(driver("download U"))?),
+                None => None,
+            });
+        }
+        self.stream
+            .synchronize()
+            .map_err(driver("cholesky_upper_inverse"))?;
+        Ok(out)
+    }
+
+    /// cuSOLVER, opened on first use; the reason (printed once) when it cannot be.
+    fn solver(&self) -> Result<&super::solver::Solver, &str> {
+        self.solver
+            .get_or_init(|| {
+                let s = super::solver::Solver::new(&self.stream);
+                if let Err(why) = &s {
+                    eprintln!(
+                        "{}: {why}; Cholesky factors with n > {CHOLESKY_MAX_N} run on the CPU",
+                        self.name
+                    );
+                }
+                s
+            })
+            .as_ref()
+            .map_err(String::as_str)
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub fn try_gptq_sweep(
         &self,
@@ -454,6 +500,10 @@ impl QuantOps for CudaBackend {
         true
     }
 
+    fn accelerates_quantization(&self) -> bool {
+        true
+    }
+
     fn xxt_accumulate(&self, h: &mut [f32], x: &[f32], m: usize, d: usize) {
         self.try_xxt_accumulate(h, x, m, d)
             .unwrap_or_else(|e| panic!("{} xxt_accumulate (m={m}, d={d}): {e}", self.name));
@@ -485,9 +535,18 @@ impl QuantOps for CudaBackend {
         count: usize,
     ) -> Vec<Option<Vec<f32>>> {
         if n > CHOLESKY_MAX_N {
-            // d_in-sized H_col: the one-CTA kernel holds n ≤ 128; until a blocked kernel exists the host
-            // factorizes these (in f64, a few hundred ms at n = 4096 next to seconds of statistics).
-            return CpuBackend.cholesky_upper_inverse_batched(h, n, count);
+            // d_in-sized H_col: the one-CTA kernel holds n ≤ 128.
+            let Ok(solver) = self.solver() else {
+                return CpuBackend.cholesky_upper_inverse_batched(h, n, count);
+            };
+            return self
+                .try_cholesky_upper_inverse_large(solver, h, n, count)
+                .unwrap_or_else(|e| {
+                    panic!(
+                        "{} cholesky_upper_inverse (cuSOLVER, n={n}, count={count}): {e}",
+                        self.name
+                    )
+                });
         }
         self.try_cholesky_upper_inverse_batched(h, n, count)
             .unwrap_or_else(|e| {

@@ -1,0 +1,202 @@
+//! The quantizer's route through a backend's `QuantOps` (what `run --device cuda` takes): with the CPU backend
+//! standing in for the device, `gptq_quantize_with` / `boa_quantize_with` must call the backend's factor and
+//! sweep for static grids, keep their own sweep for dynamic groups, and give the codes of the native path
+//! (which factors in f64; the route rounds H to f32 first, so rare rounding ties may flip — counted, bounded).
+
+#[path = "quant_common/mod.rs"]
+mod common;
+
+use boa_cuda::backend::cpu::CpuBackend;
+use boa_cuda::backend::quant_ops::{AttnShape, QuantOps, StaticGrids, SweepResult, UCol};
+use boa_cuda::quant::boa::{BoaOptions, ColHessian, boa_quantize, boa_quantize_with};
+use boa_cuda::quant::gptq::{GptqOptions, Quantized, gptq_quantize, gptq_quantize_with};
+use boa_cuda::quant::{QuantSpec, ScaleSearch};
+use common::*;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+
+/// The CPU backend, counting the calls the quantizer makes.
+#[derive(Default)]
+struct Counting {
+    cholesky_matrices: AtomicUsize,
+    gptq_sweeps: AtomicUsize,
+    boa_sweeps: AtomicUsize,
+}
+
+impl QuantOps for Counting {
+    fn xxt_accumulate(&self, h: &mut [f32], x: &[f32], m: usize, d: usize) {
+        CpuBackend.xxt_accumulate(h, x, m, d)
+    }
+    fn head_covariance(&self, x: &[f32], m: usize, n_heads: usize, d_h: usize) -> Vec<f32> {
+        CpuBackend.head_covariance(x, m, n_heads, d_h)
+    }
+    fn v_col_covariance(&self, x: &[f32], q: &[f32], k: &[f32], s: AttnShape) -> Vec<f32> {
+        CpuBackend.v_col_covariance(x, q, k, s)
+    }
+    fn cholesky_upper_inverse_batched(
+        &self,
+        h: &[f32],
+        n: usize,
+        count: usize,
+    ) -> Vec<Option<Vec<f32>>> {
+        self.cholesky_matrices.fetch_add(count, Relaxed);
+        CpuBackend.cholesky_upper_inverse_batched(h, n, count)
+    }
+    fn gptq_sweep(
+        &self,
+        w: &[f32],
+        u: &[f32],
+        rows: usize,
+        n: usize,
+        block_size: usize,
+        grids: StaticGrids,
+        maxq: u32,
+    ) -> SweepResult {
+        self.gptq_sweeps.fetch_add(1, Relaxed);
+        CpuBackend.gptq_sweep(w, u, rows, n, block_size, grids, maxq)
+    }
+    fn boa_sweep(
+        &self,
+        w: &[f32],
+        u_col: UCol,
+        u_row: &[f32],
+        n_heads: usize,
+        d_h: usize,
+        n: usize,
+        block_size: usize,
+        grids: StaticGrids,
+        maxq: u32,
+    ) -> SweepResult {
+        self.boa_sweeps.fetch_add(1, Relaxed);
+        CpuBackend.boa_sweep(w, u_col, u_row, n_heads, d_h, n, block_size, grids, maxq)
+    }
+}
+
+const NH: usize = 4;
+const DH: usize = 16;
+const DIN: usize = 96;
+
+fn layer(seed: u64) -> (Vec<f32>, Vec<f64>, Vec<f64>, Vec<f64>) {
+    let mut r = rng(seed);
+    let w = to_f32(&randn_vec(&mut r, NH * DH * DIN));
+    let x = correlated_inputs(&mut r, 4 * DIN, DIN);
+    let h_col = xtx(&x, 4 * DIN, DIN);
+    let per_head: Vec<f64> = (0..NH).flat_map(|_| random_spd(&mut r, DIN)).collect();
+    let h_row: Vec<f64> = (0..NH).flat_map(|_| random_spd(&mut r, DH)).collect();
+    (w, h_col, per_head, h_row)
+}
+
+/// Codes equal, and Ŵ equal where the codes are (same grids, same U up to f32 rounding of H).
+fn assert_close(native: &Quantized<f32>, routed: &Quantized<f32>, what: &str) {
+    let total = native.codes.len();
+    let diff = native
+        .codes
+        .iter()
+        .zip(&routed.codes)
+        .filter(|(a, b)| a != b)
+        .count();
+    // A flipped code moves the rest of its row by a different error; at this size ties are rare.
+    assert!(
+        diff * 100 <= total,
+        "{what}: {diff} of {total} codes differ between the native and the QuantOps route"
+    );
+    assert_eq!(native.scales.len(), routed.scales.len(), "{what}: grids");
+}
+
+fn specs() -> Vec<(QuantSpec, bool)> {
+    vec![
+        (QuantSpec::new(3, None, false, ScaleSearch::Hessian), false),
+        (QuantSpec::new(4, Some(32), true, ScaleSearch::MinMax), true),
+    ]
+}
+
+#[test]
+fn gptq_static_grids_factor_and_sweep_through_the_backend() {
+    let (w, h, _, _) = layer(1);
+    for (spec, static_groups) in specs() {
+        for act_order in [false, true] {
+            let mut g = GptqOptions::new(spec);
+            g.static_groups = static_groups;
+            g.act_order = act_order;
+            let ops = Counting::default();
+            let native = gptq_quantize(&w, NH * DH, DIN, &h, &g).unwrap();
+            let routed = gptq_quantize_with(&w, NH * DH, DIN, &h, &g, Some(&ops)).unwrap();
+            assert_eq!(ops.cholesky_matrices.load(Relaxed), 1);
+            assert_eq!(ops.gptq_sweeps.load(Relaxed), 1);
+            assert_close(
+                &native,
+                &routed,
+                &format!("gptq {spec:?} act_order={act_order}"),
+            );
+        }
+    }
+}
+
+#[test]
+fn gptq_dynamic_groups_keep_the_native_sweep() {
+    let (w, h, _, _) = layer(2);
+    let g = GptqOptions::new(QuantSpec::new(3, Some(32), false, ScaleSearch::Hessian));
+    let ops = Counting::default();
+    let native = gptq_quantize(&w, NH * DH, DIN, &h, &g).unwrap();
+    let routed = gptq_quantize_with(&w, NH * DH, DIN, &h, &g, Some(&ops)).unwrap();
+    assert_eq!(ops.gptq_sweeps.load(Relaxed), 0);
+    assert_eq!(ops.cholesky_matrices.load(Relaxed), 1);
+    assert_close(&native, &routed, "gptq dynamic g32");
+}
+
+#[test]
+fn boa_static_grids_factor_and_sweep_through_the_backend() {
+    let (w, h, per_head, h_row) = layer(3);
+    for (spec, static_groups) in specs() {
+        for shared in [true, false] {
+            let mut g = GptqOptions::new(spec);
+            g.static_groups = static_groups;
+            let b = BoaOptions::new(g);
+            let h_col = if shared {
+                ColHessian::Shared(&h)
+            } else {
+                ColHessian::PerHead(&per_head)
+            };
+            let ops = Counting::default();
+            let native = boa_quantize(&w, NH, DH, DIN, h_col, &h_row, &b).unwrap();
+            let routed = boa_quantize_with(&w, NH, DH, DIN, h_col, &h_row, &b, Some(&ops)).unwrap();
+            // All heads' H_row in one batch, plus one H_col (shared) or one per head.
+            let col = if shared { 1 } else { NH };
+            assert_eq!(ops.cholesky_matrices.load(Relaxed), NH + col);
+            assert_eq!(ops.boa_sweeps.load(Relaxed), 1);
+            assert_close(&native, &routed, &format!("boa {spec:?} shared={shared}"));
+        }
+    }
+}
+
+#[test]
+fn boa_names_the_head_whose_row_hessian_stays_singular() {
+    let (w, h, _, mut h_row) = layer(4);
+    // Head 2's H_row: NaN on the diagonal survives any damping.
+    h_row[2 * DH * DH] = f64::NAN;
+    let b = BoaOptions::new(GptqOptions::new(QuantSpec::new(
+        3,
+        None,
+        false,
+        ScaleSearch::MinMax,
+    )));
+    let ops = Counting::default();
+    let e = boa_quantize_with(
+        &w,
+        NH,
+        DH,
+        DIN,
+        ColHessian::Shared(&h),
+        &h_row,
+        &b,
+        Some(&ops),
+    )
+    .unwrap_err();
+    let msg = format!("{e:#}");
+    assert!(msg.contains("H_row of head 2"), "{msg}");
+    assert!(msg.contains("stays singular"), "{msg}");
+    assert_eq!(
+        ops.boa_sweeps.load(Relaxed),
+        0,
+        "no sweep after a failed factor"
+    );
+}
