@@ -38,11 +38,15 @@ build_half() {
         export NVCC
     fi
     export BOA_REQUIRE_KERNELS=1
-    echo "== building with kernels (NVCC=${NVCC:-<search>})"
-    cargo build --release --bins --tests
+    # NVTX ranges in the staged binaries, so an nsys capture on the device shows every phase and kernel family.
+    local libclang_env
+    libclang_env="$(scripts/install_libclang.sh "${LIBCLANG_DIR:-$root/.libclang-venv}")"
+    eval "$(sed 's/^/export /' <<<"$libclang_env")"
+    echo "== building with kernels (NVCC=${NVCC:-<search>}) and NVTX ranges"
+    cargo build --release --features nvtx --bins --tests
     # The test executables' paths, from cargo itself (one JSON object per artifact).
     local list
-    list="$(cargo test --release --no-run --message-format=json 2>/dev/null | python3 -c '
+    list="$(cargo test --release --features nvtx --no-run --message-format=json 2>/dev/null | python3 -c '
 import json, sys
 for line in sys.stdin:
     try:

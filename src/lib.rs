@@ -8,6 +8,7 @@ pub mod error;
 pub mod eval;
 pub mod export;
 pub mod model;
+pub mod nvtx;
 pub mod pipeline;
 pub mod progress;
 pub mod quant;

@@ -20,6 +20,7 @@ use crate::export::hf_folder::OutFolder;
 use crate::export::safetensors_out::TensorEntry;
 use crate::model::Model;
 use crate::model::llama::{BlockWeights, LINEAR_NAMES, block_forward};
+use crate::nvtx::ranged;
 use crate::progress::Progress;
 use options::{LayerSet, Method, RunOptions, ScaleSearchArg};
 use report::{LayerReport, RunReport, Timings};
@@ -206,11 +207,15 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                 if needs_calib && l < last_needed {
                     let w = model.load_block(l)?;
                     let t = Instant::now();
-                    forward_all(be.as_ref(), &w, &model, &rope, &mut x, n_seq);
+                    ranged(c"forward", || {
+                        forward_all(be.as_ref(), &w, &model, &rope, &mut x, n_seq)
+                    });
                     timings.forward += t.elapsed().as_secs_f64();
                 }
                 let t = Instant::now();
-                folder.write_shard(l, &stored_entries(&model, l)?)?;
+                ranged(c"write", || {
+                    folder.write_shard(l, &stored_entries(&model, l)?)
+                })?;
                 timings.write += t.elapsed().as_secs_f64();
             } else {
                 bar.set_message(format!("layer {l}"));
@@ -234,8 +239,9 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                 }
                 let t = Instant::now();
                 crate::quant::profile::take();
-                let quantized =
-                    quantize_block::quantize_block(&mut w, stats.as_ref(), cfg, opts, l, ops)?;
+                let quantized = ranged(c"quantize block", || {
+                    quantize_block::quantize_block(&mut w, stats.as_ref(), cfg, opts, l, ops)
+                })?;
                 timings.quantize += t.elapsed().as_secs_f64();
                 let [factor, search, sweep] = crate::quant::profile::take();
                 (timings.factor, timings.search, timings.sweep) = (
@@ -246,14 +252,18 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                 drop(stats);
                 if needs_calib && l < last_needed {
                     let t = Instant::now();
-                    forward_all(be.as_ref(), &w, &model, &rope, &mut x, n_seq);
+                    ranged(c"forward", || {
+                        forward_all(be.as_ref(), &w, &model, &rope, &mut x, n_seq)
+                    });
                     timings.forward += t.elapsed().as_secs_f64();
                 }
                 let t = Instant::now();
-                folder.write_shard(
-                    l,
-                    &quantized_entries(&model, l, &quantized, opts.format, out_dtype)?,
-                )?;
+                ranged(c"write", || {
+                    folder.write_shard(
+                        l,
+                        &quantized_entries(&model, l, &quantized, opts.format, out_dtype)?,
+                    )
+                })?;
                 timings.write += t.elapsed().as_secs_f64();
                 reports.push(LayerReport {
                     layer: l,

@@ -56,8 +56,11 @@ pub fn collect(
         let mut xc = x[s0 * t * d..(s0 + ns) * t * d].to_vec();
         let mut tr = BlockTrace::default();
         let t0 = Instant::now();
-        block_forward(be, w, cfg, rope, &mut xc, ns, Some(&mut tr));
+        crate::nvtx::ranged(c"forward", || {
+            block_forward(be, w, cfg, rope, &mut xc, ns, Some(&mut tr))
+        });
         let t1 = Instant::now();
+        let _r = crate::nvtx::range(c"statistics");
         if be.accelerates_statistics() {
             add_through_backend(be, &mut s, &tr, cfg, t, ns, attention_aware);
             s.forward_time += t1 - t0;

@@ -18,6 +18,11 @@ pub enum Phase {
 static NANOS: [AtomicU64; 3] = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
 
 pub fn timed<R>(phase: Phase, f: impl FnOnce() -> R) -> R {
+    let _r = crate::nvtx::range(match phase {
+        Phase::Factor => c"factor",
+        Phase::Search => c"scale search",
+        Phase::Sweep => c"sweep",
+    });
     let t = Instant::now();
     let r = f();
     add(phase, t);

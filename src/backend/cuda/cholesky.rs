@@ -1,7 +1,7 @@
 //! Host side of cuda/cholesky.cu: the batched U = chol(H⁻¹)ᵀ, one CTA per matrix, n ≤ CHOLESKY_MAX_N.
 
 use super::CudaError;
-use super::nvtx::range;
+use crate::nvtx::range;
 use cudarc::driver::{
     CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
 };

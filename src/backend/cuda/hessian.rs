@@ -2,7 +2,7 @@
 //! in the .cu header.
 
 use super::CudaError;
-use super::nvtx::range;
+use crate::nvtx::range;
 use cudarc::driver::{
     CudaFunction, CudaModule, CudaStream, CudaView, CudaViewMut, LaunchConfig, PushKernelArg,
 };

@@ -15,14 +15,13 @@ pub mod ceiling;
 pub mod cholesky;
 pub mod hessian;
 pub mod kernels;
-mod nvtx;
 pub mod ops;
 mod quant;
 mod solver;
 pub mod sweep;
 
+pub use crate::nvtx::{Range, range};
 pub use hessian::XxtVariant;
-pub use nvtx::{Range, range};
 pub use ops::RmsNormVariant;
 
 use super::Backend;

@@ -4,7 +4,7 @@
 
 use super::CudaError;
 use super::abi::RmsNormParams;
-use super::nvtx::range;
+use crate::nvtx::range;
 use cudarc::driver::{
     CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
 };

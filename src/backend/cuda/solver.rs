@@ -4,8 +4,8 @@
 //! factorizes on the host and says so.
 
 use super::cholesky::CholeskyKernels;
-use super::nvtx::range;
 use super::{CudaError, driver};
+use crate::nvtx::range;
 use cudarc::cusolver::safe::DnHandle;
 use cudarc::cusolver::{result as sr, sys};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut, LaunchConfig, PushKernelArg};

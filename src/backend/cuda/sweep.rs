@@ -2,7 +2,7 @@
 //! sweep kernel and one trailing GEMM on the same stream (no host synchronization between them).
 
 use super::CudaError;
-use super::nvtx::range;
+use crate::nvtx::range;
 use cudarc::driver::{
     CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut, DriverError,
     LaunchConfig, PushKernelArg,

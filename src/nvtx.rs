@@ -1,5 +1,7 @@
-//! NVTX ranges for Nsight Systems (style.md rule 15: every launcher opens one). With the `nvtx` cargo feature
-//! a range is pushed on this thread until the guard drops; without it `range` compiles to nothing.
+//! NVTX ranges for Nsight Systems (style.md rule 15: every CUDA launcher opens one, and so does every phase of
+//! `run`: forward, statistics, factor, search, sweep, write). With the `nvtx` cargo feature a range is pushed
+//! on this thread until the guard drops; without it `range` compiles to nothing. Building the feature needs
+//! libclang (bindgen): see profiling/README.md.
 //!
 //! The `nvtx` crate is used rather than cudarc's own `nvtx` feature, which loads the old libnvToolsExt at run
 //! time and panics without it (design.md §7).
@@ -28,4 +30,11 @@ pub fn range(name: &'static CStr) -> Range {
         let _ = name;
         Range {}
     }
+}
+
+/// Runs `f` inside an NVTX range named `name`.
+#[inline]
+pub fn ranged<R>(name: &'static CStr, f: impl FnOnce() -> R) -> R {
+    let _r = range(name);
+    f()
 }
