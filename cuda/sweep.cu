@@ -223,3 +223,20 @@ boa_block_kernel(float* __restrict__ w,              // [n_heads·d_h × n] in: 
         codes[(size_t)(row0 + ii) * n + i1 + c] = c_sh[c][ii];
     }
 }
+
+// ---------------------------------------------------------------------------------------------------------
+// gather_cols_kernel: out [rows × len] = W[:, c0 : c0 + len] of W [rows × n] — the current weights of one
+//   group, copied out for the host's dynamic grid search (sweep.rs launch_gptq_sweep_dynamic) when the sweep
+//   reaches the group's first column.
+// Launch shape: grid (⌈len/32⌉, ⌈rows/8⌉), block (32, 8): a warp reads 32 consecutive columns of one row.
+// Roofline: 8 B per element; a 4096-row, 128-column group is 4 MB ≈ 1 µs of bandwidth: launch-bound, and the
+//   download plus host search that follow dominate.
+// ---------------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(256)
+gather_cols_kernel(float* __restrict__ out,      // [rows × len]
+                   const float* __restrict__ w,  // [rows × n]
+                   const uint32_t rows, const uint32_t n, const uint32_t c0, const uint32_t len) {
+    const uint32_t j = blockIdx.x * 32 + threadIdx.x;
+    const uint32_t r = blockIdx.y * 8 + threadIdx.y;
+    if (r < rows && j < len && c0 + j < n) out[(size_t)r * len + j] = w[(size_t)r * n + c0 + j];
+}

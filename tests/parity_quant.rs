@@ -496,6 +496,102 @@ fn parity_gptq_sweep(b: &dyn Backend, reference: Option<&dyn Backend>) {
     );
 }
 
+/// Dynamic groups: each group's grid is searched (Hessian-weighted and min-max) from the row's current weights
+/// when the sweep reaches it. The f64 reference is the column-at-a-time sweep calling the same `search_grid`
+/// on the f64 row; grids must then match where the codes before them do, so the code mismatch bound holds.
+fn parity_gptq_sweep_dynamic(b: &dyn Backend, reference: Option<&dyn Backend>) {
+    use boa_cuda::quant::gptq::DynamicGroups;
+    use boa_cuda::quant::quantizer::{h_block_f32, search_grid};
+    use boa_cuda::quant::{QuantSpec, ScaleSearch};
+    let mut rng = rng();
+    let mut worst = 0f64;
+    for (rows, n, g, bits, bs, search) in [
+        (40, 200, 64, 3, 128, ScaleSearch::Hessian),
+        (33, 300, 128, 4, 128, ScaleSearch::Hessian),
+        (17, 257, 96, 2, 64, ScaleSearch::MinMax),
+        (24, 160, 256, 3, 128, ScaleSearch::Hessian),
+    ] {
+        let spec = QuantSpec::new(bits, Some(g), false, search);
+        let maxq = spec.maxq();
+        let w = randn(&mut rng, rows * n, 1.0);
+        let h = spd(&mut rng, n);
+        let u = upper_f32(&mut rng, n);
+        let ng = n.div_ceil(g);
+        let blocks: Vec<Vec<f32>> = (0..ng)
+            .map(|k| h_block_f32(&h, n, k * g, g.min(n - k * g)))
+            .collect();
+        let groups = DynamicGroups {
+            g,
+            h_blocks: &blocks,
+            spec: &spec,
+        };
+        let (out, grids) = b.gptq_sweep_dynamic(&w, &u, rows, n, bs, &groups, maxq);
+        assert_eq!(grids.len(), rows * ng, "{}: grids length", b.name());
+        let col_group: Vec<u32> = (0..n).map(|c| (c / g) as u32).collect();
+        let ref_codes = match reference {
+            Some(r) => {
+                r.gptq_sweep_dynamic(&w, &u, rows, n, bs, &groups, maxq)
+                    .0
+                    .codes
+            }
+            None => (0..rows)
+                .flat_map(|r| {
+                    let mut row: Vec<f64> =
+                        w[r * n..(r + 1) * n].iter().map(|&v| v as f64).collect();
+                    let mut codes = vec![0u8; n];
+                    for k in 0..ng {
+                        let (c0, c1) = (k * g, ((k + 1) * g).min(n));
+                        let hb = (search == ScaleSearch::Hessian).then(|| blocks[k].as_slice());
+                        let gr = search_grid(&row[c0..c1], hb, &spec);
+                        let gr = Grid {
+                            scale: gr.scale as f32,
+                            zero: gr.zero as f32,
+                        };
+                        // Alg. 2 column at a time over the group, updating the rest of the row.
+                        let (s, z) = (gr.scale as f64, gr.zero as f64);
+                        for cc in c0..c1 {
+                            let qc = ((row[cc] / s).round_ties_even() + z).clamp(0.0, maxq as f64);
+                            codes[cc] = qc as u8;
+                            let err = (row[cc] - s * (qc - z)) / u[cc * n + cc] as f64;
+                            for c2 in cc + 1..n {
+                                row[c2] -= err * u[cc * n + c2] as f64;
+                            }
+                        }
+                    }
+                    codes
+                })
+                .collect(),
+        };
+        let frac = check_sweep(
+            b.name().as_str(),
+            &out,
+            &ref_codes,
+            &grids,
+            ng,
+            &col_group,
+            n,
+            maxq,
+        );
+        println!(
+            "{}: gptq_sweep_dynamic rows={rows} n={n} g={g} {search:?}: {:.4}% codes differ",
+            b.name(),
+            100.0 * frac
+        );
+        assert!(
+            frac <= CODE_MISMATCH_TOL,
+            "{}: gptq_sweep_dynamic rows={rows} n={n} g={g}: {frac} of codes differ",
+            b.name()
+        );
+        worst = worst.max(frac);
+    }
+    println!(
+        "{}: gptq_sweep_dynamic worst code mismatch {:.4}% (bound {}%)",
+        b.name(),
+        100.0 * worst,
+        100.0 * CODE_MISMATCH_TOL
+    );
+}
+
 fn parity_boa_sweep(b: &dyn Backend, reference: Option<&dyn Backend>) {
     let mut rng = rng();
     let mut worst = 0f64;
@@ -653,6 +749,19 @@ fn parity_gptq_sweep_cuda() {
     with_cuda(|b| {
         parity_gptq_sweep(b, Some(&CpuBackend));
         parity_gptq_sweep(b, None);
+    });
+}
+
+#[test]
+fn parity_gptq_sweep_dynamic_cpu() {
+    parity_gptq_sweep_dynamic(&CpuBackend, None);
+}
+
+#[test]
+fn parity_gptq_sweep_dynamic_cuda() {
+    with_cuda(|b| {
+        parity_gptq_sweep_dynamic(b, Some(&CpuBackend));
+        parity_gptq_sweep_dynamic(b, None);
     });
 }
 

@@ -1,6 +1,6 @@
 //! The quantizer's route through a backend's `QuantOps` (what `run --device cuda` takes): with the CPU backend
 //! standing in for the device, `gptq_quantize_with` / `boa_quantize_with` must call the backend's factor and
-//! sweep for static grids, keep their own sweep for dynamic groups, and give the codes of the native path
+//! sweep (GPTQ with dynamic groups too; BoA keeps its own sweep for them), and give the codes of the native path
 //! (which factors in f64; the route rounds H to f32 first, so rare rounding ties may flip — counted, bounded).
 
 #[path = "quant_common/mod.rs"]
@@ -9,7 +9,10 @@ mod common;
 use boa_cuda::backend::cpu::CpuBackend;
 use boa_cuda::backend::quant_ops::{AttnShape, QuantOps, StaticGrids, SweepResult, UCol};
 use boa_cuda::quant::boa::{BoaOptions, ColHessian, boa_quantize, boa_quantize_with};
-use boa_cuda::quant::gptq::{GptqOptions, Quantized, gptq_quantize, gptq_quantize_with};
+use boa_cuda::quant::gptq::{
+    DynamicGroups, GptqOptions, Quantized, gptq_quantize, gptq_quantize_with,
+};
+use boa_cuda::quant::quantizer::Grid;
 use boa_cuda::quant::{QuantSpec, ScaleSearch};
 use common::*;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
@@ -19,6 +22,7 @@ use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 struct Counting {
     cholesky_matrices: AtomicUsize,
     gptq_sweeps: AtomicUsize,
+    gptq_dynamic_sweeps: AtomicUsize,
     boa_sweeps: AtomicUsize,
 }
 
@@ -53,6 +57,19 @@ impl QuantOps for Counting {
     ) -> SweepResult {
         self.gptq_sweeps.fetch_add(1, Relaxed);
         CpuBackend.gptq_sweep(w, u, rows, n, block_size, grids, maxq)
+    }
+    fn gptq_sweep_dynamic(
+        &self,
+        w: &[f32],
+        u: &[f32],
+        rows: usize,
+        n: usize,
+        block_size: usize,
+        groups: &DynamicGroups,
+        maxq: u32,
+    ) -> (SweepResult, Vec<Grid<f32>>) {
+        self.gptq_dynamic_sweeps.fetch_add(1, Relaxed);
+        CpuBackend.gptq_sweep_dynamic(w, u, rows, n, block_size, groups, maxq)
     }
     fn boa_sweep(
         &self,
@@ -132,15 +149,57 @@ fn gptq_static_grids_factor_and_sweep_through_the_backend() {
 }
 
 #[test]
-fn gptq_dynamic_groups_keep_the_native_sweep() {
+fn gptq_dynamic_groups_sweep_through_the_backend() {
     let (w, h, _, _) = layer(2);
     let g = GptqOptions::new(QuantSpec::new(3, Some(32), false, ScaleSearch::Hessian));
     let ops = Counting::default();
     let native = gptq_quantize(&w, NH * DH, DIN, &h, &g).unwrap();
     let routed = gptq_quantize_with(&w, NH * DH, DIN, &h, &g, Some(&ops)).unwrap();
     assert_eq!(ops.gptq_sweeps.load(Relaxed), 0);
+    assert_eq!(ops.gptq_dynamic_sweeps.load(Relaxed), 1);
     assert_eq!(ops.cholesky_matrices.load(Relaxed), 1);
     assert_close(&native, &routed, "gptq dynamic g32");
+    // The grids the backend searched are the ones reported: the same up to the last bits of the range the
+    // f32 factor leaves in the updated weights.
+    assert_eq!(native.scales.len(), routed.scales.len());
+    let same = native
+        .scales
+        .iter()
+        .zip(&routed.scales)
+        .filter(|&(a, b)| (a - b).abs() <= 1e-4 * a.abs())
+        .count();
+    assert!(
+        same * 100 >= 99 * native.scales.len(),
+        "{same} of {} scales equal",
+        native.scales.len()
+    );
+}
+
+#[test]
+fn boa_dynamic_groups_keep_the_native_sweep() {
+    let (w, h, _, h_row) = layer(5);
+    let b = BoaOptions::new(GptqOptions::new(QuantSpec::new(
+        3,
+        Some(32),
+        false,
+        ScaleSearch::Hessian,
+    )));
+    let ops = Counting::default();
+    let native = boa_quantize(&w, NH, DH, DIN, ColHessian::Shared(&h), &h_row, &b).unwrap();
+    let routed = boa_quantize_with(
+        &w,
+        NH,
+        DH,
+        DIN,
+        ColHessian::Shared(&h),
+        &h_row,
+        &b,
+        Some(&ops),
+    )
+    .unwrap();
+    assert_eq!(ops.boa_sweeps.load(Relaxed), 0);
+    assert_eq!(ops.gptq_dynamic_sweeps.load(Relaxed), 0);
+    assert_close(&native, &routed, "boa dynamic g32");
 }
 
 #[test]

@@ -4,9 +4,10 @@
 use super::cpu::{CpuBackend, causal_softmax_probs};
 use super::quant_ops::{AttnShape, QuantOps, StaticGrids, SweepResult, UCol};
 use crate::quant::boa::{ColFactor, boa_sweep};
-use crate::quant::gptq::gptq_block_sweep;
+use crate::quant::gptq::{DynamicGroups, gptq_block_sweep};
 use crate::quant::hessian::hessian_xxt;
 use crate::quant::linalg::cholesky_upper_inverse;
+use crate::quant::quantizer::Grid;
 use faer::{Accum, MatMut, MatRef, Par, linalg::matmul::matmul};
 use rayon::prelude::*;
 
@@ -147,6 +148,42 @@ impl QuantOps for CpuBackend {
             maxq,
         );
         out
+    }
+
+    fn gptq_sweep_dynamic(
+        &self,
+        w: &[f32],
+        u: &[f32],
+        rows: usize,
+        n: usize,
+        block_size: usize,
+        groups: &DynamicGroups,
+        maxq: u32,
+    ) -> (SweepResult, Vec<Grid<f32>>) {
+        assert!(groups.g > 0, "group width 0");
+        let n_groups = n.div_ceil(groups.g);
+        let col_group: Vec<u32> = (0..n).map(|c| (c / groups.g) as u32).collect();
+        let mut w = w.to_vec();
+        let mut g = vec![Grid::default(); rows * n_groups];
+        let mut out = SweepResult {
+            q: vec![0.0; rows * n],
+            codes: vec![0; rows * n],
+        };
+        gptq_block_sweep(
+            &mut w,
+            &mut out.q,
+            &mut out.codes,
+            u,
+            rows,
+            n,
+            block_size,
+            &mut g,
+            n_groups,
+            &col_group,
+            Some(groups),
+            maxq,
+        );
+        (out, g)
     }
 
     fn boa_sweep(

@@ -6,6 +6,7 @@
 //! (`cpu_quant.rs`) calls the algorithm free functions of `quant::` and is the oracle of the CUDA kernels.
 //! Statistics are raw sums (no 2/N): the accumulators in `quant::hessian` own the scaling and the f64 totals.
 
+use crate::quant::gptq::DynamicGroups;
 use crate::quant::quantizer::Grid;
 
 /// Shapes of the attention statistics of one sequence.
@@ -96,6 +97,22 @@ pub trait QuantOps {
         grids: StaticGrids,
         maxq: u32,
     ) -> SweepResult;
+
+    /// The GPTQ sweep with dynamic group grids (`quant::gptq::gptq_block_sweep` with `groups`): the grids of
+    /// group k (sweep columns [k·g, min((k+1)·g, n))) are searched from the current weights when the sweep
+    /// reaches column k·g, by `quant::quantizer::search_grid` row by row. Returns the sweep and the grids
+    /// [rows × n_groups].
+    #[allow(clippy::too_many_arguments)]
+    fn gptq_sweep_dynamic(
+        &self,
+        w: &[f32],
+        u: &[f32],
+        rows: usize,
+        n: usize,
+        block_size: usize,
+        groups: &DynamicGroups,
+        maxq: u32,
+    ) -> (SweepResult, Vec<Grid<f32>>);
 
     /// The head-wise BoA sweep of `quant::boa::boa_sweep` (design.md §4.3) with static per-row grids:
     /// W [n_heads × d_h × n] (sweep order), U_col shared or per head, U_row [n_heads × d_h × d_h] (upper),

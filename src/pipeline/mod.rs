@@ -70,9 +70,13 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
     }
     let ops: Option<&dyn crate::backend::quant_ops::QuantOps> =
         be.accelerates_quantization().then_some(be.as_ref() as _);
-    if ops.is_some() && opts.group_size.is_some() && !opts.static_groups {
+    if ops.is_some()
+        && opts.method == Method::Boa
+        && opts.group_size.is_some()
+        && !opts.static_groups
+    {
         progress.line(&format!(
-            "{}: dynamic groups are searched inside the sweep, which runs on the CPU; pass --static-groups to sweep on the device",
+            "{}: BoA's dynamic groups are searched inside its sweep, so q/k/v sweep on the CPU; pass --static-groups to sweep them on the device",
             be.name()
         ));
     }

@@ -377,8 +377,9 @@ pub fn boa_quantize<T: Real>(
 }
 
 /// [`boa_quantize`] with the U factors (all heads' U_row in one batch) and static-grid sweeps through a
-/// backend's `QuantOps` (f32) when `ops` is given; dynamic groups keep this module's sweep, as in
-/// `gptq_quantize_with`.
+/// backend's `QuantOps` (f32) when `ops` is given. Dynamic groups keep this module's sweep: in the wavefront
+/// order a row reaches a group start mid-kernel, right after the row above it, so there is no point at which
+/// a host search could run.
 #[allow(clippy::too_many_arguments)]
 pub fn boa_quantize_with<T: Real>(
     w: &[T],

@@ -427,9 +427,8 @@ pub fn gptq_quantize<T: Real>(
     gptq_quantize_with(w, d_out, d_in, h, opts, None)
 }
 
-/// [`gptq_quantize`] with U factorized, and static-grid sweeps run, by a backend's `QuantOps` (f32) when `ops`
-/// is given. Dynamic groups are searched between columns of the sweep, which only this module's sweep does,
-/// so they keep it.
+/// [`gptq_quantize`] with U factorized and the sweep run by a backend's `QuantOps` (f32) when `ops` is given;
+/// with dynamic groups the backend calls back into this crate's `search_grid` at every group start.
 pub fn gptq_quantize_with<T: Real>(
     w: &[T],
     d_out: usize,
@@ -458,8 +457,8 @@ pub fn gptq_quantize_with<T: Real>(
         h_blocks: b,
         spec: &opts.spec,
     });
-    timed(Phase::Sweep, || match ops.filter(|_| dynamic.is_none()) {
-        Some(ops) => {
+    timed(Phase::Sweep, || match (ops, dynamic.as_ref()) {
+        (Some(ops), None) => {
             let grids32 = grids_f32(&grids);
             let r = ops.gptq_sweep(
                 &to_f32(&wp),
@@ -477,7 +476,27 @@ pub fn gptq_quantize_with<T: Real>(
             qp = r.q.iter().map(|&v| T::from_f64(v as f64)).collect();
             cp = r.codes;
         }
-        None => gptq_block_sweep(
+        (Some(ops), Some(dg)) => {
+            let (r, g) = ops.gptq_sweep_dynamic(
+                &to_f32(&wp),
+                &to_f32(&plan.u),
+                d_out,
+                d_in,
+                opts.block_size,
+                dg,
+                opts.spec.maxq(),
+            );
+            qp = r.q.iter().map(|&v| T::from_f64(v as f64)).collect();
+            cp = r.codes;
+            grids = g
+                .iter()
+                .map(|x| Grid {
+                    scale: T::from_f64(x.scale as f64),
+                    zero: T::from_f64(x.zero as f64),
+                })
+                .collect();
+        }
+        (None, _) => gptq_block_sweep(
             &mut wp,
             &mut qp,
             &mut cp,

@@ -7,13 +7,17 @@
 use super::cholesky::{CHOLESKY_MAX_N, launch_cholesky};
 use super::hessian::{ATTN_MAX_DH, launch_attn_x, launch_hessian_xxt, launch_softmax_stats};
 use super::sweep::{
-    BOA_BLOCK, BOA_MAX_DH, BoaBuffers, GPTQ_MAX_BLOCK, GptqBuffers, launch_boa_sweep,
-    launch_gptq_sweep,
+    BOA_BLOCK, BOA_MAX_DH, BoaBuffers, GPTQ_MAX_BLOCK, GptqBuffers, GptqDynamicBuffers,
+    launch_boa_sweep, launch_gptq_sweep, launch_gptq_sweep_dynamic,
 };
 use super::{CudaBackend, CudaError, driver};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::quant_ops::{AttnShape, QuantOps, StaticGrids, SweepResult, UCol};
+use crate::quant::ScaleSearch;
+use crate::quant::gptq::DynamicGroups;
+use crate::quant::quantizer::{Grid, search_grid};
 use cudarc::driver::CudaSlice;
+use rayon::prelude::*;
 
 /// Static grids on the device: scales, zeros [rows × n_groups], col_group [n].
 type DeviceGrids = (CudaSlice<f32>, CudaSlice<f32>, CudaSlice<u32>);
@@ -400,6 +404,109 @@ impl CudaBackend {
         Ok(SweepResult { q, codes })
     }
 
+    /// `gptq_sweep_dynamic`: the sweep on the device, each group's grids searched on the host (the CPU's own
+    /// `search_grid`, so the grids are the CPU's for the same weights) from the group's columns as the device
+    /// holds them when the sweep reaches the group.
+    #[allow(clippy::too_many_arguments)]
+    pub fn try_gptq_sweep_dynamic(
+        &self,
+        w: &[f32],
+        u: &[f32],
+        rows: usize,
+        n: usize,
+        block_size: usize,
+        groups: &DynamicGroups,
+        maxq: u32,
+    ) -> Result<(SweepResult, Vec<Grid<f32>>), CudaError> {
+        let g = groups.g;
+        if g == 0 || w.len() != rows * n || u.len() != n * n || block_size == 0 {
+            return Err(shape(
+                "gptq_sweep_dynamic",
+                format!(
+                    "g={g}, w.len={} u.len={} block_size={block_size} for rows={rows}, n={n}",
+                    w.len(),
+                    u.len()
+                ),
+            ));
+        }
+        let n_groups = n.div_ceil(g);
+        if groups.h_blocks.len() != n_groups {
+            return Err(shape(
+                "gptq_sweep_dynamic",
+                format!("{} H blocks for {n_groups} groups", groups.h_blocks.len()),
+            ));
+        }
+        if rows == 0 || n == 0 {
+            return Ok((
+                SweepResult {
+                    q: vec![0.0; rows * n],
+                    codes: vec![0; rows * n],
+                },
+                vec![Grid::default(); rows * n_groups],
+            ));
+        }
+        let bs = block_size.min(GPTQ_MAX_BLOCK);
+        let col_group: Vec<u32> = (0..n).map(|c| (c / g) as u32).collect();
+        let mut w_d = self.upload(w, "upload W")?;
+        let u_d = self.upload(u, "upload U")?;
+        let cg_d = self.upload(&col_group, "upload col_group")?;
+        let mut s_d = self.output(rows * n_groups)?;
+        let mut z_d = self.output(rows * n_groups)?;
+        let mut gathered = self.output(rows * g.min(n))?;
+        let mut q_d = self.output(rows * n)?;
+        let mut c_d = self.codes_output(rows * n)?;
+        let mut e_d = self
+            .stream
+            .alloc_zeros::<f32>(bs.min(n) * rows)
+            .map_err(driver("alloc E"))?;
+        let mut grids = vec![Grid::default(); rows * n_groups];
+        let mut search = |k: usize, cols: &[f32]| -> Vec<(f32, f32)> {
+            let len = cols.len() / rows;
+            let hb =
+                (groups.spec.search == ScaleSearch::Hessian).then(|| groups.h_blocks[k].as_slice());
+            let found: Vec<Grid<f32>> = cols
+                .par_chunks(len)
+                .map(|row| search_grid(row, hb, groups.spec))
+                .collect();
+            for (r, gr) in found.iter().enumerate() {
+                grids[r * n_groups + k] = *gr;
+            }
+            found.iter().map(|gr| (gr.scale, gr.zero)).collect()
+        };
+        self.timed(|| {
+            launch_gptq_sweep_dynamic(
+                &self.stream,
+                &self.quant.sweep,
+                GptqDynamicBuffers {
+                    w: &mut w_d,
+                    q: &mut q_d,
+                    codes: &mut c_d,
+                    e: &mut e_d,
+                    u: &u_d,
+                    scales: &mut s_d,
+                    zeros: &mut z_d,
+                    col_group: &cg_d,
+                    gathered: &mut gathered,
+                },
+                rows,
+                n,
+                g,
+                bs,
+                maxq,
+                &mut search,
+            )
+        })?;
+        let q = self.stream.clone_dtoh(&q_d).map_err(driver("download Q"))?;
+        let codes = self
+            .stream
+            .clone_dtoh(&c_d)
+            .map_err(driver("download codes"))?;
+        self.stream
+            .synchronize()
+            .map_err(driver("gptq_sweep_dynamic"))?;
+        Ok((SweepResult { q, codes }, grids))
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub fn try_boa_sweep(
         &self,
@@ -569,6 +676,25 @@ impl QuantOps for CudaBackend {
     ) -> SweepResult {
         self.try_gptq_sweep(w, u, rows, n, block_size, grids, maxq)
             .unwrap_or_else(|e| panic!("{} gptq_sweep (rows={rows}, n={n}): {e}", self.name))
+    }
+
+    fn gptq_sweep_dynamic(
+        &self,
+        w: &[f32],
+        u: &[f32],
+        rows: usize,
+        n: usize,
+        block_size: usize,
+        groups: &DynamicGroups,
+        maxq: u32,
+    ) -> (SweepResult, Vec<Grid<f32>>) {
+        self.try_gptq_sweep_dynamic(w, u, rows, n, block_size, groups, maxq)
+            .unwrap_or_else(|e| {
+                panic!(
+                    "{} gptq_sweep_dynamic (rows={rows}, n={n}, g={}): {e}",
+                    self.name, groups.g
+                )
+            })
     }
 
     fn boa_sweep(

@@ -27,6 +27,7 @@ pub struct SweepKernels {
     gptq_block: CudaFunction,
     gemm: CudaFunction,
     boa_block: CudaFunction,
+    gather_cols: CudaFunction,
 }
 
 impl SweepKernels {
@@ -44,6 +45,7 @@ impl SweepKernels {
             gptq_block: get("gptq_block_kernel")?,
             gemm: get("sweep_trailing_gemm_kernel")?,
             boa_block: get("boa_block_kernel")?,
+            gather_cols: get("gather_cols_kernel")?,
         })
     }
 }
@@ -141,7 +143,7 @@ pub struct GptqBuffers<'a> {
 pub fn launch_gptq_sweep(
     stream: &Arc<CudaStream>,
     k: &SweepKernels,
-    buf: GptqBuffers,
+    mut buf: GptqBuffers,
     rows: usize,
     n: usize,
     n_groups: usize,
@@ -171,57 +173,210 @@ pub fn launch_gptq_sweep(
         return Ok(());
     }
     let _r = range(c"gptq_sweep");
+    let mut i1 = 0;
+    while i1 < n {
+        let i2 = (i1 + block_size).min(n);
+        launch_gptq_block(stream, k, &mut buf, rows, n, n_groups, i1, i2, maxq)?;
+        i1 = i2;
+    }
+    Ok(())
+}
+
+/// One column block [i1, i2) of the GPTQ sweep: the block kernel, then W[:, i2:] −= E · U[i1:i2, i2:].
+/// Shapes as checked by `launch_gptq_sweep` / `launch_gptq_sweep_dynamic`.
+#[allow(clippy::too_many_arguments)]
+fn launch_gptq_block(
+    stream: &Arc<CudaStream>,
+    k: &SweepKernels,
+    buf: &mut GptqBuffers,
+    rows: usize,
+    n: usize,
+    n_groups: usize,
+    i1: usize,
+    i2: usize,
+    maxq: u32,
+) -> Result<(), CudaError> {
+    debug_assert!(i1 < i2 && i2 <= n && i2 - i1 <= GPTQ_MAX_BLOCK);
     let (rows32, n32, ng32, maxq_f) = (rows as u32, n as u32, n_groups as u32, maxq as f32);
     let cfg = LaunchConfig {
         grid_dim: (rows32.div_ceil(GPTQ_ROWS), 1, 1),
         block_dim: (GPTQ_ROWS, 1, 1),
         shared_mem_bytes: 0,
     };
+    let (i1_32, i2_32) = (i1 as u32, i2 as u32);
+    {
+        let mut lb = stream.launch_builder(&k.gptq_block);
+        lb.arg(&mut *buf.w)
+            .arg(&mut *buf.q)
+            .arg(&mut *buf.codes)
+            .arg(&mut *buf.e)
+            .arg(buf.u)
+            .arg(buf.scales)
+            .arg(buf.zeros)
+            .arg(buf.col_group)
+            .arg(&rows32)
+            .arg(&n32)
+            .arg(&ng32)
+            .arg(&i1_32)
+            .arg(&i2_32)
+            .arg(&maxq_f);
+        // SAFETY: arguments match gptq_block_kernel(float* w, q, uint8* codes, float* e, const float* u,
+        // scales, zeros, const uint32* col_group, uint32 rows, n, n_groups, i1, i2, float maxq); all
+        // buffers have the shapes the callers check, i2 − i1 ≤ 128 = the kernel's smem block, e holds
+        // (i2 − i1)·rows, and col_group entries are < n_groups (checked by the caller).
+        unsafe { lb.launch(cfg) }.map_err(launch_err("launch gptq_block"))?;
+    }
+    if i2 < n {
+        // W[:, i2:] −= E · U[i1:i2, i2:]
+        launch_trailing_gemm(
+            stream,
+            k,
+            &mut buf.w.slice_mut(i2..),
+            &buf.e.slice(..),
+            &buf.u.slice(i1 * n + i2..),
+            rows,
+            n - i2,
+            i2 - i1,
+            (n, rows, n),
+            1,
+            (0, 0, 0),
+        )?;
+    }
+    Ok(())
+}
+
+/// The GPTQ sweep with dynamic group grids, group width `g`: blocks end at every group start, and at a block
+/// that starts group k, `search(k, W[:, k·g : k·g + len])` (the current weights, [rows × len]) returns the
+/// group's grids [rows], which go into the host `scales` / `zeros` [rows × n_groups] and are uploaded before
+/// the block runs. Lazy batching is exact whatever the block bounds, so this is the CPU sweep's arithmetic up
+/// to the summation order of the trailing updates.
+#[allow(clippy::too_many_arguments)]
+pub fn launch_gptq_sweep_dynamic(
+    stream: &Arc<CudaStream>,
+    k: &SweepKernels,
+    d: GptqDynamicBuffers,
+    rows: usize,
+    n: usize,
+    g: usize,
+    block_size: usize,
+    maxq: u32,
+    search: &mut dyn FnMut(usize, &[f32]) -> Vec<(f32, f32)>,
+) -> Result<(), CudaError> {
+    let GptqDynamicBuffers {
+        w,
+        q,
+        codes,
+        e,
+        u,
+        scales: scales_d,
+        zeros: zeros_d,
+        col_group,
+        gathered,
+    } = d;
+    let n_groups = n.div_ceil(g.max(1));
+    if g == 0
+        || block_size == 0
+        || block_size > GPTQ_MAX_BLOCK
+        || w.len() != rows * n
+        || q.len() != rows * n
+        || codes.len() != rows * n
+        || e.len() < block_size.min(n) * rows
+        || u.len() != n * n
+        || scales_d.len() != rows * n_groups
+        || zeros_d.len() != rows * n_groups
+        || col_group.len() != n
+        || gathered.len() < rows * g.min(n)
+        || u32::try_from(rows * n).is_err()
+    {
+        return Err(CudaError::Shape {
+            op: "gptq_sweep_dynamic",
+            msg: format!(
+                "rows={rows}, n={n}, g={g}, block_size={block_size} (1..={GPTQ_MAX_BLOCK}), gathered.len={}",
+                gathered.len()
+            ),
+        });
+    }
+    if rows == 0 || n == 0 {
+        return Ok(());
+    }
+    let _r = range(c"gptq_sweep_dynamic");
+    let mut scales = vec![0f32; rows * n_groups];
+    let mut zeros = vec![0f32; rows * n_groups];
     let mut i1 = 0;
     while i1 < n {
-        let i2 = (i1 + block_size).min(n);
-        let (i1_32, i2_32) = (i1 as u32, i2 as u32);
-        {
-            let mut lb = stream.launch_builder(&k.gptq_block);
-            lb.arg(&mut *buf.w)
-                .arg(&mut *buf.q)
-                .arg(&mut *buf.codes)
-                .arg(&mut *buf.e)
-                .arg(buf.u)
-                .arg(buf.scales)
-                .arg(buf.zeros)
-                .arg(buf.col_group)
-                .arg(&rows32)
+        let next_group = (i1 / g + 1) * g;
+        let i2 = (i1 + block_size).min(n).min(next_group);
+        if i1.is_multiple_of(g) {
+            let (kg, len) = (i1 / g, g.min(n - i1));
+            let (r32, n32, c0, l32) = (rows as u32, n as u32, i1 as u32, len as u32);
+            let cfg = LaunchConfig {
+                grid_dim: (l32.div_ceil(32), r32.div_ceil(8), 1),
+                block_dim: (32, 8, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut lb = stream.launch_builder(&k.gather_cols);
+            lb.arg(&mut *gathered)
+                .arg(&*w)
+                .arg(&r32)
                 .arg(&n32)
-                .arg(&ng32)
-                .arg(&i1_32)
-                .arg(&i2_32)
-                .arg(&maxq_f);
-            // SAFETY: arguments match gptq_block_kernel(float* w, q, uint8* codes, float* e, const float* u,
-            // scales, zeros, const uint32* col_group, uint32 rows, n, n_groups, i1, i2, float maxq); all
-            // buffers have the shapes checked above, i2 − i1 ≤ 128 = the kernel's smem block, e holds
-            // (i2 − i1)·rows, and col_group entries are < n_groups (checked by the caller).
-            unsafe { lb.launch(cfg) }.map_err(launch_err("launch gptq_block"))?;
+                .arg(&c0)
+                .arg(&l32);
+            // SAFETY: matches gather_cols_kernel(float* out, const float* w, uint32 rows, n, c0, len);
+            // gathered holds ≥ rows·len floats and w rows·n (checked above); the kernel guards its bounds.
+            unsafe { lb.launch(cfg) }.map_err(launch_err("launch gather_cols"))?;
+            let mut host = vec![0f32; rows * len];
+            stream
+                .memcpy_dtoh(&gathered.slice(..rows * len), &mut host)
+                .map_err(launch_err("download group weights"))?;
+            stream
+                .synchronize()
+                .map_err(launch_err("gptq_sweep_dynamic group"))?;
+            let grids = search(kg, &host);
+            if grids.len() != rows {
+                return Err(CudaError::Shape {
+                    op: "gptq_sweep_dynamic",
+                    msg: format!("search returned {} grids for {rows} rows", grids.len()),
+                });
+            }
+            for (r, (s, z)) in grids.into_iter().enumerate() {
+                scales[r * n_groups + kg] = s;
+                zeros[r * n_groups + kg] = z;
+            }
+            stream
+                .memcpy_htod(&scales, scales_d)
+                .map_err(launch_err("upload group scales"))?;
+            stream
+                .memcpy_htod(&zeros, zeros_d)
+                .map_err(launch_err("upload group zeros"))?;
         }
-        if i2 < n {
-            // W[:, i2:] −= E · U[i1:i2, i2:]
-            launch_trailing_gemm(
-                stream,
-                k,
-                &mut buf.w.slice_mut(i2..),
-                &buf.e.slice(..),
-                &buf.u.slice(i1 * n + i2..),
-                rows,
-                n - i2,
-                i2 - i1,
-                (n, rows, n),
-                1,
-                (0, 0, 0),
-            )?;
-        }
+        let mut buf = GptqBuffers {
+            w: &mut *w,
+            q: &mut *q,
+            codes: &mut *codes,
+            e: &mut *e,
+            u,
+            scales: &*scales_d,
+            zeros: &*zeros_d,
+            col_group,
+        };
+        launch_gptq_block(stream, k, &mut buf, rows, n, n_groups, i1, i2, maxq)?;
         i1 = i2;
     }
     Ok(())
+}
+
+/// `GptqBuffers` of a dynamic-group sweep: scales and zeros [rows × n_groups] are rewritten at every group
+/// start; `gathered` [≥ rows × min(g, n)] receives the group's current weights.
+pub struct GptqDynamicBuffers<'a> {
+    pub w: &'a mut CudaSlice<f32>,
+    pub q: &'a mut CudaSlice<f32>,
+    pub codes: &'a mut CudaSlice<u8>,
+    pub e: &'a mut CudaSlice<f32>,
+    pub u: &'a CudaSlice<f32>,
+    pub scales: &'a mut CudaSlice<f32>,
+    pub zeros: &'a mut CudaSlice<f32>,
+    pub col_group: &'a CudaSlice<u32>,
+    pub gathered: &'a mut CudaSlice<f32>,
 }
 
 /// Device buffers of a BoA sweep (R = n_heads·d_h rows): W [R × n] (modified), W0 [R × n] (the weights before
