@@ -260,7 +260,7 @@ pub fn launch_gptq_sweep_dynamic(
     g: usize,
     block_size: usize,
     maxq: u32,
-    search: &mut dyn FnMut(usize, &[f32]) -> Vec<(f32, f32)>,
+    search: &mut GroupSearch,
 ) -> Result<(), CudaError> {
     let GptqDynamicBuffers {
         w,
@@ -364,6 +364,9 @@ pub fn launch_gptq_sweep_dynamic(
     }
     Ok(())
 }
+
+/// The host search of a dynamic-group sweep: (group k, its current weights [rows × len]) → (scale, zero) per row.
+pub type GroupSearch<'a> = dyn FnMut(usize, &[f32]) -> Vec<(f32, f32)> + 'a;
 
 /// `GptqBuffers` of a dynamic-group sweep: scales and zeros [rows × n_groups] are rewritten at every group
 /// start; `gathered` [≥ rows × min(g, n)] receives the group's current weights.
