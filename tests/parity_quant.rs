@@ -539,9 +539,9 @@ fn parity_gptq_sweep_dynamic(b: &dyn Backend, reference: Option<&dyn Backend>) {
                     let mut row: Vec<f64> =
                         w[r * n..(r + 1) * n].iter().map(|&v| v as f64).collect();
                     let mut codes = vec![0u8; n];
-                    for k in 0..ng {
+                    for (k, block) in blocks.iter().enumerate() {
                         let (c0, c1) = (k * g, ((k + 1) * g).min(n));
-                        let hb = (search == ScaleSearch::Hessian).then(|| blocks[k].as_slice());
+                        let hb = (search == ScaleSearch::Hessian).then_some(block.as_slice());
                         let gr = search_grid(&row[c0..c1], hb, &spec);
                         let gr = Grid {
                             scale: gr.scale as f32,
