@@ -174,13 +174,20 @@ device_half() {
         m="$out/synth"
         rm -rf "$m" "$out"/q-*
         "$carry/bin/boa-cuda" synth-model --out "$m" --d 512 --d-ff 1376 --layers 4 --heads 8 --kv-heads 4
-        for dev in cuda cpu; do
-            timeout 120 "$carry/bin/boa-cuda" run --model "$m" --calib README.md --method boa --wbits 3 \
-                --nsamples 16 --seqlen 256 --device "$dev" --format fake --out "$out/q-$dev" --quiet --profile
-            cp "$out/q-$dev/report.json" "$out/report-$dev.json"
-            rm -rf "$out/q-$dev"
+        # BoA 3-bit per-channel (static grids: every sweep on the device), then GPTQ 4-bit g64 (dynamic groups:
+        # the device sweep calls back to the host search at every group start).
+        for cfg in "boa --wbits 3" "gptq --wbits 4 --group-size 64"; do
+            tag="${cfg%% *}"
+            for dev in cuda cpu; do
+                # shellcheck disable=SC2086
+                timeout 120 "$carry/bin/boa-cuda" run --model "$m" --calib README.md --method $cfg \
+                    --nsamples 16 --seqlen 256 --device "$dev" --format fake --out "$out/q-$dev" --quiet --profile
+                cp "$out/q-$dev/report.json" "$out/report-$tag-$dev.json"
+                rm -rf "$out/q-$dev"
+            done
+            echo "== $cfg"
+            compare_reports "$out/report-$tag-cuda.json" "$out/report-$tag-cpu.json"
         done
-        compare_reports "$out/report-cuda.json" "$out/report-cpu.json"
     ) >"$out/e2e.log" 2>&1
     e2e_rc=$?
     set -e
