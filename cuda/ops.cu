@@ -63,6 +63,7 @@ constexpr int kAttnQueries = 64;          // causal_attention: query rows per CT
 constexpr int kAttnThreadsPerQuery = 4;   // causal_attention: threads sharing one query row (consecutive lanes)
 constexpr int kAttnThreads = kAttnQueries * kAttnThreadsPerQuery;  // 256
 constexpr int kAttnKeys = 32;             // causal_attention: keys per shared-memory tile
+constexpr int kAttnV1Threads = 128;       // causal_attention v1: threads (= query rows) per block
 
 // --- GPU kernels ------------------------------------------------------------------------------------------
 
@@ -275,13 +276,65 @@ attention_probs_kernel(float* __restrict__ p,        // [h × t × t] out, row-m
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// causal_attention: O = softmax(Q Kᵀ/√d_h + causal mask) V per (sequence, query head), GQA (query head hd
-//   reads KV head hd / (h/h_kv)), without ever storing the probabilities: flash-attention's online softmax
-//   (running max m, running sum l, accumulator rescaled by e^(m_old − m_new) when the max grows), all f32.
+// causal_attention v1 (naive): the same function as the flash kernels below (see their header for the math
+//   and layouts), as a direct port of the CPU twin: one thread per (sequence, head, query row); pass 1 takes
+//   the row max of the scaled scores, pass 2 recomputes each score, accumulates l = Σ e^(s − max) and
+//   O[i] += e^(s − max)·V[j] straight in global memory, and pass 3 divides by l. Any d_h. The baseline when
+//   the flash kernels drift (style.md rule 4), selected by AttentionVariant::Naive.
+// Launch shape: grid (ceil(t/128), h, n_seq), block 128, no smem; threads with i ≥ t return at once.
+// Roofline: the flash kernels' 2·n_seq·h·t²·d_h flop plus another half of it (QKᵀ twice), but every score
+//   reads a key row per thread (uncoalesced across the warp) and every P·V step a read-modify-write of the
+//   output row: expect 10–100× slower than the flash kernels. Correctness only.
+// Variants measured: none yet (no GPU run so far).
+// ---------------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(kAttnV1Threads)
+causal_attention_kernel_v1(float* __restrict__ o,        // [n_seq·t × h·d_h] out, row-major
+                           const float* __restrict__ q,  // [n_seq·t × h·d_h] row-major
+                           const float* __restrict__ k,  // [n_seq·t × h_kv·d_h] row-major
+                           const float* __restrict__ v,  // [n_seq·t × h_kv·d_h] row-major
+                           const uint32_t t, const uint32_t h, const uint32_t h_kv, const uint32_t d_h,
+                           const float scale) {  // 1/√d_h
+    const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+    const uint32_t hd = blockIdx.y, s = blockIdx.z;
+    if (i >= t) return;
+    const uint32_t kv = hd / (h / h_kv);
+    const uint64_t kv_gl_stride = (uint64_t)h_kv * d_h;
+    const float* q_row = q + (((uint64_t)s * t + i) * h + hd) * d_h;
+    float* o_row = o + (((uint64_t)s * t + i) * h + hd) * d_h;
+    const float* k_seq = k + (uint64_t)s * t * kv_gl_stride + (uint64_t)kv * d_h;
+    const float* v_seq = v + (uint64_t)s * t * kv_gl_stride + (uint64_t)kv * d_h;
+
+    float m = -INFINITY;
+    for (uint32_t j = 0; j <= i; ++j) {
+        const float* k_row = k_seq + j * kv_gl_stride;
+        float dot = 0.f;
+        for (uint32_t c = 0; c < d_h; ++c) dot += q_row[c] * k_row[c];
+        m = fmaxf(m, dot * scale);
+    }
+    for (uint32_t c = 0; c < d_h; ++c) o_row[c] = 0.f;
+    float l = 0.f;
+    for (uint32_t j = 0; j <= i; ++j) {
+        const float* k_row = k_seq + j * kv_gl_stride;
+        const float* v_row = v_seq + j * kv_gl_stride;
+        float dot = 0.f;
+        for (uint32_t c = 0; c < d_h; ++c) dot += q_row[c] * k_row[c];
+        const float p = expf(dot * scale - m);
+        l += p;
+        for (uint32_t c = 0; c < d_h; ++c) o_row[c] += p * v_row[c];
+    }
+    const float inv = 1.f / l;
+    for (uint32_t c = 0; c < d_h; ++c) o_row[c] *= inv;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// causal_attention v2 (flash, the default): O = softmax(Q Kᵀ/√d_h + causal mask) V per (sequence, query
+//   head), GQA (query head hd reads KV head hd / (h/h_kv)), without ever storing the probabilities:
+//   flash-attention's online softmax (running max m, running sum l, accumulator rescaled by e^(m_old − m_new)
+//   when the max grows), all f32.
 //   Q, O [n_seq·t × h·d_h], K, V [n_seq·t × h_kv·d_h], row-major, token i of sequence s in row s·t + i.
 //   CPU twin: cpu::causal_attention_head via CpuBackend::causal_attention; launcher: launch_causal_attention;
 //   parity test: parity_causal_attention. kD ∈ {64, 128} is the padded head dim (d_h ≤ kD, the tail zero);
-//   d_h > 128 runs on the CPU (the launcher refuses it).
+//   d_h > 128 takes v1 (any d_h) or the CPU (the flash launcher refuses it).
 //
 // Launch shape: grid (ceil(t/64), h, n_seq), block 256, static smem 2·32·kD·4 B (16 KB at kD = 64, 32 KB at
 //   128). CTA (qt, hd, s) owns query rows qt·64 .. qt·64+63 of head hd in sequence s; it walks key tiles of 32
@@ -387,8 +440,8 @@ __device__ __forceinline__ void causal_attention_tile(
     }
 }
 
-// Explicit entry points, one per padded head dim (style.md rule 17): 64 (SmolLM2-135M) and 128 (Llama, Mistral
-// and Qwen 7B). d_h ≤ 64 takes the d64 kernel, 64 < d_h ≤ 128 the d128 one (the tail dims are zero).
+// Explicit entry points of v2 (flash), one per padded head dim (style.md rule 17): 64 (SmolLM2-135M) and 128
+// (Llama, Mistral and Qwen 7B). d_h ≤ 64 takes the d64 kernel, 64 < d_h ≤ 128 the d128 one (the tail dims are zero).
 extern "C" __global__ void __launch_bounds__(kAttnThreads)
 causal_attention_kernel_d64(float* __restrict__ o,        // [n_seq·t × h·d_h] out, row-major
                             const float* __restrict__ q,  // [n_seq·t × h·d_h] row-major

@@ -6,7 +6,9 @@
 //! launch, so an element a kernel forgets to write fails the test.
 
 use boa_cuda::backend::cpu::CpuBackend;
-use boa_cuda::backend::cuda::{CudaBackend, LinearVariant, RmsNormVariant, abi, kernels};
+use boa_cuda::backend::cuda::{
+    AttentionVariant, CudaBackend, LinearVariant, RmsNormVariant, abi, kernels,
+};
 use boa_cuda::backend::{Backend, Device, select_backend};
 use boa_cuda::model::llama::RopeTable;
 use rand::{RngExt, SeedableRng};
@@ -282,7 +284,7 @@ const ATTN_TOL: f64 = 2e-5;
 /// (n_seq, t, h, h_kv, d_h): one token; GQA 2:1 over two 64-query tiles plus a partial; d_h = 128 with t one
 /// past two tiles and GQA 3:1; SmolLM2 (9 heads over 3 KV heads of 64); d_h = 80 (padded into the d128
 /// kernel); no GQA (h = h_kv), d_h = 32; four key tiles of 128-wide heads, GQA 2:1; an odd d_h (17); d_h = 192
-/// (above the kernels' 128: the CUDA backend runs it on the CPU).
+/// (above the flash kernels' 128: the naive kernel or the CPU).
 const ATTN_SHAPES: [(usize, usize, usize, usize, usize); 9] = [
     (1, 1, 1, 1, 64),
     (2, 70, 4, 2, 64),
@@ -530,7 +532,15 @@ fn parity_causal_attention_cpu() {
 
 #[test]
 fn parity_causal_attention_cuda() {
-    with_cuda(|b| parity_causal_attention(b));
+    with_cuda(|b| {
+        // Every variant, the naive one included (style.md rules 4 and 12); d_h = 192 runs v1 on the GPU and
+        // the flash variant's CPU fallback.
+        for v in AttentionVariant::ALL {
+            println!("causal_attention variant {v:?}");
+            b.set_attention_variant(v);
+            parity_causal_attention(b);
+        }
+    });
 }
 
 /// The #[repr(C)] mirror and the host C++ compiler agree on BoaRmsNormParams (include/boa_ops.h).

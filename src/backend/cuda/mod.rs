@@ -8,9 +8,9 @@
 //! returns the reason as a string when any step fails. `select_backend` turns that into a CPU fallback
 //! (`--device auto`) or an error (`--device cuda`).
 //!
-//! On the GPU: rms_norm, rope, swiglu, causal_attention (d_h ≤ 128), attention_probs (ops.rs ↔ cuda/ops.cu)
+//! On the GPU: rms_norm, rope, swiglu, causal_attention (flash d_h ≤ 128, naive any), attention_probs (ops.rs ↔ cuda/ops.cu)
 //! and linear (cuBLAS, gemm.rs), plus the QuantOps of quant.rs. Still on the CPU, each saying why at its
-//! method: packed_linear (its kernel has its own issue), causal_attention with d_h > 128, linear when
+//! method: packed_linear (its kernel has its own issue), flash causal_attention with d_h > 128, linear when
 //! libcublas is missing (noted once on stderr), and degenerate shapes (k = 0).
 
 pub mod abi;
@@ -27,7 +27,7 @@ pub mod sweep;
 pub use crate::nvtx::{Range, range};
 pub use gemm::LinearVariant;
 pub use hessian::XxtVariant;
-pub use ops::RmsNormVariant;
+pub use ops::{AttentionVariant, RmsNormVariant};
 
 use super::Backend;
 use super::cpu::CpuBackend;
@@ -90,6 +90,7 @@ pub struct CudaBackend {
     name: String,
     rms_norm_variant: RmsNormVariant,
     linear_variant: LinearVariant,
+    attention_variant: AttentionVariant,
     xxt_variant: XxtVariant,
     poison_outputs: bool,
     /// Device time of the kernels of the last QuantOps call (events around the launches, transfers excluded).
@@ -186,6 +187,7 @@ impl CudaBackend {
             name: format!("cuda:{ordinal} {gpu}"),
             rms_norm_variant: RmsNormVariant::WarpPerRow,
             linear_variant: LinearVariant::F32,
+            attention_variant: AttentionVariant::Flash,
             xxt_variant: XxtVariant::Bf16Wmma,
             poison_outputs: false,
             last_kernel_ms: std::sync::Mutex::new(0.0),
@@ -202,6 +204,11 @@ impl CudaBackend {
     /// Selects the GEMM of `linear`: f32 (cublasSgemm, the default) or bf16 operands (cublasGemmEx).
     pub fn set_linear_variant(&mut self, v: LinearVariant) {
         self.linear_variant = v;
+    }
+
+    /// Selects the causal_attention kernel: flash (the default) or the naive port of the CPU twin.
+    pub fn set_attention_variant(&mut self, v: AttentionVariant) {
+        self.attention_variant = v;
     }
 
     /// Selects the XᵀX kernel variant used by xxt_accumulate, head_covariance and v_col_covariance.
@@ -475,7 +482,8 @@ impl CudaBackend {
         Ok(o)
     }
 
-    /// Causal GQA attention on the GPU (d_h ≤ ops::ATTN_MAX_D_H); see `Backend::causal_attention`.
+    /// Causal GQA attention on the GPU (the flash variant takes d_h ≤ ops::ATTN_MAX_D_H); see
+    /// `Backend::causal_attention`.
     #[allow(clippy::too_many_arguments)]
     pub fn try_causal_attention(
         &self,
@@ -511,6 +519,7 @@ impl CudaBackend {
         ops::launch_causal_attention(
             &self.stream,
             &self.ops,
+            self.attention_variant,
             &mut o_d,
             &q_d,
             &k_d,
@@ -632,8 +641,8 @@ impl Backend for CudaBackend {
             })
     }
 
-    /// d_h > 128 (no model we target) runs on the CPU: the kernels keep a query row's slice of q and of the
-    /// output in registers, sized by the padded head dim kD ∈ {64, 128}.
+    /// With the flash variant, d_h > 128 (no model we target) runs on the CPU: those kernels keep a query
+    /// row's slice of q and of the output in registers, sized by the padded head dim kD ∈ {64, 128}.
     fn causal_attention(
         &self,
         q: &[f32],
@@ -645,7 +654,7 @@ impl Backend for CudaBackend {
         h_kv: usize,
         d_h: usize,
     ) -> Vec<f32> {
-        if d_h > ops::ATTN_MAX_D_H {
+        if self.attention_variant == AttentionVariant::Flash && d_h > ops::ATTN_MAX_D_H {
             return CpuBackend.causal_attention(q, k, v, n_seq, t, h, h_kv, d_h);
         }
         self.try_causal_attention(q, k, v, n_seq, t, h, h_kv, d_h)

@@ -34,6 +34,20 @@ impl RmsNormVariant {
     }
 }
 
+/// causal_attention kernel variants (cuda/ops.cu headers have the launch shapes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionVariant {
+    /// v1: one thread per query row, a direct port of the CPU twin (two-pass softmax, P·V accumulated in
+    /// global memory), any d_h; the baseline when v2 drifts.
+    Naive = 1,
+    /// v2: flash-style, one CTA per 64 queries, online softmax over 32-key smem tiles, d_h ≤ 128; the default.
+    Flash = 2,
+}
+
+impl AttentionVariant {
+    pub const ALL: [AttentionVariant; 2] = [AttentionVariant::Naive, AttentionVariant::Flash];
+}
+
 /// v1: threads (= rows) per block. Must match kRmsNormV1Threads in cuda/ops.cu (its __launch_bounds__).
 const RMS_NORM_V1_THREADS: u32 = 128;
 /// v2: warps (= rows) per block. Must match kRmsNormV2Warps in cuda/ops.cu (its __launch_bounds__).
@@ -50,7 +64,9 @@ const ATTN_PROBS_WARPS: u32 = 4;
 /// cuda/ops.cu.
 const ATTN_QUERIES: u32 = 64;
 const ATTN_THREADS: u32 = 256;
-/// Largest head dim the causal_attention kernels take (their padded kD); larger ones run on the CPU.
+/// causal_attention v1: threads (= query rows) per block. Must match kAttnV1Threads in cuda/ops.cu.
+const ATTN_V1_THREADS: u32 = 128;
+/// Largest head dim the flash causal_attention kernels take (their padded kD); v1 takes any.
 pub const ATTN_MAX_D_H: usize = 128;
 
 /// Function handles of cuda/ops.cu, loaded once per context.
@@ -62,6 +78,7 @@ pub struct OpsKernels {
     bias_add: CudaFunction,
     f32_to_bf16: CudaFunction,
     attention_probs: CudaFunction,
+    causal_attention_v1: CudaFunction,
     causal_attention_d64: CudaFunction,
     causal_attention_d128: CudaFunction,
 }
@@ -94,6 +111,7 @@ impl OpsKernels {
             bias_add: get_named("bias_add_kernel")?,
             f32_to_bf16: get_named("f32_to_bf16_kernel")?,
             attention_probs: get_named("attention_probs_kernel")?,
+            causal_attention_v1: get_named("causal_attention_kernel_v1")?,
             causal_attention_d64: get_named("causal_attention_kernel_d64")?,
             causal_attention_d128: get_named("causal_attention_kernel_d128")?,
         })
@@ -428,12 +446,13 @@ pub fn launch_attention_probs(
     Ok(())
 }
 
-/// O [n_seq·t × h·d_h] = causal GQA attention of Q [n_seq·t × h·d_h], K, V [n_seq·t × h_kv·d_h], d_h ≤ 128;
-/// see `Backend::causal_attention`. Asynchronous on `stream`.
+/// O [n_seq·t × h·d_h] = causal GQA attention of Q [n_seq·t × h·d_h], K, V [n_seq·t × h_kv·d_h] (d_h ≤ 128
+/// for the flash variant); see `Backend::causal_attention`. Asynchronous on `stream`.
 #[allow(clippy::too_many_arguments)]
 pub fn launch_causal_attention(
     stream: &Arc<CudaStream>,
     k: &OpsKernels,
+    variant: AttentionVariant,
     o: &mut CudaSlice<f32>,
     q: &CudaSlice<f32>,
     key: &CudaSlice<f32>,
@@ -475,15 +494,17 @@ pub fn launch_causal_attention(
             ));
         }
     };
-    let cfg = LaunchConfig {
-        grid_dim: (t32.div_ceil(ATTN_QUERIES), h32, n_seq32),
-        block_dim: (ATTN_THREADS, 1, 1),
-        shared_mem_bytes: 0, // static: 2 tiles of 32 keys × kD f32 (16 / 32 KB)
+    let (f, rows_per_block, threads) = match variant {
+        AttentionVariant::Naive => (&k.causal_attention_v1, ATTN_V1_THREADS, ATTN_V1_THREADS),
+        AttentionVariant::Flash if d_h <= 64 => {
+            (&k.causal_attention_d64, ATTN_QUERIES, ATTN_THREADS)
+        }
+        AttentionVariant::Flash => (&k.causal_attention_d128, ATTN_QUERIES, ATTN_THREADS),
     };
-    let f = if d_h <= 64 {
-        &k.causal_attention_d64
-    } else {
-        &k.causal_attention_d128
+    let cfg = LaunchConfig {
+        grid_dim: (t32.div_ceil(rows_per_block), h32, n_seq32),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0, // flash: static smem, 2 tiles of 32 keys × kD f32 (16 / 32 KB); v1: none
     };
     let scale = 1.0 / (d_h as f32).sqrt();
     let _r = range(c"causal_attention");
@@ -497,9 +518,10 @@ pub fn launch_causal_attention(
         .arg(&h_kv32)
         .arg(&d_h32)
         .arg(&scale);
-    // SAFETY: matches causal_attention_kernel_d{64,128}(float* o, const float* q, const float* k, const float* v,
-    // uint32 t, uint32 h, uint32 h_kv, uint32 d_h, float scale); buffer lengths checked above, d_h ≤ the
-    // kernel's kD, h_kv divides h; the grid covers every (query tile, head, sequence) and rows ≥ t store nothing.
+    // SAFETY: matches causal_attention_kernel_{v1,d64,d128}(float* o, const float* q, const float* k,
+    // const float* v, uint32 t, uint32 h, uint32 h_kv, uint32 d_h, float scale); buffer lengths checked above,
+    // d_h ≤ the flash kernel's kD, h_kv divides h; the grid covers every (query rows, head, sequence) and rows
+    // ≥ t store nothing.
     unsafe { b.launch(cfg) }.map_err(launch_err("launch causal_attention"))?;
     Ok(())
 }
