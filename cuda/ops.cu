@@ -357,6 +357,8 @@ causal_attention_kernel_v1(float* __restrict__ o,        // [n_seq·t × h·d_h]
 //   d_h 128): 17 GFLOP → ≈ 0.3 ms at the H200's ~60 TFLOP/s f32 (no tensor cores: this is the f32 reference
 //   path); bytes (Q, K, V, O once: 4 × 16.8 MB) ≈ 14 µs, so arithmetic-bound. One smem load per FMA caps this
 //   version at roughly a third of f32 peak; a tensor-core (bf16 mma) variant is the next step once measured.
+// Checked without a GPU: profiling/emulate_causal_attention.py replays this thread map, tiling, mask and online
+//   softmax in numpy f32 (rel. error ≤ 2.4e-7 vs f64 on six shapes, 2026-11-30); CUDA semantics unverified.
 // Variants measured: none yet (no GPU run so far).
 // ---------------------------------------------------------------------------------------------------------
 template <int kD>
