@@ -6,8 +6,11 @@
 //! launch, so an element a kernel forgets to write fails the test.
 
 use boa_cuda::backend::cpu::CpuBackend;
-use boa_cuda::backend::cuda::{CudaBackend, RmsNormVariant, abi, kernels};
+use boa_cuda::backend::cuda::{
+    AttentionVariant, CudaBackend, LinearVariant, RmsNormVariant, abi, kernels,
+};
 use boa_cuda::backend::{Backend, Device, select_backend};
+use boa_cuda::model::llama::RopeTable;
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -84,6 +87,364 @@ fn parity_rms_norm(b: &dyn Backend) {
     );
 }
 
+// --- linear ------------------------------------------------------------------------------------------------
+
+/// f32 linear (cublasSgemm or faer) vs the f64 reference, normwise. A dot product of k random-sign terms
+/// summed in f32 is off by ~u·√k relative to its size in the worst (sequential) order: 6e-8·64 ≈ 4e-6 at
+/// k = 4096, less for blocked or tree orders; the bias add is one more rounding. 2e-5 leaves 5× headroom and
+/// is 50× under METHOD.md's "far under 1e-3" for f32 (TF32 would land near 3e-4 and fail, as it should:
+/// the handle keeps CUBLAS_DEFAULT_MATH).
+const LINEAR_TOL: f64 = 2e-5;
+/// bf16 operands (cublasGemmEx): each operand is rounded to 8 significant bits (u = 2^-8 ≈ 3.9e-3,
+/// rounding error roughly uniform, std ≈ u/√3), so each product is off by ≈ √2·u/√3 ≈ 3.2e-3 relative with
+/// random sign, and so is a sum of many such products: ≈ 3e-3 normwise expected. 1e-2 is METHOD.md's upper
+/// end for bf16 operands; a layout bug (transposed W, wrong ld) is O(1).
+const LINEAR_BF16_TOL: f64 = 1e-2;
+
+/// (m, k, n): one token with k = 1 (64 outputs, not 1: a lone output plus a bias can cancel to near 0 and make
+/// any relative error unbounded; normwise over 64 that cannot dominate); SmolLM2's 576 → 1536 (gate/up) on a partial batch; odd sizes
+/// everywhere; a 7B-wide output (4096) with few tokens; a 7B-wide input (k = 4096), m past one 128 tile.
+const LINEAR_SHAPES: [(usize, usize, usize); 6] = [
+    (1, 1, 64),
+    (7, 576, 1536),
+    (33, 1001, 17),
+    (3, 64, 4096),
+    (130, 4096, 96),
+    (64, 128, 576),
+];
+
+fn linear_ref(
+    x: &[f32],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    m: usize,
+    k: usize,
+    n: usize,
+) -> Vec<f64> {
+    let mut y = vec![0f64; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            let dot: f64 = (0..k)
+                .map(|c| x[i * k + c] as f64 * w[j * k + c] as f64)
+                .sum();
+            y[i * n + j] = dot + bias.map_or(0.0, |b| b[j] as f64);
+        }
+    }
+    y
+}
+
+fn parity_linear(b: &dyn Backend, tol: f64) {
+    let mut rng = rng();
+    let mut worst = 0f64;
+    for (m, k, n) in LINEAR_SHAPES {
+        for with_bias in [false, true] {
+            // Rows of X at different magnitudes, so a row mixed with another shows.
+            let mut x = Vec::with_capacity(m * k);
+            for _ in 0..m {
+                let scale = 10f32.powf(rng.random_range(-1.0..1.0));
+                x.extend((0..k).map(|_| scale * rng.random_range(-1.0f32..1.0)));
+            }
+            let w: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            let bias: Option<Vec<f32>> =
+                with_bias.then(|| (0..n).map(|_| rng.random_range(-2.0f32..2.0)).collect());
+            let y = b.linear(&x, &w, bias.as_deref(), m, k, n);
+            assert_eq!(y.len(), m * n, "{}: linear output length", b.name());
+            let err = rel_err(&y, &linear_ref(&x, &w, bias.as_deref(), m, k, n));
+            assert!(
+                err <= tol,
+                "{}: linear m={m} k={k} n={n} bias={with_bias}: rel. error {err:.3e} > {tol:.0e} (NaN = unwritten output)",
+                b.name()
+            );
+            worst = worst.max(err);
+        }
+    }
+    println!(
+        "{}: linear max rel. error {worst:.3e} (bound {tol:.0e})",
+        b.name()
+    );
+}
+
+// --- rope --------------------------------------------------------------------------------------------------
+
+/// Each rotated element is x1·cos − x2·sin (two products and a sum: a few u) from f32 tables the reference
+/// reads too, so the error is a few u per element: 2e-6 normwise is ~10× that; a wrong position, half or head
+/// is O(1).
+const ROPE_TOL: f64 = 2e-6;
+
+/// (n_seq, t, n_heads, d_h): one token; SmolLM2 (9 heads of 64) on 3 sequences of 37; 7B-like d_h = 128 with
+/// 70 positions; d_h = 2 (one pair); an odd d_h (the last element stays as is, like the CPU twin).
+const ROPE_SHAPES: [(usize, usize, usize, usize); 5] = [
+    (1, 1, 1, 64),
+    (3, 37, 9, 64),
+    (2, 70, 4, 128),
+    (1, 5, 3, 2),
+    (2, 17, 2, 7),
+];
+
+fn parity_rope(b: &dyn Backend) {
+    let mut rng = rng();
+    let mut worst = 0f64;
+    for (n_seq, t, n_heads, d_h) in ROPE_SHAPES {
+        let half = d_h / 2;
+        // Llama's frequencies, θ = 1e4; the table is longer than t (built for a longer context), as in runs.
+        let inv_freq: Vec<f64> = (0..half)
+            .map(|i| 1e4f64.powf(-((2 * i) as f64) / d_h as f64))
+            .collect();
+        let table = RopeTable::new(&inv_freq, t + 3);
+        let width = n_heads * d_h;
+        let x0: Vec<f32> = (0..n_seq * t * width)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let mut reference: Vec<f64> = x0.iter().map(|&v| v as f64).collect();
+        for (r, row) in reference.chunks_mut(width).enumerate() {
+            let p = r % t;
+            for head in row.chunks_mut(d_h) {
+                for i in 0..half {
+                    let (c, s) = (
+                        table.cos[p * half + i] as f64,
+                        table.sin[p * half + i] as f64,
+                    );
+                    let (x1, x2) = (head[i], head[i + half]);
+                    head[i] = x1 * c - x2 * s;
+                    head[i + half] = x2 * c + x1 * s;
+                }
+            }
+        }
+        let mut x = x0.clone();
+        b.rope(&mut x, t, n_heads, d_h, &table.cos, &table.sin);
+        let err = rel_err(&x, &reference);
+        assert!(
+            err <= ROPE_TOL,
+            "{}: rope n_seq={n_seq} t={t} n_heads={n_heads} d_h={d_h}: rel. error {err:.3e} > {ROPE_TOL:.0e}",
+            b.name()
+        );
+        worst = worst.max(err);
+    }
+    println!(
+        "{}: rope max rel. error {worst:.3e} (bound {ROPE_TOL:.0e})",
+        b.name()
+    );
+}
+
+// --- swiglu ------------------------------------------------------------------------------------------------
+
+/// silu(g)·u = g/(1 + e^−g)·u: e^x within 2–3 ulp (expf, or the CPU's exp_f32), then a sum, a division and a
+/// product: under 10 u per element, ~6e-7; 2e-6 normwise leaves 3× over that worst case.
+const SWIGLU_TOL: f64 = 2e-6;
+/// Lengths: one element, a partial block, one past a power of two, more than one grid-stride step's worth
+/// is not needed (the grid covers 65535·8·256 elements), so a large realistic one: 512 tokens × 1536.
+const SWIGLU_N: [usize; 4] = [1, 7, 4097, 512 * 1536];
+
+fn parity_swiglu(b: &dyn Backend) {
+    let mut rng = rng();
+    let mut worst = 0f64;
+    for n in SWIGLU_N {
+        // Mostly |g| < 8 (where silu bends), a few far out (±100: e^−g overflows or vanishes).
+        let gate: Vec<f32> = (0..n)
+            .map(|i| {
+                if i % 97 == 5 {
+                    rng.random_range(-100.0f32..100.0)
+                } else {
+                    rng.random_range(-8.0f32..8.0)
+                }
+            })
+            .collect();
+        let up: Vec<f32> = (0..n).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+        let y = b.swiglu(&gate, &up);
+        assert_eq!(y.len(), n, "{}: swiglu output length", b.name());
+        let reference: Vec<f64> = gate
+            .iter()
+            .zip(&up)
+            .map(|(&g, &u)| {
+                let g = g as f64;
+                g / (1.0 + (-g).exp()) * u as f64
+            })
+            .collect();
+        let err = rel_err(&y, &reference);
+        assert!(
+            err <= SWIGLU_TOL,
+            "{}: swiglu n={n}: rel. error {err:.3e} > {SWIGLU_TOL:.0e} (NaN = unwritten output)",
+            b.name()
+        );
+        worst = worst.max(err);
+    }
+    println!(
+        "{}: swiglu max rel. error {worst:.3e} (bound {SWIGLU_TOL:.0e})",
+        b.name()
+    );
+}
+
+// --- attention ---------------------------------------------------------------------------------------------
+
+/// Scores s = q·k/√d_h in f32 are off by ~u·Σ|q_c k_c|/√d_h ≲ 6e-8 × 30 ≈ 2e-6 absolute for the scores drawn
+/// here (|s| up to ~20), which is the relative error it puts on e^(s − max); e^x adds 2–3 ulp, the row sum and
+/// the P·V sum (≤ 200 terms) ~u·√t ≈ 1e-6. So ~3e-6 in practice; 2e-5 is ~7× that and still 50× under
+/// METHOD.md's f32 bound. A mask off by one, a wrong KV head or a missed rescale is O(1e-2) or more.
+const ATTN_TOL: f64 = 2e-5;
+
+/// (n_seq, t, h, h_kv, d_h): one token; GQA 2:1 over two 64-query tiles plus a partial; d_h = 128 with t one
+/// past two tiles and GQA 3:1; SmolLM2 (9 heads over 3 KV heads of 64); d_h = 80 (padded into the d128
+/// kernel); no GQA (h = h_kv), d_h = 32; four key tiles of 128-wide heads, GQA 2:1; an odd d_h (17); d_h = 192
+/// (above the flash kernels' 128: the naive kernel or the CPU).
+const ATTN_SHAPES: [(usize, usize, usize, usize, usize); 9] = [
+    (1, 1, 1, 1, 64),
+    (2, 70, 4, 2, 64),
+    (1, 129, 6, 2, 128),
+    (3, 37, 9, 3, 64),
+    (1, 65, 2, 1, 80),
+    (2, 33, 4, 4, 32),
+    (1, 200, 4, 2, 128),
+    (1, 20, 3, 1, 17),
+    (1, 5, 2, 2, 192),
+];
+
+/// Q [n·t × h·d_h] or K/V [n·t × h_kv·d_h] with random rows; query rows get a random scale 10^±1, so some
+/// softmax rows are nearly flat and others peaked (the max subtraction and the online rescale both matter).
+fn attn_input(rng: &mut ChaCha8Rng, rows: usize, width: usize, row_scale: bool) -> Vec<f32> {
+    let mut x = Vec::with_capacity(rows * width);
+    for _ in 0..rows {
+        let scale = if row_scale {
+            10f32.powf(rng.random_range(-1.0..1.0))
+        } else {
+            1.0
+        };
+        x.extend((0..width).map(|_| scale * rng.random_range(-1.0f32..1.0)));
+    }
+    x
+}
+
+/// Causal softmax probabilities [t × t] of one (sequence, head) in f64: Q rows at q[(i)·q_stride + q_off..],
+/// K rows at k[j·k_stride + k_off..].
+#[allow(clippy::too_many_arguments)]
+fn probs_ref(
+    q: &[f32],
+    k: &[f32],
+    t: usize,
+    d_h: usize,
+    (q_stride, q_off): (usize, usize),
+    (k_stride, k_off): (usize, usize),
+) -> Vec<f64> {
+    let scale = 1.0 / (d_h as f64).sqrt();
+    let mut p = vec![0f64; t * t];
+    for i in 0..t {
+        let row = &mut p[i * t..(i + 1) * t];
+        for (j, pj) in row.iter_mut().enumerate().take(i + 1) {
+            *pj = (0..d_h)
+                .map(|c| q[i * q_stride + q_off + c] as f64 * k[j * k_stride + k_off + c] as f64)
+                .sum::<f64>()
+                * scale;
+        }
+        let max = row[..=i].iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let sum: f64 = row[..=i].iter().map(|s| (s - max).exp()).sum();
+        for pj in &mut row[..=i] {
+            *pj = (*pj - max).exp() / sum;
+        }
+    }
+    p
+}
+
+fn parity_attention_probs(b: &dyn Backend) {
+    let mut rng = rng();
+    let mut worst = 0f64;
+    for (_, t, h, h_kv, d_h) in ATTN_SHAPES {
+        let q = attn_input(&mut rng, t, h * d_h, true);
+        let k = attn_input(&mut rng, t, h_kv * d_h, false);
+        let p = b.attention_probs(&q, &k, t, h, h_kv, d_h);
+        assert_eq!(
+            p.len(),
+            h * t * t,
+            "{}: attention_probs output length",
+            b.name()
+        );
+        let mut reference = Vec::with_capacity(h * t * t);
+        for head in 0..h {
+            let kv = head / (h / h_kv);
+            reference.extend(probs_ref(
+                &q,
+                &k,
+                t,
+                d_h,
+                (h * d_h, head * d_h),
+                (h_kv * d_h, kv * d_h),
+            ));
+        }
+        let err = rel_err(&p, &reference);
+        assert!(
+            err <= ATTN_TOL,
+            "{}: attention_probs t={t} h={h} h_kv={h_kv} d_h={d_h}: rel. error {err:.3e} > {ATTN_TOL:.0e} \
+             (NaN = unwritten output)",
+            b.name()
+        );
+        // Above the diagonal: exactly 0 (the V statistics sum these).
+        for head in 0..h {
+            for i in 0..t {
+                for j in i + 1..t {
+                    let v = p[(head * t + i) * t + j];
+                    assert!(
+                        v == 0.0,
+                        "{}: attention_probs head {head} P[{i}, {j}] = {v} above the diagonal",
+                        b.name()
+                    );
+                }
+            }
+        }
+        worst = worst.max(err);
+    }
+    println!(
+        "{}: attention_probs max rel. error {worst:.3e} (bound {ATTN_TOL:.0e})",
+        b.name()
+    );
+}
+
+fn parity_causal_attention(b: &dyn Backend) {
+    let mut rng = rng();
+    let mut worst = 0f64;
+    for (n_seq, t, h, h_kv, d_h) in ATTN_SHAPES {
+        let (qw, kw) = (h * d_h, h_kv * d_h);
+        let q = attn_input(&mut rng, n_seq * t, qw, true);
+        let k = attn_input(&mut rng, n_seq * t, kw, false);
+        let v = attn_input(&mut rng, n_seq * t, kw, false);
+        let o = b.causal_attention(&q, &k, &v, n_seq, t, h, h_kv, d_h);
+        assert_eq!(
+            o.len(),
+            n_seq * t * qw,
+            "{}: causal_attention output length",
+            b.name()
+        );
+        let mut reference = vec![0f64; n_seq * t * qw];
+        for s in 0..n_seq {
+            let (qs, ks) = (
+                &q[s * t * qw..(s + 1) * t * qw],
+                &k[s * t * kw..(s + 1) * t * kw],
+            );
+            let vs = &v[s * t * kw..(s + 1) * t * kw];
+            for head in 0..h {
+                let kv = head / (h / h_kv);
+                let p = probs_ref(qs, ks, t, d_h, (qw, head * d_h), (kw, kv * d_h));
+                for i in 0..t {
+                    for c in 0..d_h {
+                        reference[(s * t + i) * qw + head * d_h + c] = (0..=i)
+                            .map(|j| p[i * t + j] * vs[j * kw + kv * d_h + c] as f64)
+                            .sum();
+                    }
+                }
+            }
+        }
+        let err = rel_err(&o, &reference);
+        assert!(
+            err <= ATTN_TOL,
+            "{}: causal_attention n_seq={n_seq} t={t} h={h} h_kv={h_kv} d_h={d_h}: rel. error {err:.3e} > \
+             {ATTN_TOL:.0e} (NaN = unwritten output)",
+            b.name()
+        );
+        worst = worst.max(err);
+    }
+    println!(
+        "{}: causal_attention max rel. error {worst:.3e} (bound {ATTN_TOL:.0e})",
+        b.name()
+    );
+}
+
 /// Runs `f` on a CUDA backend (device 0, outputs poisoned) or prints why it is skipped.
 fn with_cuda(f: impl FnOnce(&mut CudaBackend)) {
     match CudaBackend::new(0) {
@@ -108,6 +469,77 @@ fn parity_rms_norm_cuda() {
             println!("rms_norm variant {v:?}");
             b.set_rms_norm_variant(v);
             parity_rms_norm(b);
+        }
+    });
+}
+
+#[test]
+fn parity_linear_cpu() {
+    parity_linear(&CpuBackend, LINEAR_TOL);
+}
+
+#[test]
+fn parity_linear_cuda() {
+    with_cuda(|b| {
+        if !b.linear_on_gpu() {
+            println!("cuBLAS unavailable: linear runs on the CPU (checked anyway)");
+        }
+        for v in LinearVariant::ALL {
+            println!("linear variant {v:?}");
+            b.set_linear_variant(v);
+            let tol = match v {
+                LinearVariant::F32 => LINEAR_TOL,
+                LinearVariant::Bf16 => LINEAR_BF16_TOL,
+            };
+            parity_linear(b, tol);
+        }
+    });
+}
+
+#[test]
+fn parity_rope_cpu() {
+    parity_rope(&CpuBackend);
+}
+
+#[test]
+fn parity_rope_cuda() {
+    with_cuda(|b| parity_rope(b));
+}
+
+#[test]
+fn parity_swiglu_cpu() {
+    parity_swiglu(&CpuBackend);
+}
+
+#[test]
+fn parity_swiglu_cuda() {
+    with_cuda(|b| parity_swiglu(b));
+}
+
+#[test]
+fn parity_attention_probs_cpu() {
+    parity_attention_probs(&CpuBackend);
+}
+
+#[test]
+fn parity_attention_probs_cuda() {
+    with_cuda(|b| parity_attention_probs(b));
+}
+
+#[test]
+fn parity_causal_attention_cpu() {
+    parity_causal_attention(&CpuBackend);
+}
+
+#[test]
+fn parity_causal_attention_cuda() {
+    with_cuda(|b| {
+        // Every variant, the naive one included (style.md rules 4 and 12); d_h = 192 runs v1 on the GPU and
+        // the flash variant's CPU fallback.
+        for v in AttentionVariant::ALL {
+            println!("causal_attention variant {v:?}");
+            b.set_attention_variant(v);
+            parity_causal_attention(b);
         }
     });
 }

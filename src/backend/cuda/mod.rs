@@ -8,11 +8,15 @@
 //! returns the reason as a string when any step fails. `select_backend` turns that into a CPU fallback
 //! (`--device auto`) or an error (`--device cuda`).
 //!
-//! Operations without a kernel yet delegate to the CPU backend, each saying so.
+//! On the GPU: rms_norm, rope, swiglu, causal_attention (flash d_h ≤ 128, naive any), attention_probs (ops.rs ↔ cuda/ops.cu)
+//! and linear (cuBLAS, gemm.rs), plus the QuantOps of quant.rs. Still on the CPU, each saying why at its
+//! method: packed_linear (its kernel has its own issue), flash causal_attention with d_h > 128, linear when
+//! libcublas is missing (noted once on stderr), and degenerate shapes (k = 0).
 
 pub mod abi;
 pub mod ceiling;
 pub mod cholesky;
+pub mod gemm;
 pub mod hessian;
 pub mod kernels;
 pub mod ops;
@@ -21,8 +25,9 @@ mod solver;
 pub mod sweep;
 
 pub use crate::nvtx::{Range, range};
+pub use gemm::LinearVariant;
 pub use hessian::XxtVariant;
-pub use ops::RmsNormVariant;
+pub use ops::{AttentionVariant, RmsNormVariant};
 
 use super::Backend;
 use super::cpu::CpuBackend;
@@ -52,6 +57,12 @@ pub enum CudaError {
     },
     #[error("{op}: unsupported shape: {msg}")]
     Shape { op: &'static str, msg: String },
+    #[error("cuBLAS {what}: {source}")]
+    Blas {
+        what: &'static str,
+        #[source]
+        source: cudarc::cublas::result::CublasError,
+    },
     #[error("cuSOLVER {what}: {source}")]
     Solver {
         what: &'static str,
@@ -78,12 +89,16 @@ pub struct CudaBackend {
     quant: QuantKernels,
     name: String,
     rms_norm_variant: RmsNormVariant,
+    linear_variant: LinearVariant,
+    attention_variant: AttentionVariant,
     xxt_variant: XxtVariant,
     poison_outputs: bool,
     /// Device time of the kernels of the last QuantOps call (events around the launches, transfers excluded).
     last_kernel_ms: std::sync::Mutex<f32>,
     /// cuSOLVER for the large Cholesky factors, opened on first use; the reason when it cannot be.
     solver: std::sync::OnceLock<Result<solver::Solver, String>>,
+    /// cuBLAS for `linear`, opened on first use; the reason when it cannot be.
+    blas: std::sync::OnceLock<Result<gemm::Blas, String>>,
 }
 
 /// Loads the embedded fatbin of cuda/`stem`.cu, or says why it cannot.
@@ -171,16 +186,29 @@ impl CudaBackend {
             quant,
             name: format!("cuda:{ordinal} {gpu}"),
             rms_norm_variant: RmsNormVariant::WarpPerRow,
+            linear_variant: LinearVariant::F32,
+            attention_variant: AttentionVariant::Flash,
             xxt_variant: XxtVariant::Bf16Wmma,
             poison_outputs: false,
             last_kernel_ms: std::sync::Mutex::new(0.0),
             solver: std::sync::OnceLock::new(),
+            blas: std::sync::OnceLock::new(),
         })
     }
 
     /// Selects the RMSNorm kernel variant (style.md rule 4: the naive one stays selectable).
     pub fn set_rms_norm_variant(&mut self, v: RmsNormVariant) {
         self.rms_norm_variant = v;
+    }
+
+    /// Selects the GEMM of `linear`: f32 (cublasSgemm, the default) or bf16 operands (cublasGemmEx).
+    pub fn set_linear_variant(&mut self, v: LinearVariant) {
+        self.linear_variant = v;
+    }
+
+    /// Selects the causal_attention kernel: flash (the default) or the naive port of the CPU twin.
+    pub fn set_attention_variant(&mut self, v: AttentionVariant) {
+        self.attention_variant = v;
     }
 
     /// Selects the XᵀX kernel variant used by xxt_accumulate, head_covariance and v_col_covariance.
@@ -297,6 +325,264 @@ impl CudaBackend {
         self.stream.synchronize().map_err(driver("rms_norm"))?;
         Ok(y)
     }
+
+    /// cuBLAS, opened on first use; the reason (printed once) when it cannot be.
+    fn blas(&self) -> Result<&gemm::Blas, &str> {
+        self.blas
+            .get_or_init(|| {
+                let b = gemm::Blas::new(&self.stream);
+                if let Err(why) = &b {
+                    eprintln!("{}: {why}; linear runs on the CPU", self.name);
+                }
+                b
+            })
+            .as_ref()
+            .map_err(String::as_str)
+    }
+
+    /// Whether `linear` runs on the GPU (cuBLAS loaded); opens cuBLAS if it was not yet.
+    pub fn linear_on_gpu(&self) -> bool {
+        self.blas().is_ok()
+    }
+
+    /// Y [m × n] = X [m × k] · W [n × k]ᵀ (+ bias) through cuBLAS with the selected variant; see
+    /// `Backend::linear`. Errors when cuBLAS cannot be opened (the `Backend` method falls back instead).
+    #[allow(clippy::too_many_arguments)]
+    pub fn try_linear(
+        &self,
+        x: &[f32],
+        w: &[f32],
+        bias: Option<&[f32]>,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<Vec<f32>, CudaError> {
+        let blas = self.blas().map_err(|why| CudaError::Shape {
+            op: "linear",
+            msg: format!("cuBLAS unavailable: {why}"),
+        })?;
+        if x.len() != m * k || w.len() != n * k || bias.is_some_and(|b| b.len() != n) {
+            return Err(CudaError::Shape {
+                op: "linear",
+                msg: format!(
+                    "x.len={}, w.len={}, bias.len={:?} do not match [m={m} × k={k}], [n={n} × k], [n]",
+                    x.len(),
+                    w.len(),
+                    bias.map(<[f32]>::len)
+                ),
+            });
+        }
+        if m == 0 || n == 0 {
+            return Ok(Vec::new());
+        }
+        let x_d = self.stream.clone_htod(x).map_err(driver("upload x"))?;
+        let w_d = self.stream.clone_htod(w).map_err(driver("upload w"))?;
+        let b_d = match bias {
+            Some(b) => Some(self.stream.clone_htod(b).map_err(driver("upload bias"))?),
+            None => None,
+        };
+        let mut y_d = self.output(m * n)?;
+        blas.linear(
+            &self.ops,
+            self.linear_variant,
+            &mut y_d,
+            &x_d,
+            &w_d,
+            b_d.as_ref(),
+            m,
+            k,
+            n,
+        )?;
+        let y = self.stream.clone_dtoh(&y_d).map_err(driver("download y"))?;
+        self.stream.synchronize().map_err(driver("linear"))?;
+        Ok(y)
+    }
+
+    /// Rotate-half RoPE in place on the GPU; see `Backend::rope`.
+    pub fn try_rope(
+        &self,
+        x: &mut [f32],
+        t: usize,
+        n_heads: usize,
+        d_h: usize,
+        cos: &[f32],
+        sin: &[f32],
+    ) -> Result<(), CudaError> {
+        let half = d_h / 2;
+        let width = n_heads * d_h;
+        if t == 0 || width == 0 || !x.len().is_multiple_of(t * width) {
+            return Err(CudaError::Shape {
+                op: "rope",
+                msg: format!("x.len={} is not [n_seq·{t} × {n_heads}·{d_h}]", x.len()),
+            });
+        }
+        if cos.len() < t * half || sin.len() < t * half {
+            return Err(CudaError::Shape {
+                op: "rope",
+                msg: format!(
+                    "tables cos.len={}, sin.len={} shorter than t={t} × d_h/2={half}",
+                    cos.len(),
+                    sin.len()
+                ),
+            });
+        }
+        if x.is_empty() || half == 0 {
+            return Ok(());
+        }
+        let mut x_d = self.stream.clone_htod(x).map_err(driver("upload x"))?;
+        // Only the first t positions are read; the tables may be longer (built for the model's max length).
+        let c_d = self
+            .stream
+            .clone_htod(&cos[..t * half])
+            .map_err(driver("upload cos"))?;
+        let s_d = self
+            .stream
+            .clone_htod(&sin[..t * half])
+            .map_err(driver("upload sin"))?;
+        ops::launch_rope(
+            &self.stream,
+            &self.ops,
+            &mut x_d,
+            &c_d,
+            &s_d,
+            t,
+            n_heads,
+            d_h,
+        )?;
+        self.stream
+            .memcpy_dtoh(&x_d, x)
+            .map_err(driver("download x"))?;
+        self.stream.synchronize().map_err(driver("rope"))?;
+        Ok(())
+    }
+
+    /// silu(gate) ⊙ up on the GPU; see `Backend::swiglu`.
+    pub fn try_swiglu(&self, gate: &[f32], up: &[f32]) -> Result<Vec<f32>, CudaError> {
+        if gate.len() != up.len() {
+            return Err(CudaError::Shape {
+                op: "swiglu",
+                msg: format!("gate.len={} ≠ up.len={}", gate.len(), up.len()),
+            });
+        }
+        if gate.is_empty() {
+            return Ok(Vec::new());
+        }
+        let g_d = self
+            .stream
+            .clone_htod(gate)
+            .map_err(driver("upload gate"))?;
+        let u_d = self.stream.clone_htod(up).map_err(driver("upload up"))?;
+        let mut o_d = self.output(gate.len())?;
+        ops::launch_swiglu(&self.stream, &self.ops, &mut o_d, &g_d, &u_d)?;
+        let o = self
+            .stream
+            .clone_dtoh(&o_d)
+            .map_err(driver("download out"))?;
+        self.stream.synchronize().map_err(driver("swiglu"))?;
+        Ok(o)
+    }
+
+    /// Causal GQA attention on the GPU (the flash variant takes d_h ≤ ops::ATTN_MAX_D_H); see
+    /// `Backend::causal_attention`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn try_causal_attention(
+        &self,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        n_seq: usize,
+        t: usize,
+        h: usize,
+        h_kv: usize,
+        d_h: usize,
+    ) -> Result<Vec<f32>, CudaError> {
+        let q_len = n_seq * t * h * d_h;
+        if q.len() != q_len || k.len() != n_seq * t * h_kv * d_h || v.len() != k.len() {
+            return Err(CudaError::Shape {
+                op: "causal_attention",
+                msg: format!(
+                    "q.len={}, k.len={}, v.len={} do not match n_seq={n_seq}, t={t}, h={h}, h_kv={h_kv}, \
+                     d_h={d_h}",
+                    q.len(),
+                    k.len(),
+                    v.len()
+                ),
+            });
+        }
+        if q_len == 0 {
+            return Ok(Vec::new());
+        }
+        let q_d = self.stream.clone_htod(q).map_err(driver("upload q"))?;
+        let k_d = self.stream.clone_htod(k).map_err(driver("upload k"))?;
+        let v_d = self.stream.clone_htod(v).map_err(driver("upload v"))?;
+        let mut o_d = self.output(q_len)?;
+        ops::launch_causal_attention(
+            &self.stream,
+            &self.ops,
+            self.attention_variant,
+            &mut o_d,
+            &q_d,
+            &k_d,
+            &v_d,
+            n_seq,
+            t,
+            h,
+            h_kv,
+            d_h,
+        )?;
+        let o = self
+            .stream
+            .clone_dtoh(&o_d)
+            .map_err(driver("download out"))?;
+        self.stream
+            .synchronize()
+            .map_err(driver("causal_attention"))?;
+        Ok(o)
+    }
+
+    /// The causal softmax probabilities [h × t × t] of one sequence on the GPU; see `Backend::attention_probs`.
+    pub fn try_attention_probs(
+        &self,
+        q: &[f32],
+        k: &[f32],
+        t: usize,
+        h: usize,
+        h_kv: usize,
+        d_h: usize,
+    ) -> Result<Vec<f32>, CudaError> {
+        if q.len() != t * h * d_h || k.len() != t * h_kv * d_h {
+            return Err(CudaError::Shape {
+                op: "attention_probs",
+                msg: format!(
+                    "q.len={}, k.len={} do not match t={t}, h={h}, h_kv={h_kv}, d_h={d_h}",
+                    q.len(),
+                    k.len()
+                ),
+            });
+        }
+        if t == 0 || h == 0 {
+            return Ok(Vec::new());
+        }
+        let q_d = self.stream.clone_htod(q).map_err(driver("upload q"))?;
+        let k_d = self.stream.clone_htod(k).map_err(driver("upload k"))?;
+        let mut p_d = self.output(h * t * t)?;
+        ops::launch_attention_probs(
+            &self.stream,
+            &self.ops,
+            &mut p_d,
+            &q_d,
+            &k_d,
+            t,
+            h,
+            h_kv,
+            d_h,
+        )?;
+        let p = self.stream.clone_dtoh(&p_d).map_err(driver("download p"))?;
+        self.stream
+            .synchronize()
+            .map_err(driver("attention_probs"))?;
+        Ok(p)
+    }
 }
 
 impl Backend for CudaBackend {
@@ -304,7 +590,8 @@ impl Backend for CudaBackend {
         self.name.clone()
     }
 
-    // GPU linear (cuBLAS) lands with the block-forward issue; until then the CPU backend computes it.
+    /// cuBLAS; the CPU computes it when libcublas cannot be opened (said once on stderr) and for k = 0
+    /// (Y = bias: nothing to multiply, and BLAS's k = 0 semantics are not worth a device round trip).
     fn linear(
         &self,
         x: &[f32],
@@ -314,7 +601,11 @@ impl Backend for CudaBackend {
         k: usize,
         n: usize,
     ) -> Vec<f32> {
-        CpuBackend.linear(x, w, bias, m, k, n)
+        if k == 0 || self.blas().is_err() {
+            return CpuBackend.linear(x, w, bias, m, k, n);
+        }
+        self.try_linear(x, w, bias, m, k, n)
+            .unwrap_or_else(|e| panic!("{} linear (m={m}, k={k}, n={n}): {e}", self.name))
     }
 
     // The packed GEMM kernel (cuda/qgemm.cu) lands with its own issue; until then the CPU backend computes it.
@@ -339,12 +630,19 @@ impl Backend for CudaBackend {
         })
     }
 
-    // GPU RoPE lands with the block-forward issue; until then the CPU backend computes it.
     fn rope(&self, x: &mut [f32], t: usize, n_heads: usize, d_h: usize, cos: &[f32], sin: &[f32]) {
-        CpuBackend.rope(x, t, n_heads, d_h, cos, sin)
+        self.try_rope(x, t, n_heads, d_h, cos, sin)
+            .unwrap_or_else(|e| {
+                panic!(
+                    "{} rope (t={t}, n_heads={n_heads}, d_h={d_h}, x.len={}): {e}",
+                    self.name,
+                    x.len()
+                )
+            })
     }
 
-    // GPU attention lands with the block-forward issue; until then the CPU backend computes it.
+    /// With the flash variant, d_h > 128 (no model we target) runs on the CPU: those kernels keep a query
+    /// row's slice of q and of the output in registers, sized by the padded head dim kD ∈ {64, 128}.
     fn causal_attention(
         &self,
         q: &[f32],
@@ -356,10 +654,19 @@ impl Backend for CudaBackend {
         h_kv: usize,
         d_h: usize,
     ) -> Vec<f32> {
-        CpuBackend.causal_attention(q, k, v, n_seq, t, h, h_kv, d_h)
+        if self.attention_variant == AttentionVariant::Flash && d_h > ops::ATTN_MAX_D_H {
+            return CpuBackend.causal_attention(q, k, v, n_seq, t, h, h_kv, d_h);
+        }
+        self.try_causal_attention(q, k, v, n_seq, t, h, h_kv, d_h)
+            .unwrap_or_else(|e| {
+                panic!(
+                    "{} causal_attention (n_seq={n_seq}, t={t}, h={h}, h_kv={h_kv}, d_h={d_h}): {e}",
+                    self.name
+                )
+            })
     }
 
-    // The V statistics' probabilities move to a fused kernel with the quantization-core issue.
+    /// The plain probabilities kernel; the V statistics may later fuse it away (design.md §6).
     fn attention_probs(
         &self,
         q: &[f32],
@@ -369,12 +676,18 @@ impl Backend for CudaBackend {
         h_kv: usize,
         d_h: usize,
     ) -> Vec<f32> {
-        CpuBackend.attention_probs(q, k, t, h, h_kv, d_h)
+        self.try_attention_probs(q, k, t, h, h_kv, d_h)
+            .unwrap_or_else(|e| {
+                panic!(
+                    "{} attention_probs (t={t}, h={h}, h_kv={h_kv}, d_h={d_h}): {e}",
+                    self.name
+                )
+            })
     }
 
-    // GPU SwiGLU lands with the block-forward issue; until then the CPU backend computes it.
     fn swiglu(&self, gate: &[f32], up: &[f32]) -> Vec<f32> {
-        CpuBackend.swiglu(gate, up)
+        self.try_swiglu(gate, up)
+            .unwrap_or_else(|e| panic!("{} swiglu (n={}): {e}", self.name, gate.len()))
     }
 
     fn device_memory(&self) -> Option<(u64, u64)> {

@@ -34,15 +34,53 @@ impl RmsNormVariant {
     }
 }
 
+/// causal_attention kernel variants (cuda/ops.cu headers have the launch shapes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionVariant {
+    /// v1: one thread per query row, a direct port of the CPU twin (two-pass softmax, P·V accumulated in
+    /// global memory), any d_h; the baseline when v2 drifts.
+    Naive = 1,
+    /// v2: flash-style, one CTA per 64 queries, online softmax over 32-key smem tiles, d_h ≤ 128; the default.
+    Flash = 2,
+}
+
+impl AttentionVariant {
+    pub const ALL: [AttentionVariant; 2] = [AttentionVariant::Naive, AttentionVariant::Flash];
+}
+
 /// v1: threads (= rows) per block. Must match kRmsNormV1Threads in cuda/ops.cu (its __launch_bounds__).
 const RMS_NORM_V1_THREADS: u32 = 128;
 /// v2: warps (= rows) per block. Must match kRmsNormV2Warps in cuda/ops.cu (its __launch_bounds__).
 const RMS_NORM_V2_WARPS: u32 = 4;
 
+/// Threads per block of the elementwise kernels (rope, swiglu, bias_add, f32_to_bf16). Must match
+/// kElementwiseThreads in cuda/ops.cu (their __launch_bounds__).
+const ELEMENTWISE_THREADS: u32 = 256;
+/// Most blocks an elementwise launch uses; the kernels grid-stride over the rest.
+const ELEMENTWISE_MAX_BLOCKS: u64 = 65535 * 8;
+/// attention_probs: warps (= query rows) per block. Must match kAttnProbsWarps in cuda/ops.cu.
+const ATTN_PROBS_WARPS: u32 = 4;
+/// causal_attention: query rows per CTA and threads per CTA. Must match kAttnQueries and kAttnThreads in
+/// cuda/ops.cu.
+const ATTN_QUERIES: u32 = 64;
+const ATTN_THREADS: u32 = 256;
+/// causal_attention v1: threads (= query rows) per block. Must match kAttnV1Threads in cuda/ops.cu.
+const ATTN_V1_THREADS: u32 = 128;
+/// Largest head dim the flash causal_attention kernels take (their padded kD); v1 takes any.
+pub const ATTN_MAX_D_H: usize = 128;
+
 /// Function handles of cuda/ops.cu, loaded once per context.
 pub struct OpsKernels {
     rms_norm_v1: CudaFunction,
     rms_norm_v2: CudaFunction,
+    rope: CudaFunction,
+    swiglu: CudaFunction,
+    bias_add: CudaFunction,
+    f32_to_bf16: CudaFunction,
+    attention_probs: CudaFunction,
+    causal_attention_v1: CudaFunction,
+    causal_attention_d64: CudaFunction,
+    causal_attention_d128: CudaFunction,
 }
 
 impl OpsKernels {
@@ -56,9 +94,26 @@ impl OpsKernels {
                     source: e,
                 })
         };
+        let get_named = |kernel: &'static str| {
+            module
+                .load_function(kernel)
+                .map_err(|e| CudaError::MissingKernel {
+                    module: MODULE,
+                    kernel,
+                    source: e,
+                })
+        };
         Ok(OpsKernels {
             rms_norm_v1: get(RmsNormVariant::Naive)?,
             rms_norm_v2: get(RmsNormVariant::WarpPerRow)?,
+            rope: get_named("rope_kernel")?,
+            swiglu: get_named("swiglu_kernel")?,
+            bias_add: get_named("bias_add_kernel")?,
+            f32_to_bf16: get_named("f32_to_bf16_kernel")?,
+            attention_probs: get_named("attention_probs_kernel")?,
+            causal_attention_v1: get_named("causal_attention_kernel_v1")?,
+            causal_attention_d64: get_named("causal_attention_kernel_d64")?,
+            causal_attention_d128: get_named("causal_attention_kernel_d128")?,
         })
     }
 
@@ -131,5 +186,342 @@ pub fn launch_rms_norm(
         what: "launch rms_norm",
         source: e,
     })?;
+    Ok(())
+}
+
+/// Grid of an elementwise launch over `n` items: one per thread, capped (the kernels grid-stride).
+fn elementwise_cfg(n: u64) -> LaunchConfig {
+    let blocks = n
+        .div_ceil(ELEMENTWISE_THREADS as u64)
+        .clamp(1, ELEMENTWISE_MAX_BLOCKS) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (ELEMENTWISE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn launch_err(what: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> CudaError {
+    move |source| CudaError::Driver { what, source }
+}
+
+/// Rotate-half RoPE in place on X [n_seq·t × n_heads·d_h] (token row r at position r % t) with cos/sin
+/// [t × d_h/2] tables; see `Backend::rope`. Asynchronous on `stream`.
+#[allow(clippy::too_many_arguments)]
+pub fn launch_rope(
+    stream: &Arc<CudaStream>,
+    k: &OpsKernels,
+    x: &mut CudaSlice<f32>,
+    cos: &CudaSlice<f32>,
+    sin: &CudaSlice<f32>,
+    t: usize,
+    n_heads: usize,
+    d_h: usize,
+) -> Result<(), CudaError> {
+    let shape_err = |msg: &str| CudaError::Shape {
+        op: "rope",
+        msg: format!(
+            "{msg} (x.len={}, t={t}, n_heads={n_heads}, d_h={d_h}, cos.len={}, sin.len={})",
+            x.len(),
+            cos.len(),
+            sin.len()
+        ),
+    };
+    let width = n_heads
+        .checked_mul(d_h)
+        .ok_or_else(|| shape_err("n_heads·d_h overflows"))?;
+    if t == 0 || width == 0 {
+        return Err(shape_err("t, n_heads and d_h must be ≥ 1"));
+    }
+    if !x.len().is_multiple_of(t * width) {
+        return Err(shape_err("x is not [n_seq·t × n_heads·d_h]"));
+    }
+    let half = d_h / 2;
+    if cos.len() < t * half || sin.len() < t * half {
+        return Err(shape_err("tables shorter than [t × d_h/2]"));
+    }
+    let rows = x.len() / width;
+    let (Ok(rows32), Ok(t32), Ok(nh32), Ok(dh32)) = (
+        u32::try_from(rows),
+        u32::try_from(t),
+        u32::try_from(n_heads),
+        u32::try_from(d_h),
+    ) else {
+        return Err(shape_err("rows, t, n_heads and d_h must fit in u32"));
+    };
+    let pairs = (rows * n_heads * half) as u64;
+    if pairs == 0 {
+        return Ok(());
+    }
+    let _r = range(c"rope");
+    let mut b = stream.launch_builder(&k.rope);
+    b.arg(x)
+        .arg(cos)
+        .arg(sin)
+        .arg(&rows32)
+        .arg(&t32)
+        .arg(&nh32)
+        .arg(&dh32);
+    // SAFETY: matches rope_kernel(float* x, const float* cos_tab, const float* sin_tab, uint32 rows, uint32 t,
+    // uint32 n_heads, uint32 d_h); x holds rows·n_heads·d_h f32 and the tables ≥ t·(d_h/2) (checked above); the
+    // kernel grid-strides over exactly rows·n_heads·(d_h/2) pairs.
+    unsafe { b.launch(elementwise_cfg(pairs)) }.map_err(launch_err("launch rope"))?;
+    Ok(())
+}
+
+/// out [n] = silu(gate) ⊙ up; see `Backend::swiglu`. Asynchronous on `stream`.
+pub fn launch_swiglu(
+    stream: &Arc<CudaStream>,
+    k: &OpsKernels,
+    out: &mut CudaSlice<f32>,
+    gate: &CudaSlice<f32>,
+    up: &CudaSlice<f32>,
+) -> Result<(), CudaError> {
+    let n = gate.len();
+    if up.len() != n || out.len() != n {
+        return Err(CudaError::Shape {
+            op: "swiglu",
+            msg: format!(
+                "gate.len={n}, up.len={}, out.len={} must be equal",
+                up.len(),
+                out.len()
+            ),
+        });
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let n64 = n as u64;
+    let _r = range(c"swiglu");
+    let mut b = stream.launch_builder(&k.swiglu);
+    b.arg(out).arg(gate).arg(up).arg(&n64);
+    // SAFETY: matches swiglu_kernel(float* out, const float* gate, const float* up, uint64 n); all three hold
+    // n f32 (checked above).
+    unsafe { b.launch(elementwise_cfg(n64)) }.map_err(launch_err("launch swiglu"))?;
+    Ok(())
+}
+
+/// Y [m × n] += b [n] on every row. Asynchronous on `stream`.
+pub fn launch_bias_add(
+    stream: &Arc<CudaStream>,
+    k: &OpsKernels,
+    y: &mut CudaSlice<f32>,
+    bias: &CudaSlice<f32>,
+    n: usize,
+) -> Result<(), CudaError> {
+    if n == 0 || bias.len() != n || !y.len().is_multiple_of(n) {
+        return Err(CudaError::Shape {
+            op: "bias_add",
+            msg: format!(
+                "y.len={} is not a multiple of n={n}, or bias.len={} ≠ n",
+                y.len(),
+                bias.len()
+            ),
+        });
+    }
+    let Ok(n32) = u32::try_from(n) else {
+        return Err(CudaError::Shape {
+            op: "bias_add",
+            msg: format!("n={n} must fit in u32"),
+        });
+    };
+    let total = y.len() as u64;
+    if total == 0 {
+        return Ok(());
+    }
+    let _r = range(c"bias_add");
+    let mut b = stream.launch_builder(&k.bias_add);
+    b.arg(y).arg(bias).arg(&total).arg(&n32);
+    // SAFETY: matches bias_add_kernel(float* y, const float* b, uint64 total, uint32 n); y holds total f32, a
+    // multiple of n, and b holds n f32 (checked above).
+    unsafe { b.launch(elementwise_cfg(total)) }.map_err(launch_err("launch bias_add"))?;
+    Ok(())
+}
+
+/// out [n] = bf16(in [n]) (round to nearest even), stored as raw u16 bit patterns. Asynchronous on `stream`.
+pub fn launch_f32_to_bf16(
+    stream: &Arc<CudaStream>,
+    k: &OpsKernels,
+    out: &mut CudaSlice<u16>,
+    input: &CudaSlice<f32>,
+) -> Result<(), CudaError> {
+    if out.len() != input.len() {
+        return Err(CudaError::Shape {
+            op: "f32_to_bf16",
+            msg: format!("out.len={} ≠ in.len={}", out.len(), input.len()),
+        });
+    }
+    let n = input.len() as u64;
+    if n == 0 {
+        return Ok(());
+    }
+    let _r = range(c"f32_to_bf16");
+    let mut b = stream.launch_builder(&k.f32_to_bf16);
+    b.arg(out).arg(input).arg(&n);
+    // SAFETY: matches f32_to_bf16_kernel(__nv_bfloat16* out, const float* in, uint64 n); u16 has the size and
+    // alignment of __nv_bfloat16; both buffers hold n elements (checked above).
+    unsafe { b.launch(elementwise_cfg(n)) }.map_err(launch_err("launch f32_to_bf16"))?;
+    Ok(())
+}
+
+/// Checks the attention shapes shared by both attention launchers; returns (t, h, h_kv, d_h) as u32.
+fn attention_dims(
+    op: &'static str,
+    t: usize,
+    h: usize,
+    h_kv: usize,
+    d_h: usize,
+) -> Result<(u32, u32, u32, u32), CudaError> {
+    let err = |msg: &str| CudaError::Shape {
+        op,
+        msg: format!("{msg} (t={t}, h={h}, h_kv={h_kv}, d_h={d_h})"),
+    };
+    if t == 0 || h == 0 || d_h == 0 || h_kv == 0 || !h.is_multiple_of(h_kv) {
+        return Err(err("t, h, d_h must be ≥ 1 and h a multiple of h_kv ≥ 1"));
+    }
+    match (
+        u32::try_from(t),
+        u32::try_from(h),
+        u32::try_from(h_kv),
+        u32::try_from(d_h),
+    ) {
+        (Ok(a), Ok(b), Ok(c), Ok(d)) => Ok((a, b, c, d)),
+        _ => Err(err("sizes must fit in u32")),
+    }
+}
+
+/// P [h × t × t] = causal softmax(Q_h K_hᵀ / √d_h) of one sequence, Q [t × h·d_h], K [t × h_kv·d_h]; see
+/// `Backend::attention_probs`. Asynchronous on `stream`.
+#[allow(clippy::too_many_arguments)]
+pub fn launch_attention_probs(
+    stream: &Arc<CudaStream>,
+    k: &OpsKernels,
+    p: &mut CudaSlice<f32>,
+    q: &CudaSlice<f32>,
+    key: &CudaSlice<f32>,
+    t: usize,
+    h: usize,
+    h_kv: usize,
+    d_h: usize,
+) -> Result<(), CudaError> {
+    let (t32, h32, h_kv32, d_h32) = attention_dims("attention_probs", t, h, h_kv, d_h)?;
+    if q.len() != t * h * d_h || key.len() != t * h_kv * d_h || p.len() != h * t * t {
+        return Err(CudaError::Shape {
+            op: "attention_probs",
+            msg: format!(
+                "q.len={}, k.len={}, p.len={} do not match [t × h·d_h], [t × h_kv·d_h], [h × t × t] \
+                 (t={t}, h={h}, h_kv={h_kv}, d_h={d_h})",
+                q.len(),
+                key.len(),
+                p.len()
+            ),
+        });
+    }
+    if h32 > 65535 {
+        return Err(CudaError::Shape {
+            op: "attention_probs",
+            msg: format!("h={h} exceeds the grid's y limit 65535"),
+        });
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (t32.div_ceil(ATTN_PROBS_WARPS), h32, 1),
+        block_dim: (ATTN_PROBS_WARPS * 32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let scale = 1.0 / (d_h as f32).sqrt();
+    let _r = range(c"attention_probs");
+    let mut b = stream.launch_builder(&k.attention_probs);
+    b.arg(p)
+        .arg(q)
+        .arg(key)
+        .arg(&t32)
+        .arg(&h32)
+        .arg(&h_kv32)
+        .arg(&d_h32)
+        .arg(&scale);
+    // SAFETY: matches attention_probs_kernel(float* p, const float* q, const float* k, uint32 t, uint32 h,
+    // uint32 h_kv, uint32 d_h, float scale); buffer lengths checked above, h_kv divides h; warps with a query
+    // row ≥ t return before touching memory, and every other warp writes its whole row of P.
+    unsafe { b.launch(cfg) }.map_err(launch_err("launch attention_probs"))?;
+    Ok(())
+}
+
+/// O [n_seq·t × h·d_h] = causal GQA attention of Q [n_seq·t × h·d_h], K, V [n_seq·t × h_kv·d_h] (d_h ≤ 128
+/// for the flash variant); see `Backend::causal_attention`. Asynchronous on `stream`.
+#[allow(clippy::too_many_arguments)]
+pub fn launch_causal_attention(
+    stream: &Arc<CudaStream>,
+    k: &OpsKernels,
+    variant: AttentionVariant,
+    o: &mut CudaSlice<f32>,
+    q: &CudaSlice<f32>,
+    key: &CudaSlice<f32>,
+    v: &CudaSlice<f32>,
+    n_seq: usize,
+    t: usize,
+    h: usize,
+    h_kv: usize,
+    d_h: usize,
+) -> Result<(), CudaError> {
+    let (t32, h32, h_kv32, d_h32) = attention_dims("causal_attention", t, h, h_kv, d_h)?;
+    let err = |msg: String| CudaError::Shape {
+        op: "causal_attention",
+        msg: format!("{msg} (n_seq={n_seq}, t={t}, h={h}, h_kv={h_kv}, d_h={d_h})"),
+    };
+    if d_h > ATTN_MAX_D_H {
+        return Err(err(format!(
+            "d_h > {ATTN_MAX_D_H} (the kernels' padded head dim)"
+        )));
+    }
+    let (q_len, kv_len) = (n_seq * t * h * d_h, n_seq * t * h_kv * d_h);
+    if q.len() != q_len || o.len() != q_len || key.len() != kv_len || v.len() != kv_len {
+        return Err(err(format!(
+            "q.len={}, o.len={}, k.len={}, v.len={} do not match [n_seq·t × h·d_h] and [n_seq·t × h_kv·d_h]",
+            q.len(),
+            o.len(),
+            key.len(),
+            v.len()
+        )));
+    }
+    if n_seq == 0 {
+        return Ok(());
+    }
+    let n_seq32 = match u32::try_from(n_seq) {
+        Ok(n) if n <= 65535 && h32 <= 65535 => n,
+        _ => {
+            return Err(err(
+                "n_seq and h must be ≤ 65535 (grid z and y limits)".into()
+            ));
+        }
+    };
+    let (f, rows_per_block, threads) = match variant {
+        AttentionVariant::Naive => (&k.causal_attention_v1, ATTN_V1_THREADS, ATTN_V1_THREADS),
+        AttentionVariant::Flash if d_h <= 64 => {
+            (&k.causal_attention_d64, ATTN_QUERIES, ATTN_THREADS)
+        }
+        AttentionVariant::Flash => (&k.causal_attention_d128, ATTN_QUERIES, ATTN_THREADS),
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (t32.div_ceil(rows_per_block), h32, n_seq32),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0, // flash: static smem, 2 tiles of 32 keys × kD f32 (16 / 32 KB); v1: none
+    };
+    let scale = 1.0 / (d_h as f32).sqrt();
+    let _r = range(c"causal_attention");
+    let mut b = stream.launch_builder(f);
+    b.arg(o)
+        .arg(q)
+        .arg(key)
+        .arg(v)
+        .arg(&t32)
+        .arg(&h32)
+        .arg(&h_kv32)
+        .arg(&d_h32)
+        .arg(&scale);
+    // SAFETY: matches causal_attention_kernel_{v1,d64,d128}(float* o, const float* q, const float* k,
+    // const float* v, uint32 t, uint32 h, uint32 h_kv, uint32 d_h, float scale); buffer lengths checked above,
+    // d_h ≤ the flash kernel's kD, h_kv divides h; the grid covers every (query rows, head, sequence) and rows
+    // ≥ t store nothing.
+    unsafe { b.launch(cfg) }.map_err(launch_err("launch causal_attention"))?;
     Ok(())
 }
