@@ -1,6 +1,6 @@
 //! CUDA backend: the cudarc host layer over the kernels build.rs embedded (one file per cuda/*.cu:
-//! `ops.rs` ↔ cuda/ops.cu, `hessian.rs`, `cholesky.rs`, `sweep.rs` ↔ their .cu; `quant.rs` implements
-//! `QuantOps` over the last three).
+//! `ops.rs` ↔ cuda/ops.cu, `hessian.rs`, `cholesky.rs`, `sweep.rs`, `search.rs` ↔ their .cu; `quant.rs`
+//! implements `QuantOps` over the last four).
 //!
 //! Opening it never panics: libcuda is loaded at run time (cudarc `dynamic-loading`), so `CudaBackend::new`
 //! first probes for the driver, then checks that kernels were compiled in, then opens the context inside
@@ -17,6 +17,7 @@ pub mod hessian;
 pub mod kernels;
 pub mod ops;
 mod quant;
+pub mod search;
 mod solver;
 pub mod sweep;
 
@@ -58,17 +59,24 @@ pub enum CudaError {
         #[source]
         source: cudarc::cusolver::result::CusolverError,
     },
+    #[error("cuBLAS {what}: {source}")]
+    Blas {
+        what: &'static str,
+        #[source]
+        source: cudarc::cublas::result::CublasError,
+    },
 }
 
 fn driver(what: &'static str) -> impl FnOnce(DriverError) -> CudaError {
     move |source| CudaError::Driver { what, source }
 }
 
-/// Function handles of the quantization-core modules (cuda/hessian.cu, cholesky.cu, sweep.cu).
+/// Function handles of the quantization-core modules (cuda/hessian.cu, cholesky.cu, sweep.cu, search.cu).
 struct QuantKernels {
     hessian: hessian::HessianKernels,
     cholesky: cholesky::CholeskyKernels,
     sweep: sweep::SweepKernels,
+    search: search::SearchKernels,
 }
 
 pub struct CudaBackend {
@@ -84,6 +92,8 @@ pub struct CudaBackend {
     last_kernel_ms: std::sync::Mutex<f32>,
     /// cuSOLVER for the large Cholesky factors, opened on first use; the reason when it cannot be.
     solver: std::sync::OnceLock<Result<solver::Solver, String>>,
+    /// cuBLAS for the scale search (search.rs), opened on first use; the reason when it cannot be.
+    search_blas: std::sync::OnceLock<Result<search::SearchBlas, String>>,
 }
 
 /// Loads the embedded fatbin of cuda/`stem`.cu, or says why it cannot.
@@ -163,6 +173,8 @@ impl CudaBackend {
             .map_err(|e| e.to_string())?,
             sweep: sweep::SweepKernels::load(&load_module(&ctx, sweep::MODULE, &gpu, cc)?)
                 .map_err(|e| e.to_string())?,
+            search: search::SearchKernels::load(&load_module(&ctx, search::MODULE, &gpu, cc)?)
+                .map_err(|e| e.to_string())?,
         };
         Ok(CudaBackend {
             stream: ctx.default_stream(),
@@ -175,6 +187,7 @@ impl CudaBackend {
             poison_outputs: false,
             last_kernel_ms: std::sync::Mutex::new(0.0),
             solver: std::sync::OnceLock::new(),
+            search_blas: std::sync::OnceLock::new(),
         })
     }
 

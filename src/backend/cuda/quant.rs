@@ -13,6 +13,7 @@ use super::sweep::{
 use super::{CudaBackend, CudaError, driver};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::quant_ops::{AttnShape, QuantOps, StaticGrids, SweepResult, UCol};
+use crate::quant::quantizer::{Grid, QuantSpec};
 use cudarc::driver::CudaSlice;
 
 /// Static grids on the device: scales, zeros [rows × n_groups], col_group [n].
@@ -41,7 +42,7 @@ fn check_grids(op: &'static str, g: &StaticGrids, rows: usize, n: usize) -> Resu
 }
 
 impl CudaBackend {
-    fn upload<T: cudarc::driver::DeviceRepr>(
+    pub(super) fn upload<T: cudarc::driver::DeviceRepr>(
         &self,
         v: &[T],
         what: &'static str,
@@ -555,6 +556,18 @@ impl QuantOps for CudaBackend {
                     self.name
                 )
             })
+    }
+
+    /// The Hessian search on the device (search.rs); MinMax / Mse, n = 0, or no cuBLAS: the CPU search.
+    fn search_grids(
+        &self,
+        w: &[f32],
+        rows: usize,
+        n: usize,
+        h: &[f32],
+        spec: &QuantSpec,
+    ) -> Vec<Grid<f32>> {
+        self.search_grids_routed(w, rows, n, h, spec)
     }
 
     fn gptq_sweep(

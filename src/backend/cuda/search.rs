@@ -1,0 +1,461 @@
+//! Host side of cuda/search.cu: `QuantOps::search_grids` on the device, the Hessian-weighted static scale
+//! search as GEMMs (the .cu header has the algebra, launch shapes and roofline). The candidate table comes
+//! from `quant::quantizer::search_candidates`, the very function the CPU search scores, so both backends
+//! score the same set; the products V·H and W·H go through cuBLAS SGEMM, opened on first use like cuSOLVER
+//! (solver.rs). MinMax and Mse searches, and a device without cuBLAS, use the CPU search.
+
+use super::{CudaBackend, CudaError, driver};
+use crate::backend::cpu::CpuBackend;
+use crate::backend::quant_ops::QuantOps;
+use crate::nvtx::range;
+use crate::quant::quantizer::{Grid, QuantSpec, ScaleSearch, search_candidates};
+use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys as blas_sys};
+use cudarc::driver::{
+    CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
+    PushKernelArg,
+};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+
+/// Stem of the .cu file (cuda/search.cu).
+pub const MODULE: &str = "search";
+
+/// Must match kVThreads / kScoreThreads in cuda/search.cu.
+const SEARCH_V_THREADS: u32 = 256;
+const SEARCH_SCORE_THREADS: u32 = 256;
+const SEARCH_SCORE_ROWS_PER_CTA: usize = SEARCH_SCORE_THREADS as usize / 32;
+/// f32 elements of one of the two batch buffers V and P (K·rows·n ≤ this, K ≥ 1): 2²⁷ = 512 MB each, so a
+/// batch holds 8 candidate slots of a 4096 × 4096 matrix, 2 of an 11008 × 4096 one.
+const BATCH_ELEMS: usize = 1 << 27;
+
+pub struct SearchKernels {
+    v: CudaFunction,
+    score: CudaFunction,
+}
+
+impl SearchKernels {
+    pub fn load(module: &Arc<CudaModule>) -> Result<Self, CudaError> {
+        let get = |name: &'static str| {
+            module
+                .load_function(name)
+                .map_err(|e| CudaError::MissingKernel {
+                    module: MODULE,
+                    kernel: name,
+                    source: e,
+                })
+        };
+        Ok(SearchKernels {
+            v: get("search_v_kernel")?,
+            score: get("search_score_kernel")?,
+        })
+    }
+}
+
+/// A cuBLAS handle on the backend's stream, for the search's SGEMMs.
+pub struct SearchBlas {
+    blas: CudaBlas,
+}
+
+impl SearchBlas {
+    /// Opens cuBLAS on `stream`, or says why it cannot (library missing, or a symbol of it).
+    pub fn new(stream: &Arc<CudaStream>) -> Result<Self, String> {
+        // SAFETY: only tries to dlopen libcublas (and drops the handle); no call is made.
+        if !unsafe { blas_sys::is_culib_present() } {
+            return Err("libcublas not found".into());
+        }
+        // cudarc panics, rather than erroring, when a symbol is missing from the library it found.
+        catch_unwind(AssertUnwindSafe(|| -> Result<Self, String> {
+            let blas = CudaBlas::new(stream.clone()).map_err(|e| format!("cublasCreate: {e}"))?;
+            // Full f32 products (no TF32): the scores must stay within f32 rounding of the CPU's.
+            // SAFETY: a live handle created just above.
+            unsafe {
+                blas_sys::cublasSetMathMode(
+                    *blas.handle(),
+                    blas_sys::cublasMath_t::CUBLAS_DEFAULT_MATH,
+                )
+            }
+            .result()
+            .map_err(|e| format!("cublasSetMathMode: {e}"))?;
+            Ok(SearchBlas { blas })
+        }))
+        .unwrap_or_else(|_| Err("libcublas could not be used (missing symbol)".into()))
+    }
+
+    /// C [m × n] = A [m × n] · H [n × n], all row-major f32, H symmetric or not. Column-major cuBLAS sees the
+    /// row-major buffers transposed: Cᵀ (n × m, ld n) = Hᵀ (n × n, ld n) · Aᵀ (n × m, ld n), i.e.
+    /// sgemm(N, N, m' = n, n' = m, k' = n, A' = H, B' = A, C' = C).
+    fn rows_times_h(
+        &self,
+        c: &mut impl DevicePtrMut<f32>,
+        a: &impl DevicePtr<f32>,
+        h: &CudaSlice<f32>,
+        m: usize,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        let bad = |msg: String| CudaError::Shape {
+            op: "search_grids sgemm",
+            msg,
+        };
+        if h.len() != n * n || a.len() < m * n || c.len() < m * n {
+            return Err(bad(format!(
+                "a.len={} c.len={} h.len={} for m={m}, n={n}",
+                a.len(),
+                c.len(),
+                h.len()
+            )));
+        }
+        let (mi, ni) = match (i32::try_from(m), i32::try_from(n)) {
+            (Ok(mi), Ok(ni)) => (mi, ni),
+            _ => return Err(bad(format!("m={m} or n={n} over i32"))),
+        };
+        let op_n = blas_sys::cublasOperation_t::CUBLAS_OP_N;
+        let cfg = GemmConfig {
+            transa: op_n,
+            transb: op_n,
+            m: ni,
+            n: mi,
+            k: ni,
+            alpha: 1.0f32,
+            lda: ni,
+            ldb: ni,
+            beta: 0.0f32,
+            ldc: ni,
+        };
+        // SAFETY: H holds n·n, A and C at least m·n f32 (checked); the leading dimensions are n.
+        unsafe { self.blas.gemm(cfg, h, a, c) }.map_err(|source| CudaError::Blas {
+            what: "sgemm (search_grids)",
+            source,
+        })
+    }
+}
+
+/// The candidate table of every row in slot order (`search_candidates`): scale, 1/scale (as the CPU search
+/// rounds it) and zero, NaN zero for an absent slot; [rows × n_slots] each.
+pub struct CandidateTable {
+    pub n_slots: usize,
+    pub scale: Vec<f32>,
+    pub inv: Vec<f32>,
+    pub zero: Vec<f32>,
+}
+
+pub fn candidate_table(w: &[f32], rows: usize, n: usize, spec: &QuantSpec) -> CandidateTable {
+    let mut t = CandidateTable {
+        n_slots: 0,
+        scale: Vec::new(),
+        inv: Vec::new(),
+        zero: Vec::new(),
+    };
+    for r in 0..rows {
+        let c = search_candidates(&w[r * n..(r + 1) * n], spec);
+        t.n_slots = c.len();
+        for g in c {
+            let g = g.unwrap_or(Grid {
+                scale: 1.0,
+                zero: f32::NAN,
+            });
+            t.scale.push(g.scale);
+            t.inv.push(1.0 / g.scale);
+            t.zero.push(g.zero);
+        }
+    }
+    t
+}
+
+/// V [k_batch × rows × n] of the candidate slots c0..c0 + k_batch.
+#[allow(clippy::too_many_arguments)]
+pub fn launch_search_v(
+    stream: &Arc<CudaStream>,
+    k: &SearchKernels,
+    v: &mut CudaSlice<f32>,
+    w: &CudaSlice<f32>,
+    cand_inv: &CudaSlice<f32>,
+    cand_zero: &CudaSlice<f32>,
+    rows: usize,
+    n: usize,
+    n_slots: usize,
+    c0: usize,
+    k_batch: usize,
+    maxq: u32,
+) -> Result<(), CudaError> {
+    let total = k_batch * rows * n;
+    if w.len() != rows * n
+        || cand_inv.len() != rows * n_slots
+        || cand_zero.len() != rows * n_slots
+        || c0 + k_batch > n_slots
+        || v.len() < total
+        || rows > u32::MAX as usize
+        || n > u32::MAX as usize
+    {
+        return Err(CudaError::Shape {
+            op: "search_v",
+            msg: format!(
+                "w.len={} cand.len={}/{} v.len={} for rows={rows}, n={n}, slots {c0}+{k_batch} of {n_slots}",
+                w.len(),
+                cand_inv.len(),
+                cand_zero.len(),
+                v.len()
+            ),
+        });
+    }
+    if total == 0 {
+        return Ok(());
+    }
+    let _r = range(c"search_v");
+    let blocks = (total as u64)
+        .div_ceil(SEARCH_V_THREADS as u64)
+        .clamp(1, 65535 * 8) as u32;
+    let cfg = LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (SEARCH_V_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (rows32, n32, slots32, c032, kb32) = (
+        rows as u32,
+        n as u32,
+        n_slots as u32,
+        c0 as u32,
+        k_batch as u32,
+    );
+    let maxq_f = maxq as f32;
+    let mut b = stream.launch_builder(&k.v);
+    b.arg(v)
+        .arg(w)
+        .arg(cand_inv)
+        .arg(cand_zero)
+        .arg(&rows32)
+        .arg(&n32)
+        .arg(&slots32)
+        .arg(&c032)
+        .arg(&kb32)
+        .arg(&maxq_f);
+    // SAFETY: matches search_v_kernel(float* v, const float* w, const float* cand_inv, const float* cand_zero,
+    // u32 rows, u32 n, u32 n_slots, u32 c0, u32 k_batch, float maxq); v holds ≥ k_batch·rows·n, w rows·n, the
+    // tables rows·n_slots f32 and c0 + k_batch ≤ n_slots (checked).
+    unsafe { b.launch(cfg) }.map_err(driver("launch search_v"))?;
+    Ok(())
+}
+
+/// Folds the scores of slots c0..c0 + k_batch into the running best (score, slot) of every row.
+#[allow(clippy::too_many_arguments)]
+pub fn launch_search_score(
+    stream: &Arc<CudaStream>,
+    k: &SearchKernels,
+    best_score: &mut CudaSlice<f64>,
+    best_slot: &mut CudaSlice<i32>,
+    p: &CudaSlice<f32>,
+    v: &CudaSlice<f32>,
+    hw: &CudaSlice<f32>,
+    cand_scale: &CudaSlice<f32>,
+    cand_zero: &CudaSlice<f32>,
+    rows: usize,
+    n: usize,
+    n_slots: usize,
+    c0: usize,
+    k_batch: usize,
+) -> Result<(), CudaError> {
+    if best_score.len() != rows
+        || best_slot.len() != rows
+        || p.len() < k_batch * rows * n
+        || v.len() < k_batch * rows * n
+        || hw.len() != rows * n
+        || cand_scale.len() != rows * n_slots
+        || cand_zero.len() != rows * n_slots
+        || c0 + k_batch > n_slots
+        || n_slots > i32::MAX as usize
+        || rows > u32::MAX as usize
+        || n > u32::MAX as usize
+    {
+        return Err(CudaError::Shape {
+            op: "search_score",
+            msg: format!(
+                "best.len={}/{} p.len={} v.len={} hw.len={} cand.len={}/{} for rows={rows}, n={n}, \
+                 slots {c0}+{k_batch} of {n_slots}",
+                best_score.len(),
+                best_slot.len(),
+                p.len(),
+                v.len(),
+                hw.len(),
+                cand_scale.len(),
+                cand_zero.len()
+            ),
+        });
+    }
+    if rows == 0 || k_batch == 0 {
+        return Ok(());
+    }
+    let _r = range(c"search_score");
+    let cfg = LaunchConfig {
+        grid_dim: (rows.div_ceil(SEARCH_SCORE_ROWS_PER_CTA) as u32, 1, 1),
+        block_dim: (SEARCH_SCORE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (rows32, n32, slots32, c032, kb32) = (
+        rows as u32,
+        n as u32,
+        n_slots as u32,
+        c0 as u32,
+        k_batch as u32,
+    );
+    let mut b = stream.launch_builder(&k.score);
+    b.arg(best_score)
+        .arg(best_slot)
+        .arg(p)
+        .arg(v)
+        .arg(hw)
+        .arg(cand_scale)
+        .arg(cand_zero)
+        .arg(&rows32)
+        .arg(&n32)
+        .arg(&slots32)
+        .arg(&c032)
+        .arg(&kb32);
+    // SAFETY: matches search_score_kernel(double* best_score, int32* best_slot, const float* p, const float* v,
+    // const float* hw, const float* cand_scale, const float* cand_zero, u32 rows, u32 n, u32 n_slots, u32 c0,
+    // u32 k_batch); every buffer holds what the kernel indexes (checked above); the grid covers every row.
+    unsafe { b.launch(cfg) }.map_err(driver("launch search_score"))?;
+    Ok(())
+}
+
+impl CudaBackend {
+    /// cuBLAS for the search, opened on first use; the reason (printed once) when it cannot be.
+    fn search_blas(&self) -> Result<&SearchBlas, &str> {
+        self.search_blas
+            .get_or_init(|| {
+                let s = SearchBlas::new(&self.stream);
+                if let Err(why) = &s {
+                    eprintln!(
+                        "{}: {why}; the Hessian scale search runs on the CPU",
+                        self.name
+                    );
+                }
+                s
+            })
+            .as_ref()
+            .map_err(String::as_str)
+    }
+
+    /// The Hessian scale search of `QuantOps::search_grids` on the device (module comment); any other search
+    /// is refused with a shape error (the trait method sends those to the CPU).
+    pub fn try_search_grids(
+        &self,
+        w: &[f32],
+        rows: usize,
+        n: usize,
+        h: &[f32],
+        spec: &QuantSpec,
+    ) -> Result<Vec<Grid<f32>>, CudaError> {
+        if spec.search != ScaleSearch::Hessian
+            || w.len() != rows * n
+            || h.len() != n * n
+            || spec.validate().is_err()
+        {
+            return Err(CudaError::Shape {
+                op: "search_grids",
+                msg: format!(
+                    "w.len={} h.len={} for rows={rows}, n={n} ({spec:?}; Hessian search only)",
+                    w.len(),
+                    h.len()
+                ),
+            });
+        }
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
+        let blas = self.search_blas().map_err(|why| CudaError::Shape {
+            op: "search_grids",
+            msg: format!("no cuBLAS: {why}"),
+        })?;
+        let _r = range(c"search_grids");
+        let table = candidate_table(w, rows, n, spec);
+        let n_slots = table.n_slots;
+        let k_max = (BATCH_ELEMS / (rows * n).max(1)).clamp(1, n_slots);
+        let w_d = self.upload(w, "upload W")?;
+        let h_d = self.upload(h, "upload H")?;
+        let scale_d = self.upload(&table.scale, "upload candidate scales")?;
+        let inv_d = self.upload(&table.inv, "upload candidate 1/scales")?;
+        let zero_d = self.upload(&table.zero, "upload candidate zeros")?;
+        let mut best_d = self.upload(&vec![f64::INFINITY; rows], "upload best scores")?;
+        let mut slot_d = self.upload(&vec![-1i32; rows], "upload best slots")?;
+        let mut hw_d = self.output(rows * n)?;
+        let mut v_d = self.output(k_max * rows * n)?;
+        let mut p_d = self.output(k_max * rows * n)?;
+        self.timed(|| {
+            blas.rows_times_h(&mut hw_d, &w_d, &h_d, rows, n)?;
+            for c0 in (0..n_slots).step_by(k_max) {
+                let kb = k_max.min(n_slots - c0);
+                launch_search_v(
+                    &self.stream,
+                    &self.quant.search,
+                    &mut v_d,
+                    &w_d,
+                    &inv_d,
+                    &zero_d,
+                    rows,
+                    n,
+                    n_slots,
+                    c0,
+                    kb,
+                    spec.maxq(),
+                )?;
+                blas.rows_times_h(
+                    &mut p_d.slice_mut(..kb * rows * n),
+                    &v_d.slice(..kb * rows * n),
+                    &h_d,
+                    kb * rows,
+                    n,
+                )?;
+                launch_search_score(
+                    &self.stream,
+                    &self.quant.search,
+                    &mut best_d,
+                    &mut slot_d,
+                    &p_d,
+                    &v_d,
+                    &hw_d,
+                    &scale_d,
+                    &zero_d,
+                    rows,
+                    n,
+                    n_slots,
+                    c0,
+                    kb,
+                )?;
+            }
+            Ok(())
+        })?;
+        let slots = self
+            .stream
+            .clone_dtoh(&slot_d)
+            .map_err(driver("download best slots"))?;
+        self.stream.synchronize().map_err(driver("search_grids"))?;
+        // No finite score (NaN weights): the CPU search keeps Grid::default() then, and so does this.
+        Ok(slots
+            .iter()
+            .enumerate()
+            .map(|(r, &c)| match usize::try_from(c) {
+                Ok(c) if c < n_slots => Grid {
+                    scale: table.scale[r * n_slots + c],
+                    zero: table.zero[r * n_slots + c],
+                },
+                _ => Grid::default(),
+            })
+            .collect())
+    }
+
+    /// `QuantOps::search_grids`: the Hessian search on the device, everything else (and a device without
+    /// cuBLAS) on the CPU.
+    pub(super) fn search_grids_routed(
+        &self,
+        w: &[f32],
+        rows: usize,
+        n: usize,
+        h: &[f32],
+        spec: &QuantSpec,
+    ) -> Vec<Grid<f32>> {
+        if spec.search != ScaleSearch::Hessian || n == 0 || self.search_blas().is_err() {
+            return CpuBackend.search_grids(w, rows, n, h, spec);
+        }
+        self.try_search_grids(w, rows, n, h, spec)
+            .unwrap_or_else(|e| panic!("{} search_grids (rows={rows}, n={n}): {e}", self.name))
+    }
+}
