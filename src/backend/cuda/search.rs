@@ -161,6 +161,35 @@ pub fn candidate_table(w: &[f32], rows: usize, n: usize, spec: &QuantSpec) -> Ca
     t
 }
 
+/// Candidate slots per batch for W [rows × n]: as many as fit BATCH_ELEMS, at least 1, at most all.
+pub fn batch_slots(rows: usize, n: usize, n_slots: usize) -> usize {
+    (BATCH_ELEMS / (rows * n).max(1)).clamp(1, n_slots.max(1))
+}
+
+/// The batches (c0, k_batch) of slot order, k_max slots each (the last one shorter).
+pub fn batches(n_slots: usize, k_max: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..n_slots)
+        .step_by(k_max.max(1))
+        .map(move |c0| (c0, k_max.max(1).min(n_slots - c0)))
+}
+
+/// The grids of the best slots; a row without one (no finite score: NaN weights) gets Grid::default(), as the
+/// CPU search leaves it.
+pub fn grids_from_slots(table: &CandidateTable, slots: &[i32]) -> Vec<Grid<f32>> {
+    let ns = table.n_slots;
+    slots
+        .iter()
+        .enumerate()
+        .map(|(r, &c)| match usize::try_from(c) {
+            Ok(c) if c < ns => Grid {
+                scale: table.scale[r * ns + c],
+                zero: table.zero[r * ns + c],
+            },
+            _ => Grid::default(),
+        })
+        .collect()
+}
+
 /// V [k_batch × rows × n] of the candidate slots c0..c0 + k_batch.
 #[allow(clippy::too_many_arguments)]
 pub fn launch_search_v(
@@ -183,7 +212,7 @@ pub fn launch_search_v(
         || cand_zero.len() != rows * n_slots
         || c0 + k_batch > n_slots
         || v.len() < total
-        || rows > u32::MAX as usize
+        || k_batch * rows > u32::MAX as usize
         || n > u32::MAX as usize
     {
         return Err(CudaError::Shape {
@@ -201,9 +230,7 @@ pub fn launch_search_v(
         return Ok(());
     }
     let _r = range(c"search_v");
-    let blocks = (total as u64)
-        .div_ceil(SEARCH_V_THREADS as u64)
-        .clamp(1, 65535 * 8) as u32;
+    let blocks = (k_batch * rows).clamp(1, 1 << 20) as u32;
     let cfg = LaunchConfig {
         grid_dim: (blocks, 1, 1),
         block_dim: (SEARCH_V_THREADS, 1, 1),
@@ -230,7 +257,7 @@ pub fn launch_search_v(
         .arg(&maxq_f);
     // SAFETY: matches search_v_kernel(float* v, const float* w, const float* cand_inv, const float* cand_zero,
     // u32 rows, u32 n, u32 n_slots, u32 c0, u32 k_batch, float maxq); v holds ≥ k_batch·rows·n, w rows·n, the
-    // tables rows·n_slots f32 and c0 + k_batch ≤ n_slots (checked).
+    // tables rows·n_slots f32, c0 + k_batch ≤ n_slots and k_batch·rows fits u32 (checked).
     unsafe { b.launch(cfg) }.map_err(driver("launch search_v"))?;
     Ok(())
 }
@@ -368,7 +395,7 @@ impl CudaBackend {
         let _r = range(c"search_grids");
         let table = candidate_table(w, rows, n, spec);
         let n_slots = table.n_slots;
-        let k_max = (BATCH_ELEMS / (rows * n).max(1)).clamp(1, n_slots);
+        let k_max = batch_slots(rows, n, n_slots);
         let w_d = self.upload(w, "upload W")?;
         let h_d = self.upload(h, "upload H")?;
         let scale_d = self.upload(&table.scale, "upload candidate scales")?;
@@ -381,8 +408,7 @@ impl CudaBackend {
         let mut p_d = self.output(k_max * rows * n)?;
         self.timed(|| {
             blas.rows_times_h(&mut hw_d, &w_d, &h_d, rows, n)?;
-            for c0 in (0..n_slots).step_by(k_max) {
-                let kb = k_max.min(n_slots - c0);
+            for (c0, kb) in batches(n_slots, k_max) {
                 launch_search_v(
                     &self.stream,
                     &self.quant.search,
@@ -428,18 +454,7 @@ impl CudaBackend {
             .clone_dtoh(&slot_d)
             .map_err(driver("download best slots"))?;
         self.stream.synchronize().map_err(driver("search_grids"))?;
-        // No finite score (NaN weights): the CPU search keeps Grid::default() then, and so does this.
-        Ok(slots
-            .iter()
-            .enumerate()
-            .map(|(r, &c)| match usize::try_from(c) {
-                Ok(c) if c < n_slots => Grid {
-                    scale: table.scale[r * n_slots + c],
-                    zero: table.zero[r * n_slots + c],
-                },
-                _ => Grid::default(),
-            })
-            .collect())
+        Ok(grids_from_slots(&table, &slots))
     }
 
     /// `QuantOps::search_grids`: the Hessian search on the device, everything else (and a device without
@@ -457,5 +472,140 @@ impl CudaBackend {
         }
         self.try_search_grids(w, rows, n, h, spec)
             .unwrap_or_else(|e| panic!("{} search_grids (rows={rows}, n={n}): {e}", self.name))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The device algorithm emulated on the host, step by step as the kernels and SGEMMs compute it (candidate
+    //! table, batches, V, P = V·H in f32, f64 scores, strict-less running best in slot order), against the
+    //! CPU search: without a GPU this is what checks the GEMM formulation and the batching the launches use;
+    //! on a GPU, parity_search_grids_cuda tests the kernels themselves.
+    use super::*;
+    use crate::quant::quantizer::search_grids_rows;
+    use rand::{RngExt, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    /// C [m × n] = A [m × n] · H [n × n] in f32 (an SGEMM; its summation order is not part of the contract).
+    fn rows_times_h(a: &[f32], h: &[f32], m: usize, n: usize) -> Vec<f32> {
+        let mut c = vec![0f32; m * n];
+        for r in 0..m {
+            for l in 0..n {
+                let x = a[r * n + l];
+                for j in 0..n {
+                    c[r * n + j] += x * h[l * n + j];
+                }
+            }
+        }
+        c
+    }
+
+    fn emulate(
+        w: &[f32],
+        rows: usize,
+        n: usize,
+        h: &[f32],
+        spec: &QuantSpec,
+        k_max: usize,
+    ) -> Vec<Grid<f32>> {
+        let t = candidate_table(w, rows, n, spec);
+        let ns = t.n_slots;
+        let maxq = spec.maxq() as f32;
+        let hw = rows_times_h(w, h, rows, n);
+        let mut best = vec![f64::INFINITY; rows];
+        let mut slot = vec![-1i32; rows];
+        for (c0, kb) in batches(ns, k_max) {
+            // search_v_kernel
+            let mut v = vec![0f32; kb * rows * n];
+            for (e, ve) in v.iter_mut().enumerate() {
+                let (j, r, k) = (e % n, (e / n) % rows, e / n / rows);
+                let c = r * ns + c0 + k;
+                let z = t.zero[c];
+                if !z.is_nan() {
+                    let mut rho = (w[r * n + j] * t.inv[c]).round_ties_even();
+                    if rho.is_nan() {
+                        rho = 0.0;
+                    }
+                    *ve = rho.max(-z).min(maxq - z);
+                }
+            }
+            let p = rows_times_h(&v, h, kb * rows, n);
+            // search_score_kernel
+            for r in 0..rows {
+                for k in 0..kb {
+                    let c = r * ns + c0 + k;
+                    if t.zero[c].is_nan() {
+                        continue;
+                    }
+                    let row = (k * rows + r) * n;
+                    let (mut a, mut b) = (0f64, 0f64);
+                    for j in 0..n {
+                        a += p[row + j] as f64 * v[row + j] as f64;
+                        b += hw[r * n + j] as f64 * v[row + j] as f64;
+                    }
+                    let s = t.scale[c] as f64;
+                    let score = s * s * a - 2.0 * s * b;
+                    if score < best[r] {
+                        best[r] = score;
+                        slot[r] = (c0 + k) as i32;
+                    }
+                }
+            }
+        }
+        grids_from_slots(&t, &slot)
+    }
+
+    #[test]
+    fn batches_cover_every_slot_once_in_order() {
+        for (ns, k) in [(100, 1), (200, 7), (200, 200), (100, 300), (1, 1)] {
+            let all: Vec<usize> = batches(ns, k).flat_map(|(c0, kb)| c0..c0 + kb).collect();
+            assert_eq!(all, (0..ns).collect::<Vec<_>>(), "n_slots={ns} k={k}");
+        }
+        assert_eq!(batch_slots(4096, 4096, 200), 8);
+        assert_eq!(batch_slots(4096, 11008, 200), 2);
+        assert_eq!(batch_slots(8192, 28672, 200), 1);
+        assert_eq!(batch_slots(3, 5, 200), 200);
+    }
+
+    #[test]
+    fn gemm_formulation_matches_the_cpu_search() {
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        let (mut differ, mut total) = (0, 0);
+        for &(rows, n, bits, sym, k_max) in &[
+            (40usize, 33usize, 3u32, false, 1usize),
+            (25, 64, 4, true, 7),
+            (30, 20, 2, false, 200),
+            (3, 1, 3, false, 13),
+        ] {
+            // H = XᵀX/m + 0.1·I (SPD).
+            let m = 2 * n;
+            let x: Vec<f32> = (0..m * n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            let mut h = vec![0f32; n * n];
+            for i in 0..n {
+                for j in 0..n {
+                    h[i * n + j] =
+                        (0..m).map(|t| x[t * n + i] * x[t * n + j]).sum::<f32>() / m as f32;
+                }
+                h[i * n + i] += 0.1;
+            }
+            let mut w: Vec<f32> = (0..rows * n)
+                .map(|i| rng.random_range(-1.0f32..1.0) * (1.0 + (i / n % 5) as f32) + 0.2)
+                .collect();
+            w[..n].fill(0.0); // the ±1 range of an all-zero row
+            let spec = QuantSpec::new(bits, None, sym, ScaleSearch::Hessian);
+            let cpu = search_grids_rows(&w, rows, n, 0, n, Some(&h), &spec);
+            let dev = emulate(&w, rows, n, &h, &spec, k_max);
+            for (r, (a, b)) in cpu.iter().zip(&dev).enumerate() {
+                total += 1;
+                if a != b {
+                    differ += 1;
+                    eprintln!(
+                        "rows={rows} n={n} b={bits} sym={sym} row {r}: cpu {a:?} emulated {b:?}"
+                    );
+                }
+            }
+        }
+        // Same candidates, same strict-less order; only f32 summation order differs (near-ties).
+        assert!(differ * 50 <= total, "{differ} of {total} grids differ");
     }
 }
