@@ -2,7 +2,7 @@
 // (shrink step i, zero choice) of every row, score = Δ H Δᵀ − wᵀHw = s²·vᵀHv − 2s·vᵀ(Hw), with
 // v = clamp(round(w·(1/s)), −z, maxq − z) the integer vector of the candidate (small integers, exact in f32).
 //
-// Host flow (launch_search_grids, backend/cuda/search.rs): the candidate table (scale, 1/scale, zero per row
+// Host flow (CudaBackend::try_search_grids, backend/cuda/search.rs): the candidate table (scale, 1/scale, zero per row
 // and slot, the order of quant::quantizer::search_candidates, computed on the host by that very function so
 // the candidate set is the CPU's bit for bit) is uploaded; HW = W·H once (cuBLAS SGEMM); then per batch of K
 // candidate slots:
@@ -29,13 +29,15 @@
 //   xor-shuffle reduces a and b in f64, and every lane keeps the same running best, written back by lane 0.
 //   best_score / best_slot carry the best across batches (the host initialises them to +inf / −1).
 //
-// Roofline (7B, asymmetric: 200 slots; q_proj 4096 × 4096): the GEMMs are 200 · 2·rows·n² = 27.5 TFLOP
-//   → ~0.5 s at H200 FP32 FFMA (~60 TFLOP/s); bytes per slot ≈ 5 passes over rows·n f32 (V written, read by
-//   the GEMM and the scorer, P written and read) = 336 MB → 67 GB ≈ 14 ms at 4.8 TB/s. GEMM-bound, so the
-//   next variant is the GEMM precision: V is exact in bf16, but H in bf16 (or tf32) moves the scores by
-//   ~1e-3 (2^-9) relative, far more than the CPU's f32 rounding, so that variant needs an f32 re-score of
-//   the best few candidates per row before it can replace this one. d×d_ff (11008 × 4096): 74 TFLOP, ~1.3 s.
-//
+// Roofline (asymmetric: 200 slots; f32 FFMA, H200 ~60 TFLOP/s): the GEMMs are 200 · 2·rows·n² flop:
+//   7B q/k/v/o_proj (4096 × 4096) 27.5 TFLOP ≈ 0.46 s each; gate/up (11008 × 4096) 74 TFLOP ≈ 1.2 s; down_proj
+//   (4096 × 11008) 199 TFLOP ≈ 3.3 s → ~460 TFLOP ≈ 7.6 s per layer, ~4 min per 7B model: GEMM-bound (bytes per
+//   slot ≈ 5 passes over rows·n f32 ≈ 336 MB at 4096², 67 GB per matrix ≈ 14 ms at 4.8 TB/s). That is far
+//   more arithmetic than the CPU twin's incremental search (~3.5 H-row axpys per entry: ~rows·n²·7 flop, 50×
+//   fewer), so the GEMM form wins only through the matrix units. Next variants, in order of promise:
+//   (1) bf16 tensor cores with H split in two bf16 halves (V is exact in bf16; two GEMMs give ~2⁻¹⁷ relative
+//   products, ~1e-5 of the score, coarser than the CPU's f32) plus an f32 re-score of each row's few best
+//   slots, ~10× faster; (2) a device port of the incremental search (per-row chains, H rows from L2).
 // Variants measured: none yet (no GPU run so far).
 // ptxas (nvcc 13.0, sm_90a / sm_80), 0 spills, no smem: search_v 25 / 25 registers; search_score 32 / 32.
 // ---------------------------------------------------------------------------------------------------------
