@@ -425,16 +425,17 @@ pub fn bench_quant_ops(
         // (d × d) and a down_proj-sized (d × d_ff) weight. Work counts the GEMM formulation of the CUDA
         // backend (slots · 2·rows·n² for V·H, plus W·H), an f32 SGEMM: against the bf16 mma ceiling its
         // fraction is low by design. The CPU's incremental search does far fewer flops for the same result.
-        // The 70B d×d_ff case (2.7 PFLOP, ~45 s a call on an H200) is left out to keep the bench short.
+        // Matrices over 48M weights (8B d×d_ff, 70B: 5–45 s a call on an H200 at f32) are left out so the
+        // bench stays inside profiling/gpu_check.sh's time limit.
         for (rows_w, n) in [(s.d, s.d), (s.d, s.d_ff)] {
-            if rows_w * n > 64 << 20 {
+            if rows_w * n > 48 << 20 {
                 continue;
             }
             let spec = QuantSpec::new(3, None, false, ScaleSearch::Hessian);
             let ws = [randn(&mut rng, rows_w * n), randn(&mut rng, rows_w * n)];
             let h = spd_cheap(&mut rng, n);
-            // Up to seconds per call on an H200: few repetitions.
-            let (wall, kern) = time(b, reps.min(2), |i| {
+            // Up to seconds per call on an H200: one timed call after the warm-up.
+            let (wall, kern) = time(b, reps.min(1), |i| {
                 std::hint::black_box(ops.search_grids(&ws[i % 2], rows_w, n, &h, &spec));
             });
             let slots = SHRINK_STEPS * candidate_slots(&spec);
