@@ -104,29 +104,36 @@ impl SearchBlas {
                 h.len()
             )));
         }
-        let (mi, ni) = match (i32::try_from(m), i32::try_from(n)) {
-            (Ok(mi), Ok(ni)) => (mi, ni),
-            _ => return Err(bad(format!("m={m} or n={n} over i32"))),
-        };
-        let op_n = blas_sys::cublasOperation_t::CUBLAS_OP_N;
-        let cfg = GemmConfig {
-            transa: op_n,
-            transb: op_n,
-            m: ni,
-            n: mi,
-            k: ni,
-            alpha: 1.0f32,
-            lda: ni,
-            ldb: ni,
-            beta: 0.0f32,
-            ldc: ni,
-        };
+        let cfg = rows_times_h_config(m, n).map_err(bad)?;
         // SAFETY: H holds n·n, A and C at least m·n f32 (checked); the leading dimensions are n.
         unsafe { self.blas.gemm(cfg, h, a, c) }.map_err(|source| CudaError::Blas {
             what: "sgemm (search_grids)",
             source,
         })
     }
+}
+
+/// The SGEMM of `SearchBlas::rows_times_h`: C [m × n] = A [m × n] · H [n × n], row-major, as column-major
+/// cuBLAS sees it: Cᵀ (n × m, ld n) = Hᵀ (n × n, ld n) · Aᵀ (n × m, ld n), no transposes, H passed as the
+/// first operand and A as the second.
+pub fn rows_times_h_config(m: usize, n: usize) -> Result<GemmConfig<f32>, String> {
+    let (mi, ni) = match (i32::try_from(m), i32::try_from(n)) {
+        (Ok(mi), Ok(ni)) => (mi, ni),
+        _ => return Err(format!("m={m} or n={n} over i32")),
+    };
+    let op_n = blas_sys::cublasOperation_t::CUBLAS_OP_N;
+    Ok(GemmConfig {
+        transa: op_n,
+        transb: op_n,
+        m: ni,
+        n: mi,
+        k: ni,
+        alpha: 1.0f32,
+        lda: ni,
+        ldb: ni,
+        beta: 0.0f32,
+        ldc: ni,
+    })
 }
 
 /// The candidate table of every row in slot order (`search_candidates`): scale, 1/scale (as the CPU search
@@ -553,6 +560,58 @@ mod tests {
             }
         }
         grids_from_slots(&t, &slot)
+    }
+
+    /// cuBLAS's sgemm as documented (column-major, op(A) m × k, op(B) k × n), interpreting a GemmConfig.
+    fn sgemm_reference(cfg: &GemmConfig<f32>, a: &[f32], b: &[f32], c: &mut [f32]) {
+        use blas_sys::cublasOperation_t::CUBLAS_OP_N;
+        let (m, n, k) = (cfg.m as usize, cfg.n as usize, cfg.k as usize);
+        let (lda, ldb, ldc) = (cfg.lda as usize, cfg.ldb as usize, cfg.ldc as usize);
+        let op_a = |i: usize, l: usize| {
+            if cfg.transa == CUBLAS_OP_N {
+                a[i + l * lda]
+            } else {
+                a[l + i * lda]
+            }
+        };
+        let op_b = |l: usize, j: usize| {
+            if cfg.transb == CUBLAS_OP_N {
+                b[l + j * ldb]
+            } else {
+                b[j + l * ldb]
+            }
+        };
+        for j in 0..n {
+            for i in 0..m {
+                let acc: f32 = (0..k).map(|l| op_a(i, l) * op_b(l, j)).sum();
+                // beta = 0: C is not read (cuBLAS docs), so a poisoned C stays harmless.
+                c[i + j * ldc] = if cfg.beta == 0.0 {
+                    cfg.alpha * acc
+                } else {
+                    cfg.alpha * acc + cfg.beta * c[i + j * ldc]
+                };
+            }
+        }
+    }
+
+    /// The GemmConfig of rows_times_h, read the way cuBLAS reads it, computes the row-major A·H (H not
+    /// symmetric, so a transposed operand would show).
+    #[test]
+    fn rows_times_h_config_is_the_row_major_product() {
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        for (m, n) in [(5usize, 3usize), (1, 7), (12, 1), (9, 16)] {
+            let a: Vec<f32> = (0..m * n)
+                .map(|_| rng.random_range(-2i32..3) as f32)
+                .collect();
+            let h: Vec<f32> = (0..n * n)
+                .map(|_| rng.random_range(-2i32..3) as f32)
+                .collect();
+            let cfg = rows_times_h_config(m, n).unwrap();
+            let mut c = vec![f32::NAN; m * n];
+            // rows_times_h passes H first, A second.
+            sgemm_reference(&cfg, &h, &a, &mut c);
+            assert_eq!(c, rows_times_h(&a, &h, m, n), "m={m} n={n}");
+        }
     }
 
     #[test]
