@@ -124,8 +124,9 @@ enum Cmd {
         #[arg(long, default_value_t = 0)]
         seed: u64,
     },
-    /// Benchmark the quantization core (XᵀX, head covariances, V statistics, batched Cholesky, GPTQ and BoA
-    /// sweeps) on random inputs of real layer shapes, against the device's measured ceilings.
+    /// Benchmark the quantization core (XᵀX, head covariances, V statistics, batched Cholesky, Hessian scale
+    /// search, GPTQ and BoA sweeps) on random inputs of real layer shapes, against the device's measured
+    /// ceilings.
     Bench {
         /// cpu, cuda, or auto (CUDA when usable).
         #[arg(long, value_enum, default_value = "auto")]

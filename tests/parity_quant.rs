@@ -17,13 +17,24 @@
 //! * Sweeps: integer codes. Backends sum the trailing updates in different orders, so a value within a few
 //!   ulp of a rounding boundary may round the other way, and in GPTQ that changes every later error of the
 //!   row; the tests report the fraction of differing codes (documented ties) and bound it by CODE_MISMATCH_TOL.
+//! * Scale search (`search_grids`): the chosen grid must be one of the candidates enumerated here from
+//!   design.md §4.1 (exact f32 equality: both backends must score the very same set), and its error Δ H Δᵀ
+//!   (f64, over the f32 H) within SEARCH_REL_TOL of the f64 optimum. The backends score s²·vᵀHv − 2s·vᵀHw,
+//!   which drops wᵀHw, with f32 products Hv: the score's rounding error is ~u·wᵀHw ≈ 6e-8·wᵀHw, and at 4 bits
+//!   Δ H Δᵀ is ~1e-2–1e-3 of wᵀHw, so two candidates within ~1e-5 relative of each other are ties the score
+//!   cannot separate. Such near-ties may pick another grid than the reference's argmin: their fraction is
+//!   reported and bounded by SEARCH_MISMATCH_TOL. The reference scores the integer vector the searches score,
+//!   round(w·(1/s)) (quantizer.rs); where that differs from the quantizer's round(w/s) (exact rounding ties)
+//!   the rows whose applied error is off the applied optimum are counted and reported, not bounded.
 
 use boa_cuda::backend::cpu::CpuBackend;
 use boa_cuda::backend::cuda::{CudaBackend, XxtVariant};
 use boa_cuda::backend::quant_ops::{AttnShape, StaticGrids, SweepResult, UCol};
 use boa_cuda::backend::{Backend, QuantOps};
 use boa_cuda::quant::linalg::cholesky_upper_inverse_reference;
-use boa_cuda::quant::quantizer::{Grid, dequantize, minmax_grid};
+use boa_cuda::quant::quantizer::{
+    Grid, QuantSpec, SHRINK_STEPS, ScaleSearch, dequantize, minmax_grid, quantize,
+};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -33,6 +44,10 @@ const ATTN_F32_TOL: f64 = 1e-4;
 const CHOL_TOL: f64 = 1e-4;
 /// Fraction of codes allowed to differ from the reference (near-ties and their in-row cascades).
 const CODE_MISMATCH_TOL: f64 = 0.02;
+/// Relative excess of the chosen grid's Δ H Δᵀ over the optimum (f32 score rounding; module comment).
+const SEARCH_REL_TOL: f64 = 1e-5;
+/// Fraction of rows whose chosen grid may differ from the reference argmin (near-ties; module comment).
+const SEARCH_MISMATCH_TOL: f64 = 0.02;
 
 fn rng() -> ChaCha8Rng {
     let seed = std::env::var("BOA_TEST_SEED")
@@ -662,6 +677,213 @@ fn parity_boa_sweep(b: &dyn Backend, reference: Option<&dyn Backend>) {
     );
 }
 
+/// The candidates of the shrink search of row `w`, in search order, enumerated from design.md §4.1 with the
+/// quantizer's f32 arithmetic: range [min(w,0), max(w,0)] (symmetric ±max|w|; all-zero ±1), p = 1 − i/100,
+/// s = (p·hi − p·lo)/maxq, z = floor and ceil of −p·lo/s (one when equal), symmetric z = (maxq + 1)/2.
+fn search_candidates_ref(w: &[f32], maxq: u32, sym: bool) -> Vec<Grid<f32>> {
+    let (mut lo, mut hi) = w
+        .iter()
+        .fold((0f32, 0f32), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+    if sym {
+        hi = hi.max(-lo);
+        lo = -hi;
+    }
+    if lo == 0.0 && hi == 0.0 {
+        (lo, hi) = (-1.0, 1.0);
+    }
+    let mq = maxq as f32;
+    let mut out = Vec::new();
+    for i in 0..SHRINK_STEPS {
+        let p = (1.0 - i as f64 / SHRINK_STEPS as f64) as f32;
+        let (l, h) = (p * lo, p * hi);
+        let scale = (h - l) / mq;
+        if sym {
+            out.push(Grid {
+                scale,
+                zero: (mq + 1.0) / 2.0,
+            });
+        } else {
+            let z = -l / scale;
+            out.push(Grid {
+                scale,
+                zero: z.floor(),
+            });
+            if z.ceil() != z.floor() {
+                out.push(Grid {
+                    scale,
+                    zero: z.ceil(),
+                });
+            }
+        }
+    }
+    out
+}
+
+/// Δ H Δᵀ in f64 for row `w` under grid `g`. `applied`: codes from the f32 quantizer, round(w/s), as the
+/// sweeps apply the grid; otherwise the integer vector the searches score, round(w·(1/s)) with 1/s rounded to
+/// f32 (quantizer.rs). The two differ only where w/s is within an ulp of a rounding tie; a symmetric p = 1
+/// grid always has one (the extreme element lands on ±(maxq + 1)/2 − ½), where the codes differ by 1.
+fn grid_err(w: &[f32], h: &[f32], g: Grid<f32>, maxq: u32, applied: bool) -> f64 {
+    let n = w.len();
+    let inv = 1.0 / g.scale;
+    let d: Vec<f64> = w
+        .iter()
+        .map(|&x| {
+            let q = if applied {
+                quantize(x, g.scale, g.zero, maxq as f32)
+            } else {
+                ((x * inv).round_ties_even() + g.zero).clamp(0.0, maxq as f32)
+            };
+            dequantize(q, g.scale, g.zero) as f64 - x as f64
+        })
+        .collect();
+    let mut s = 0f64;
+    for i in 0..n {
+        let mut t = 0f64;
+        for j in 0..n {
+            t += h[i * n + j] as f64 * d[j];
+        }
+        s += d[i] * t;
+    }
+    s
+}
+
+/// An ill-conditioned SPD matrix like a real H_col: XᵀX/m of m = n/2 + 1 correlated samples plus 1e-2·mean
+/// diagonal (GPTQ's damping).
+fn spd_lowrank(rng: &mut ChaCha8Rng, n: usize) -> Vec<f64> {
+    let m = n / 2 + 1;
+    let x: Vec<f64> = (0..m * n).map(|_| rng.random_range(-1.0f64..1.0)).collect();
+    let mut h = vec![0f64; n * n];
+    for r in 0..m {
+        for i in 0..n {
+            for j in 0..n {
+                h[i * n + j] += x[r * n + i] * x[r * n + j] / m as f64;
+            }
+        }
+    }
+    let mean = (0..n).map(|i| h[i * n + i]).sum::<f64>() / n as f64;
+    for i in 0..n {
+        h[i * n + i] += 1e-2 * mean;
+    }
+    h
+}
+
+/// `search_grids` against the brute-force f64 reference over every candidate (module comment).
+fn parity_search_grids(b: &dyn Backend) {
+    let mut rng = rng();
+    let (mut mismatched, mut total, mut worst) = (0usize, 0usize, 0f64);
+    // Rows whose grid, as applied by the quantizer, is worse than the applied optimum by > SEARCH_REL_TOL
+    // (the search scores round(w·(1/s)); see grid_err): reported, not bounded.
+    let mut applied_worse = 0usize;
+    for (case, &(rows, n, bits, sym)) in [
+        (1usize, 7usize, 2u32, false),
+        (37, 33, 3, false),
+        (300, 31, 4, true),
+        (128, 100, 3, false),
+        (64, 130, 4, false),
+        (5, 64, 2, true),
+        (200, 45, 2, false),
+        (20, 1, 3, false),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let maxq = (1u32 << bits) - 1;
+        let h64 = if case % 2 == 0 {
+            spd(&mut rng, n)
+        } else {
+            spd_lowrank(&mut rng, n)
+        };
+        let h: Vec<f32> = h64.iter().map(|&v| v as f32).collect();
+        let mut w = Vec::with_capacity(rows * n);
+        for r in 0..rows {
+            // Rows of different magnitudes and skews, an outlier now and then; row 3 all zero (±1 range).
+            let scale = 0.01 * (1.0 + (r % 7) as f32);
+            let shift = if r % 3 == 0 { 0.5 * scale } else { 0.0 };
+            let mut row = randn(&mut rng, n, scale);
+            row.iter_mut().for_each(|x| *x += shift);
+            if r % 11 == 5 {
+                row[r % n] *= 8.0;
+            }
+            if r == 3 {
+                row.fill(0.0);
+            }
+            w.extend(row);
+        }
+        let spec = QuantSpec::new(bits, None, sym, ScaleSearch::Hessian);
+        let got = b.search_grids(&w, rows, n, &h, &spec);
+        assert_eq!(got.len(), rows, "{}: search_grids rows", b.name());
+        for (r, &g) in got.iter().enumerate() {
+            let wr = &w[r * n..(r + 1) * n];
+            let cands = search_candidates_ref(wr, maxq, sym);
+            let errs: Vec<f64> = cands
+                .iter()
+                .map(|&c| grid_err(wr, &h, c, maxq, false))
+                .collect();
+            let (best_i, best) =
+                errs.iter().enumerate().fold(
+                    (0, f64::INFINITY),
+                    |a, (i, &e)| {
+                        if e < a.1 { (i, e) } else { a }
+                    },
+                );
+            let at = cands
+                .iter()
+                .position(|&c| c == g)
+                .unwrap_or_else(|| {
+                    panic!(
+                        "{}: rows={rows} n={n} b={bits} sym={sym} row {r}: grid {g:?} is not a candidate",
+                        b.name()
+                    )
+                });
+            let excess = (errs[at] - best) / best.max(f64::MIN_POSITIVE);
+            assert!(
+                errs[at] <= best + SEARCH_REL_TOL * best.abs(),
+                "{}: rows={rows} n={n} b={bits} sym={sym} row {r}: error {} of candidate {at} > optimum {best} \
+                 of candidate {best_i} (rel. excess {excess:.2e} > {SEARCH_REL_TOL:.0e})",
+                b.name(),
+                errs[at]
+            );
+            worst = worst.max(excess);
+            let applied: Vec<f64> = cands
+                .iter()
+                .map(|&c| grid_err(wr, &h, c, maxq, true))
+                .collect();
+            let applied_best = applied.iter().cloned().fold(f64::INFINITY, f64::min);
+            applied_worse += (applied[at] > applied_best * (1.0 + SEARCH_REL_TOL)) as usize;
+            mismatched += (at != best_i) as usize;
+            total += 1;
+        }
+    }
+    let frac = mismatched as f64 / total as f64;
+    println!(
+        "{}: search_grids {mismatched} of {total} rows chose another grid than the reference argmin \
+         (near-ties; bound {}%), worst rel. excess {worst:.2e} (bound {SEARCH_REL_TOL:.0e}); {applied_worse} \
+         rows worse than the optimum as applied by the quantizer (rounding ties of w/s)",
+        b.name(),
+        100.0 * SEARCH_MISMATCH_TOL
+    );
+    assert!(
+        frac <= SEARCH_MISMATCH_TOL,
+        "{}: {mismatched} of {total} grids differ from the reference argmin",
+        b.name()
+    );
+    // MinMax / Mse are the CPU's search on every backend (no H needed).
+    let (rows, n) = (9, 40);
+    let w = randn(&mut rng, rows * n, 0.02);
+    for search in [ScaleSearch::MinMax, ScaleSearch::Mse] {
+        let spec = QuantSpec::new(3, None, false, search);
+        let got = b.search_grids(&w, rows, n, &[], &spec);
+        let want = CpuBackend.search_grids(&w, rows, n, &[], &spec);
+        assert_eq!(got, want, "{}: {search:?} search", b.name());
+        if search == ScaleSearch::MinMax {
+            for (r, g) in got.iter().enumerate() {
+                assert_eq!(*g, minmax_grid(&w[r * n..(r + 1) * n], 7, false));
+            }
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Instantiations.
 
@@ -737,6 +959,16 @@ fn parity_cholesky_upper_inverse_cpu() {
 #[test]
 fn parity_cholesky_upper_inverse_cuda() {
     with_cuda(|b| parity_cholesky(b));
+}
+
+#[test]
+fn parity_search_grids_cpu() {
+    parity_search_grids(&CpuBackend);
+}
+
+#[test]
+fn parity_search_grids_cuda() {
+    with_cuda(|b| parity_search_grids(b));
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! The quantizer's route through a backend's `QuantOps` (what `run --device cuda` takes): with the CPU backend
 //! standing in for the device, `gptq_quantize_with` / `boa_quantize_with` must call the backend's factor and
-//! sweep (GPTQ with dynamic groups too; BoA keeps its own sweep for them), and give the codes of the native path
+//! sweep (GPTQ with dynamic groups too; BoA keeps its own sweep for them), and its scale search for static
+//! Hessian grids (dynamic groups search inside the sweep), and give the codes of the native path
 //! (which factors in f64; the route rounds H to f32 first, so rare rounding ties may flip — counted, bounded).
 
 #[path = "quant_common/mod.rs"]
@@ -24,6 +25,9 @@ struct Counting {
     gptq_sweeps: AtomicUsize,
     gptq_dynamic_sweeps: AtomicUsize,
     boa_sweeps: AtomicUsize,
+    /// search_grids calls, and the rows they searched.
+    searches: AtomicUsize,
+    searched_rows: AtomicUsize,
 }
 
 impl QuantOps for Counting {
@@ -44,6 +48,18 @@ impl QuantOps for Counting {
     ) -> Vec<Option<Vec<f32>>> {
         self.cholesky_matrices.fetch_add(count, Relaxed);
         CpuBackend.cholesky_upper_inverse_batched(h, n, count)
+    }
+    fn search_grids(
+        &self,
+        w: &[f32],
+        rows: usize,
+        n: usize,
+        h: &[f32],
+        spec: &QuantSpec,
+    ) -> Vec<Grid<f32>> {
+        self.searches.fetch_add(1, Relaxed);
+        self.searched_rows.fetch_add(rows, Relaxed);
+        CpuBackend.search_grids(w, rows, n, h, spec)
     }
     fn gptq_sweep(
         &self,
@@ -119,10 +135,21 @@ fn assert_close(native: &Quantized<f32>, routed: &Quantized<f32>, what: &str) {
     assert_eq!(native.scales.len(), routed.scales.len(), "{what}: grids");
 }
 
+/// Static grids: the counting backend searches with the CPU search itself, so the very same grids.
+fn assert_same_grids(native: &Quantized<f32>, routed: &Quantized<f32>, what: &str) {
+    assert_eq!(native.scales, routed.scales, "{what}: scales");
+    assert_eq!(native.zeros, routed.zeros, "{what}: zeros");
+}
+
 fn specs() -> Vec<(QuantSpec, bool)> {
     vec![
         (QuantSpec::new(3, None, false, ScaleSearch::Hessian), false),
         (QuantSpec::new(4, Some(32), true, ScaleSearch::MinMax), true),
+        // Static Hessian groups with a trailing partial group (96 = 40 + 40 + 16).
+        (
+            QuantSpec::new(4, Some(40), false, ScaleSearch::Hessian),
+            true,
+        ),
     ]
 }
 
@@ -139,11 +166,17 @@ fn gptq_static_grids_factor_and_sweep_through_the_backend() {
             let routed = gptq_quantize_with(&w, NH * DH, DIN, &h, &g, Some(&ops)).unwrap();
             assert_eq!(ops.cholesky_matrices.load(Relaxed), 1);
             assert_eq!(ops.gptq_sweeps.load(Relaxed), 1);
-            assert_close(
-                &native,
-                &routed,
-                &format!("gptq {spec:?} act_order={act_order}"),
+            // Static Hessian grids: one search per group over all rows; MinMax stays in quant::.
+            let hessian = spec.search == ScaleSearch::Hessian;
+            let groups = spec.n_groups(DIN);
+            assert_eq!(ops.searches.load(Relaxed), if hessian { groups } else { 0 });
+            assert_eq!(
+                ops.searched_rows.load(Relaxed),
+                if hessian { groups * NH * DH } else { 0 }
             );
+            let what = format!("gptq {spec:?} act_order={act_order}");
+            assert_same_grids(&native, &routed, &what);
+            assert_close(&native, &routed, &what);
         }
     }
 }
@@ -157,6 +190,11 @@ fn gptq_dynamic_groups_sweep_through_the_backend() {
     let routed = gptq_quantize_with(&w, NH * DH, DIN, &h, &g, Some(&ops)).unwrap();
     assert_eq!(ops.gptq_sweeps.load(Relaxed), 0);
     assert_eq!(ops.gptq_dynamic_sweeps.load(Relaxed), 1);
+    assert_eq!(
+        ops.searches.load(Relaxed),
+        0,
+        "dynamic groups search in the sweep"
+    );
     assert_eq!(ops.cholesky_matrices.load(Relaxed), 1);
     assert_close(&native, &routed, "gptq dynamic g32");
     // The grids the backend searched are the ones reported: the same up to the last bits of the range the
@@ -222,7 +260,25 @@ fn boa_static_grids_factor_and_sweep_through_the_backend() {
             let col = if shared { 1 } else { NH };
             assert_eq!(ops.cholesky_matrices.load(Relaxed), NH + col);
             assert_eq!(ops.boa_sweeps.load(Relaxed), 1);
-            assert_close(&native, &routed, &format!("boa {spec:?} shared={shared}"));
+            // Static Hessian grids: a shared H_col searches all heads' rows at once, per-head H_col one head
+            // at a time; every row once.
+            let hessian = spec.search == ScaleSearch::Hessian;
+            let searches = if shared { 1 } else { NH } * spec.n_groups(DIN);
+            assert_eq!(
+                ops.searches.load(Relaxed),
+                if hessian { searches } else { 0 }
+            );
+            assert_eq!(
+                ops.searched_rows.load(Relaxed),
+                if hessian {
+                    spec.n_groups(DIN) * NH * DH
+                } else {
+                    0
+                }
+            );
+            let what = format!("boa {spec:?} shared={shared}");
+            assert_same_grids(&native, &routed, &what);
+            assert_close(&native, &routed, &what);
         }
     }
 }

@@ -7,7 +7,7 @@
 //! Statistics are raw sums (no 2/N): the accumulators in `quant::hessian` own the scaling and the f64 totals.
 
 use crate::quant::gptq::DynamicGroups;
-use crate::quant::quantizer::Grid;
+use crate::quant::quantizer::{Grid, QuantSpec, ScaleSearch, search_grids_rows};
 
 /// Shapes of the attention statistics of one sequence.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -83,6 +83,27 @@ pub trait QuantOps {
         n: usize,
         count: usize,
     ) -> Vec<Option<Vec<f32>>>;
+
+    /// The static grid search of design.md §4.1 for `rows` rows (or row groups) W [rows × n] (row-major,
+    /// contiguous) scored with the matching diagonal block H [n × n] (f32, row-major, symmetric): per row, the
+    /// candidate (scale, zero) of `quant::quantizer::search_candidates` with the smallest Δ H Δᵀ, ties to the
+    /// first candidate in that order. `h` is read only for `ScaleSearch::Hessian` (it may be empty otherwise).
+    ///
+    /// The default is the exact CPU search, `quant::quantizer::search_grids_rows` (the oracle); a device
+    /// backend may score the candidates in another summation order, so near-ties (within f32 rounding of the
+    /// score) may pick a different grid of (almost) equal error.
+    fn search_grids(
+        &self,
+        w: &[f32],
+        rows: usize,
+        n: usize,
+        h: &[f32],
+        spec: &QuantSpec,
+    ) -> Vec<Grid<f32>> {
+        assert_eq!(w.len(), rows * n, "W is not [{rows} × {n}]");
+        let h = (spec.search == ScaleSearch::Hessian).then_some(h);
+        search_grids_rows(w, rows, n, 0, n, h, spec)
+    }
 
     /// The GPTQ sweep of `quant::gptq::gptq_block_sweep` with static grids: W [rows × n] and U [n × n]
     /// (upper) in sweep order, lazy batches of `block_size` columns.

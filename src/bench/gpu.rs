@@ -13,7 +13,9 @@
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::quant_ops::{AttnShape, QuantOps, StaticGrids, UCol};
-use crate::quant::quantizer::{Grid, minmax_grid};
+use crate::quant::quantizer::{
+    Grid, QuantSpec, SHRINK_STEPS, ScaleSearch, candidate_slots, minmax_grid,
+};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::fmt;
@@ -414,6 +416,35 @@ pub fn bench_quant_ops(
                 kernel_ms: kern,
                 // the error updates W −= E U over the upper triangle: rows·n² multiply-adds
                 work: rows_w as f64 * (n as f64).powi(2),
+                ceiling: Ceiling::Compute,
+                layer_scale: 1.0,
+            });
+        }
+
+        // Hessian scale search (3-bit asymmetric per channel: 200 candidate slots per row) of a q_proj-sized
+        // (d × d) and a down_proj-sized (d × d_ff) weight. Work counts the GEMM formulation of the CUDA
+        // backend (slots · 2·rows·n² for V·H, plus W·H), an f32 SGEMM: against the bf16 mma ceiling its
+        // fraction is low by design. The CPU's incremental search does far fewer flops for the same result.
+        // Matrices over 48M weights (8B d×d_ff, 70B: 5–45 s a call on an H200 at f32) are left out so the
+        // bench stays inside profiling/gpu_check.sh's time limit.
+        for (rows_w, n) in [(s.d, s.d), (s.d, s.d_ff)] {
+            if rows_w * n > 48 << 20 {
+                continue;
+            }
+            let spec = QuantSpec::new(3, None, false, ScaleSearch::Hessian);
+            let ws = [randn(&mut rng, rows_w * n), randn(&mut rng, rows_w * n)];
+            let h = spd_cheap(&mut rng, n);
+            // Up to seconds per call on an H200: one timed call after the warm-up.
+            let (wall, kern) = time(b, reps.min(1), |i| {
+                std::hint::black_box(ops.search_grids(&ws[i % 2], rows_w, n, &h, &spec));
+            });
+            let slots = SHRINK_STEPS * candidate_slots(&spec);
+            rows.push(BenchRow {
+                method: "search_grids",
+                shape: tag(format!("{rows_w}×{n}")),
+                wall_ms: wall,
+                kernel_ms: kern,
+                work: (slots + 1) as f64 * 2.0 * rows_w as f64 * (n as f64).powi(2),
                 ceiling: Ceiling::Compute,
                 layer_scale: 1.0,
             });

@@ -469,11 +469,17 @@ pub fn boa_quantize_with<T: Real>(
     // Grids: static ones from the original rows; dynamic ones are searched in the sweep.
     let dynamic = plans[0].dyn_blocks.is_some();
     let mut grids_orig = vec![Grid::default(); d_out * n_groups];
-    if !dynamic {
+    if !dynamic && ops.is_some() && plans.len() == 1 {
+        // One shared H_col: all heads' rows in one backend search (a device wants the tall matrix; the rows
+        // are searched independently, so this is the per-head result).
+        grids_orig = timed(Phase::Search, || {
+            static_grids(&w0, d_out, n, &plans[0], &g.spec, ops)
+        });
+    } else if !dynamic {
         for h in 0..n_heads {
             let p = &plans[head_col[h]];
             let gh = timed(Phase::Search, || {
-                static_grids(&w0[h * hs..(h + 1) * hs], d_h, n, p, &g.spec)
+                static_grids(&w0[h * hs..(h + 1) * hs], d_h, n, p, &g.spec, ops)
             });
             grids_orig[h * d_h * n_groups..(h + 1) * d_h * n_groups].copy_from_slice(&gh);
         }

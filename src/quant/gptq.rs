@@ -361,13 +361,15 @@ pub(crate) fn plan_sweep<T: Real>(
 }
 
 /// Static grids [rows × n_groups] from the ORIGINAL rows `w` [rows × n] (per channel, or static groups over
-/// original columns), scored with the damped H.
+/// original columns), scored with the damped H. The Hessian search goes through `ops.search_grids` (f32) when
+/// `ops` is given; MinMax / Mse, and everything without `ops`, run here.
 pub(crate) fn static_grids<T: Real>(
     w: &[T],
     rows: usize,
     n: usize,
     plan: &SweepPlan<T>,
     spec: &QuantSpec,
+    ops: Option<&dyn QuantOps>,
 ) -> Vec<Grid<T>> {
     let g = spec.group_len(n);
     let mut grids = vec![Grid::default(); rows * plan.n_groups];
@@ -375,7 +377,27 @@ pub(crate) fn static_grids<T: Real>(
         let len = g.min(n - k * g);
         let hb = (spec.search == ScaleSearch::Hessian)
             .then(|| orig_block_f32(&plan.h_p, n, &plan.inv, k * g, len));
-        let gk = search_grids_rows(w, rows, n, k * g, len, hb.as_deref(), spec);
+        let gk = match (ops, &hb) {
+            (Some(ops), Some(hb)) => {
+                let wk: Vec<f32> = (0..rows)
+                    .flat_map(|r| to_f32(&w[r * n + k * g..r * n + k * g + len]))
+                    .collect();
+                ops.search_grids(&wk, rows, len, hb, spec)
+                    .iter()
+                    .map(|x| Grid {
+                        scale: T::from_f64(x.scale as f64),
+                        zero: T::from_f64(x.zero as f64),
+                    })
+                    .collect()
+            }
+            _ => search_grids_rows(w, rows, n, k * g, len, hb.as_deref(), spec),
+        };
+        assert_eq!(
+            gk.len(),
+            rows,
+            "search_grids returned {} grids for {rows} rows",
+            gk.len()
+        );
         for r in 0..rows {
             grids[r * plan.n_groups + k] = gk[r];
         }
@@ -446,7 +468,7 @@ pub fn gptq_quantize_with<T: Real>(
     let mut grids = match plan.dyn_blocks {
         Some(_) => vec![Grid::default(); d_out * plan.n_groups],
         None => timed(Phase::Search, || {
-            static_grids(&w0, d_out, d_in, &plan, &opts.spec)
+            static_grids(&w0, d_out, d_in, &plan, &opts.spec, ops)
         }),
     };
     let mut wp = permute_cols(&w0, d_in, &plan.perm);

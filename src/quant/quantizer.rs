@@ -149,6 +149,29 @@ fn candidates<T: Real>(lo: T, hi: T, p: T, maxq: T, sym: bool) -> (T, [T; 2], us
     }
 }
 
+/// Every candidate grid of the shrink search of `w`, in the order the search scores them (and breaks ties:
+/// the first of equal scores wins): step i = 0..SHRINK_STEPS, then floor before ceil zero. Slot
+/// `i·slots + k` with `slots` = 1 (symmetric) or 2 (asymmetric); the ceil slot of a step where floor = ceil
+/// is None. The same arithmetic as the search itself, so a device search scores the very same set.
+pub fn search_candidates<T: Real>(w: &[T], spec: &QuantSpec) -> Vec<Option<Grid<T>>> {
+    let maxq = T::from_f64(spec.maxq() as f64);
+    let (lo, hi) = range(w, spec.sym);
+    let slots = candidate_slots(spec);
+    let mut out = Vec::with_capacity(SHRINK_STEPS * slots);
+    for i in 0..SHRINK_STEPS {
+        let (scale, zs, nz) = candidates(lo, hi, T::from_f64(shrink(i)), maxq, spec.sym);
+        for (k, &zero) in zs[..slots].iter().enumerate() {
+            out.push((k < nz).then_some(Grid { scale, zero }));
+        }
+    }
+    out
+}
+
+/// Candidate slots per shrink step of [`search_candidates`]: 1 symmetric, 2 asymmetric (floor, ceil zero).
+pub fn candidate_slots(spec: &QuantSpec) -> usize {
+    if spec.sym { 1 } else { 2 }
+}
+
 /// The min-max grid of `w` (no search).
 pub fn minmax_grid<T: Real>(w: &[T], maxq: u32, sym: bool) -> Grid<T> {
     let maxq = T::from_f64(maxq as f64);

@@ -24,7 +24,7 @@
 use super::ops::{self, OpsKernels};
 use super::{CudaError, driver};
 use crate::nvtx::range;
-use cudarc::cublas::{CudaBlas, result as br, sys};
+use cudarc::cublas::{CudaBlas, Gemm, result as br, sys};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use std::ffi::{c_int, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -75,6 +75,37 @@ impl Blas {
             })
         }))
         .unwrap_or_else(|_| Err("libcublas could not be used (missing symbol)".into()))
+    }
+
+    /// C [m × n] = A [m × n] · H [n × n], all row-major f32, H symmetric or not. Column-major cuBLAS sees the
+    /// row-major buffers transposed: Cᵀ (n × m, ld n) = Hᵀ (n × n, ld n) · Aᵀ (n × m, ld n), i.e.
+    /// sgemm(N, N, m' = n, n' = m, k' = n, A' = H, B' = A, C' = C).
+    pub(super) fn rows_times_h(
+        &self,
+        c: &mut impl DevicePtrMut<f32>,
+        a: &impl DevicePtr<f32>,
+        h: &CudaSlice<f32>,
+        m: usize,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        let bad = |msg: String| CudaError::Shape {
+            op: "search_grids sgemm",
+            msg,
+        };
+        if h.len() != n * n || a.len() < m * n || c.len() < m * n {
+            return Err(bad(format!(
+                "a.len={} c.len={} h.len={} for m={m}, n={n}",
+                a.len(),
+                c.len(),
+                h.len()
+            )));
+        }
+        let cfg = super::search::rows_times_h_config(m, n).map_err(bad)?;
+        // SAFETY: H holds n·n, A and C at least m·n f32 (checked); the leading dimensions are n.
+        unsafe { self.blas.gemm(cfg, h, a, c) }.map_err(|source| CudaError::Blas {
+            what: "sgemm (search_grids)",
+            source,
+        })
     }
 
     /// Y [m × n] = X [m × k] · W [n × k]ᵀ (+ bias [n]) on the handle's stream (asynchronous). Every element

@@ -1,6 +1,6 @@
 //! CUDA backend: the cudarc host layer over the kernels build.rs embedded (one file per cuda/*.cu:
-//! `ops.rs` ↔ cuda/ops.cu, `hessian.rs`, `cholesky.rs`, `sweep.rs` ↔ their .cu; `quant.rs` implements
-//! `QuantOps` over the last three).
+//! `ops.rs` ↔ cuda/ops.cu, `hessian.rs`, `cholesky.rs`, `sweep.rs`, `search.rs` ↔ their .cu; `quant.rs`
+//! implements `QuantOps` over the last four).
 //!
 //! Opening it never panics: libcuda is loaded at run time (cudarc `dynamic-loading`), so `CudaBackend::new`
 //! first probes for the driver, then checks that kernels were compiled in, then opens the context inside
@@ -21,6 +21,7 @@ pub mod hessian;
 pub mod kernels;
 pub mod ops;
 mod quant;
+pub mod search;
 mod solver;
 pub mod sweep;
 
@@ -75,11 +76,12 @@ fn driver(what: &'static str) -> impl FnOnce(DriverError) -> CudaError {
     move |source| CudaError::Driver { what, source }
 }
 
-/// Function handles of the quantization-core modules (cuda/hessian.cu, cholesky.cu, sweep.cu).
+/// Function handles of the quantization-core modules (cuda/hessian.cu, cholesky.cu, sweep.cu, search.cu).
 struct QuantKernels {
     hessian: hessian::HessianKernels,
     cholesky: cholesky::CholeskyKernels,
     sweep: sweep::SweepKernels,
+    search: search::SearchKernels,
 }
 
 pub struct CudaBackend {
@@ -97,7 +99,7 @@ pub struct CudaBackend {
     last_kernel_ms: std::sync::Mutex<f32>,
     /// cuSOLVER for the large Cholesky factors, opened on first use; the reason when it cannot be.
     solver: std::sync::OnceLock<Result<solver::Solver, String>>,
-    /// cuBLAS for `linear`, opened on first use; the reason when it cannot be.
+    /// cuBLAS for `linear` and the scale search, opened on first use; the reason when it cannot be.
     blas: std::sync::OnceLock<Result<gemm::Blas, String>>,
 }
 
@@ -177,6 +179,8 @@ impl CudaBackend {
             )?)
             .map_err(|e| e.to_string())?,
             sweep: sweep::SweepKernels::load(&load_module(&ctx, sweep::MODULE, &gpu, cc)?)
+                .map_err(|e| e.to_string())?,
+            search: search::SearchKernels::load(&load_module(&ctx, search::MODULE, &gpu, cc)?)
                 .map_err(|e| e.to_string())?,
         };
         Ok(CudaBackend {
@@ -327,12 +331,15 @@ impl CudaBackend {
     }
 
     /// cuBLAS, opened on first use; the reason (printed once) when it cannot be.
-    fn blas(&self) -> Result<&gemm::Blas, &str> {
+    pub(super) fn blas(&self) -> Result<&gemm::Blas, &str> {
         self.blas
             .get_or_init(|| {
                 let b = gemm::Blas::new(&self.stream);
                 if let Err(why) = &b {
-                    eprintln!("{}: {why}; linear runs on the CPU", self.name);
+                    eprintln!(
+                        "{}: {why}; linear and the scale search run on the CPU",
+                        self.name
+                    );
                 }
                 b
             })

@@ -15,7 +15,7 @@ use crate::backend::cpu::CpuBackend;
 use crate::backend::quant_ops::{AttnShape, QuantOps, StaticGrids, SweepResult, UCol};
 use crate::quant::ScaleSearch;
 use crate::quant::gptq::DynamicGroups;
-use crate::quant::quantizer::{Grid, search_grid};
+use crate::quant::quantizer::{Grid, QuantSpec, search_grid};
 use cudarc::driver::CudaSlice;
 use rayon::prelude::*;
 
@@ -45,7 +45,7 @@ fn check_grids(op: &'static str, g: &StaticGrids, rows: usize, n: usize) -> Resu
 }
 
 impl CudaBackend {
-    fn upload<T: cudarc::driver::DeviceRepr>(
+    pub(super) fn upload<T: cudarc::driver::DeviceRepr>(
         &self,
         v: &[T],
         what: &'static str,
@@ -662,6 +662,18 @@ impl QuantOps for CudaBackend {
                     self.name
                 )
             })
+    }
+
+    /// The Hessian search on the device (search.rs); MinMax / Mse, n = 0, or no cuBLAS: the CPU search.
+    fn search_grids(
+        &self,
+        w: &[f32],
+        rows: usize,
+        n: usize,
+        h: &[f32],
+        spec: &QuantSpec,
+    ) -> Vec<Grid<f32>> {
+        self.search_grids_routed(w, rows, n, h, spec)
     }
 
     fn gptq_sweep(

@@ -1,0 +1,141 @@
+// search.cu — the Hessian-weighted static scale search (design.md §4.1) as GEMMs: for every candidate grid
+// (shrink step i, zero choice) of every row, score = Δ H Δᵀ − wᵀHw = s²·vᵀHv − 2s·vᵀ(Hw), with
+// v = clamp(round(w·(1/s)), −z, maxq − z) the integer vector of the candidate (small integers, exact in f32).
+//
+// Host flow (CudaBackend::try_search_grids, backend/cuda/search.rs): the candidate table (scale, 1/scale, zero per row
+// and slot, the order of quant::quantizer::search_candidates, computed on the host by that very function so
+// the candidate set is the CPU's bit for bit) is uploaded; HW = W·H once (cuBLAS SGEMM); then per batch of K
+// candidate slots:
+//   search_v_kernel    V [K × rows × n] = the candidates' integer vectors;
+//   cuBLAS SGEMM       P = V·H  [K·rows × n] (f32, CUBLAS_DEFAULT_MATH: no TF32);
+//   search_score_kernel per row: a = Σ_j P·V, b = Σ_j V·HW in f64 (the CPU twin also keeps f64 a, b over f32
+//                      u = Hv), score = s²a − 2sb; the running best (score, slot) of the row, updated only
+//                      on a strictly smaller score, in slot order across batches: ties go to the first
+//                      candidate in the CPU's order.
+// CPU twin: quant::quantizer::search_grids_rows (incremental: u = Hv updated entry by entry along the shrink
+//   path); the scores differ only in summation order, so near-ties (within f32 rounding) may pick another grid
+//   of (almost) equal error. Parity test: parity_search_grids (tests/parity_quant.rs).
+//
+// ---------------------------------------------------------------------------------------------------------
+// search_v_kernel: V[k, r, j] = clamp(rint(W[r, j] · inv[r, c0 + k]), −z, maxq − z), z = zero[r, c0 + k]
+//   (a NaN zero marks an absent slot: the ceil zero where floor = ceil; its V is written as 0 and never
+//   scored). rint(NaN) → 0 as the CPU's saturating `as i32` does. x·inv is one rounded product, as the CPU's
+//   `(x * inv).round_to_i32()`.
+//   Launch: 256 threads, grid min(K·rows, 2²⁰) striding over the (slot, row) pairs t = k·rows + r (K·rows <
+//   2³², checked by the launcher); each CTA writes row t of V, threads striding its n columns.
+//
+// search_score_kernel: one warp per row (8 rows per 256-thread CTA, grid ⌈rows/8⌉); the warp walks the K
+//   slots of the batch in order, lanes stride the n columns (coalesced 128 B reads of P, V and HW), a warp
+//   xor-shuffle reduces a and b in f64, and every lane keeps the same running best, written back by lane 0.
+//   best_score / best_slot carry the best across batches (the host initialises them to +inf / −1).
+//
+// Roofline (asymmetric: 200 slots; f32 FFMA, H200 ~60 TFLOP/s): the GEMMs are 200 · 2·rows·n² flop:
+//   7B q/k/v/o_proj (4096 × 4096) 27.5 TFLOP ≈ 0.46 s each; gate/up (11008 × 4096) 74 TFLOP ≈ 1.2 s; down_proj
+//   (4096 × 11008) 199 TFLOP ≈ 3.3 s → ~460 TFLOP ≈ 7.6 s per layer, ~4 min per 7B model: GEMM-bound (bytes per
+//   slot ≈ 5 passes over rows·n f32 ≈ 336 MB at 4096², 67 GB per matrix ≈ 14 ms at 4.8 TB/s). That is far
+//   more arithmetic than the CPU twin's incremental search (~3.5 H-row axpys per entry: ~rows·n²·7 flop, 50×
+//   fewer), so the GEMM form wins only through the matrix units. Next variants, in order of promise:
+//   (1) bf16 tensor cores with H split in two bf16 halves (V is exact in bf16; two GEMMs give ~2⁻¹⁷ relative
+//   products, ~1e-5 of the score, coarser than the CPU's f32) plus an f32 re-score of each row's few best
+//   slots, ~10× faster; (2) a device port of the incremental search (per-row chains, H rows from L2).
+// Variants measured: none yet (no GPU run so far).
+// ptxas (nvcc 13.0, sm_90a / sm_80), 0 spills, no smem: search_v 25 / 25 registers; search_score 32 / 32.
+// ---------------------------------------------------------------------------------------------------------
+
+#include <math.h>
+#include <stdint.h>
+
+constexpr int kWarpSize = 32;
+constexpr int kVThreads = 256;      // search_v: threads per CTA; must match SEARCH_V_THREADS in search.rs
+constexpr int kScoreThreads = 256;  // search_score: threads per CTA; must match SEARCH_SCORE_THREADS
+constexpr int kScoreRowsPerCta = kScoreThreads / kWarpSize;
+
+// --- device helpers ---------------------------------------------------------------------------------------
+
+__device__ __forceinline__ double warp_sum(double x) {
+#pragma unroll
+    for (int o = kWarpSize / 2; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+// --- GPU kernels ------------------------------------------------------------------------------------------
+
+extern "C" __global__ void __launch_bounds__(kVThreads)
+search_v_kernel(float* __restrict__ v,                // [k_batch × rows × n] out: candidate integer vectors
+                const float* __restrict__ w,          // [rows × n] row-major
+                const float* __restrict__ cand_inv,   // [rows × n_slots] 1/scale of each candidate slot
+                const float* __restrict__ cand_zero,  // [rows × n_slots] zero; NaN = absent slot
+                const uint32_t rows,
+                const uint32_t n,
+                const uint32_t n_slots,               // slots per row (SHRINK_STEPS · 1 or 2)
+                const uint32_t c0,                    // first slot of this batch
+                const uint32_t k_batch,               // slots in this batch (c0 + k_batch ≤ n_slots)
+                const float maxq) {
+    // One CTA per (slot, row) pair t = k·rows + r (grid-stride): the candidate is loaded once, the threads
+    // stride the row's n columns (coalesced), no 64-bit division per element.
+    const uint32_t pairs = k_batch * rows;
+    for (uint32_t t = blockIdx.x; t < pairs; t += gridDim.x) {
+        const uint32_t r = t % rows;
+        const uint32_t k = t / rows;
+        const size_t c_gl = (size_t)r * n_slots + c0 + k;
+        const float z = cand_zero[c_gl];
+        const float inv = cand_inv[c_gl];
+        const float* w_gl = w + (size_t)r * n;
+        float* v_gl = v + (size_t)t * n;
+        for (uint32_t j = threadIdx.x; j < n; j += kVThreads) {
+            float q = 0.0f;
+            if (!isnan(z)) {
+                float rho = rintf(__fmul_rn(w_gl[j], inv));
+                if (isnan(rho)) rho = 0.0f;
+                q = fminf(fmaxf(rho, -z), maxq - z);
+            }
+            v_gl[j] = q;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(kScoreThreads)
+search_score_kernel(double* __restrict__ best_score,    // [rows] in/out: best score so far (+inf at start)
+                    int32_t* __restrict__ best_slot,    // [rows] in/out: its slot (−1 at start)
+                    const float* __restrict__ p,        // [k_batch × rows × n] P = V·H
+                    const float* __restrict__ v,        // [k_batch × rows × n] V (search_v_kernel)
+                    const float* __restrict__ hw,       // [rows × n] HW = W·H
+                    const float* __restrict__ cand_scale,  // [rows × n_slots]
+                    const float* __restrict__ cand_zero,   // [rows × n_slots] NaN = absent slot
+                    const uint32_t rows,
+                    const uint32_t n,
+                    const uint32_t n_slots,
+                    const uint32_t c0,
+                    const uint32_t k_batch) {
+    const uint32_t lane = threadIdx.x % kWarpSize;
+    const uint32_t r = blockIdx.x * kScoreRowsPerCta + threadIdx.x / kWarpSize;
+    if (r >= rows) return;  // whole warps leave together: the shuffles below see full warps
+    double best = best_score[r];
+    int32_t slot = best_slot[r];
+    const float* hw_gl = hw + (size_t)r * n;
+    for (uint32_t k = 0; k < k_batch; ++k) {
+        const size_t c_gl = (size_t)r * n_slots + c0 + k;
+        const float z = cand_zero[c_gl];
+        if (isnan(z)) continue;  // absent slot (uniform across the warp)
+        const size_t row_gl = ((size_t)k * rows + r) * n;
+        double a = 0.0, b = 0.0;
+        for (uint32_t j = lane; j < n; j += kWarpSize) {
+            const double vj = (double)v[row_gl + j];
+            a += (double)p[row_gl + j] * vj;  // exact products (24 + 24 bits); the sums round as the CPU's
+            b += (double)hw_gl[j] * vj;
+        }
+        a = warp_sum(a);
+        b = warp_sum(b);
+        const double s = (double)cand_scale[c_gl];
+        // s·s·a − 2·s·b rounded as the CPU's `s * s * a - 2.0 * s * b` (no contraction).
+        const double score = __dsub_rn(__dmul_rn(__dmul_rn(s, s), a), __dmul_rn(__dmul_rn(2.0, s), b));
+        if (score < best) {  // strict: the first of equal scores (slot order) wins; NaN never does
+            best = score;
+            slot = (int32_t)(c0 + k);
+        }
+    }
+    if (lane == 0) {
+        best_score[r] = best;
+        best_slot[r] = slot;
+    }
+}
