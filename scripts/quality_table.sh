@@ -37,16 +37,17 @@ print(json.dumps(dict(name=sys.argv[1], speeches=s['perplexity'], moby=m['perple
 }
 
 evaluate fp "$model" '{}'
-# Two passes: the table's three methods first, then the V row Hessian variant the issue asks to compare.
-for pass in "rtn gptq boa" "boa-vid"; do
+# Two passes: the table's three methods first (BoA with the default V row Hessian, the identity), then the
+# variant the issue asks to compare (W_out).
+for pass in "rtn gptq boa" "boa-wout"; do
   for setting in "3 -1" "2 64" "3 64" "4 -1"; do
     set -- $setting
-    # boa-vid: BoA with the reference code's V row Hessian (identity) instead of the default W_out one.
+    # boa-wout: BoA with the paper's V row Hessian (W_outᵀW_out) instead of the default identity.
     for method in $pass; do
       name="w$1-g$2-$method"
       grep -q "\"name\": \"$name\"" "$results" && continue
       flags="--method $method"
-      [[ $method == boa-vid ]] && flags="--method boa --v-row-hessian identity"
+      [[ $method == boa-wout ]] && flags="--method boa --v-row-hessian wout"
       start=$(date +%s)
       $bin run --model $model --calib $calib $flags --wbits $1 --group-size $2 --nsamples "$nsamples" \
         --seqlen 512 --seed 0 --device cpu --format fake --out "$out/$name" --force --quiet
@@ -68,13 +69,13 @@ print("|---|---|---|---|---|")
 ok = True
 for bits, group in [(2, 64), (3, -1), (3, 64), (4, -1)]:
     ppl = {}
-    for m in ["rtn", "gptq", "boa", "boa-vid"]:
+    for m in ["rtn", "gptq", "boa", "boa-wout"]:
         r = next((r for r in rows if r["name"] == f"w{bits}-g{group}-{m}"), None)
         if r is None:
             continue
         ppl[m] = r
         g = "per-channel" if group == -1 else f"g{group}"
-        label = {"rtn": "RTN", "gptq": "GPTQ", "boa": "BoA", "boa-vid": "BoA, V row identity"}[m]
+        label = {"rtn": "RTN", "gptq": "GPTQ", "boa": "BoA", "boa-wout": "BoA, V row W_out"}[m]
         print(f"| {bits}-bit {g} | {label} | {r['speeches']:.2f} | {r['moby']:.2f} | {r['run_seconds']} |")
     if all(m in ppl for m in ["rtn", "gptq", "boa"]):
         for t in ["speeches", "moby"]:
@@ -82,9 +83,9 @@ for bits, group in [(2, 64), (3, -1), (3, 64), (4, -1)]:
 print(f"\nordering BoA < GPTQ < RTN on both texts in every setting: {'yes' if ok else 'NO'}")
 wins = {"wout": 0, "identity": 0}
 for r in rows:
-    if r["name"].endswith("-boa-vid"):
-        w = next((x for x in rows if x["name"] == r["name"][:-4]), None)
-        for t in ["speeches", "moby"] if w else []:
-            wins["identity" if r[t] < w[t] else "wout"] += 1
+    if r["name"].endswith("-boa-wout"):
+        i = next((x for x in rows if x["name"] == r["name"][: -len("-wout")]), None)
+        for t in ["speeches", "moby"] if i else []:
+            wins["wout" if r[t] < i[t] else "identity"] += 1
 print(f"V row Hessian, lower perplexity (setting x text): W_out {wins['wout']}, identity {wins['identity']}")
 PY
