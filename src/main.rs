@@ -191,7 +191,7 @@ struct RunArgs {
     /// Scale/zero search: hessian (default for gptq/boa), mse, or minmax (default for rtn).
     #[arg(long, value_enum)]
     scale_search: Option<ScaleSearchArg>,
-    /// BoA's row Hessian for V: identity (the reference code's; lower perplexity in 4 of 6 comparisons of the
+    /// BoA's row Hessian for V: identity (the reference code's; lower perplexity in 5 of 8 comparisons of the
     /// README's 128 × 512 table, and the only one with BoA < GPTQ at 2 bits) or wout (the paper's Table 1).
     #[arg(long, value_enum, default_value_t = VRowHessian::Identity)]
     v_row_hessian: VRowHessian,
