@@ -13,8 +13,8 @@
 
 use super::Real;
 use super::gptq::{
-    DynamicGroups, GptqOptions, Quantized, gptq_block_sweep, grids_f32, permute_cols, plan_sweep,
-    static_grids, to_f32,
+    DynamicGroups, GptqOptions, Quantized, from_f32, gptq_block_sweep, grids_f32, permute_cols,
+    plan_sweep, static_grids, to_f32,
 };
 use super::linalg::{act_order_perm, damped_upper_inverse_batch, fix_dead_inputs, permute_sym};
 use super::profile::{Phase, timed};
@@ -536,7 +536,7 @@ pub fn boa_quantize_with<T: Real>(
                 },
                 g.spec.maxq(),
             );
-            qp = r.q.iter().map(|&v| T::from_f64(v as f64)).collect();
+            qp = from_f32(&r.q);
             cp = r.codes;
         }
         None => boa_sweep(

@@ -382,13 +382,7 @@ pub(crate) fn static_grids<T: Real>(
                 let wk: Vec<f32> = (0..rows)
                     .flat_map(|r| to_f32(&w[r * n + k * g..r * n + k * g + len]))
                     .collect();
-                ops.search_grids(&wk, rows, len, hb, spec)
-                    .iter()
-                    .map(|x| Grid {
-                        scale: T::from_f64(x.scale as f64),
-                        zero: T::from_f64(x.zero as f64),
-                    })
-                    .collect()
+                grids_from_f32(&ops.search_grids(&wk, rows, len, hb, spec))
             }
             _ => search_grids_rows(w, rows, n, k * g, len, hb.as_deref(), spec),
         };
@@ -414,6 +408,19 @@ pub(crate) fn grids_f32<T: Real>(g: &[Grid<T>]) -> Vec<Grid<f32>> {
         .map(|x| Grid {
             scale: x.scale.to_f64() as f32,
             zero: x.zero.to_f64() as f32,
+        })
+        .collect()
+}
+
+pub(crate) fn from_f32<T: Real>(v: &[f32]) -> Vec<T> {
+    v.iter().map(|&x| T::from_f64(x as f64)).collect()
+}
+
+pub(crate) fn grids_from_f32<T: Real>(g: &[Grid<f32>]) -> Vec<Grid<T>> {
+    g.iter()
+        .map(|x| Grid {
+            scale: T::from_f64(x.scale as f64),
+            zero: T::from_f64(x.zero as f64),
         })
         .collect()
 }
@@ -495,7 +502,7 @@ pub fn gptq_quantize_with<T: Real>(
                 },
                 opts.spec.maxq(),
             );
-            qp = r.q.iter().map(|&v| T::from_f64(v as f64)).collect();
+            qp = from_f32(&r.q);
             cp = r.codes;
         }
         (Some(ops), Some(dg)) => {
@@ -508,15 +515,9 @@ pub fn gptq_quantize_with<T: Real>(
                 dg,
                 opts.spec.maxq(),
             );
-            qp = r.q.iter().map(|&v| T::from_f64(v as f64)).collect();
+            qp = from_f32(&r.q);
             cp = r.codes;
-            grids = g
-                .iter()
-                .map(|x| Grid {
-                    scale: T::from_f64(x.scale as f64),
-                    zero: T::from_f64(x.zero as f64),
-                })
-                .collect();
+            grids = grids_from_f32(&g);
         }
         (None, _) => gptq_block_sweep(
             &mut wp,

@@ -53,6 +53,22 @@ impl CudaBackend {
         self.stream.clone_htod(v).map_err(driver(what))
     }
 
+    /// Q and the codes of a finished sweep, after the stream has run everything queued (`what` names the op).
+    fn download_sweep(
+        &self,
+        q_d: &CudaSlice<f32>,
+        c_d: &CudaSlice<u8>,
+        what: &'static str,
+    ) -> Result<SweepResult, CudaError> {
+        let q = self.stream.clone_dtoh(q_d).map_err(driver("download Q"))?;
+        let codes = self
+            .stream
+            .clone_dtoh(c_d)
+            .map_err(driver("download codes"))?;
+        self.stream.synchronize().map_err(driver(what))?;
+        Ok(SweepResult { q, codes })
+    }
+
     /// Scales and zeros of static grids as two device arrays, plus col_group.
     fn upload_grids(&self, g: &StaticGrids) -> Result<DeviceGrids, CudaError> {
         let s: Vec<f32> = g.grids.iter().map(|x| x.scale).collect();
@@ -395,13 +411,7 @@ impl CudaBackend {
                 maxq,
             )
         })?;
-        let q = self.stream.clone_dtoh(&q_d).map_err(driver("download Q"))?;
-        let codes = self
-            .stream
-            .clone_dtoh(&c_d)
-            .map_err(driver("download codes"))?;
-        self.stream.synchronize().map_err(driver("gptq_sweep"))?;
-        Ok(SweepResult { q, codes })
+        self.download_sweep(&q_d, &c_d, "gptq_sweep")
     }
 
     /// `gptq_sweep_dynamic`: the sweep on the device, each group's grids searched on the host (the CPU's own
@@ -496,15 +506,8 @@ impl CudaBackend {
                 &mut search,
             )
         })?;
-        let q = self.stream.clone_dtoh(&q_d).map_err(driver("download Q"))?;
-        let codes = self
-            .stream
-            .clone_dtoh(&c_d)
-            .map_err(driver("download codes"))?;
-        self.stream
-            .synchronize()
-            .map_err(driver("gptq_sweep_dynamic"))?;
-        Ok((SweepResult { q, codes }, grids))
+        let result = self.download_sweep(&q_d, &c_d, "gptq_sweep_dynamic")?;
+        Ok((result, grids))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -592,13 +595,7 @@ impl CudaBackend {
                 maxq,
             )
         })?;
-        let q = self.stream.clone_dtoh(&q_d).map_err(driver("download Q"))?;
-        let codes = self
-            .stream
-            .clone_dtoh(&c_d)
-            .map_err(driver("download codes"))?;
-        self.stream.synchronize().map_err(driver("boa_sweep"))?;
-        Ok(SweepResult { q, codes })
+        self.download_sweep(&q_d, &c_d, "boa_sweep")
     }
 }
 
