@@ -2,17 +2,24 @@
 //! knowledge of which algorithm calls it. `cpu` is the reference (and the oracle of every CUDA kernel);
 //! `cuda` runs the same operations through kernels embedded at build time.
 //!
-//! Matrices are row-major f32 host slices. A linear layer's weight is W [d_out × d_in] (y = W x); a batch of
-//! tokens is X [m × d_in] with one token per row.
+//! Matrices are row-major f32. A linear layer's weight is W [d_out × d_in] (y = W x); a batch of tokens is
+//! X [m × d_in] with one token per row. Each op comes twice: on host slices (the reference, used by tests and
+//! tools), and on `Tensor`s (`*_t`), which a device backend keeps in its own memory between ops so a block
+//! forward costs no PCIe traffic. The tensor methods default to the slice methods, which is all a host backend
+//! needs.
 
 pub mod cpu;
 mod cpu_quant;
 pub mod cuda;
 pub mod quant_ops;
 mod select;
+pub mod tensor;
 
-pub use quant_ops::QuantOps;
+pub use quant_ops::{AttnShape, QuantOps};
 pub use select::{Device, select_backend};
+pub use tensor::{Tensor, Weight};
+
+use std::borrow::Cow;
 
 /// Every backend also provides the quantization core (`QuantOps`, quant_ops.rs).
 pub trait Backend: QuantOps + Send + Sync {
@@ -80,5 +87,203 @@ pub trait Backend: QuantOps + Send + Sync {
     /// (free, total) bytes of the device's own memory; None when the device is the host.
     fn device_memory(&self) -> Option<(u64, u64)> {
         None
+    }
+
+    // ---- Tensors: where activations live between ops (tensor.rs). The defaults serve host backends, and
+    // ---- (through `read` / `to_device`) any op a device backend does not override.
+
+    /// Moves `x` to where this backend computes (a device backend uploads host and pinned tensors).
+    fn to_device(&self, x: Tensor) -> Tensor {
+        x
+    }
+
+    /// Moves `x` out of device memory: into page-locked host memory when `pinned` (activations parked while
+    /// the device works on other chunks), else into a plain vector.
+    fn to_host(&self, x: Tensor, _pinned: bool) -> Tensor {
+        x
+    }
+
+    /// The values of `x` on the host: borrowed when they already are, copied out of a device.
+    fn read<'a>(&self, x: &'a Tensor) -> Cow<'a, [f32]> {
+        Cow::Borrowed(x.expect_host("read"))
+    }
+
+    /// A copy of `x`, in the same place.
+    fn duplicate(&self, x: &Tensor) -> Tensor {
+        self.to_device(Tensor::Host(self.read(x).into_owned()))
+    }
+
+    /// `n` zeros where this backend computes.
+    fn zeros(&self, n: usize) -> Tensor {
+        self.to_device(Tensor::Host(vec![0.0; n]))
+    }
+
+    /// A copy of a weight in this backend's memory, for a forward that reads it many times; None when the
+    /// host values serve as they are (host backends).
+    fn upload_weight(&self, _w: &[f32]) -> Option<Tensor> {
+        None
+    }
+
+    /// `linear` on tensors.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_t(
+        &self,
+        x: &Tensor,
+        w: Weight<'_>,
+        bias: Option<&[f32]>,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Tensor {
+        self.to_device(Tensor::Host(self.linear(
+            &self.read(x),
+            w.host,
+            bias,
+            m,
+            k,
+            n,
+        )))
+    }
+
+    /// `packed_linear` on tensors.
+    fn packed_linear_t(
+        &self,
+        x: &Tensor,
+        w: &crate::quant::pack::PackedLinear,
+        bias: Option<&[f32]>,
+        m: usize,
+    ) -> Tensor {
+        self.to_device(Tensor::Host(self.packed_linear(&self.read(x), w, bias, m)))
+    }
+
+    /// `rms_norm` on tensors.
+    fn rms_norm_t(&self, x: &Tensor, w: &[f32], d: usize, eps: f32) -> Tensor {
+        self.to_device(Tensor::Host(self.rms_norm(&self.read(x), w, d, eps)))
+    }
+
+    /// `rope` on a tensor, in place.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_t(
+        &self,
+        x: &mut Tensor,
+        t: usize,
+        n_heads: usize,
+        d_h: usize,
+        cos: &[f32],
+        sin: &[f32],
+    ) {
+        match x.host_mut() {
+            Some(v) => self.rope(v, t, n_heads, d_h, cos, sin),
+            None => {
+                let mut v = self.read(x).into_owned();
+                self.rope(&mut v, t, n_heads, d_h, cos, sin);
+                *x = self.to_device(Tensor::Host(v));
+            }
+        }
+    }
+
+    /// `causal_attention` on tensors.
+    #[allow(clippy::too_many_arguments)]
+    fn causal_attention_t(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        n_seq: usize,
+        t: usize,
+        h: usize,
+        h_kv: usize,
+        d_h: usize,
+    ) -> Tensor {
+        let o = self.causal_attention(
+            &self.read(q),
+            &self.read(k),
+            &self.read(v),
+            n_seq,
+            t,
+            h,
+            h_kv,
+            d_h,
+        );
+        self.to_device(Tensor::Host(o))
+    }
+
+    /// `swiglu` on tensors.
+    fn swiglu_t(&self, gate: &Tensor, up: &Tensor) -> Tensor {
+        self.to_device(Tensor::Host(self.swiglu(&self.read(gate), &self.read(up))))
+    }
+
+    /// x += y, elementwise (the residual connections).
+    fn add_t(&self, x: &mut Tensor, y: &Tensor) {
+        assert_eq!(x.len(), y.len(), "add_t: lengths differ");
+        let y = self.read(y);
+        match x.host_mut() {
+            Some(v) => v.iter_mut().zip(y.iter()).for_each(|(a, b)| *a += b),
+            None => {
+                let mut v = self.read(x).into_owned();
+                v.iter_mut().zip(y.iter()).for_each(|(a, b)| *a += b);
+                *x = self.to_device(Tensor::Host(v));
+            }
+        }
+    }
+
+    /// acc [d × d] += Xᵀ X of X [m × d] (`xxt_accumulate` on tensors; acc from `zeros`).
+    fn xxt_accumulate_t(&self, acc: &mut Tensor, x: &Tensor, m: usize, d: usize) {
+        let x = self.read(x);
+        match acc.host_mut() {
+            Some(a) => self.xxt_accumulate(a, &x, m, d),
+            None => {
+                let mut a = self.read(acc).into_owned();
+                self.xxt_accumulate(&mut a, &x, m, d);
+                *acc = self.to_device(Tensor::Host(a));
+            }
+        }
+    }
+
+    /// acc [n_heads × d_h × d_h] += the per-head sums of `head_covariance` of X [m × n_heads·d_h].
+    fn head_covariance_t(
+        &self,
+        acc: &mut Tensor,
+        x: &Tensor,
+        m: usize,
+        n_heads: usize,
+        d_h: usize,
+    ) {
+        let sums = self.head_covariance(&self.read(x), m, n_heads, d_h);
+        self.add_t(acc, &Tensor::Host(sums));
+    }
+
+    /// acc [h_kv × d × d] += Σ over `n_seq` sequences and over each KV head's query heads of
+    /// `v_col_covariance` (X [n_seq·t × d], Q [n_seq·t × h·d_h], K [n_seq·t × h_kv·d_h]).
+    #[allow(clippy::too_many_arguments)]
+    fn v_col_covariance_t(
+        &self,
+        acc: &mut Tensor,
+        x: &Tensor,
+        q: &Tensor,
+        k: &Tensor,
+        s: AttnShape,
+        n_seq: usize,
+    ) {
+        let (x, q, k) = (self.read(x), self.read(q), self.read(k));
+        let AttnShape { t, h, h_kv, d_h, d } = s;
+        let (dd, gs) = (d * d, h / h_kv.max(1));
+        let mut folded = vec![0f32; h_kv * dd];
+        for i in 0..n_seq {
+            let sums = self.v_col_covariance(
+                &x[i * t * d..(i + 1) * t * d],
+                &q[i * t * h * d_h..(i + 1) * t * h * d_h],
+                &k[i * t * h_kv * d_h..(i + 1) * t * h_kv * d_h],
+                s,
+            );
+            for (head, g) in sums.chunks(dd).enumerate() {
+                let kv = head / gs;
+                folded[kv * dd..(kv + 1) * dd]
+                    .iter_mut()
+                    .zip(g)
+                    .for_each(|(a, b)| *a += b);
+            }
+        }
+        self.add_t(acc, &Tensor::Host(folded));
     }
 }

@@ -4,6 +4,7 @@
 //! weights plus the chunk's activations, whatever the model size.
 
 use crate::backend::Backend;
+use crate::backend::Tensor;
 use crate::backend::cpu::{max_lanes, sum_exp_f64};
 use crate::data::{text, tokenizer::Tokenizer, windows};
 use crate::model::Model;
@@ -94,11 +95,14 @@ pub fn window_nll(
             count += group.len() * (t - 1);
             continue;
         }
+        // X stays where the backend computes for the whole stack of blocks.
+        let mut xt = be.to_device(Tensor::Host(x));
         for l in 0..c.n_layers {
             let w = model.load_block(l)?;
-            block_forward(be, &w, c, &rope, &mut x, group.len(), None);
+            block_forward(be, &w, None, c, &rope, &mut xt, group.len(), None);
             bar.inc(1);
         }
+        let x = be.read(&xt);
         let h = be.rms_norm(&x, &norm, c.d, c.eps);
         for (s, win) in group.iter().enumerate() {
             let logits = be.linear(

@@ -5,7 +5,7 @@
 use super::config::Config;
 use super::packed::{GptqConfig, load_packed_linear};
 use super::weights::WeightStore;
-use crate::backend::Backend;
+use crate::backend::{Backend, Tensor, Weight};
 use crate::error::file_err;
 use crate::quant::pack::PackedLinear;
 use safetensors::Dtype;
@@ -28,6 +28,30 @@ impl Linear {
         match &self.packed {
             Some(p) => be.packed_linear(x, p, self.b.as_deref(), m),
             None => be.linear(x, &self.w, self.b.as_deref(), m, self.d_in, self.d_out),
+        }
+    }
+
+    /// `forward` on a tensor; `resident` is this weight's copy in the backend's memory, if one was made.
+    pub fn forward_t(
+        &self,
+        be: &dyn Backend,
+        x: &Tensor,
+        m: usize,
+        resident: Option<&Tensor>,
+    ) -> Tensor {
+        match &self.packed {
+            Some(p) => be.packed_linear_t(x, p, self.b.as_deref(), m),
+            None => be.linear_t(
+                x,
+                Weight {
+                    host: &self.w,
+                    resident,
+                },
+                self.b.as_deref(),
+                m,
+                self.d_in,
+                self.d_out,
+            ),
         }
     }
 }
@@ -107,29 +131,62 @@ impl RopeTable {
     }
 }
 
-/// Intermediates of one block forward that the quantizer's statistics need.
+/// The dense weights of a block copied into a backend's own memory (`Backend::upload_weight`), in
+/// LINEAR_NAMES order, so the forward of many chunks copies each weight once. Empty on host backends.
+#[derive(Default)]
+pub struct ResidentWeights {
+    w: Vec<Option<Tensor>>,
+}
+
+impl ResidentWeights {
+    pub fn upload(be: &dyn Backend, w: &BlockWeights) -> ResidentWeights {
+        ResidentWeights {
+            w: LINEAR_NAMES
+                .iter()
+                .map(|n| {
+                    let l = w.linear(n);
+                    if l.packed.is_some() {
+                        None
+                    } else {
+                        be.upload_weight(&l.w)
+                    }
+                })
+                .collect(),
+        }
+    }
+
+    fn get(&self, i: usize) -> Option<&Tensor> {
+        self.w.get(i).and_then(Option::as_ref)
+    }
+}
+
+/// Intermediates of one block forward that the quantizer's statistics need, where the backend keeps them.
 #[derive(Default)]
 pub struct BlockTrace {
     /// Input of q/k/v (after the attention RMSNorm) [n_seq·t × d].
-    pub x_attn: Vec<f32>,
+    pub x_attn: Tensor,
     /// Post-RoPE queries [n_seq·t × H·d_h] and keys [n_seq·t × H_kv·d_h].
-    pub q: Vec<f32>,
-    pub k: Vec<f32>,
+    pub q: Tensor,
+    pub k: Tensor,
     /// Input of o_proj (attention output) [n_seq·t × H·d_h].
-    pub attn_out: Vec<f32>,
+    pub attn_out: Tensor,
     /// Input of gate/up (after the MLP RMSNorm) [n_seq·t × d].
-    pub x_mlp: Vec<f32>,
+    pub x_mlp: Tensor,
     /// Input of down_proj (SwiGLU output) [n_seq·t × d_ff].
-    pub act: Vec<f32>,
+    pub act: Tensor,
 }
 
-/// One block forward on X [n_seq·t × d], in place. With `trace`, the intermediates are moved into it.
+/// One block forward on X [n_seq·t × d], in place, wherever the backend keeps X. `resident` holds copies of
+/// the weights in the backend's memory (else each linear reads `w`'s host values). With `trace`, the
+/// intermediates are moved into it.
+#[allow(clippy::too_many_arguments)]
 pub fn block_forward(
     be: &dyn Backend,
     w: &BlockWeights,
+    resident: Option<&ResidentWeights>,
     cfg: &Config,
     rope: &RopeTable,
-    x: &mut [f32],
+    x: &mut Tensor,
     n_seq: usize,
     trace: Option<&mut BlockTrace>,
 ) {
@@ -142,23 +199,27 @@ pub fn block_forward(
         cfg.d
     );
     let (h, h_kv, d_h) = (cfg.n_heads, cfg.n_kv_heads, cfg.d_h);
+    let r = |i: usize| resident.and_then(|r| r.get(i));
 
-    let xa = be.rms_norm(x, &w.attn_norm, cfg.d, cfg.eps);
-    let mut q = w.q.forward(be, &xa, m);
-    let mut k = w.k.forward(be, &xa, m);
-    let v = w.v.forward(be, &xa, m);
-    be.rope(&mut q, t, h, d_h, &rope.cos, &rope.sin);
-    be.rope(&mut k, t, h_kv, d_h, &rope.cos, &rope.sin);
-    let attn = be.causal_attention(&q, &k, &v, n_seq, t, h, h_kv, d_h);
-    let o = w.o.forward(be, &attn, m);
-    x.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
+    let xa = be.rms_norm_t(x, &w.attn_norm, cfg.d, cfg.eps);
+    let mut q = w.q.forward_t(be, &xa, m, r(0));
+    let mut k = w.k.forward_t(be, &xa, m, r(1));
+    let v = w.v.forward_t(be, &xa, m, r(2));
+    be.rope_t(&mut q, t, h, d_h, &rope.cos, &rope.sin);
+    be.rope_t(&mut k, t, h_kv, d_h, &rope.cos, &rope.sin);
+    let attn = be.causal_attention_t(&q, &k, &v, n_seq, t, h, h_kv, d_h);
+    drop(v);
+    let o = w.o.forward_t(be, &attn, m, r(3));
+    be.add_t(x, &o);
+    drop(o);
 
-    let xm = be.rms_norm(x, &w.mlp_norm, cfg.d, cfg.eps);
-    let gate = w.gate.forward(be, &xm, m);
-    let up = w.up.forward(be, &xm, m);
-    let act = be.swiglu(&gate, &up);
-    let down = w.down.forward(be, &act, m);
-    x.iter_mut().zip(&down).for_each(|(x, d)| *x += d);
+    let xm = be.rms_norm_t(x, &w.mlp_norm, cfg.d, cfg.eps);
+    let gate = w.gate.forward_t(be, &xm, m, r(4));
+    let up = w.up.forward_t(be, &xm, m, r(5));
+    let act = be.swiglu_t(&gate, &up);
+    drop((gate, up));
+    let down = w.down.forward_t(be, &act, m, r(6));
+    be.add_t(x, &down);
 
     if let Some(tr) = trace {
         *tr = BlockTrace {
@@ -170,6 +231,23 @@ pub fn block_forward(
             act,
         };
     }
+}
+
+/// `block_forward` on host values, for callers that hold X in a plain vector (eval, tests).
+pub fn block_forward_host(
+    be: &dyn Backend,
+    w: &BlockWeights,
+    cfg: &Config,
+    rope: &RopeTable,
+    x: &mut Vec<f32>,
+    n_seq: usize,
+) {
+    let mut xt = be.to_device(Tensor::Host(std::mem::take(x)));
+    block_forward(be, w, None, cfg, rope, &mut xt, n_seq, None);
+    *x = match be.to_host(xt, false) {
+        Tensor::Host(v) => v,
+        t => be.read(&t).into_owned(),
+    };
 }
 
 /// A model folder: config, weights (memory-mapped) and the path, with loaders for one block at a time.

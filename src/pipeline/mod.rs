@@ -12,14 +12,14 @@ pub mod report;
 pub mod resume;
 pub mod stats;
 
-use crate::backend::select_backend;
+use crate::backend::{Backend, Tensor, select_backend};
 use crate::data::{text, tokenizer::Tokenizer, windows};
 use crate::error::file_err;
 use crate::export::gptq_packed::{OutFormat, linear_entries, quantization_config};
 use crate::export::hf_folder::OutFolder;
 use crate::export::safetensors_out::TensorEntry;
 use crate::model::Model;
-use crate::model::llama::{BlockWeights, LINEAR_NAMES, block_forward};
+use crate::model::llama::{BlockWeights, LINEAR_NAMES, ResidentWeights, block_forward};
 use crate::nvtx::ranged;
 use crate::progress::Progress;
 use options::{LayerSet, Method, RunOptions, ScaleSearchArg};
@@ -29,16 +29,24 @@ use std::time::Instant;
 /// Windows forwarded together; bounds the memory of one forward's intermediates.
 const CHUNK: usize = 8;
 
-/// Prints the memory plan before any long work. A GPU plan that cannot fit is refused now; on the host the
-/// estimate (f64 statistics, no reuse between buffers) is an upper bound, so it only warns.
+/// Where the calibration activations live and how many sequences one forward takes.
+struct Placement {
+    /// X parked in pinned host memory between uses (the GPU plan did not fit X on the device).
+    parked: bool,
+    chunk_seqs: usize,
+}
+
+/// Prints the memory plan before any long work and returns where X lives. A GPU plan that cannot fit is
+/// refused now; on the host the estimate (f64 statistics, no reuse between buffers) is an upper bound, so it
+/// only warns.
 fn state_memory_plan(
-    be: &dyn crate::backend::Backend,
+    be: &dyn Backend,
     cfg: &crate::model::config::Config,
     opts: &RunOptions,
     needs_calib: bool,
     progress: &Progress,
-) -> anyhow::Result<()> {
-    use memory_plan::{Calibration, ModelShape, Target, host_available_bytes, plan};
+) -> anyhow::Result<Placement> {
+    use memory_plan::{Activations, Calibration, ModelShape, Target, host_available_bytes, plan};
     let calib = Calibration {
         nsamples: if needs_calib { opts.nsamples } else { 0 },
         seqlen: opts.seqlen,
@@ -49,6 +57,10 @@ fn state_memory_plan(
             let p = plan(&shape, calib, Target::Gpu, free, CHUNK)
                 .map_err(|m| crate::input_err!("{m}"))?;
             progress.line(p.to_string().trim_end());
+            Ok(Placement {
+                parked: p.activations == Activations::HostStreamed,
+                chunk_seqs: p.chunk_seqs,
+            })
         }
         None => {
             let free = host_available_bytes().unwrap_or(u64::MAX);
@@ -56,9 +68,36 @@ fn state_memory_plan(
                 Ok(p) => progress.line(p.to_string().trim_end()),
                 Err(m) => progress.line(&format!("warning: {m}")),
             }
+            Ok(Placement {
+                parked: false,
+                chunk_seqs: CHUNK,
+            })
         }
     }
-    Ok(())
+}
+
+/// Splits X [n_seq·t × d] into chunks of `placement.chunk_seqs` sequences, placed as planned: on the device,
+/// or parked in pinned host memory (host backends keep plain vectors either way).
+fn place_activations(
+    be: &dyn Backend,
+    x: Vec<f32>,
+    per_seq: usize,
+    placement: &Placement,
+) -> Vec<Tensor> {
+    if x.is_empty() {
+        return Vec::new();
+    }
+    let per_chunk = placement.chunk_seqs * per_seq;
+    x.chunks(per_chunk)
+        .map(|c| {
+            let t = Tensor::Host(c.to_vec());
+            if placement.parked {
+                be.to_host(t, true)
+            } else {
+                be.to_device(t)
+            }
+        })
+        .collect()
 }
 
 pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> {
@@ -105,7 +144,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
     }
     // RTN with min-max or MSE scales never looks at activations.
     let needs_calib = opts.method != Method::Rtn || opts.scale_search == ScaleSearchArg::Hessian;
-    state_memory_plan(be.as_ref(), cfg, opts, needs_calib, progress)?;
+    let placement = state_memory_plan(be.as_ref(), cfg, opts, needs_calib, progress)?;
     let last_needed = *layers.0.last().expect("non-empty");
 
     // The output folder first: an unwritable --out or a full disk fails now, not after the calibration.
@@ -153,7 +192,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
         } else {
             None
         };
-        let (start, mut x, mut reports) = match saved {
+        let (start, x, mut reports) = match saved {
             Some(s) => {
                 progress.line(&format!(
                     "resuming from block {} of {} ({})",
@@ -205,85 +244,138 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
         let base_total = timings.total;
         let mut bar = progress.bar("quantize", cfg.n_layers as u64, "blocks");
         bar.inc(start as u64);
-        for l in start..cfg.n_layers {
-            let selected = layers.contains(l);
-            if !selected {
-                if needs_calib && l < last_needed {
-                    let w = model.load_block(l)?;
-                    let t = Instant::now();
-                    ranged(c"forward", || {
-                        forward_all(be.as_ref(), &w, &model, &rope, &mut x, n_seq)
-                    });
-                    timings.forward += t.elapsed().as_secs_f64();
-                }
-                let t = Instant::now();
-                ranged(c"write", || {
-                    folder.write_shard(l, &stored_entries(&model, l)?)
-                })?;
-                timings.write += t.elapsed().as_secs_f64();
+        // Blocks whose weights the loop reads: the selected ones, and the others while X must pass them.
+        let needs_weights = |l: usize| layers.contains(l) || (needs_calib && l < last_needed);
+        let mut x = place_activations(be.as_ref(), x, opts.seqlen * cfg.d, &placement);
+        let be = be.as_ref();
+        // A block's weights in f32 on the host, and (when X goes through it) copied into the backend's
+        // memory: for the prefetch thread, so both the disk read and the upload overlap the previous block.
+        let model_ref = &model;
+        let load = move |l: usize| -> anyhow::Result<(BlockWeights, ResidentWeights)> {
+            let w = model_ref.load_block(l)?;
+            let resident = if needs_calib {
+                ResidentWeights::upload(be, &w)
             } else {
-                bar.set_message(format!("layer {l}"));
-                let mut w = model.load_block(l)?;
-                check_finite(&w, l)?;
-                let stats = needs_calib.then(|| {
-                    stats::collect(
-                        be.as_ref(),
-                        &w,
-                        cfg,
-                        &rope,
-                        &x,
-                        n_seq,
-                        CHUNK,
-                        opts.method == Method::Boa,
-                    )
-                });
-                if let Some(s) = &stats {
-                    timings.forward += s.forward_time.as_secs_f64();
-                    timings.statistics += s.stats_time.as_secs_f64();
-                }
-                let t = Instant::now();
-                crate::quant::profile::take();
-                let quantized = ranged(c"quantize block", || {
-                    quantize_block::quantize_block(&mut w, stats.as_ref(), cfg, opts, l, ops)
-                })?;
-                timings.quantize += t.elapsed().as_secs_f64();
-                let [factor, search, sweep] = crate::quant::profile::take();
-                (timings.factor, timings.search, timings.sweep) = (
-                    timings.factor + factor,
-                    timings.search + search,
-                    timings.sweep + sweep,
-                );
-                drop(stats);
-                if needs_calib && l < last_needed {
+                ResidentWeights::default()
+            };
+            Ok((w, resident))
+        };
+        std::thread::scope(|scope| -> anyhow::Result<()> {
+            // Block l+1 is read and converted on a second thread while block l works (design.md §3).
+            let mut prefetch = None;
+            let (mut last_save, mut save_cost) = (Instant::now(), 0.0);
+            for l in start..cfg.n_layers {
+                let selected = layers.contains(l);
+                let w = if needs_weights(l) {
                     let t = Instant::now();
-                    ranged(c"forward", || {
-                        forward_all(be.as_ref(), &w, &model, &rope, &mut x, n_seq)
-                    });
-                    timings.forward += t.elapsed().as_secs_f64();
+                    let w = match prefetch.take() {
+                        Some(h) => join_load(h)?,
+                        None => load(l)?,
+                    };
+                    timings.load += t.elapsed().as_secs_f64();
+                    Some(w)
+                } else {
+                    None
+                };
+                if l + 1 < cfg.n_layers && needs_weights(l + 1) {
+                    prefetch = Some(scope.spawn(move || load(l + 1)));
                 }
-                let t = Instant::now();
-                ranged(c"write", || {
-                    folder.write_shard(
-                        l,
-                        &quantized_entries(&model, l, &quantized, opts.format, out_dtype)?,
-                    )
-                })?;
-                timings.write += t.elapsed().as_secs_f64();
-                reports.push(LayerReport {
-                    layer: l,
-                    linears: quantized.into_iter().map(|(_, r)| r).collect(),
-                });
+                if !selected {
+                    if let Some((w, resident)) = &w {
+                        let t = Instant::now();
+                        ranged(c"forward", || {
+                            forward_all(be, w, resident, &model.cfg, &rope, &mut x)
+                        });
+                        timings.forward += t.elapsed().as_secs_f64();
+                    }
+                    let t = Instant::now();
+                    ranged(c"write", || {
+                        folder.write_shard(l, &stored_entries(&model, l)?)
+                    })?;
+                    timings.write += t.elapsed().as_secs_f64();
+                } else {
+                    bar.set_message(format!("layer {l}"));
+                    let (mut w, resident) = w.expect("a selected block's weights are read");
+                    check_finite(&w, l)?;
+                    let stats = needs_calib.then(|| {
+                        stats::collect(
+                            be,
+                            &w,
+                            Some(&resident),
+                            cfg,
+                            &rope,
+                            &x,
+                            opts.method == Method::Boa,
+                        )
+                    });
+                    // The FP copy on the device is not needed past the statistics.
+                    drop(resident);
+                    if let Some(s) = &stats {
+                        timings.forward += s.forward_time.as_secs_f64();
+                        timings.statistics += s.stats_time.as_secs_f64();
+                    }
+                    let t = Instant::now();
+                    crate::quant::profile::take();
+                    let quantized = ranged(c"quantize block", || {
+                        quantize_block::quantize_block(&mut w, stats.as_ref(), cfg, opts, l, ops)
+                    })?;
+                    timings.quantize += t.elapsed().as_secs_f64();
+                    let [factor, search, sweep] = crate::quant::profile::take();
+                    (timings.factor, timings.search, timings.sweep) = (
+                        timings.factor + factor,
+                        timings.search + search,
+                        timings.sweep + sweep,
+                    );
+                    drop(stats);
+                    if needs_calib && l < last_needed {
+                        let t = Instant::now();
+                        ranged(c"forward", || {
+                            let resident = ResidentWeights::upload(be, &w);
+                            forward_all(be, &w, &resident, cfg, &rope, &mut x)
+                        });
+                        timings.forward += t.elapsed().as_secs_f64();
+                    }
+                    let t = Instant::now();
+                    ranged(c"write", || {
+                        folder.write_shard(
+                            l,
+                            &quantized_entries(&model, l, &quantized, opts.format, out_dtype)?,
+                        )
+                    })?;
+                    timings.write += t.elapsed().as_secs_f64();
+                    reports.push(LayerReport {
+                        layer: l,
+                        linears: quantized.into_iter().map(|(_, r)| r).collect(),
+                    });
+                }
+                // X_{l+1} is kept only while a later block still needs it.
+                if !(needs_calib && l < last_needed) {
+                    x.clear();
+                }
+                // Saving X costs seconds per block on a 7B model (GiBs to disk): save when it is at most
+                // ~10% of the time since the last save, and after the last block.
+                if last_save.elapsed().as_secs_f64() >= 10.0 * save_cost || l + 1 == cfg.n_layers {
+                    let t = Instant::now();
+                    let x_next = (needs_calib && l < last_needed).then_some((be, &x[..]));
+                    timings.total = base_total + t_start.elapsed().as_secs_f64();
+                    resume::checkpoint(
+                        &folder.tmp,
+                        &fingerprint,
+                        l + 1,
+                        x_next,
+                        &reports,
+                        &timings,
+                    )?;
+                    save_cost = t.elapsed().as_secs_f64();
+                    timings.write += save_cost;
+                    last_save = Instant::now();
+                    progressed = true;
+                }
+                resume::test_slow_block();
+                bar.inc(1);
             }
-            // X_{l+1} is kept only while a later block still needs it.
-            let t = Instant::now();
-            let x_next = (needs_calib && l < last_needed).then_some(&x[..]);
-            timings.total = base_total + t_start.elapsed().as_secs_f64();
-            resume::checkpoint(&folder.tmp, &fingerprint, l + 1, x_next, &reports, &timings)?;
-            timings.write += t.elapsed().as_secs_f64();
-            progressed = true;
-            resume::test_slow_block();
-            bar.inc(1);
-        }
+            Ok(())
+        })?;
         bar.finish();
         folder.write_shard(cfg.n_layers, &global_entries(&model)?)?;
         let mut config = cfg.json.clone();
@@ -332,28 +424,31 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
     }
 }
 
-/// X [n_seq·t × d] ← block(X), chunk by chunk.
+/// X ← block(X), chunk by chunk, with the block's weights already in the backend's memory (`resident`). A
+/// parked chunk (pinned host memory) visits the device for its forward and goes back.
 fn forward_all(
-    be: &dyn crate::backend::Backend,
+    be: &dyn Backend,
     w: &BlockWeights,
-    model: &Model,
+    resident: &ResidentWeights,
+    cfg: &crate::model::config::Config,
     rope: &crate::model::llama::RopeTable,
-    x: &mut [f32],
-    n_seq: usize,
+    x: &mut [Tensor],
 ) {
-    let rows = rope.t * model.cfg.d;
-    for s0 in (0..n_seq).step_by(CHUNK) {
-        let ns = CHUNK.min(n_seq - s0);
-        block_forward(
-            be,
-            w,
-            &model.cfg,
-            rope,
-            &mut x[s0 * rows..(s0 + ns) * rows],
-            ns,
-            None,
-        );
+    let per_seq = rope.t * cfg.d;
+    for c in x.iter_mut() {
+        let ns = c.len() / per_seq;
+        let on_device = c.on_device();
+        let mut xt = be.to_device(std::mem::take(c));
+        block_forward(be, w, Some(resident), cfg, rope, &mut xt, ns, None);
+        *c = if on_device { xt } else { be.to_host(xt, true) };
     }
+}
+
+/// The weights the prefetch thread read (its panic, if any, resumes here).
+fn join_load(
+    h: std::thread::ScopedJoinHandle<'_, anyhow::Result<(BlockWeights, ResidentWeights)>>,
+) -> anyhow::Result<(BlockWeights, ResidentWeights)> {
+    h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))
 }
 
 /// NaN or Inf in a weight would poison every Hessian downstream: name the tensor instead.

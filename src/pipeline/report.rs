@@ -6,6 +6,10 @@ use super::quantize_block::LinearReport;
 #[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct Timings {
     pub calibration_data: f64,
+    /// Waiting for a block's weights (read from disk and converted to f32 by the prefetch thread while the
+    /// previous block works; only what did not overlap counts).
+    #[serde(default)]
+    pub load: f64,
     pub forward: f64,
     pub statistics: f64,
     /// All of quantization, and its parts: factorizations (damping + U = chol(H⁻¹)ᵀ), static scale
@@ -24,6 +28,7 @@ impl Timings {
         let report = (self.quantize - self.factor - self.search - self.sweep).max(0.0);
         let mut rows = vec![
             ("calibration data", self.calibration_data),
+            ("weights load (not overlapped)", self.load),
             ("forward", self.forward),
             ("statistics", self.statistics),
             ("factorization (damping + Cholesky)", self.factor),

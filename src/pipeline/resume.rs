@@ -22,6 +22,7 @@
 //! a resume would defeat it); a weights file rewritten in place with the same header is not detected.
 
 use super::report::{LayerReport, Timings};
+use crate::backend::{Backend, Tensor};
 use crate::error::file_err;
 use crate::model::Model;
 use crate::pipeline::options::RunOptions;
@@ -210,7 +211,7 @@ pub fn checkpoint(
     tmp: &Path,
     fingerprint: &Value,
     next_block: usize,
-    x: Option<&[f32]>,
+    x: Option<(&dyn Backend, &[Tensor])>,
     reports: &[LayerReport],
     timings: &Timings,
 ) -> anyhow::Result<()> {
@@ -225,14 +226,20 @@ pub fn checkpoint(
                 .map_err(|e| file_err(&p, format!("cannot sync: {e}")))?;
         }
     }
+    let mut x_len = 0;
     let activations = match x {
-        Some(x) => {
+        Some((be, chunks)) => {
             let name = x_name(next_block);
             write_atomic(&dir.join(&name), |f| {
                 let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
-                for c in x.chunks(1 << 16) {
-                    let b: Vec<u8> = c.iter().flat_map(|v| v.to_le_bytes()).collect();
-                    w.write_all(&b)?;
+                // One chunk at a time: a device backend copies each out, never all of X at once.
+                for chunk in chunks {
+                    let values = be.read(chunk);
+                    x_len += values.len();
+                    for c in values.chunks(1 << 16) {
+                        let b: Vec<u8> = c.iter().flat_map(|v| v.to_le_bytes()).collect();
+                        w.write_all(&b)?;
+                    }
                 }
                 w.flush()
             })?;
@@ -245,7 +252,7 @@ pub fn checkpoint(
         fingerprint: fingerprint.clone(),
         next_block,
         activations: activations.clone(),
-        activations_len: x.map_or(0, <[f32]>::len),
+        activations_len: x_len,
         layers: reports.iter().map(to_record).collect(),
         seconds: timings.clone(),
     };

@@ -1,10 +1,11 @@
 //! Statistics of one FP block forward on the (quantized) calibration inputs — every Hessian of design.md
-//! §4.2–4.3, accumulated window chunk by window chunk so memory holds one chunk's intermediates.
+//! §4.2–4.3, accumulated window chunk by window chunk so memory holds one chunk's intermediates. On the CPU
+//! every sum is f64 (the accumulators' own path); a device backend keeps f32 running sums in its memory for
+//! the whole block and they are folded into the f64 totals once.
 
-use crate::backend::Backend;
-use crate::backend::quant_ops::AttnShape;
+use crate::backend::{AttnShape, Backend, Tensor};
 use crate::model::Config;
-use crate::model::llama::{BlockTrace, BlockWeights, RopeTable, block_forward};
+use crate::model::llama::{BlockTrace, BlockWeights, ResidentWeights, RopeTable, block_forward};
 use crate::quant::hessian::{HeadCovAccumulator, VColAccumulator, XxtAccumulator};
 use std::time::{Duration, Instant};
 
@@ -24,17 +25,17 @@ pub struct BlockStats {
     pub stats_time: Duration,
 }
 
-/// Forwards the FP block over `x` [n_seq·t × d] in chunks of `chunk` windows (x is not modified) and
-/// accumulates the statistics. `attention_aware` adds the per-head statistics BoA needs.
+/// Forwards the FP block over the chunks of `x` (each [n·t × d] for its n sequences; not modified) and
+/// accumulates the statistics. `attention_aware` adds the per-head statistics BoA needs; `resident` holds
+/// the block's weights in the backend's memory.
 #[allow(clippy::too_many_arguments)]
 pub fn collect(
     be: &dyn Backend,
     w: &BlockWeights,
+    resident: Option<&ResidentWeights>,
     cfg: &Config,
     rope: &RopeTable,
-    x: &[f32],
-    n_seq: usize,
-    chunk: usize,
+    x: &[Tensor],
     attention_aware: bool,
 ) -> BlockStats {
     let (d, t) = (cfg.d, rope.t);
@@ -50,50 +51,37 @@ pub fn collect(
         forward_time: Duration::ZERO,
         stats_time: Duration::ZERO,
     };
-    for s0 in (0..n_seq).step_by(chunk) {
-        let ns = chunk.min(n_seq - s0);
-        let m = ns * t;
-        let mut xc = x[s0 * t * d..(s0 + ns) * t * d].to_vec();
+    let mut sums = be
+        .accelerates_statistics()
+        .then(|| DeviceSums::new(be, cfg, attention_aware));
+    for chunk in x {
+        let ns = chunk.len() / (t * d);
+        let mut xc = be.duplicate(chunk);
         let mut tr = BlockTrace::default();
         let t0 = Instant::now();
         crate::nvtx::ranged(c"forward", || {
-            block_forward(be, w, cfg, rope, &mut xc, ns, Some(&mut tr))
+            block_forward(be, w, resident, cfg, rope, &mut xc, ns, Some(&mut tr))
         });
+        drop(xc);
         let t1 = Instant::now();
         let _r = crate::nvtx::range(c"statistics");
-        if be.accelerates_statistics() {
-            add_through_backend(be, &mut s, &tr, cfg, t, ns, attention_aware);
-            s.forward_time += t1 - t0;
-            s.stats_time += t1.elapsed();
-            continue;
-        }
-        s.h_attn.add_batch(&tr.x_attn, m);
-        s.h_o.add_batch(&tr.attn_out, m);
-        s.h_mlp.add_batch(&tr.x_mlp, m);
-        s.h_down.add_batch(&tr.act, m);
-        if attention_aware {
-            s.c_k.add_batch(&tr.k, m);
-            s.c_q.add_batch(&tr.q, m);
-            let v_col = s.v_col.as_mut().expect("attention-aware");
-            for q in 0..ns {
-                let (qs, ks) = (
-                    &tr.q[q * t * h * d_h..(q + 1) * t * h * d_h],
-                    &tr.k[q * t * h_kv * d_h..(q + 1) * t * h_kv * d_h],
-                );
-                let probs = be.attention_probs(qs, ks, t, h, h_kv, d_h);
-                v_col.add_sequence(&tr.x_attn[q * t * d..(q + 1) * t * d], &probs, t);
-            }
+        match &mut sums {
+            Some(sums) => sums.add(be, &tr, cfg, t, ns),
+            None => add_on_host(be, &mut s, &tr, cfg, t, ns, attention_aware),
         }
         s.forward_time += t1 - t0;
+        s.stats_time += t1.elapsed();
+    }
+    if let Some(sums) = sums {
+        let t1 = Instant::now();
+        sums.fold_into(be, &mut s);
         s.stats_time += t1.elapsed();
     }
     s
 }
 
-/// The statistics of one chunk through the backend's `QuantOps` (the CUDA kernels): each sum is computed in f32
-/// on the device over the whole chunk and folded into the accumulators' f64 totals, and V's attention
-/// probabilities are never materialized.
-fn add_through_backend(
+/// The CPU's own path: every sum in f64 (the accumulators' add_batch), bit for bit as before tensors.
+fn add_on_host(
     be: &dyn Backend,
     s: &mut BlockStats,
     tr: &BlockTrace,
@@ -104,28 +92,85 @@ fn add_through_backend(
 ) {
     let (d, m) = (cfg.d, ns * t);
     let (h, h_kv, d_h) = (cfg.n_heads, cfg.n_kv_heads, cfg.d_h);
-    let gram = |x: &[f32], width: usize| {
-        let mut g = vec![0f32; width * width];
-        be.xxt_accumulate(&mut g, x, m, width);
-        g
-    };
-    s.h_attn.add_sum(&gram(&tr.x_attn, d), m);
-    s.h_o.add_sum(&gram(&tr.attn_out, h * d_h), m);
-    s.h_mlp.add_sum(&gram(&tr.x_mlp, d), m);
-    s.h_down.add_sum(&gram(&tr.act, cfg.d_ff), m);
+    let (x_attn, q_all, k_all) = (be.read(&tr.x_attn), be.read(&tr.q), be.read(&tr.k));
+    s.h_attn.add_batch(&x_attn, m);
+    s.h_o.add_batch(&be.read(&tr.attn_out), m);
+    s.h_mlp.add_batch(&be.read(&tr.x_mlp), m);
+    s.h_down.add_batch(&be.read(&tr.act), m);
     if attention_aware {
-        s.c_k.add_sums(&be.head_covariance(&tr.k, m, h_kv, d_h), m);
-        s.c_q.add_sums(&be.head_covariance(&tr.q, m, h, d_h), m);
+        s.c_k.add_batch(&k_all, m);
+        s.c_q.add_batch(&q_all, m);
         let v_col = s.v_col.as_mut().expect("attention-aware");
-        let shape = AttnShape { t, h, h_kv, d_h, d };
-        for q in 0..ns {
-            let sums = be.v_col_covariance(
-                &tr.x_attn[q * t * d..(q + 1) * t * d],
-                &tr.q[q * t * h * d_h..(q + 1) * t * h * d_h],
-                &tr.k[q * t * h_kv * d_h..(q + 1) * t * h_kv * d_h],
-                shape,
+        for i in 0..ns {
+            let (qs, ks) = (
+                &q_all[i * t * h * d_h..(i + 1) * t * h * d_h],
+                &k_all[i * t * h_kv * d_h..(i + 1) * t * h_kv * d_h],
             );
-            v_col.add_head_sums(&sums, t);
+            let probs = be.attention_probs(qs, ks, t, h, h_kv, d_h);
+            v_col.add_sequence(&x_attn[i * t * d..(i + 1) * t * d], &probs, t);
+        }
+    }
+}
+
+/// The statistics summed where the backend computes (the CUDA kernels, f32): one running sum per statistic
+/// for the whole block, read back once and folded into the accumulators' f64 totals. V's attention
+/// probabilities are never materialized, and nothing crosses PCIe per chunk.
+struct DeviceSums {
+    h_attn: Tensor,
+    h_o: Tensor,
+    h_mlp: Tensor,
+    h_down: Tensor,
+    /// Per-head covariances and V's per-KV-head H_col (attention-aware runs only).
+    c_k: Option<Tensor>,
+    c_q: Option<Tensor>,
+    v_col: Option<Tensor>,
+    tokens: usize,
+}
+
+impl DeviceSums {
+    fn new(be: &dyn Backend, cfg: &Config, attention_aware: bool) -> DeviceSums {
+        let (d, hd) = (cfg.d, cfg.n_heads * cfg.d_h);
+        let dd_h = cfg.d_h * cfg.d_h;
+        DeviceSums {
+            h_attn: be.zeros(d * d),
+            h_o: be.zeros(hd * hd),
+            h_mlp: be.zeros(d * d),
+            h_down: be.zeros(cfg.d_ff * cfg.d_ff),
+            c_k: attention_aware.then(|| be.zeros(cfg.n_kv_heads * dd_h)),
+            c_q: attention_aware.then(|| be.zeros(cfg.n_heads * dd_h)),
+            v_col: attention_aware.then(|| be.zeros(cfg.n_kv_heads * d * d)),
+            tokens: 0,
+        }
+    }
+
+    fn add(&mut self, be: &dyn Backend, tr: &BlockTrace, cfg: &Config, t: usize, ns: usize) {
+        let (d, m) = (cfg.d, ns * t);
+        let (h, h_kv, d_h) = (cfg.n_heads, cfg.n_kv_heads, cfg.d_h);
+        be.xxt_accumulate_t(&mut self.h_attn, &tr.x_attn, m, d);
+        be.xxt_accumulate_t(&mut self.h_o, &tr.attn_out, m, h * d_h);
+        be.xxt_accumulate_t(&mut self.h_mlp, &tr.x_mlp, m, d);
+        be.xxt_accumulate_t(&mut self.h_down, &tr.act, m, cfg.d_ff);
+        if let (Some(c_k), Some(c_q), Some(v_col)) = (&mut self.c_k, &mut self.c_q, &mut self.v_col)
+        {
+            be.head_covariance_t(c_k, &tr.k, m, h_kv, d_h);
+            be.head_covariance_t(c_q, &tr.q, m, h, d_h);
+            let shape = AttnShape { t, h, h_kv, d_h, d };
+            be.v_col_covariance_t(v_col, &tr.x_attn, &tr.q, &tr.k, shape, ns);
+        }
+        self.tokens += m;
+    }
+
+    fn fold_into(self, be: &dyn Backend, s: &mut BlockStats) {
+        let n = self.tokens;
+        s.h_attn.add_sum(&be.read(&self.h_attn), n);
+        s.h_o.add_sum(&be.read(&self.h_o), n);
+        s.h_mlp.add_sum(&be.read(&self.h_mlp), n);
+        s.h_down.add_sum(&be.read(&self.h_down), n);
+        if let (Some(c_k), Some(c_q), Some(v_col)) = (&self.c_k, &self.c_q, &self.v_col) {
+            s.c_k.add_sums(&be.read(c_k), n);
+            s.c_q.add_sums(&be.read(c_q), n);
+            let acc = s.v_col.as_mut().expect("attention-aware");
+            acc.add_kv_sums(&be.read(v_col), n);
         }
     }
 }

@@ -427,6 +427,21 @@ impl VColAccumulator {
         self.n += t;
     }
 
+    /// Sums already folded into the KV heads [n_kv × d × d] (Σ over each KV head's query heads, as
+    /// `add_head_sums` folds them) of sequences with `tokens` tokens in all.
+    pub fn add_kv_sums(&mut self, sums: &[f32], tokens: usize) {
+        assert_eq!(
+            sums.len(),
+            self.sums.len(),
+            "per-KV-head sums have the wrong shape"
+        );
+        self.sums
+            .iter_mut()
+            .zip(sums)
+            .for_each(|(s, &v)| *s += v as f64);
+        self.n += tokens;
+    }
+
     /// [n_kv × d × d]: (2/N) Σ, averaged over each KV head's query heads.
     pub fn hessians(&self) -> Vec<f64> {
         let gs = (self.n_heads / self.n_kv) as f64;

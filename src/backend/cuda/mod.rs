@@ -21,6 +21,7 @@ pub mod hessian;
 pub mod kernels;
 pub mod ops;
 mod quant;
+mod resident;
 pub mod search;
 mod solver;
 pub mod sweep;
@@ -30,10 +31,11 @@ pub use gemm::LinearVariant;
 pub use hessian::XxtVariant;
 pub use ops::{AttentionVariant, RmsNormVariant};
 
-use super::Backend;
 use super::cpu::CpuBackend;
+use super::{AttnShape, Backend, Tensor, Weight};
 use cudarc::driver::{CudaContext, CudaModule, CudaSlice, CudaStream, DriverError};
 use cudarc::nvrtc::Ptx;
+use std::borrow::Cow;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 
@@ -87,6 +89,8 @@ struct QuantKernels {
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    /// Weight uploads (`upload_weight`), issued from the prefetch thread while `stream` computes.
+    copy_stream: Arc<CudaStream>,
     ops: ops::OpsKernels,
     quant: QuantKernels,
     name: String,
@@ -183,8 +187,12 @@ impl CudaBackend {
             search: search::SearchKernels::load(&load_module(&ctx, search::MODULE, &gpu, cc)?)
                 .map_err(|e| e.to_string())?,
         };
+        let copy_stream = ctx
+            .new_stream()
+            .map_err(|e| format!("cannot create a copy stream on {gpu}: {e}"))?;
         Ok(CudaBackend {
             stream: ctx.default_stream(),
+            copy_stream,
             ctx,
             ops,
             quant,
@@ -700,5 +708,154 @@ impl Backend for CudaBackend {
     fn device_memory(&self) -> Option<(u64, u64)> {
         let (free, total) = self.ctx.mem_get_info().ok()?;
         Some((free as u64, total as u64))
+    }
+
+    // ---- Tensors (resident.rs): activations and statistic sums stay in device memory.
+
+    fn to_device(&self, x: Tensor) -> Tensor {
+        resident::to_device(self, x)
+    }
+
+    fn to_host(&self, x: Tensor, pinned: bool) -> Tensor {
+        let n = x.len();
+        self.try_to_host(x, pinned)
+            .unwrap_or_else(|e| panic!("{} to_host ({n} f32): {e}", self.name))
+    }
+
+    fn read<'a>(&self, x: &'a Tensor) -> Cow<'a, [f32]> {
+        resident::read(self, x)
+    }
+
+    fn duplicate(&self, x: &Tensor) -> Tensor {
+        resident::duplicate(self, x)
+    }
+
+    fn zeros(&self, n: usize) -> Tensor {
+        resident::zeros(self, n)
+    }
+
+    fn upload_weight(&self, w: &[f32]) -> Option<Tensor> {
+        Some(
+            self.try_upload_weight(w)
+                .unwrap_or_else(|e| panic!("{} upload_weight ({} f32): {e}", self.name, w.len())),
+        )
+    }
+
+    fn linear_t(
+        &self,
+        x: &Tensor,
+        w: Weight<'_>,
+        bias: Option<&[f32]>,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Tensor {
+        resident::linear_t(self, x, w, bias, (m, k, n))
+    }
+
+    fn rms_norm_t(&self, x: &Tensor, w: &[f32], d: usize, eps: f32) -> Tensor {
+        self.try_rms_norm_t(x, w, d, eps).unwrap_or_else(|e| {
+            panic!(
+                "{} rms_norm (d={d}, rows={}): {e}",
+                self.name,
+                x.len() / d.max(1)
+            )
+        })
+    }
+
+    fn rope_t(
+        &self,
+        x: &mut Tensor,
+        t: usize,
+        n_heads: usize,
+        d_h: usize,
+        cos: &[f32],
+        sin: &[f32],
+    ) {
+        self.try_rope_t(x, t, n_heads, d_h, cos, sin)
+            .unwrap_or_else(|e| {
+                panic!(
+                    "{} rope (t={t}, n_heads={n_heads}, d_h={d_h}, x.len={}): {e}",
+                    self.name,
+                    x.len()
+                )
+            })
+    }
+
+    fn causal_attention_t(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        n_seq: usize,
+        t: usize,
+        h: usize,
+        h_kv: usize,
+        d_h: usize,
+    ) -> Tensor {
+        if self.attention_variant == AttentionVariant::Flash && d_h > ops::ATTN_MAX_D_H {
+            let o = CpuBackend.causal_attention(
+                &self.read(q),
+                &self.read(k),
+                &self.read(v),
+                n_seq,
+                t,
+                h,
+                h_kv,
+                d_h,
+            );
+            return self.to_device(Tensor::Host(o));
+        }
+        self.try_causal_attention_t(q, k, v, n_seq, t, h, h_kv, d_h)
+            .unwrap_or_else(|e| {
+                panic!(
+                    "{} causal_attention (n_seq={n_seq}, t={t}, h={h}, h_kv={h_kv}, d_h={d_h}): {e}",
+                    self.name
+                )
+            })
+    }
+
+    fn swiglu_t(&self, gate: &Tensor, up: &Tensor) -> Tensor {
+        self.try_swiglu_t(gate, up)
+            .unwrap_or_else(|e| panic!("{} swiglu (n={}): {e}", self.name, gate.len()))
+    }
+
+    fn add_t(&self, x: &mut Tensor, y: &Tensor) {
+        self.try_add_t(x, y)
+            .unwrap_or_else(|e| panic!("{} add (n={}): {e}", self.name, y.len()))
+    }
+
+    fn xxt_accumulate_t(&self, acc: &mut Tensor, x: &Tensor, m: usize, d: usize) {
+        self.try_xxt_accumulate_t(acc, x, m, d)
+            .unwrap_or_else(|e| panic!("{} xxt_accumulate (m={m}, d={d}): {e}", self.name))
+    }
+
+    fn head_covariance_t(
+        &self,
+        acc: &mut Tensor,
+        x: &Tensor,
+        m: usize,
+        n_heads: usize,
+        d_h: usize,
+    ) {
+        self.try_head_covariance_t(acc, x, m, n_heads, d_h)
+            .unwrap_or_else(|e| {
+                panic!(
+                    "{} head_covariance (m={m}, n_heads={n_heads}, d_h={d_h}): {e}",
+                    self.name
+                )
+            })
+    }
+
+    fn v_col_covariance_t(
+        &self,
+        acc: &mut Tensor,
+        x: &Tensor,
+        q: &Tensor,
+        k: &Tensor,
+        s: AttnShape,
+        n_seq: usize,
+    ) {
+        resident::v_col_covariance_t(self, acc, (x, q, k), s, n_seq)
     }
 }

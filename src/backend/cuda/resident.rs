@@ -1,0 +1,525 @@
+//! The `Backend` tensor methods on CUDA: activations, traces and statistic sums stay in device memory between
+//! ops, so a block forward and its statistics move nothing over PCIe but the weights (once per block, on the
+//! copy stream) and the final sums (once per block).
+//!
+//! Every method takes any `Tensor`: a host or pinned input is uploaded for the call (`DevRef::Owned`), so an
+//! op that only has a host twin, or a caller that mixes places, stays correct; the pipeline keeps everything
+//! on the device, and then no op uploads.
+//!
+//! The kernels are the ones the host-slice methods launch (ops.rs, gemm.rs, hessian.rs); only the buffers
+//! differ, so the parity tests of those kernels cover the arithmetic and tests/resident_forward.rs checks the
+//! plumbing (a whole block forward and its statistics through tensors against the host path).
+
+use super::hessian::{ATTN_MAX_DH, launch_attn_x, launch_hessian_xxt, launch_softmax_stats};
+use super::{CudaBackend, CudaError, driver, ops};
+use crate::backend::cpu::CpuBackend;
+use crate::backend::{AttnShape, Backend, Tensor, Weight};
+use cudarc::driver::CudaSlice;
+use std::borrow::Cow;
+use std::ops::Deref;
+
+/// A device view of a tensor: borrowed when it is on the device, else a temporary upload.
+pub(super) enum DevRef<'a> {
+    Borrowed(&'a CudaSlice<f32>),
+    Owned(CudaSlice<f32>),
+}
+
+impl Deref for DevRef<'_> {
+    type Target = CudaSlice<f32>;
+    fn deref(&self) -> &CudaSlice<f32> {
+        match self {
+            DevRef::Borrowed(s) => s,
+            DevRef::Owned(s) => s,
+        }
+    }
+}
+
+fn shape(op: &'static str, msg: String) -> CudaError {
+    CudaError::Shape { op, msg }
+}
+
+impl CudaBackend {
+    pub(super) fn dev<'a>(&self, x: &'a Tensor) -> Result<DevRef<'a>, CudaError> {
+        match x {
+            Tensor::Device(s) => Ok(DevRef::Borrowed(s)),
+            Tensor::Host(v) => Ok(DevRef::Owned(self.upload(v, "upload tensor")?)),
+            Tensor::Pinned(p) => Ok(DevRef::Owned(
+                self.stream
+                    .clone_htod(p)
+                    .map_err(driver("upload pinned tensor"))?,
+            )),
+        }
+    }
+
+    /// `x` as an owned device buffer (moved when it already is one).
+    fn owned_dev(&self, x: Tensor) -> Result<CudaSlice<f32>, CudaError> {
+        match x {
+            Tensor::Device(s) => Ok(s),
+            t => match self.dev(&t)? {
+                DevRef::Owned(s) => Ok(s),
+                DevRef::Borrowed(_) => unreachable!("only device tensors borrow"),
+            },
+        }
+    }
+
+    pub fn try_to_host(&self, x: Tensor, pinned: bool) -> Result<Tensor, CudaError> {
+        let Tensor::Device(d) = x else {
+            return Ok(x);
+        };
+        if !pinned {
+            let v = self
+                .stream
+                .clone_dtoh(&d)
+                .map_err(driver("download tensor"))?;
+            self.stream
+                .synchronize()
+                .map_err(driver("download tensor"))?;
+            return Ok(Tensor::Host(v));
+        }
+        // SAFETY: memcpy_dtoh below writes all d.len() elements before anything reads them. Flags 0: plain
+        // page-locked memory (write-combined memory would make the host's reads of X, e.g. for the resume
+        // state, uncached).
+        let mut p = unsafe { self.ctx.alloc_pinned_with_flags::<f32>(d.len(), 0) }
+            .map_err(driver("alloc pinned tensor"))?;
+        self.stream
+            .memcpy_dtoh(&d, &mut p)
+            .map_err(driver("park tensor"))?;
+        self.stream.synchronize().map_err(driver("park tensor"))?;
+        Ok(Tensor::Pinned(p))
+    }
+
+    /// A weight copied into device memory on the copy stream, so a block's weights can be uploaded from the
+    /// prefetch thread while the main stream computes the previous block (cudarc's event tracking makes the
+    /// main stream wait for the copy before a kernel reads it).
+    pub fn try_upload_weight(&self, w: &[f32]) -> Result<Tensor, CudaError> {
+        let d = self
+            .copy_stream
+            .clone_htod(w)
+            .map_err(driver("upload weight"))?;
+        Ok(Tensor::Device(d))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn try_linear_t(
+        &self,
+        x: &Tensor,
+        w: Weight<'_>,
+        bias: Option<&[f32]>,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<Tensor, CudaError> {
+        let blas = self
+            .blas()
+            .map_err(|why| shape("linear", format!("cuBLAS unavailable: {why}")))?;
+        if m == 0 || n == 0 {
+            return Ok(Tensor::Host(Vec::new()));
+        }
+        let x_d = self.dev(x)?;
+        let w_d = match w.resident {
+            Some(r) => self.dev(r)?,
+            None => DevRef::Owned(self.upload(w.host, "upload w")?),
+        };
+        let b_d = bias.map(|b| self.upload(b, "upload bias")).transpose()?;
+        let mut y = self.output(m * n)?;
+        blas.linear(
+            &self.ops,
+            self.linear_variant,
+            &mut y,
+            &x_d,
+            &w_d,
+            b_d.as_ref(),
+            m,
+            k,
+            n,
+        )?;
+        Ok(Tensor::Device(y))
+    }
+
+    pub fn try_rms_norm_t(
+        &self,
+        x: &Tensor,
+        w: &[f32],
+        d: usize,
+        eps: f32,
+    ) -> Result<Tensor, CudaError> {
+        if d == 0 || !x.len().is_multiple_of(d) {
+            return Err(shape(
+                "rms_norm",
+                format!("x.len={} is not a multiple of d={d}", x.len()),
+            ));
+        }
+        let x_d = self.dev(x)?;
+        let w_d = self.upload(w, "upload w")?;
+        let mut y = self.output(x.len())?;
+        ops::launch_rms_norm(
+            &self.stream,
+            &self.ops,
+            self.rms_norm_variant,
+            &mut y,
+            &x_d,
+            &w_d,
+            x.len() / d,
+            d,
+            eps,
+        )?;
+        Ok(Tensor::Device(y))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn try_rope_t(
+        &self,
+        x: &mut Tensor,
+        t: usize,
+        n_heads: usize,
+        d_h: usize,
+        cos: &[f32],
+        sin: &[f32],
+    ) -> Result<(), CudaError> {
+        let half = d_h / 2;
+        if t == 0 || cos.len() < t * half || sin.len() < t * half {
+            return Err(shape(
+                "rope",
+                format!(
+                    "t={t}, d_h={d_h}: tables cos.len={}, sin.len={} shorter than t × d_h/2",
+                    cos.len(),
+                    sin.len()
+                ),
+            ));
+        }
+        if x.is_empty() || half == 0 {
+            return Ok(());
+        }
+        let mut x_d = self.owned_dev(std::mem::take(x))?;
+        let c_d = self.upload(&cos[..t * half], "upload cos")?;
+        let s_d = self.upload(&sin[..t * half], "upload sin")?;
+        let r = ops::launch_rope(
+            &self.stream,
+            &self.ops,
+            &mut x_d,
+            &c_d,
+            &s_d,
+            t,
+            n_heads,
+            d_h,
+        );
+        *x = Tensor::Device(x_d);
+        r
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn try_causal_attention_t(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        n_seq: usize,
+        t: usize,
+        h: usize,
+        h_kv: usize,
+        d_h: usize,
+    ) -> Result<Tensor, CudaError> {
+        let (q_d, k_d, v_d) = (self.dev(q)?, self.dev(k)?, self.dev(v)?);
+        let mut o = self.output(q.len())?;
+        if !q.is_empty() {
+            ops::launch_causal_attention(
+                &self.stream,
+                &self.ops,
+                self.attention_variant,
+                &mut o,
+                &q_d,
+                &k_d,
+                &v_d,
+                n_seq,
+                t,
+                h,
+                h_kv,
+                d_h,
+            )?;
+        }
+        Ok(Tensor::Device(o))
+    }
+
+    pub fn try_swiglu_t(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor, CudaError> {
+        let (g_d, u_d) = (self.dev(gate)?, self.dev(up)?);
+        let mut o = self.output(gate.len())?;
+        if !gate.is_empty() {
+            ops::launch_swiglu(&self.stream, &self.ops, &mut o, &g_d, &u_d)?;
+        }
+        Ok(Tensor::Device(o))
+    }
+
+    /// x += y through the bias-add kernel with one "row" of length x.len().
+    pub fn try_add_t(&self, x: &mut Tensor, y: &Tensor) -> Result<(), CudaError> {
+        if x.len() != y.len() {
+            return Err(shape(
+                "add",
+                format!("x.len={} ≠ y.len={}", x.len(), y.len()),
+            ));
+        }
+        if x.is_empty() {
+            return Ok(());
+        }
+        let y_d = self.dev(y)?;
+        let mut x_d = self.owned_dev(std::mem::take(x))?;
+        let n = x_d.len();
+        let r = ops::launch_bias_add(&self.stream, &self.ops, &mut x_d, &y_d, n);
+        *x = Tensor::Device(x_d);
+        r
+    }
+
+    /// A device accumulator from a tensor the caller made with `zeros` (uploaded if it is not on the device).
+    fn acc_dev<'a>(&self, acc: &'a mut Tensor) -> Result<&'a mut CudaSlice<f32>, CudaError> {
+        if !acc.on_device() {
+            *acc = Tensor::Device(self.owned_dev(std::mem::take(acc))?);
+        }
+        match acc {
+            Tensor::Device(s) => Ok(s),
+            _ => unreachable!("made a device tensor above"),
+        }
+    }
+
+    pub fn try_xxt_accumulate_t(
+        &self,
+        acc: &mut Tensor,
+        x: &Tensor,
+        m: usize,
+        d: usize,
+    ) -> Result<(), CudaError> {
+        if acc.len() != d * d || x.len() != m * d {
+            return Err(shape(
+                "xxt_accumulate",
+                format!("acc.len={} x.len={} for m={m}, d={d}", acc.len(), x.len()),
+            ));
+        }
+        let x_d = self.dev(x)?;
+        let acc = self.acc_dev(acc)?;
+        launch_hessian_xxt(
+            &self.stream,
+            &self.quant.hessian,
+            self.xxt_variant,
+            &mut acc.slice_mut(..),
+            &x_d.slice(..),
+            m,
+            d,
+            d,
+            1,
+            0,
+            0,
+        )
+    }
+
+    pub fn try_head_covariance_t(
+        &self,
+        acc: &mut Tensor,
+        x: &Tensor,
+        m: usize,
+        n_heads: usize,
+        d_h: usize,
+    ) -> Result<(), CudaError> {
+        if acc.len() != n_heads * d_h * d_h || x.len() != m * n_heads * d_h {
+            return Err(shape(
+                "head_covariance",
+                format!(
+                    "acc.len={} x.len={} for m={m}, n_heads={n_heads}, d_h={d_h}",
+                    acc.len(),
+                    x.len()
+                ),
+            ));
+        }
+        let x_d = self.dev(x)?;
+        let acc = self.acc_dev(acc)?;
+        launch_hessian_xxt(
+            &self.stream,
+            &self.quant.hessian,
+            self.xxt_variant,
+            &mut acc.slice_mut(..),
+            &x_d.slice(..),
+            m,
+            d_h,
+            n_heads * d_h,
+            n_heads,
+            d_h,
+            d_h * d_h,
+        )
+    }
+
+    /// Per sequence and query head: Y = A_h X (A_h formed tile by tile, never stored), then
+    /// acc[kv(head)] += Yᵀ Y — query heads fold into their KV head on the device.
+    #[allow(clippy::too_many_arguments)]
+    pub fn try_v_col_covariance_t(
+        &self,
+        acc: &mut Tensor,
+        x: &Tensor,
+        q: &Tensor,
+        k: &Tensor,
+        s: AttnShape,
+        n_seq: usize,
+    ) -> Result<(), CudaError> {
+        let AttnShape { t, h, h_kv, d_h, d } = s;
+        let (xs, qs, ks) = (t * d, t * h * d_h, t * h_kv * d_h);
+        if h_kv == 0
+            || !h.is_multiple_of(h_kv)
+            || d_h > ATTN_MAX_DH
+            || acc.len() != h_kv * d * d
+            || x.len() != n_seq * xs
+            || q.len() != n_seq * qs
+            || k.len() != n_seq * ks
+        {
+            return Err(shape(
+                "v_col_covariance",
+                format!(
+                    "{s:?}, n_seq={n_seq} (d_h ≤ {ATTN_MAX_DH}) with acc.len={}, x.len={}, q.len={}, \
+                     k.len={}",
+                    acc.len(),
+                    x.len(),
+                    q.len(),
+                    k.len()
+                ),
+            ));
+        }
+        if t == 0 || n_seq == 0 {
+            return Ok(());
+        }
+        let (x_d, q_d, k_d) = (self.dev(x)?, self.dev(q)?, self.dev(k)?);
+        let acc = self.acc_dev(acc)?;
+        let mut stats = self
+            .stream
+            .alloc_zeros::<f32>(2 * h * t)
+            .map_err(driver("alloc stats"))?;
+        let mut y = self.output(t * d)?;
+        let hk = &self.quant.hessian;
+        let gs = h / h_kv;
+        for i in 0..n_seq {
+            let (xv, qv, kv) = (
+                x_d.slice(i * xs..(i + 1) * xs),
+                q_d.slice(i * qs..(i + 1) * qs),
+                k_d.slice(i * ks..(i + 1) * ks),
+            );
+            launch_softmax_stats(
+                &self.stream,
+                hk,
+                &mut stats.slice_mut(..),
+                &qv,
+                &kv,
+                t,
+                h,
+                h_kv,
+                d_h,
+            )?;
+            for head in 0..h {
+                launch_attn_x(
+                    &self.stream,
+                    hk,
+                    &mut y.slice_mut(..),
+                    &xv,
+                    &qv,
+                    &kv,
+                    &stats.slice(..),
+                    head,
+                    t,
+                    h,
+                    h_kv,
+                    d_h,
+                    d,
+                )?;
+                let g = head / gs;
+                launch_hessian_xxt(
+                    &self.stream,
+                    hk,
+                    self.xxt_variant,
+                    &mut acc.slice_mut(g * d * d..(g + 1) * d * d),
+                    &y.slice(..),
+                    t,
+                    d,
+                    d,
+                    1,
+                    0,
+                    0,
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The `Backend` tensor methods of `CudaBackend` (called from its `impl Backend` in mod.rs). As with the
+/// slice methods, a CUDA failure panics with the op and shape named, and what only the CPU does (wide heads
+/// in the flash kernels, no cuBLAS) goes through the host twin.
+pub(super) fn to_device(be: &CudaBackend, x: Tensor) -> Tensor {
+    if x.on_device() {
+        return x;
+    }
+    let n = x.len();
+    be.owned_dev(x)
+        .map(Tensor::Device)
+        .unwrap_or_else(|e| panic!("{} to_device ({n} f32): {e}", be.name))
+}
+
+pub(super) fn read<'a>(be: &CudaBackend, x: &'a Tensor) -> Cow<'a, [f32]> {
+    x.read_with(|d| {
+        let v = be
+            .stream
+            .clone_dtoh(d)
+            .and_then(|v| be.stream.synchronize().map(|()| v));
+        v.unwrap_or_else(|e| panic!("{} read ({} f32): {e}", be.name, d.len()))
+    })
+}
+
+pub(super) fn duplicate(be: &CudaBackend, x: &Tensor) -> Tensor {
+    let r = match x {
+        Tensor::Device(d) => be.stream.clone_dtod(d).map_err(driver("copy tensor")),
+        t => be.owned_dev(Tensor::Host(t.host().expect("host memory").to_vec())),
+    };
+    Tensor::Device(r.unwrap_or_else(|e| panic!("{} duplicate ({} f32): {e}", be.name, x.len())))
+}
+
+pub(super) fn zeros(be: &CudaBackend, n: usize) -> Tensor {
+    Tensor::Device(
+        be.stream
+            .alloc_zeros::<f32>(n)
+            .unwrap_or_else(|e| panic!("{} zeros ({n} f32): {e}", be.name)),
+    )
+}
+
+pub(super) fn linear_t(
+    be: &CudaBackend,
+    x: &Tensor,
+    w: Weight<'_>,
+    bias: Option<&[f32]>,
+    (m, k, n): (usize, usize, usize),
+) -> Tensor {
+    if k == 0 || be.blas().is_err() {
+        let y = CpuBackend.linear(&read(be, x), w.host, bias, m, k, n);
+        return to_device(be, Tensor::Host(y));
+    }
+    be.try_linear_t(x, w, bias, m, k, n)
+        .unwrap_or_else(|e| panic!("{} linear (m={m}, k={k}, n={n}): {e}", be.name))
+}
+
+pub(super) fn v_col_covariance_t(
+    be: &CudaBackend,
+    acc: &mut Tensor,
+    (x, q, k): (&Tensor, &Tensor, &Tensor),
+    s: AttnShape,
+    n_seq: usize,
+) {
+    if s.d_h > ATTN_MAX_DH {
+        // Wider heads than the attention tiles hold (none in Llama-family models): the CPU twin, folded here.
+        let (x, q, k) = (read(be, x), read(be, q), read(be, k));
+        let mut host = Tensor::Host(read(be, acc).into_owned());
+        let cpu: &dyn Backend = &CpuBackend;
+        cpu.v_col_covariance_t(
+            &mut host,
+            &Tensor::Host(x.into_owned()),
+            &Tensor::Host(q.into_owned()),
+            &Tensor::Host(k.into_owned()),
+            s,
+            n_seq,
+        );
+        *acc = to_device(be, host);
+        return;
+    }
+    be.try_v_col_covariance_t(acc, x, q, k, s, n_seq)
+        .unwrap_or_else(|e| panic!("{} v_col_covariance ({s:?}, n_seq={n_seq}): {e}", be.name))
+}

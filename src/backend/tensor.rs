@@ -1,0 +1,110 @@
+//! `Tensor`: a row-major f32 buffer held where a backend wants it, so a block forward and its statistics can
+//! run on a device without a PCIe round trip per operation (design.md §3: "calibration activations stay on
+//! the GPU").
+//!
+//! The CPU backend only ever makes `Host` tensors, and the `Backend` tensor methods default to the host-slice
+//! methods, so the CPU runs the very code path the GPU runs (tests/resident_forward.rs checks the two agree).
+//! A device backend keeps `Device` tensors and parks activations that do not fit in `Pinned` host memory.
+
+use cudarc::driver::{CudaSlice, PinnedHostSlice};
+use std::borrow::Cow;
+
+pub enum Tensor {
+    /// Ordinary host memory.
+    Host(Vec<f32>),
+    /// Page-locked host memory (a device backend's staging for activations that do not fit on the device).
+    Pinned(PinnedHostSlice<f32>),
+    /// Device memory of the CUDA backend.
+    Device(CudaSlice<f32>),
+}
+
+impl Tensor {
+    pub fn len(&self) -> usize {
+        match self {
+            Tensor::Host(v) => v.len(),
+            Tensor::Pinned(p) => p.len(),
+            Tensor::Device(d) => d.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn on_device(&self) -> bool {
+        matches!(self, Tensor::Device(_))
+    }
+
+    /// The values when they are in host memory (no copy); None for a device tensor.
+    pub fn host(&self) -> Option<&[f32]> {
+        match self {
+            Tensor::Host(v) => Some(v),
+            // as_slice only fails when the pinned buffer's event cannot be synchronized: a dead context.
+            Tensor::Pinned(p) => p.as_slice().ok(),
+            Tensor::Device(_) => None,
+        }
+    }
+
+    pub fn host_mut(&mut self) -> Option<&mut [f32]> {
+        match self {
+            Tensor::Host(v) => Some(v),
+            Tensor::Pinned(p) => p.as_mut_slice().ok(),
+            Tensor::Device(_) => None,
+        }
+    }
+
+    /// The values of a host tensor, for the host-slice defaults of the `Backend` tensor methods; a device
+    /// tensor here means a backend made one without overriding the method that reads it.
+    pub(crate) fn expect_host(&self, op: &str) -> &[f32] {
+        self.host().unwrap_or_else(|| {
+            panic!(
+                "{op}: a device tensor reached a host-only method (the backend must override it)"
+            )
+        })
+    }
+
+    /// Host values borrowed when possible; `fetch` copies a device tensor out.
+    pub(crate) fn read_with<'a>(
+        &'a self,
+        fetch: impl FnOnce(&CudaSlice<f32>) -> Vec<f32>,
+    ) -> Cow<'a, [f32]> {
+        match self {
+            Tensor::Device(d) => Cow::Owned(fetch(d)),
+            t => Cow::Borrowed(t.host().expect("host memory")),
+        }
+    }
+}
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let place = match self {
+            Tensor::Host(_) => "host",
+            Tensor::Pinned(_) => "pinned",
+            Tensor::Device(_) => "device",
+        };
+        write!(f, "Tensor({place}, {} f32)", self.len())
+    }
+}
+
+/// A linear layer's weight [n × k] as the forward sees it: the host values, and a copy already on the device
+/// when the caller made one (`Backend::upload_weight`), so a device backend does not copy it per call.
+#[derive(Clone, Copy)]
+pub struct Weight<'a> {
+    pub host: &'a [f32],
+    pub resident: Option<&'a Tensor>,
+}
+
+impl<'a> Weight<'a> {
+    pub fn host(w: &'a [f32]) -> Self {
+        Weight {
+            host: w,
+            resident: None,
+        }
+    }
+}
+
+impl Default for Tensor {
+    fn default() -> Self {
+        Tensor::Host(Vec::new())
+    }
+}
