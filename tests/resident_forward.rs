@@ -266,9 +266,16 @@ fn resident_forward_and_statistics_on_cuda() {
         matches!(parked, Tensor::Pinned(_)),
         "not parked: {parked:?}"
     );
-    let back = be.to_device(parked);
+    let mut parked = parked;
+    let back = be.to_device(be.duplicate(&parked));
     assert!(back.on_device());
     assert_eq!(be.read(&back).as_ref(), chunks[0].as_slice());
+    // A forwarded chunk goes back into its pinned buffer (the pipeline's parked X).
+    let reversed: Vec<f32> = chunks[0].iter().rev().copied().collect();
+    let other = be.to_device(Tensor::Host(reversed.clone()));
+    be.write_back(&other, &mut parked);
+    assert!(matches!(parked, Tensor::Pinned(_)));
+    assert_eq!(parked.host().unwrap(), reversed.as_slice());
 
     // One block forward with resident weights against the CPU (f32 SGEMM and f32 kernels).
     let resident = ResidentWeights::upload(&be, &w);

@@ -108,6 +108,16 @@ pub trait Backend: QuantOps + Send + Sync {
         Cow::Borrowed(x.expect_host("read"))
     }
 
+    /// dst ← src (equal lengths), each staying where it is (a chunk parked in pinned memory takes back its
+    /// forwarded values without a new allocation).
+    fn write_back(&self, src: &Tensor, dst: &mut Tensor) {
+        assert_eq!(src.len(), dst.len(), "write_back: lengths differ");
+        let v = self.read(src);
+        dst.host_mut()
+            .expect("write_back: a device tensor reached a host-only method")
+            .copy_from_slice(&v);
+    }
+
     /// A copy of `x`, in the same place.
     fn duplicate(&self, x: &Tensor) -> Tensor {
         self.to_device(Tensor::Host(self.read(x).into_owned()))

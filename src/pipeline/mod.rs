@@ -437,10 +437,13 @@ fn forward_all(
     let per_seq = rope.t * cfg.d;
     for c in x.iter_mut() {
         let ns = c.len() / per_seq;
-        let on_device = c.on_device();
-        let mut xt = be.to_device(std::mem::take(c));
-        block_forward(be, w, Some(resident), cfg, rope, &mut xt, ns, None);
-        *c = if on_device { xt } else { be.to_host(xt, true) };
+        if matches!(c, Tensor::Pinned(_)) {
+            let mut xt = be.duplicate(c);
+            block_forward(be, w, Some(resident), cfg, rope, &mut xt, ns, None);
+            be.write_back(&xt, c);
+        } else {
+            block_forward(be, w, Some(resident), cfg, rope, c, ns, None);
+        }
     }
 }
 

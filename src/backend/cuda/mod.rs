@@ -726,6 +726,11 @@ impl Backend for CudaBackend {
         resident::read(self, x)
     }
 
+    fn write_back(&self, src: &Tensor, dst: &mut Tensor) {
+        self.try_write_back(src, dst)
+            .unwrap_or_else(|e| panic!("{} write_back ({src:?} → {dst:?}): {e}", self.name))
+    }
+
     fn duplicate(&self, x: &Tensor) -> Tensor {
         resident::duplicate(self, x)
     }

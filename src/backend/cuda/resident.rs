@@ -63,29 +63,79 @@ impl CudaBackend {
     }
 
     pub fn try_to_host(&self, x: Tensor, pinned: bool) -> Result<Tensor, CudaError> {
-        let Tensor::Device(d) = x else {
-            return Ok(x);
-        };
-        if !pinned {
-            let v = self
-                .stream
-                .clone_dtoh(&d)
-                .map_err(driver("download tensor"))?;
-            self.stream
-                .synchronize()
-                .map_err(driver("download tensor"))?;
-            return Ok(Tensor::Host(v));
+        match x {
+            Tensor::Device(d) if !pinned => {
+                let v = self
+                    .stream
+                    .clone_dtoh(&d)
+                    .map_err(driver("download tensor"))?;
+                self.stream
+                    .synchronize()
+                    .map_err(driver("download tensor"))?;
+                Ok(Tensor::Host(v))
+            }
+            Tensor::Device(d) => {
+                let mut p = self.alloc_pinned(d.len())?;
+                self.stream
+                    .memcpy_dtoh(&d, &mut p)
+                    .map_err(driver("park tensor"))?;
+                self.stream.synchronize().map_err(driver("park tensor"))?;
+                Ok(Tensor::Pinned(p))
+            }
+            Tensor::Host(v) if pinned => {
+                let mut p = self.alloc_pinned(v.len())?;
+                p.as_mut_slice()
+                    .map_err(driver("park tensor"))?
+                    .copy_from_slice(&v);
+                Ok(Tensor::Pinned(p))
+            }
+            t => Ok(t),
         }
-        // SAFETY: memcpy_dtoh below writes all d.len() elements before anything reads them. Flags 0: plain
-        // page-locked memory (write-combined memory would make the host's reads of X, e.g. for the resume
-        // state, uncached).
-        let mut p = unsafe { self.ctx.alloc_pinned_with_flags::<f32>(d.len(), 0) }
-            .map_err(driver("alloc pinned tensor"))?;
-        self.stream
-            .memcpy_dtoh(&d, &mut p)
-            .map_err(driver("park tensor"))?;
-        self.stream.synchronize().map_err(driver("park tensor"))?;
-        Ok(Tensor::Pinned(p))
+    }
+
+    fn alloc_pinned(&self, n: usize) -> Result<cudarc::driver::PinnedHostSlice<f32>, CudaError> {
+        // SAFETY: every caller writes all n elements before anything reads them. Flags 0: plain page-locked
+        // memory (write-combined memory would make the host's reads of X, e.g. for the resume state, uncached).
+        unsafe { self.ctx.alloc_pinned_with_flags::<f32>(n, 0) }
+            .map_err(driver("alloc pinned tensor"))
+    }
+
+    /// dst ← src (equal lengths), wherever each lives; a device → pinned copy reuses dst's pinned buffer.
+    pub fn try_write_back(&self, src: &Tensor, dst: &mut Tensor) -> Result<(), CudaError> {
+        if src.len() != dst.len() {
+            return Err(shape(
+                "write_back",
+                format!("src.len={} ≠ dst.len={}", src.len(), dst.len()),
+            ));
+        }
+        match (src, dst) {
+            (Tensor::Device(s), Tensor::Device(d)) => {
+                self.stream.memcpy_dtod(s, d).map_err(driver("copy tensor"))
+            }
+            (Tensor::Device(s), Tensor::Pinned(p)) => {
+                self.stream
+                    .memcpy_dtoh(s, p)
+                    .map_err(driver("park tensor"))?;
+                self.stream.synchronize().map_err(driver("park tensor"))
+            }
+            (Tensor::Device(s), Tensor::Host(v)) => {
+                self.stream
+                    .memcpy_dtoh(s, v)
+                    .map_err(driver("download tensor"))?;
+                self.stream.synchronize().map_err(driver("download tensor"))
+            }
+            (s, Tensor::Device(d)) => {
+                let v = s.host().expect("host memory");
+                self.stream
+                    .memcpy_htod(v, d)
+                    .map_err(driver("upload tensor"))
+            }
+            (s, d) => {
+                let v = s.host().expect("host memory");
+                d.host_mut().expect("host memory").copy_from_slice(v);
+                Ok(())
+            }
+        }
     }
 
     /// A weight copied into device memory on the copy stream, so a block's weights can be uploaded from the
@@ -467,10 +517,10 @@ pub(super) fn read<'a>(be: &CudaBackend, x: &'a Tensor) -> Cow<'a, [f32]> {
 }
 
 pub(super) fn duplicate(be: &CudaBackend, x: &Tensor) -> Tensor {
-    let r = match x {
-        Tensor::Device(d) => be.stream.clone_dtod(d).map_err(driver("copy tensor")),
-        t => be.owned_dev(Tensor::Host(t.host().expect("host memory").to_vec())),
-    };
+    let r = be.dev(x).and_then(|d| match d {
+        DevRef::Borrowed(s) => be.stream.clone_dtod(s).map_err(driver("copy tensor")),
+        DevRef::Owned(s) => Ok(s),
+    });
     Tensor::Device(r.unwrap_or_else(|e| panic!("{} duplicate ({} f32): {e}", be.name, x.len())))
 }
 
