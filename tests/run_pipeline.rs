@@ -263,6 +263,7 @@ fn profile_prints_every_phase_and_the_memory_plan_comes_first() {
         })
         .collect();
     for phase in [
+        "weights load",
         "forward",
         "statistics",
         "factorization",

@@ -106,14 +106,23 @@ impl OutFolder {
     }
 
     pub fn write_shard(&mut self, i: usize, entries: &[TensorEntry<'_>]) -> anyhow::Result<()> {
-        let name = self.shard_name(i);
-        let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-        write_safetensors(&self.tmp.join(&name), entries, meta)?;
-        for e in entries {
-            self.weight_map.insert(e.name.clone(), name.clone());
-            self.total_bytes += e.len() as u64;
-        }
+        write_shard_file(&self.shard_path(i), entries)?;
+        self.record_shard(i, &shard_contents(entries));
         Ok(())
+    }
+
+    /// Where shard i goes (for a writer on another thread: `write_shard_file`, then `record_shard`).
+    pub fn shard_path(&self, i: usize) -> PathBuf {
+        self.tmp.join(self.shard_name(i))
+    }
+
+    /// Books shard i's tensors (name, bytes) into the index once its file is written.
+    pub fn record_shard(&mut self, i: usize, contents: &[(String, u64)]) {
+        let name = self.shard_name(i);
+        for (t, len) in contents {
+            self.weight_map.insert(t.clone(), name.clone());
+            self.total_bytes += len;
+        }
     }
 
     pub fn write_json(&self, name: &str, value: &serde_json::Value) -> anyhow::Result<()> {
@@ -190,4 +199,18 @@ pub fn f32_to_bytes(dtype: Dtype, v: &[f32]) -> Vec<u8> {
             }
         });
     out
+}
+
+/// Writes one shard file (the part of `OutFolder::write_shard` that needs no access to the folder's index).
+pub fn write_shard_file(path: &Path, entries: &[TensorEntry<'_>]) -> anyhow::Result<()> {
+    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    write_safetensors(path, entries, meta)
+}
+
+/// (name, bytes) of each tensor of a shard, for `OutFolder::record_shard`.
+pub fn shard_contents(entries: &[TensorEntry<'_>]) -> Vec<(String, u64)> {
+    entries
+        .iter()
+        .map(|e| (e.name.clone(), e.len() as u64))
+        .collect()
 }

@@ -16,7 +16,7 @@ use crate::backend::{Backend, Tensor, select_backend};
 use crate::data::{text, tokenizer::Tokenizer, windows};
 use crate::error::file_err;
 use crate::export::gptq_packed::{OutFormat, linear_entries, quantization_config};
-use crate::export::hf_folder::OutFolder;
+use crate::export::hf_folder::{OutFolder, shard_contents, write_shard_file};
 use crate::export::safetensors_out::TensorEntry;
 use crate::model::Model;
 use crate::model::llama::{BlockWeights, LINEAR_NAMES, ResidentWeights, block_forward};
@@ -264,6 +264,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
             // Block l+1 is read and converted on a second thread while block l works (design.md §3).
             let mut prefetch = None;
             let (mut last_save, mut save_cost) = (Instant::now(), 0.0);
+            let mut writing = None;
             for l in start..cfg.n_layers {
                 let selected = layers.contains(l);
                 let w = if needs_weights(l) {
@@ -335,18 +336,23 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                         });
                         timings.forward += t.elapsed().as_secs_f64();
                     }
-                    let t = Instant::now();
-                    ranged(c"write", || {
-                        folder.write_shard(
-                            l,
-                            &quantized_entries(&model, l, &quantized, opts.format, out_dtype)?,
-                        )
-                    })?;
-                    timings.write += t.elapsed().as_secs_f64();
                     reports.push(LayerReport {
                         layer: l,
-                        linears: quantized.into_iter().map(|(_, r)| r).collect(),
+                        linears: quantized.iter().map(|(_, r)| r.clone()).collect(),
                     });
+                    // Packed and written on another thread while the next block works; one write in flight.
+                    let t = Instant::now();
+                    finish_write(&mut writing, &mut folder)?;
+                    timings.write += t.elapsed().as_secs_f64();
+                    let (path, model, format) = (folder.shard_path(l), &model, opts.format);
+                    writing = Some(scope.spawn(move || {
+                        ranged(c"write", || {
+                            let entries =
+                                quantized_entries(model, l, &quantized, format, out_dtype)?;
+                            write_shard_file(&path, &entries)?;
+                            Ok((l, shard_contents(&entries)))
+                        })
+                    }));
                 }
                 // X_{l+1} is kept only while a later block still needs it.
                 if !(needs_calib && l < last_needed) {
@@ -356,6 +362,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                 // ~10% of the time since the last save, and after the last block.
                 if last_save.elapsed().as_secs_f64() >= 10.0 * save_cost || l + 1 == cfg.n_layers {
                     let t = Instant::now();
+                    finish_write(&mut writing, &mut folder)?;
                     let x_next = (needs_calib && l < last_needed).then_some((be, &x[..]));
                     timings.total = base_total + t_start.elapsed().as_secs_f64();
                     resume::checkpoint(
@@ -445,6 +452,22 @@ fn forward_all(
             block_forward(be, w, Some(resident), cfg, rope, c, ns, None);
         }
     }
+}
+
+/// A shard being written on the writer thread: its block and (tensor, bytes) for the folder's index.
+type ShardWrite<'s> =
+    std::thread::ScopedJoinHandle<'s, anyhow::Result<(usize, Vec<(String, u64)>)>>;
+
+/// Waits for the shard in flight, if any, and books it into the folder's index.
+fn finish_write(
+    writing: &mut Option<ShardWrite<'_>>,
+    folder: &mut OutFolder,
+) -> anyhow::Result<()> {
+    if let Some(h) = writing.take() {
+        let (l, contents) = h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))?;
+        folder.record_shard(l, &contents);
+    }
+    Ok(())
 }
 
 /// The weights the prefetch thread read (its panic, if any, resumes here).

@@ -18,6 +18,8 @@ pub struct Timings {
     pub factor: f64,
     pub search: f64,
     pub sweep: f64,
+    /// Waiting for shard writes (they run on a writer thread while the next block works) and the resume
+    /// state's saves.
     pub write: f64,
     pub total: f64,
 }
@@ -35,7 +37,7 @@ impl Timings {
             ("scale search", self.search),
             ("sweep", self.sweep),
             ("error report", report),
-            ("write", self.write),
+            ("write (not overlapped)", self.write),
         ];
         let covered: f64 = rows.iter().map(|r| r.1).sum();
         rows.push(("other", (self.total - covered).max(0.0)));
