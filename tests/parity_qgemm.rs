@@ -118,11 +118,12 @@ fn reference(x: &[f32], p: &PackedLinear, bias: Option<&[f32]>, m: usize) -> Vec
         .collect()
 }
 
-/// One body for every backend and variant: `f` computes Y for the case, or None when it does not take m.
-fn parity_packed_linear(
-    what: &str,
-    f: &dyn Fn(&[f32], &PackedLinear, Option<&[f32]>, usize) -> Option<Vec<f32>>,
-) {
+/// Y for (x, packed linear, bias, m), or None when the backend or variant does not take m.
+type PackedLinearFn<'a> =
+    &'a dyn Fn(&[f32], &PackedLinear, Option<&[f32]>, usize) -> Option<Vec<f32>>;
+
+/// One body for every backend and variant.
+fn parity_packed_linear(what: &str, f: PackedLinearFn) {
     let mut rng = rng();
     let (mut worst, mut worst_cpu, mut runs) = (0f64, 0f64, 0);
     for (ci, &(d_out, d_in, bits, group, act)) in CASES.iter().enumerate() {

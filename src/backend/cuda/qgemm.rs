@@ -524,3 +524,49 @@ pub fn auto_variant(m: usize) -> QgemmVariant {
         QgemmVariant::Dequant
     }
 }
+
+impl CudaBackend {
+    /// Benchmarks (src/bench/gpu.rs): device milliseconds per launch of `variant` with the packed copies `ws`
+    /// taken in turn (`launches` back-to-back launches between two events, after one warm-up launch per copy),
+    /// and Y of the first copy, computed before any timing so the caller can validate it.
+    pub fn time_packed_linear(
+        &self,
+        variant: QgemmVariant,
+        ws: &[DevicePacked],
+        x: &[f32],
+        m: usize,
+        launches: usize,
+    ) -> Result<(f64, Vec<f32>), CudaError> {
+        let Some(w0) = ws.first() else {
+            return Err(CudaError::Shape {
+                op: "time_packed_linear",
+                msg: "no packed copies".into(),
+            });
+        };
+        let n = w0.d_out;
+        let x_d = self.stream.clone_htod(x).map_err(driver("upload x"))?;
+        let mut y_d = self.output(m * n)?;
+        let mut scratch = QgemmScratch::default();
+        self.packed_linear_device(variant, &mut y_d, &x_d, w0, None, m, &mut scratch)?;
+        let y = self.stream.clone_dtoh(&y_d).map_err(driver("download y"))?;
+        self.stream.synchronize().map_err(driver("packed_linear"))?;
+        for w in ws {
+            self.packed_linear_device(variant, &mut y_d, &x_d, w, None, m, &mut scratch)?;
+        }
+        self.timed(|| {
+            for i in 0..launches.max(1) {
+                self.packed_linear_device(
+                    variant,
+                    &mut y_d,
+                    &x_d,
+                    &ws[i % ws.len()],
+                    None,
+                    m,
+                    &mut scratch,
+                )?;
+            }
+            Ok(())
+        })?;
+        Ok((self.last_kernel_ms() as f64 / launches.max(1) as f64, y))
+    }
+}
