@@ -490,6 +490,9 @@ pub fn bench_quant_ops(
             });
         }
     }
+    if let BenchBackend::Cuda(cb) = b {
+        rows.extend(packed_gemm_rows(cb, reps)?);
+    }
     Ok(BenchReport {
         backend: b.name(),
         copy_gbs,
@@ -498,6 +501,80 @@ pub fn bench_quant_ops(
         tokens,
         rows,
     })
+}
+
+/// Bytes of distinct packed-weight copies the packed GEMM rows rotate through: over 2× the L2 of an H100/H200
+/// (50 MiB), so each launch reads its weights from HBM, as a decode step does.
+const QGEMM_ROTATE_BYTES: usize = 128 << 20;
+
+/// Packed GEMM (cuda/qgemm.cu, CUDA only; the CPU's is `bench-qgemm`) at the decode batches 1, 4 and 16 on a
+/// 7B q_proj (4096 × 4096) and gate/up (11008 × 4096), 2/3/4-bit with groups of 128, against the copy bandwidth.
+/// Bytes count qweight + scales + zeros (f32 on the device) + X + Y, each once. Kernel time: events around
+/// back-to-back launches over rotating copies, divided by the launch count (launch gaps included), median
+/// of `reps` (≥ 3); wall time: one whole `try_packed_linear` call (uploads of the packed tensors and X,
+/// download of Y). Each configuration is first checked against the CPU backend.
+fn packed_gemm_rows(cb: &CudaBackend, reps: usize) -> anyhow::Result<Vec<BenchRow>> {
+    use crate::backend::Backend;
+    use crate::backend::cuda::qgemm::auto_variant;
+    let mut rows = Vec::new();
+    let mut rng = ChaCha8Rng::seed_from_u64(0x9e3);
+    for (n, k) in [(4096usize, 4096usize), (11008, 4096)] {
+        for bits in [2u32, 3, 4] {
+            let p = crate::bench::qgemm::random_packed(n, k, bits, 128, rng.random());
+            let copies = QGEMM_ROTATE_BYTES.div_ceil(p.bytes()).max(2);
+            let ws = (0..copies)
+                .map(|_| cb.upload_packed(&p))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| anyhow::anyhow!("uploading {n}×{k} {bits}-bit: {e}"))?;
+            for m in [1usize, 4, 16] {
+                let x = randn(&mut rng, m * k);
+                let variant = auto_variant(m);
+                let mut kern = Vec::new();
+                for _ in 0..reps.max(3) {
+                    let (ms, y) = cb
+                        .time_packed_linear(variant, &ws, &x, m, copies.max(20))
+                        .map_err(|e| {
+                            anyhow::anyhow!("packed_gemm {n}×{k} {bits}-bit m={m}: {e}")
+                        })?;
+                    if kern.is_empty() {
+                        let cpu = CpuBackend.packed_linear(&x, &p, None, m);
+                        let (num, den) =
+                            y.iter().zip(&cpu).fold((0f64, 0f64), |(a, b), (&g, &c)| {
+                                (a + (g as f64 - c as f64).powi(2), b + (c as f64).powi(2))
+                            });
+                        let err = (num / den.max(f64::MIN_POSITIVE)).sqrt();
+                        // NaN fails too.
+                        if err.is_nan() || err > 1e-4 {
+                            anyhow::bail!(
+                                "packed_gemm {n}×{k} {bits}-bit m={m}: rel. difference {err:e} from the CPU"
+                            );
+                        }
+                    }
+                    kern.push(ms);
+                }
+                let mut wall = Vec::new();
+                for _ in 0..3 {
+                    let t0 = Instant::now();
+                    std::hint::black_box(
+                        cb.try_packed_linear(&x, &p, None, m)
+                            .map_err(|e| anyhow::anyhow!("packed_gemm {n}×{k} m={m}: {e}"))?,
+                    );
+                    wall.push(t0.elapsed().as_secs_f64() * 1e3);
+                }
+                rows.push(BenchRow {
+                    method: "packed_gemm",
+                    shape: format!("{n}×{k} {bits}-bit g128 m={m} ({variant:?})"),
+                    wall_ms: median(wall),
+                    kernel_ms: Some(median(kern)),
+                    work: 4.0
+                        * (p.qweight.len() + p.scales.len() + p.zeros.len() + m * k + m * n) as f64,
+                    ceiling: Ceiling::Bandwidth,
+                    layer_scale: 1.0,
+                });
+            }
+        }
+    }
+    Ok(rows)
 }
 
 impl fmt::Display for BenchReport {

@@ -1,6 +1,6 @@
 //! CUDA backend: the cudarc host layer over the kernels build.rs embedded (one file per cuda/*.cu:
-//! `ops.rs` ↔ cuda/ops.cu, `hessian.rs`, `cholesky.rs`, `sweep.rs`, `search.rs` ↔ their .cu; `quant.rs`
-//! implements `QuantOps` over the last four).
+//! `ops.rs` ↔ cuda/ops.cu, `qgemm.rs` ↔ cuda/qgemm.cu, `hessian.rs`, `cholesky.rs`, `sweep.rs`, `search.rs` ↔
+//! their .cu; `quant.rs` implements `QuantOps` over the last four).
 //!
 //! Opening it never panics: libcuda is loaded at run time (cudarc `dynamic-loading`), so `CudaBackend::new`
 //! first probes for the driver, then checks that kernels were compiled in, then opens the context inside
@@ -8,10 +8,11 @@
 //! returns the reason as a string when any step fails. `select_backend` turns that into a CPU fallback
 //! (`--device auto`) or an error (`--device cuda`).
 //!
-//! On the GPU: rms_norm, rope, swiglu, causal_attention (flash d_h ≤ 128, naive any), attention_probs (ops.rs ↔ cuda/ops.cu)
-//! and linear (cuBLAS, gemm.rs), plus the QuantOps of quant.rs. Still on the CPU, each saying why at its
-//! method: packed_linear (its kernel has its own issue), flash causal_attention with d_h > 128, linear when
-//! libcublas is missing (noted once on stderr), and degenerate shapes (k = 0).
+//! On the GPU: rms_norm, rope, swiglu, causal_attention (flash d_h ≤ 128, naive any), attention_probs (ops.rs ↔ cuda/ops.cu),
+//! linear (cuBLAS, gemm.rs), packed_linear (qgemm.rs ↔ cuda/qgemm.cu: fused dequant + dot for m ≤ 16,
+//! dequantize + cuBLAS above), plus the QuantOps of quant.rs. Still on the CPU, each saying why at its
+//! method: flash causal_attention with d_h > 128, linear and packed_linear with m > 16 when libcublas is
+//! missing (noted once on stderr), and degenerate shapes (k = 0).
 
 pub mod abi;
 pub mod ceiling;
@@ -20,6 +21,7 @@ pub mod gemm;
 pub mod hessian;
 pub mod kernels;
 pub mod ops;
+pub mod qgemm;
 mod quant;
 mod resident;
 pub mod search;
@@ -30,6 +32,7 @@ pub use crate::nvtx::{Range, range};
 pub use gemm::LinearVariant;
 pub use hessian::XxtVariant;
 pub use ops::{AttentionVariant, RmsNormVariant};
+pub use qgemm::QgemmVariant;
 
 use super::cpu::CpuBackend;
 use super::{AttnShape, Backend, Tensor, Weight};
@@ -105,6 +108,8 @@ pub struct CudaBackend {
     solver: std::sync::OnceLock<Result<solver::Solver, String>>,
     /// cuBLAS for `linear` and the scale search, opened on first use; the reason when it cannot be.
     blas: std::sync::OnceLock<Result<gemm::Blas, String>>,
+    /// cuda/qgemm.cu's kernels, loaded on first packed_linear; the reason when they cannot be.
+    qgemm: std::sync::OnceLock<Result<qgemm::QgemmKernels, String>>,
 }
 
 /// Loads the embedded fatbin of cuda/`stem`.cu, or says why it cannot.
@@ -205,6 +210,7 @@ impl CudaBackend {
             last_kernel_ms: std::sync::Mutex::new(0.0),
             solver: std::sync::OnceLock::new(),
             blas: std::sync::OnceLock::new(),
+            qgemm: std::sync::OnceLock::new(),
         })
     }
 
@@ -345,7 +351,7 @@ impl CudaBackend {
                 let b = gemm::Blas::new(&self.stream);
                 if let Err(why) = &b {
                     eprintln!(
-                        "{}: {why}; linear and the scale search run on the CPU",
+                        "{}: {why}; linear, packed_linear with m > 16 and the scale search run on the CPU",
                         self.name
                     );
                 }
@@ -623,7 +629,8 @@ impl Backend for CudaBackend {
             .unwrap_or_else(|e| panic!("{} linear (m={m}, k={k}, n={n}): {e}", self.name))
     }
 
-    // The packed GEMM kernel (cuda/qgemm.cu) lands with its own issue; until then the CPU backend computes it.
+    /// cuda/qgemm.cu; the CPU computes it for k = 0 and, when libcublas cannot be opened (said once on
+    /// stderr), for m > 16 (the dequantize + GEMM path).
     fn packed_linear(
         &self,
         x: &[f32],
@@ -631,7 +638,16 @@ impl Backend for CudaBackend {
         bias: Option<&[f32]>,
         m: usize,
     ) -> Vec<f32> {
-        CpuBackend.packed_linear(x, w, bias, m)
+        if w.d_in == 0 || (qgemm::auto_variant(m) == QgemmVariant::Dequant && self.blas().is_err())
+        {
+            return CpuBackend.packed_linear(x, w, bias, m);
+        }
+        self.try_packed_linear(x, w, bias, m).unwrap_or_else(|e| {
+            panic!(
+                "{} packed_linear (m={m}, k={}, n={}, {}-bit): {e}",
+                self.name, w.d_in, w.d_out, w.bits
+            )
+        })
     }
 
     /// The `Backend` trait returns plain vectors, so a CUDA failure here panics with the op and shape named.
