@@ -774,6 +774,26 @@ impl Backend for CudaBackend {
         resident::linear_t(self, x, w, bias, (m, k, n))
     }
 
+    fn packed_linear_t(
+        &self,
+        x: &Tensor,
+        w: &crate::quant::pack::PackedLinear,
+        bias: Option<&[f32]>,
+        m: usize,
+    ) -> Tensor {
+        if w.d_in == 0 || (qgemm::auto_variant(m) == QgemmVariant::Dequant && self.blas().is_err())
+        {
+            let y = CpuBackend.packed_linear(&self.read(x), w, bias, m);
+            return self.to_device(Tensor::Host(y));
+        }
+        self.try_packed_linear_t(x, w, bias, m).unwrap_or_else(|e| {
+            panic!(
+                "{} packed_linear (m={m}, k={}, n={}, {}-bit): {e}",
+                self.name, w.d_in, w.d_out, w.bits
+            )
+        })
+    }
+
     fn rms_norm_t(&self, x: &Tensor, w: &[f32], d: usize, eps: f32) -> Tensor {
         self.try_rms_norm_t(x, w, d, eps).unwrap_or_else(|e| {
             panic!(

@@ -186,6 +186,45 @@ impl CudaBackend {
         Ok(Tensor::Device(y))
     }
 
+    /// `packed_linear` on a device-resident X (the packed tensors are uploaded per call, as the slice form does).
+    pub fn try_packed_linear_t(
+        &self,
+        x: &Tensor,
+        w: &crate::quant::pack::PackedLinear,
+        bias: Option<&[f32]>,
+        m: usize,
+    ) -> Result<Tensor, CudaError> {
+        let (k, n) = (w.d_in, w.d_out);
+        if x.len() != m * k || bias.is_some_and(|b| b.len() != n) || k == 0 {
+            return Err(shape(
+                "packed_linear",
+                format!(
+                    "x.len={}, bias.len={:?} do not match [m={m} × k={k}], [n={n}] (k ≥ 1)",
+                    x.len(),
+                    bias.map(<[f32]>::len)
+                ),
+            ));
+        }
+        if m == 0 || n == 0 {
+            return Ok(Tensor::Host(Vec::new()));
+        }
+        let wd = self.upload_packed(w)?;
+        let x_d = self.dev(x)?;
+        let b_d = bias.map(|b| self.upload(b, "upload bias")).transpose()?;
+        let mut y = self.output(m * n)?;
+        let mut scratch = super::qgemm::QgemmScratch::default();
+        self.packed_linear_device(
+            super::qgemm::auto_variant(m),
+            &mut y,
+            &x_d,
+            &wd,
+            b_d.as_ref(),
+            m,
+            &mut scratch,
+        )?;
+        Ok(Tensor::Device(y))
+    }
+
     pub fn try_rms_norm_t(
         &self,
         x: &Tensor,
