@@ -1,7 +1,7 @@
 //! The `boa-cuda` command line: parse, call the library, print. Every error is one line on stderr and exit
 //! code 2.
 
-use boa_cuda::backend::{Device, select_backend};
+use boa_cuda::backend::{Device, GemmPrecision, select_backend};
 use boa_cuda::eval::{EvalOptions, perplexity};
 use boa_cuda::export::gptq_packed::OutFormat;
 use boa_cuda::model::Model;
@@ -212,6 +212,11 @@ struct RunArgs {
     layers: Option<String>,
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     device: Device,
+    /// Operand precision of the forward's GEMMs on a GPU: bf16 on the tensor cores with f32 accumulation, or
+    /// f32 (SGEMM, the CPU's numbers to rounding, ~10× slower). The statistics' XᵀX is bf16 either way; the
+    /// CPU always computes in f32.
+    #[arg(long, value_enum, default_value_t = GemmPrecision::Bf16)]
+    gemm: GemmPrecision,
     /// Replace --out if it exists.
     #[arg(long)]
     force: bool,
@@ -287,6 +292,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 damp: a.damp,
                 layers,
                 device: a.device,
+                gemm: a.gemm,
                 force: a.force,
                 resume: a.resume,
                 format: a.format,
@@ -577,6 +583,7 @@ fn bench_quant(
                 damp: 0.01,
                 layers: None,
                 device: Device::Cpu,
+                gemm: GemmPrecision::F32,
                 force: true,
                 resume: false,
                 format: OutFormat::Fake,

@@ -16,7 +16,7 @@ mod select;
 pub mod tensor;
 
 pub use quant_ops::{AttnShape, QuantOps};
-pub use select::{Device, select_backend};
+pub use select::{Device, GemmPrecision, select_backend, select_backend_with};
 pub use tensor::{Tensor, Weight};
 
 use std::borrow::Cow;

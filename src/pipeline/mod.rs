@@ -12,7 +12,7 @@ pub mod report;
 pub mod resume;
 pub mod stats;
 
-use crate::backend::{Backend, Tensor, select_backend};
+use crate::backend::{Backend, Tensor, select_backend_with};
 use crate::data::{text, tokenizer::Tokenizer, windows};
 use crate::error::file_err;
 use crate::export::gptq_packed::{OutFormat, linear_entries, quantization_config};
@@ -103,7 +103,7 @@ fn place_activations(
 pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> {
     let t_start = Instant::now();
     opts.validate().map_err(|m| crate::input_err!("{m}"))?;
-    let (be, note) = select_backend(opts.device)?;
+    let (be, note) = select_backend_with(opts.device, opts.gemm)?;
     if let Some(n) = note {
         progress.line(&n);
     }

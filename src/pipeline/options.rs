@@ -109,6 +109,9 @@ pub struct RunOptions {
     /// None: every layer.
     pub layers: Option<LayerSet>,
     pub device: Device,
+    /// Operand precision of the forward's GEMMs on a GPU.
+    #[serde(default)]
+    pub gemm: crate::backend::GemmPrecision,
     /// Replace --out if it exists.
     pub force: bool,
     /// Continue the partial run of the same --out from its last finished block. Not in report.json: a
