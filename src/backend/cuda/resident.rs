@@ -238,6 +238,9 @@ impl CudaBackend {
                 format!("x.len={} is not a multiple of d={d}", x.len()),
             ));
         }
+        if x.is_empty() {
+            return Ok(Tensor::Host(Vec::new()));
+        }
         let x_d = self.dev(x)?;
         let w_d = self.upload(w, "upload w")?;
         let mut y = self.output(x.len())?;
@@ -308,33 +311,35 @@ impl CudaBackend {
         h_kv: usize,
         d_h: usize,
     ) -> Result<Tensor, CudaError> {
+        if q.is_empty() {
+            return Ok(Tensor::Host(Vec::new()));
+        }
         let (q_d, k_d, v_d) = (self.dev(q)?, self.dev(k)?, self.dev(v)?);
         let mut o = self.output(q.len())?;
-        if !q.is_empty() {
-            ops::launch_causal_attention(
-                &self.stream,
-                &self.ops,
-                self.attention_variant,
-                &mut o,
-                &q_d,
-                &k_d,
-                &v_d,
-                n_seq,
-                t,
-                h,
-                h_kv,
-                d_h,
-            )?;
-        }
+        ops::launch_causal_attention(
+            &self.stream,
+            &self.ops,
+            self.attention_variant,
+            &mut o,
+            &q_d,
+            &k_d,
+            &v_d,
+            n_seq,
+            t,
+            h,
+            h_kv,
+            d_h,
+        )?;
         Ok(Tensor::Device(o))
     }
 
     pub fn try_swiglu_t(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor, CudaError> {
+        if gate.is_empty() {
+            return Ok(Tensor::Host(Vec::new()));
+        }
         let (g_d, u_d) = (self.dev(gate)?, self.dev(up)?);
         let mut o = self.output(gate.len())?;
-        if !gate.is_empty() {
-            ops::launch_swiglu(&self.stream, &self.ops, &mut o, &g_d, &u_d)?;
-        }
+        ops::launch_swiglu(&self.stream, &self.ops, &mut o, &g_d, &u_d)?;
         Ok(Tensor::Device(o))
     }
 
