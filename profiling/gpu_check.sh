@@ -89,7 +89,7 @@ for line in sys.stdin:
 == staged $((size >> 20)) MiB in $carry_rel/. Now call the \`run\` tool (one call; it prints the table last):
      command:   bash profiling/gpu_check.sh --on-device
      carry:     ["$carry_rel"]
-     timeout_s: 360
+     timeout_s: 600
    (it runs the staged tests: ${want[*]}; stage others with \`profiling/gpu_check.sh NAME…\`)
    Logs and results.md come back under \$OUT (files_at). Give the machine back afterwards unless you rerun at once.
 MSG
@@ -256,7 +256,7 @@ e2e_7b() {
         "$carry/bin/boa-cuda" synth-model --out "$m" --d 4096 --d-ff 11008 --layers "$layers" --heads 32 \
             --kv-heads 32
         echo "synth-model: $(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }') s"
-        timeout 420 "$carry/bin/boa-cuda" run --model "$m" --calib "$out/calib7b.txt" --method boa --wbits 3 \
+        timeout 240 "$carry/bin/boa-cuda" run --model "$m" --calib "$out/calib7b.txt" --method boa --wbits 3 \
             --nsamples 128 --seqlen 2048 --device cuda --format gptq --out "$q" --profile
         python3 - "$q/report.json" "$layers" <<'PY'
 import json, sys
