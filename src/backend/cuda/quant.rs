@@ -7,8 +7,8 @@
 use super::cholesky::{CHOLESKY_MAX_N, launch_cholesky};
 use super::hessian::{ATTN_MAX_DH, launch_attn_x, launch_hessian_xxt, launch_softmax_stats};
 use super::sweep::{
-    BOA_BLOCK, BOA_MAX_DH, BoaBuffers, GPTQ_MAX_BLOCK, GptqBuffers, GptqDynamicBuffers,
-    launch_boa_sweep, launch_gptq_sweep, launch_gptq_sweep_dynamic,
+    BOA_BLOCK, BOA_MAX_DH, BoaBuffers, GPTQ_MAX_BLOCK, GptqBuffers, GptqDynamicBuffers, Trailing,
+    TrailingVariant, launch_boa_sweep, launch_gptq_sweep, launch_gptq_sweep_dynamic,
 };
 use super::{CudaBackend, CudaError, driver};
 use crate::backend::cpu::CpuBackend;
@@ -51,6 +51,22 @@ impl CudaBackend {
         what: &'static str,
     ) -> Result<CudaSlice<T>, CudaError> {
         self.stream.clone_htod(v).map_err(driver(what))
+    }
+
+    /// The trailing-update variant the sweeps run with: the selected one, or the FFMA kernel when cuBLAS is
+    /// selected but cannot be opened (said once on stderr by `blas`).
+    pub fn trailing_variant_in_use(&self) -> TrailingVariant {
+        match self.trailing_variant {
+            TrailingVariant::Cublas if self.blas().is_ok() => TrailingVariant::Cublas,
+            _ => TrailingVariant::Ffma,
+        }
+    }
+
+    fn trailing(&self) -> Trailing<'_> {
+        match self.trailing_variant {
+            TrailingVariant::Cublas => self.blas().map_or(Trailing::Ffma, Trailing::Cublas),
+            TrailingVariant::Ffma => Trailing::Ffma,
+        }
     }
 
     /// Q and the codes of a finished sweep, after the stream has run everything queued (`what` names the op).
@@ -390,10 +406,12 @@ impl CudaBackend {
             .stream
             .alloc_zeros::<f32>(bs.min(n) * rows)
             .map_err(driver("alloc E"))?;
+        let trailing = self.trailing();
         self.timed(|| {
             launch_gptq_sweep(
                 &self.stream,
                 &self.quant.sweep,
+                trailing,
                 GptqBuffers {
                     w: &mut w_d,
                     q: &mut q_d,
@@ -483,10 +501,12 @@ impl CudaBackend {
             }
             found.iter().map(|gr| (gr.scale, gr.zero)).collect()
         };
+        let trailing = self.trailing();
         self.timed(|| {
             launch_gptq_sweep_dynamic(
                 &self.stream,
                 &self.quant.sweep,
+                trailing,
                 GptqDynamicBuffers {
                     w: &mut w_d,
                     q: &mut q_d,
@@ -571,10 +591,12 @@ impl CudaBackend {
             .stream
             .alloc_zeros::<f32>(BOA_BLOCK.min(n) * rows)
             .map_err(driver("alloc E"))?;
+        let trailing = self.trailing();
         self.timed(|| {
             launch_boa_sweep(
                 &self.stream,
                 &self.quant.sweep,
+                trailing,
                 BoaBuffers {
                     w: &mut w_d,
                     w0: &w0_d,
