@@ -322,7 +322,8 @@ impl CudaBackend {
             .collect())
     }
 
-    /// `cholesky_upper_inverse_batched` for n > CHOLESKY_MAX_N: one cuSOLVER factorization per matrix.
+    /// `cholesky_upper_inverse_batched` for n > CHOLESKY_MAX_N: cuSOLVER, the whole batch uploaded at once and
+    /// its factorizations queued back to back (solver.rs), then one download and one synchronization.
     pub fn try_cholesky_upper_inverse_large(
         &self,
         solver: &super::solver::Solver,
@@ -336,19 +337,27 @@ impl CudaBackend {
                 format!("h.len={} ≠ {count}·{n}²", h.len()),
             ));
         }
-        let mut out = Vec::with_capacity(count);
-        for hb in h.chunks(n * n) {
-            let h_d = self.upload(hb, "upload H")?;
-            let u_d = self.timed(|| solver.upper_inverse(&self.quant.cholesky, &h_d, n))?;
-            out.push(match u_d {
-                Some(u_d) => Some(self.stream.clone_dtoh(&u_d).map_err(driver("download U"))?),
-                None => None,
-            });
+        if n == 0 || count == 0 {
+            return Ok(vec![Some(Vec::new()); count]);
         }
+        let h_d = self.upload(h, "upload H")?;
+        let mut u_d = self.output(count * n * n)?;
+        let st_d = self.timed(|| {
+            solver.upper_inverse_batched(&self.quant.cholesky, &h_d, &mut u_d, n, count)
+        })?;
+        let u = self.stream.clone_dtoh(&u_d).map_err(driver("download U"))?;
+        let st = self
+            .stream
+            .clone_dtoh(&st_d)
+            .map_err(driver("download status"))?;
         self.stream
             .synchronize()
             .map_err(driver("cholesky_upper_inverse"))?;
-        Ok(out)
+        // Status per matrix: potrf info, trtri info, non-finite flag; all zero when it factored.
+        Ok(u.chunks(n * n)
+            .zip(st.chunks(3))
+            .map(|(ub, s)| s.iter().all(|&x| x == 0).then(|| ub.to_vec()))
+            .collect())
     }
 
     /// cuSOLVER, opened on first use; the reason (printed once) when it cannot be.
