@@ -21,6 +21,9 @@
 //   over z (BoA's per-head U_col). C [rows × ncol] (ldc) −= Eᵀ · B, Eᵀ given as [k × rows] (lda), B [k × ncol]
 //   (ldb). Launch: grid (ceil(ncol/64), ceil(rows/64), batch), block 256, 8 KB smem: 64×64 output tile, 4×4
 //   per thread, 16-deep k stages; f32 FFMA (tf32 tensor cores would move codes off the CPU oracle).
+//   This is trailing variant v1 (sweep.rs TrailingVariant::Ffma), the naive baseline and the fallback when
+//   cuBLAS cannot be opened; v2, the default, is the same update as a cuBLAS SGEMM (strided-batched over heads
+//   for a per-head U_col; f32, CUBLAS_DEFAULT_MATH so no TF32), mapped by sweep.rs trailing_cublas_config.
 //
 // boa_block_kernel: one column block [i1, i2) (≤ 32 columns) of the head-wise BoA sweep for every head at
 //   once, rows of a head in a WAVEFRONT (design.md §4.3): at step s thread i (row i of head blockIdx.x)
@@ -42,12 +45,15 @@
 //
 // Roofline (7B q_proj, 4096 × 4096): the sweeps are latency-bound (design.md §6): GPTQ has n/128 = 32 block
 //   launches of 128 dependent column steps each (~0.1–0.2 µs per step: a divide, a rint, a 128-wide row
-//   update from smem) plus 32 trailing GEMMs of ≤ 4096×128×4096 (137 GFLOP in all, ~3 ms at FFMA rate) →
-//   target ≤ 5 ms. BoA: n/32 = 128 blocks × (d_h + 31) = 159 steps with a barrier and a ≤ 128-long cross-row
-//   dot each → ~20K steps, ~20–40 ms at first; the next version widens the block (bw = 128 with the
-//   δ tile in registers) to bring it toward the ≤ 2× GPTQ goal.
+//   update from smem) plus 31 trailing GEMMs of 4096 × 128 × (n − i2): rows·n²/2 multiply-adds = 67 GFLOP in
+//   all, compute-bound at k = 128 (~32 flop per byte of C traffic): ~1.5 ms at cuBLAS's f32 rate
+//   (~45 TFLOP/s), ~3–4 ms for v1 → target ≤ 5 ms. BoA: n/32 = 128 blocks × (d_h + 31) = 159 steps with a
+//   barrier and a ≤ 128-long cross-row dot each → ~20K steps, ~10–40 ms at first; its 127 trailing GEMMs
+//   have k = 32 (8 flop per byte): bound by W's read + write, Σ 8·rows·(n − i2) B ≈ 8.6 GB ≈ 2 ms at the
+//   copy rate for either variant. The next version widens the block (bw = 128 with the δ tile in registers)
+//   to bring it toward the ≤ 2× GPTQ goal.
 //
-// Variants measured: none yet (no GPU run so far).
+// Variants measured: none yet (no GPU run so far); profiling/quant_core_notes.md has the predictions.
 // ptxas (nvcc 13.0, sm_90a / sm_80), 0 spills: gptq_block 40 / 40 regs, 21 KB smem; sweep_trailing_gemm
 //   57 / 58 regs, 8 KB; boa_block 51 / 44 regs, 41 KB.
 // ---------------------------------------------------------------------------------------------------------

@@ -175,19 +175,30 @@ device_half() {
         rm -rf "$m" "$out"/q-*
         "$carry/bin/boa-cuda" synth-model --out "$m" --d 512 --d-ff 1376 --layers 4 --heads 8 --kv-heads 4
         # BoA 3-bit per-channel (static grids: every sweep on the device), then GPTQ 4-bit g64 (dynamic groups:
-        # the device sweep calls back to the host search at every group start).
-        for cfg in "boa --wbits 3" "gptq --wbits 4 --group-size 64"; do
-            tag="${cfg%% *}"
+        # the device sweep calls back to the host search at every group start). Every config runs and reports,
+        # even after one fails; the section fails at the end if any did. (set -e does not act inside a command
+        # whose status `||` tests, hence the explicit returns.)
+        run_config() {
+            local cfg="$1" tag="${1%% *}" dev
             for dev in cuda cpu; do
                 # shellcheck disable=SC2086
                 timeout 120 "$carry/bin/boa-cuda" run --model "$m" --calib README.md --method $cfg \
-                    --nsamples 16 --seqlen 256 --device "$dev" --format fake --out "$out/q-$dev" --quiet --profile
-                cp "$out/q-$dev/report.json" "$out/report-$tag-$dev.json"
+                    --nsamples 16 --seqlen 256 --device "$dev" --format fake --out "$out/q-$dev" --quiet \
+                    --profile || { echo "e2e: run --device $dev failed"; return 1; }
+                cp "$out/q-$dev/report.json" "$out/report-$tag-$dev.json" || return 1
                 rm -rf "$out/q-$dev"
             done
-            echo "== $cfg"
             compare_reports "$out/report-$tag-cuda.json" "$out/report-$tag-cpu.json"
+        }
+        failed=()
+        for cfg in "boa --wbits 3" "gptq --wbits 4 --group-size 64"; do
+            echo "== $cfg"
+            run_config "$cfg" || failed+=("$cfg")
         done
+        if ((${#failed[@]} > 0)); then
+            printf 'e2e: FAIL: %s\n' "${failed[@]}"
+            exit 1
+        fi
     ) >"$out/e2e.log" 2>&1
     e2e_rc=$?
     set -e

@@ -461,7 +461,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             reps,
         } => {
             use boa_cuda::bench::gpu;
-            let (b, note) = gpu::open_backend(device)?;
+            let (mut b, note) = gpu::open_backend(device)?;
             if let Some(note) = note {
                 eprintln!("{note}");
             }
@@ -474,7 +474,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     .map(|s| gpu::shape_by_name(s))
                     .collect::<anyhow::Result<_>>()?
             };
-            let report = gpu::bench_quant_ops(&b, &shapes, tokens.unwrap_or(default_tokens), reps)?;
+            let report =
+                gpu::bench_quant_ops(&mut b, &shapes, tokens.unwrap_or(default_tokens), reps)?;
             print!("{report}");
         }
         Cmd::BenchQgemm {

@@ -28,7 +28,7 @@
 //!   the rows whose applied error is off the applied optimum are counted and reported, not bounded.
 
 use boa_cuda::backend::cpu::CpuBackend;
-use boa_cuda::backend::cuda::{CudaBackend, XxtVariant};
+use boa_cuda::backend::cuda::{CudaBackend, TrailingVariant, XxtVariant};
 use boa_cuda::backend::quant_ops::{AttnShape, StaticGrids, SweepResult, UCol};
 use boa_cuda::backend::{Backend, QuantOps};
 use boa_cuda::quant::linalg::cholesky_upper_inverse_reference;
@@ -454,6 +454,9 @@ fn parity_gptq_sweep(b: &dyn Backend, reference: Option<&dyn Backend>) {
         (70, 100, 64, 7, 128),
         (33, 300, 128, 15, 128),
         (64, 257, 257, 3, 32),
+        // Five blocks, rows off every tile size; one row (a GEMM with n = 1 on the cuBLAS route).
+        (130, 520, 100, 7, 128),
+        (1, 300, 64, 15, 64),
     ] {
         let w = randn(&mut rng, rows * n, 1.0);
         let u = upper_f32(&mut rng, n);
@@ -614,6 +617,8 @@ fn parity_boa_sweep(b: &dyn Backend, reference: Option<&dyn Backend>) {
         (3, 64, 100, 64, false, 7),
         (2, 128, 150, 150, true, 15),
         (4, 16, 77, 32, false, 3),
+        // Per-head U_col batched over three heads, nine column blocks.
+        (3, 32, 260, 100, true, 7),
     ] {
         let rows = n_heads * d_h;
         let w = randn(&mut rng, rows * n, 1.0);
@@ -976,11 +981,26 @@ fn parity_gptq_sweep_cpu() {
     parity_gptq_sweep(&CpuBackend, None);
 }
 
+/// Runs `f` once per trailing-update variant of the CUDA sweeps (FFMA kernel, cuBLAS), saying which ran.
+fn for_trailing_variants(b: &mut CudaBackend, f: impl Fn(&CudaBackend)) {
+    for v in TrailingVariant::ALL {
+        b.set_trailing_variant(v);
+        let used = b.trailing_variant_in_use();
+        println!("sweep trailing variant {v:?} (in use: {used:?})");
+        if used != v {
+            println!("cuBLAS unavailable: the {v:?} row ran the {used:?} trailing update");
+        }
+        f(b);
+    }
+}
+
 #[test]
 fn parity_gptq_sweep_cuda() {
     with_cuda(|b| {
-        parity_gptq_sweep(b, Some(&CpuBackend));
-        parity_gptq_sweep(b, None);
+        for_trailing_variants(b, |b| {
+            parity_gptq_sweep(b, Some(&CpuBackend));
+            parity_gptq_sweep(b, None);
+        })
     });
 }
 
@@ -992,8 +1012,10 @@ fn parity_gptq_sweep_dynamic_cpu() {
 #[test]
 fn parity_gptq_sweep_dynamic_cuda() {
     with_cuda(|b| {
-        parity_gptq_sweep_dynamic(b, Some(&CpuBackend));
-        parity_gptq_sweep_dynamic(b, None);
+        for_trailing_variants(b, |b| {
+            parity_gptq_sweep_dynamic(b, Some(&CpuBackend));
+            parity_gptq_sweep_dynamic(b, None);
+        })
     });
 }
 
@@ -1005,8 +1027,10 @@ fn parity_boa_sweep_cpu() {
 #[test]
 fn parity_boa_sweep_cuda() {
     with_cuda(|b| {
-        parity_boa_sweep(b, Some(&CpuBackend));
-        parity_boa_sweep(b, None);
+        for_trailing_variants(b, |b| {
+            parity_boa_sweep(b, Some(&CpuBackend));
+            parity_boa_sweep(b, None);
+        })
     });
 }
 

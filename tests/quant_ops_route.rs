@@ -3,15 +3,19 @@
 //! sweep (GPTQ with dynamic groups too; BoA keeps its own sweep for them), and its scale search for static
 //! Hessian grids (dynamic groups search inside the sweep), and give the codes of the native path
 //! (which factors in f64; the route rounds H to f32 first, so rare rounding ties may flip — counted, bounded).
+//! The block's factor cache (`FactorCache`) must factor each shared H_col once and change no bit.
 
 #[path = "quant_common/mod.rs"]
 mod common;
 
 use boa_cuda::backend::cpu::CpuBackend;
 use boa_cuda::backend::quant_ops::{AttnShape, QuantOps, StaticGrids, SweepResult, UCol};
-use boa_cuda::quant::boa::{BoaOptions, ColHessian, boa_quantize, boa_quantize_with};
+use boa_cuda::quant::boa::{
+    BoaOptions, ColHessian, boa_quantize, boa_quantize_cached, boa_quantize_with,
+};
 use boa_cuda::quant::gptq::{
-    DynamicGroups, GptqOptions, Quantized, gptq_quantize, gptq_quantize_with,
+    DynamicGroups, FactorCache, GptqOptions, Quantized, gptq_quantize, gptq_quantize_cached,
+    gptq_quantize_with,
 };
 use boa_cuda::quant::quantizer::Grid;
 use boa_cuda::quant::{QuantSpec, ScaleSearch};
@@ -22,6 +26,9 @@ use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 #[derive(Default)]
 struct Counting {
     cholesky_matrices: AtomicUsize,
+    /// cholesky_upper_inverse_batched calls, and the matrices factored with n = DIN (the H_col).
+    cholesky_calls: AtomicUsize,
+    col_factors: AtomicUsize,
     gptq_sweeps: AtomicUsize,
     gptq_dynamic_sweeps: AtomicUsize,
     boa_sweeps: AtomicUsize,
@@ -47,6 +54,10 @@ impl QuantOps for Counting {
         count: usize,
     ) -> Vec<Option<Vec<f32>>> {
         self.cholesky_matrices.fetch_add(count, Relaxed);
+        self.cholesky_calls.fetch_add(1, Relaxed);
+        if n == DIN {
+            self.col_factors.fetch_add(count, Relaxed);
+        }
         CpuBackend.cholesky_upper_inverse_batched(h, n, count)
     }
     fn search_grids(
@@ -256,9 +267,14 @@ fn boa_static_grids_factor_and_sweep_through_the_backend() {
             let ops = Counting::default();
             let native = boa_quantize(&w, NH, DH, DIN, h_col, &h_row, &b).unwrap();
             let routed = boa_quantize_with(&w, NH, DH, DIN, h_col, &h_row, &b, Some(&ops)).unwrap();
-            // All heads' H_row in one batch, plus one H_col (shared) or one per head.
+            // All heads' H_row in one batch, plus one H_col (shared) or one per head, also in one batch.
             let col = if shared { 1 } else { NH };
             assert_eq!(ops.cholesky_matrices.load(Relaxed), NH + col);
+            assert_eq!(
+                ops.cholesky_calls.load(Relaxed),
+                2,
+                "H_col batch + H_row batch"
+            );
             assert_eq!(ops.boa_sweeps.load(Relaxed), 1);
             // Static Hessian grids: a shared H_col searches all heads' rows at once, per-head H_col one head
             // at a time; every row once.
@@ -314,4 +330,105 @@ fn boa_names_the_head_whose_row_hessian_stays_singular() {
         0,
         "no sweep after a failed factor"
     );
+}
+
+/// Every output of a quantization, bit for bit.
+fn assert_identical(a: &Quantized<f32>, b: &Quantized<f32>, what: &str) {
+    assert_eq!(a.codes, b.codes, "{what}: codes");
+    assert_eq!(a.w_hat, b.w_hat, "{what}: Ŵ");
+    assert_eq!(a.scales, b.scales, "{what}: scales");
+    assert_eq!(a.zeros, b.zeros, "{what}: zeros");
+    assert_eq!(a.g_idx, b.g_idx, "{what}: g_idx");
+}
+
+/// One block's worth of layers in the pipeline's order (quantize_block): W_Q and W_K by BoA on the attention
+/// input's H, then gate/up by GPTQ on the MLP input's H, through one `FactorCache`. Each H_col is factored
+/// once, and every result is the uncached one bit for bit — through a backend's QuantOps and through quant::'s
+/// own f64 route, with dead inputs (whose columns a cached plan must still zero in each layer's W), static and
+/// dynamic groups. A different act-order flag is a different plan (miss), and so is a different H.
+#[test]
+fn block_factor_cache_factors_each_shared_h_once_and_changes_nothing() {
+    let (w_q, mut h_attn, _, h_row_q) = layer(6);
+    let (w_k, _, _, h_row_k) = layer(7);
+    let (w_gate, mut h_mlp, _, _) = layer(8);
+    let (w_up, _, _, _) = layer(9);
+    // A dead input in each H (never fires): its column must be zeroed in every layer that reads the H.
+    for (h, dead) in [(&mut h_attn, 5), (&mut h_mlp, 17)] {
+        for j in 0..DIN {
+            h[dead * DIN + j] = 0.0;
+            h[j * DIN + dead] = 0.0;
+        }
+    }
+    let (h_attn, h_mlp) = (h_attn, h_mlp);
+    let specs = [
+        QuantSpec::new(3, None, false, ScaleSearch::Hessian),
+        QuantSpec::new(3, Some(32), false, ScaleSearch::Hessian), // dynamic groups
+    ];
+    for spec in specs {
+        for act_order in [false, true] {
+            for routed in [true, false] {
+                let what = format!("{spec:?} act_order={act_order} routed={routed}");
+                let mut g = GptqOptions::new(spec);
+                g.act_order = act_order;
+                let mut b = BoaOptions::new(g.clone());
+                b.act_order_col = act_order;
+                let quantize_all = |cache, ops: &Counting| {
+                    let ops = routed.then_some(ops as &dyn boa_cuda::backend::QuantOps);
+                    let boa = |w: &[f32], h_row: &[f64]| {
+                        let h_col = ColHessian::Shared(&h_attn);
+                        boa_quantize_cached(w, NH, DH, DIN, h_col, h_row, &b, ops, cache).unwrap()
+                    };
+                    let gptq = |w: &[f32]| {
+                        gptq_quantize_cached(w, NH * DH, DIN, &h_mlp, &g, ops, cache).unwrap()
+                    };
+                    [
+                        boa(&w_q, &h_row_q),
+                        boa(&w_k, &h_row_k),
+                        gptq(&w_gate),
+                        gptq(&w_up),
+                    ]
+                };
+                let plain_ops = Counting::default();
+                let plain = quantize_all(None, &plain_ops);
+                let cached_ops = Counting::default();
+                let cache = FactorCache::new();
+                let cached = quantize_all(Some(&cache), &cached_ops);
+                for (i, (a, c)) in plain.iter().zip(&cached).enumerate() {
+                    assert_identical(a, c, &format!("{what} layer {i}"));
+                    // The dead input's column is quantized to exactly 0 (W zeroed before the sweep).
+                    let dead = if i < 2 { 5 } else { 17 };
+                    for r in 0..NH * DH {
+                        assert_eq!(c.w_hat[r * DIN + dead], 0.0, "{what} layer {i} dead column");
+                    }
+                }
+                assert_eq!(
+                    cache.hits(),
+                    2,
+                    "{what}: k reuses q's plan, up reuses gate's"
+                );
+                if routed {
+                    assert_eq!(plain_ops.col_factors.load(Relaxed), 4, "{what}");
+                    assert_eq!(
+                        cached_ops.col_factors.load(Relaxed),
+                        2,
+                        "{what}: one H_col factor per distinct H"
+                    );
+                }
+                // Same H, other act-order flag: another permutation, so another factor.
+                let mut g2 = g.clone();
+                g2.act_order = !act_order;
+                let ops = routed.then_some(&cached_ops as &dyn boa_cuda::backend::QuantOps);
+                let other =
+                    gptq_quantize_cached(&w_up, NH * DH, DIN, &h_mlp, &g2, ops, Some(&cache))
+                        .unwrap();
+                let fresh =
+                    gptq_quantize_cached(&w_up, NH * DH, DIN, &h_mlp, &g2, ops, None).unwrap();
+                assert_identical(&other, &fresh, &format!("{what} flipped act_order"));
+                assert_eq!(cache.hits(), 2, "{what}: a flipped act_order is a miss");
+                if routed {
+                    assert_eq!(cached_ops.col_factors.load(Relaxed), 4, "{what}");
+                }
+            }
+        }
+    }
 }

@@ -6,8 +6,8 @@ use super::stats::BlockStats;
 use crate::backend::quant_ops::QuantOps;
 use crate::model::Config;
 use crate::model::llama::{BlockWeights, LINEAR_NAMES};
-use crate::quant::boa::{BoaOptions, ColHessian, boa_quantize_with};
-use crate::quant::gptq::{GptqOptions, Quantized, gptq_quantize_with};
+use crate::quant::boa::{BoaOptions, ColHessian, boa_quantize_cached, boa_quantize_with};
+use crate::quant::gptq::{FactorCache, GptqOptions, Quantized, gptq_quantize_cached};
 use crate::quant::hessian::{
     RopeAverage, identity_row_hessians, k_row_hessians, q_row_hessians, v_row_hessians_from_wout,
 };
@@ -103,6 +103,8 @@ pub fn quantize_block(
             s.h_down.hessian(),
         ]
     });
+    // q/k (and v under GPTQ) factor the attention input's H once, gate/up the MLP input's.
+    let factors = FactorCache::new();
     let rope = RopeAverage::new(&cfg.inv_freq(), seqlen);
     let w_o = w.o.w.clone();
     let mut out = Vec::with_capacity(7);
@@ -138,18 +140,28 @@ pub fn quantize_block(
                 let mut b = BoaOptions::new(g.clone());
                 b.act_order_col = opts.act_order;
                 b.act_order_row = opts.act_order_row;
-                let v_col;
-                let (h_col, h_row) = match name {
-                    "self_attn.q_proj" => (
-                        ColHessian::Shared(h),
-                        q_row_hessians(&s.c_k.covariances(), cfg.n_heads, cfg.n_kv_heads, &rope),
-                    ),
-                    "self_attn.k_proj" => (
-                        ColHessian::Shared(h),
-                        k_row_hessians(&s.c_q.group_means(cfg.n_kv_heads), &rope),
-                    ),
+                // W_Q and W_K share H_col (and its factor, through `factors`); W_V's per-head H_col are its own.
+                let q = match name {
+                    "self_attn.q_proj" | "self_attn.k_proj" => {
+                        let h_row = if name == "self_attn.q_proj" {
+                            q_row_hessians(&s.c_k.covariances(), cfg.n_heads, cfg.n_kv_heads, &rope)
+                        } else {
+                            k_row_hessians(&s.c_q.group_means(cfg.n_kv_heads), &rope)
+                        };
+                        boa_quantize_cached(
+                            &lin.w,
+                            n_heads,
+                            d_h,
+                            d_in,
+                            ColHessian::Shared(h),
+                            &h_row,
+                            &b,
+                            ops,
+                            Some(&factors),
+                        )
+                    }
                     _ => {
-                        v_col = s
+                        let v_col = s
                             .v_col
                             .as_ref()
                             .expect("BoA collects V statistics")
@@ -164,17 +176,23 @@ pub fn quantize_block(
                                 d_h,
                             ),
                         };
-                        (ColHessian::PerHead(&v_col), h_row)
+                        boa_quantize_with(
+                            &lin.w,
+                            n_heads,
+                            d_h,
+                            d_in,
+                            ColHessian::PerHead(&v_col),
+                            &h_row,
+                            &b,
+                            ops,
+                        )
                     }
                 };
-                (
-                    boa_quantize_with(&lin.w, n_heads, d_h, d_in, h_col, &h_row, &b, ops)
-                        .with_context(ctx)?,
-                    "boa",
-                )
+                (q.with_context(ctx)?, "boa")
             }
             (_, Some(h)) => (
-                gptq_quantize_with(&lin.w, d_out, d_in, h, &g, ops).with_context(ctx)?,
+                gptq_quantize_cached(&lin.w, d_out, d_in, h, &g, ops, Some(&factors))
+                    .with_context(ctx)?,
                 "gptq",
             ),
         };

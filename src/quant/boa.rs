@@ -13,8 +13,8 @@
 
 use super::Real;
 use super::gptq::{
-    DynamicGroups, GptqOptions, Quantized, from_f32, gptq_block_sweep, grids_f32, permute_cols,
-    plan_sweep, static_grids, to_f32,
+    DynamicGroups, FactorCache, GptqOptions, Quantized, from_f32, gptq_block_sweep, grids_f32,
+    permute_cols, plan_sweep, plan_sweeps, static_grids, to_f32,
 };
 use super::linalg::{act_order_perm, damped_upper_inverse_batch, fix_dead_inputs, permute_sym};
 use super::profile::{Phase, timed};
@@ -376,10 +376,10 @@ pub fn boa_quantize<T: Real>(
     boa_quantize_with(w, n_heads, d_h, d_in, h_col, h_row, opts, None)
 }
 
-/// [`boa_quantize`] with the U factors (all heads' U_row in one batch) and static-grid sweeps through a
-/// backend's `QuantOps` (f32) when `ops` is given. Dynamic groups keep this module's sweep: in the wavefront
-/// order a row reaches a group start mid-kernel, right after the row above it, so there is no point at which
-/// a host search could run.
+/// [`boa_quantize`] with the U factors (all heads' U_row in one batch, V's per-head U_col in batches) and
+/// static-grid sweeps through a backend's `QuantOps` (f32) when `ops` is given. Dynamic groups keep this
+/// module's sweep: in the wavefront order a row reaches a group start mid-kernel, right after the row above
+/// it, so there is no point at which a host search could run.
 #[allow(clippy::too_many_arguments)]
 pub fn boa_quantize_with<T: Real>(
     w: &[T],
@@ -390,6 +390,24 @@ pub fn boa_quantize_with<T: Real>(
     h_row: &[f64],
     opts: &BoaOptions,
     ops: Option<&dyn QuantOps>,
+) -> anyhow::Result<Quantized<T>> {
+    boa_quantize_cached(w, n_heads, d_h, d_in, h_col, h_row, opts, ops, None)
+}
+
+/// [`boa_quantize_with`] taking the plan of a shared H_col from `cache` when another layer of the block
+/// planned it (W_Q and W_K read the same H_col; same result, one factorization fewer). Per-head H_col (W_V)
+/// are V's own and bypass the cache.
+#[allow(clippy::too_many_arguments)]
+pub fn boa_quantize_cached<'h, T: Real>(
+    w: &[T],
+    n_heads: usize,
+    d_h: usize,
+    d_in: usize,
+    h_col: ColHessian<'h>,
+    h_row: &[f64],
+    opts: &BoaOptions,
+    ops: Option<&dyn QuantOps>,
+    cache: Option<&FactorCache<'h, T>>,
 ) -> anyhow::Result<Quantized<T>> {
     let g = &opts.gptq;
     g.spec.validate()?;
@@ -415,7 +433,17 @@ pub fn boa_quantize_with<T: Real>(
     let t_factor = std::time::Instant::now();
     let (plans, head_col) = match h_col {
         ColHessian::Shared(hc) => (
-            vec![plan_sweep::<T>(&mut w0, n, hc, g, opts.act_order_col, ops)?],
+            vec![match cache {
+                Some(c) => c.plan(&mut w0, n, hc, g, opts.act_order_col, ops)?,
+                None => std::sync::Arc::new(plan_sweep::<T>(
+                    &mut w0,
+                    n,
+                    hc,
+                    g,
+                    opts.act_order_col,
+                    ops,
+                )?),
+            }],
             vec![0; n_heads],
         ),
         ColHessian::PerHead(hc) => {
@@ -424,18 +452,17 @@ pub fn boa_quantize_with<T: Real>(
                 n_heads * n * n,
                 "per-head H_col is not [{n_heads} × {n} × {n}]"
             );
+            // All heads' factors in batches (one backend call per batch, not one per head).
+            let hcs: Vec<&[f64]> = hc.chunks(n * n).collect();
             let mut plans = Vec::with_capacity(n_heads);
-            for (h, wh) in w0.chunks_mut(hs).enumerate() {
-                let p = plan_sweep::<T>(
-                    wh,
-                    n,
-                    &hc[h * n * n..(h + 1) * n * n],
-                    g,
-                    opts.act_order_col,
-                    ops,
-                )
-                .map_err(|e| e.context(format!("H_col of head {h}")))?;
-                plans.push(p);
+            for (h, (p, wh)) in plan_sweeps::<T>(&hcs, n, g, opts.act_order_col, ops)
+                .into_iter()
+                .zip(w0.chunks_mut(hs))
+                .enumerate()
+            {
+                let p = p.map_err(|e| e.context(format!("H_col of head {h}")))?;
+                p.zero_dead_columns(wh, n);
+                plans.push(std::sync::Arc::new(p));
             }
             (plans, (0..n_heads).collect())
         }

@@ -301,7 +301,25 @@ pub(crate) struct SweepPlan<T> {
     /// Damped H in sweep order.
     pub h_p: Vec<f64>,
     pub inv: Vec<usize>,
+    /// Dead inputs (H_ii = 0, original order): their columns of W are zeroed (`zero_dead_columns`).
+    pub dead: Vec<usize>,
 }
+
+impl<T: Real> SweepPlan<T> {
+    /// Zeroes the dead-input columns of every row of `w` [rows × n] (design.md §4.2).
+    pub fn zero_dead_columns(&self, w: &mut [T], n: usize) {
+        for &c in &self.dead {
+            for row in w.chunks_mut(n) {
+                row[c] = T::ZERO;
+            }
+        }
+    }
+}
+
+/// f32 bytes of H a batch of [`plan_sweeps`] hands to the backend in one call: with V's per-head H_col
+/// (32 × 4096² for a 7B layer, 2 GiB of f32) the batch, the factors coming back and their f64 copies would
+/// otherwise all be alive at once; 512 MiB is 8 heads of 4096, 2 of 8192.
+pub(crate) const FACTOR_BATCH_BYTES: usize = 512 << 20;
 
 /// Dead inputs, act-order permutation, damping and U for one H_col; zeroes dead columns of every row of `w`.
 /// U is factorized by `ops` when given (see [`gptq_quantize_with`]).
@@ -313,31 +331,82 @@ pub(crate) fn plan_sweep<T: Real>(
     act_order: bool,
     ops: Option<&dyn QuantOps>,
 ) -> anyhow::Result<SweepPlan<T>> {
-    assert_eq!(h.len(), n * n, "H is not [{n} × {n}]");
-    let spec = &opts.spec;
-    let mut h = h.to_vec();
-    for c in fix_dead_inputs(&mut h, n, opts.dead_diag) {
-        for row in w.chunks_mut(n) {
-            row[c] = T::ZERO;
+    let plan = plan_sweeps::<T>(&[h], n, opts, act_order, ops).remove(0)?;
+    plan.zero_dead_columns(w, n);
+    Ok(plan)
+}
+
+/// [`plan_sweep`] of several H_col [n × n] at once (W untouched: the caller zeroes each plan's dead columns),
+/// their factors in batches of ≤ FACTOR_BATCH_BYTES through one `damped_upper_inverse_batch` each, so a
+/// device factors a batch in one call per damping round instead of one call per matrix. Each result is what
+/// `plan_sweep` gives for that H alone (the factors are independent). One result per H, in order.
+pub(crate) fn plan_sweeps<T: Real>(
+    hs: &[&[f64]],
+    n: usize,
+    opts: &GptqOptions,
+    act_order: bool,
+    ops: Option<&dyn QuantOps>,
+) -> Vec<anyhow::Result<SweepPlan<T>>> {
+    let per_call = (FACTOR_BATCH_BYTES / (n * n * 4).max(1)).max(1);
+    plan_sweeps_batched(hs, n, opts, act_order, ops, per_call)
+}
+
+/// [`plan_sweeps`] with at most `per_call` matrices per factor batch.
+fn plan_sweeps_batched<T: Real>(
+    hs: &[&[f64]],
+    n: usize,
+    opts: &GptqOptions,
+    act_order: bool,
+    ops: Option<&dyn QuantOps>,
+    per_call: usize,
+) -> Vec<anyhow::Result<SweepPlan<T>>> {
+    let mut out = Vec::with_capacity(hs.len());
+    for chunk in hs.chunks(per_call) {
+        // Dead inputs and act-order (diag(H) only: gptq.py's argsort of the diagonal), then H in sweep order.
+        let mut prepared = Vec::with_capacity(chunk.len());
+        let mut h_ps = Vec::with_capacity(chunk.len());
+        for &h in chunk {
+            assert_eq!(h.len(), n * n, "H is not [{n} × {n}]");
+            let mut h = h.to_vec();
+            let dead = fix_dead_inputs(&mut h, n, opts.dead_diag);
+            let perm: Vec<usize> = if act_order {
+                act_order_perm(&h, n)
+            } else {
+                (0..n).collect()
+            };
+            let mut inv = vec![0; n];
+            for (k, &c) in perm.iter().enumerate() {
+                inv[c] = k;
+            }
+            h_ps.push(permute_sym(&h, n, &perm));
+            prepared.push((dead, perm, inv));
+        }
+        let us = damped_upper_inverse_batch(&mut h_ps, n, opts.damp, opts.max_damp_tries, ops);
+        for (((dead, perm, inv), h_p), u) in prepared.into_iter().zip(h_ps).zip(us) {
+            out.push(
+                u.map(|u| finish_plan(&opts.spec, n, opts.static_groups, perm, inv, h_p, &u, dead)),
+            );
         }
     }
-    let perm: Vec<usize> = if act_order {
-        act_order_perm(&h, n)
-    } else {
-        (0..n).collect()
-    };
-    let mut inv = vec![0; n];
-    for (k, &c) in perm.iter().enumerate() {
-        inv[c] = k;
-    }
-    let mut hs = [permute_sym(&h, n, &perm)];
-    let u =
-        damped_upper_inverse_batch(&mut hs, n, opts.damp, opts.max_damp_tries, ops).remove(0)?;
-    let [h_p] = hs;
+    out
+}
+
+/// The grouping of a plan (column → group, dynamic H blocks) around its factor.
+#[allow(clippy::too_many_arguments)]
+fn finish_plan<T: Real>(
+    spec: &QuantSpec,
+    n: usize,
+    static_groups: bool,
+    perm: Vec<usize>,
+    inv: Vec<usize>,
+    h_p: Vec<f64>,
+    u: &[f64],
+    dead: Vec<usize>,
+) -> SweepPlan<T> {
     let g = spec.group_len(n);
     let n_groups = spec.n_groups(n);
     let grouped = spec.group_size.is_some() && g < n;
-    let (col_group, dyn_blocks) = if grouped && !opts.static_groups {
+    let (col_group, dyn_blocks) = if grouped && !static_groups {
         let blocks = if spec.search == ScaleSearch::Hessian {
             (0..n_groups)
                 .map(|k| super::quantizer::h_block_f32(&h_p, n, k * g, g.min(n - k * g)))
@@ -349,7 +418,7 @@ pub(crate) fn plan_sweep<T: Real>(
     } else {
         (perm.iter().map(|&c| (c / g) as u32).collect(), None)
     };
-    Ok(SweepPlan {
+    SweepPlan {
         perm,
         u: u.iter().map(|&x| T::from_f64(x)).collect(),
         col_group,
@@ -357,7 +426,97 @@ pub(crate) fn plan_sweep<T: Real>(
         dyn_blocks,
         h_p,
         inv,
-    })
+        dead,
+    }
+}
+
+/// What a plan depends on besides H itself: the options of `plan_sweep` and where U is factored.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct PlanKey {
+    n: usize,
+    act_order: bool,
+    static_groups: bool,
+    spec: QuantSpec,
+    damp: f64,
+    max_damp_tries: usize,
+    dead_diag: f64,
+    /// Factored by a backend (f32) or by quant:: (f64): different U.
+    on_backend: bool,
+}
+
+/// The sweep plans (U = chol(H⁻¹)ᵀ and the rest) of one block, shared by the layers that read the same
+/// H_col: q_proj and k_proj (and v_proj under GPTQ) all read the attention input's covariance, gate_proj and
+/// up_proj the MLP input's, and without sharing each factors it again (on a GPU one extra 4096 and one
+/// extra 11008 factor per 7B layer).
+///
+/// An H is recognised by identity (the same slice, which the `'h` borrow keeps alive and unchanged), and the
+/// plan by the options it was computed with (`PlanKey`), so a hit returns exactly what planning again would
+/// (same bits: planning is deterministic, damping retries included — the cached plan is the damped result).
+/// Act-order's permutation depends on diag(H) only (never on the weights), so it is keyed by the flag.
+/// Only the last plan is kept: the block's order (q, k, v, o, gate, up, down) puts the sharers next to each
+/// other, and a d_ff-sized plan (1.5 GB for 11008) is not held longer than its layers need it.
+pub struct FactorCache<'h, T> {
+    last: std::sync::Mutex<Option<CachedPlan<'h, T>>>,
+    hits: std::sync::atomic::AtomicUsize,
+}
+
+/// The H a plan was made for (by identity), its key and the plan.
+type CachedPlan<'h, T> = (&'h [f64], PlanKey, std::sync::Arc<SweepPlan<T>>);
+
+impl<T> Default for FactorCache<'_, T> {
+    fn default() -> Self {
+        FactorCache {
+            last: std::sync::Mutex::new(None),
+            hits: std::sync::atomic::AtomicUsize::new(0),
+        }
+    }
+}
+
+impl<'h, T: Real> FactorCache<'h, T> {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Plans served from the cache so far.
+    pub fn hits(&self) -> usize {
+        self.hits.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// `plan_sweep` of `h` through the cache: the dead columns of `w` are zeroed either way.
+    pub(crate) fn plan(
+        &self,
+        w: &mut [T],
+        n: usize,
+        h: &'h [f64],
+        opts: &GptqOptions,
+        act_order: bool,
+        ops: Option<&dyn QuantOps>,
+    ) -> anyhow::Result<std::sync::Arc<SweepPlan<T>>> {
+        let key = PlanKey {
+            n,
+            act_order,
+            static_groups: opts.static_groups,
+            spec: opts.spec,
+            damp: opts.damp,
+            max_damp_tries: opts.max_damp_tries,
+            dead_diag: opts.dead_diag,
+            on_backend: ops.is_some(),
+        };
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((ch, ck, plan)) = last.as_ref()
+            && std::ptr::eq(*ch, h)
+            && *ck == key
+        {
+            self.hits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            plan.zero_dead_columns(w, n);
+            return Ok(plan.clone());
+        }
+        // Drop the old plan before computing the new one (peak memory: one plan, not two).
+        *last = None;
+        let plan = std::sync::Arc::new(plan_sweep(w, n, h, opts, act_order, ops)?);
+        *last = Some((h, key, plan.clone()));
+        Ok(plan)
+    }
 }
 
 /// Static grids [rows × n_groups] from the ORIGINAL rows `w` [rows × n] (per channel, or static groups over
@@ -466,11 +625,28 @@ pub fn gptq_quantize_with<T: Real>(
     opts: &GptqOptions,
     ops: Option<&dyn QuantOps>,
 ) -> anyhow::Result<Quantized<T>> {
+    gptq_quantize_cached(w, d_out, d_in, h, opts, ops, None)
+}
+
+/// [`gptq_quantize_with`] taking the plan of `h` from `cache` when another layer of the block planned it
+/// (same result, one factorization fewer).
+pub fn gptq_quantize_cached<'h, T: Real>(
+    w: &[T],
+    d_out: usize,
+    d_in: usize,
+    h: &'h [f64],
+    opts: &GptqOptions,
+    ops: Option<&dyn QuantOps>,
+    cache: Option<&FactorCache<'h, T>>,
+) -> anyhow::Result<Quantized<T>> {
     opts.spec.validate()?;
     assert_eq!(w.len(), d_out * d_in, "W is not [{d_out} × {d_in}]");
     let mut w0 = w.to_vec();
-    let plan = timed(Phase::Factor, || {
-        plan_sweep::<T>(&mut w0, d_in, h, opts, opts.act_order, ops)
+    let plan = timed(Phase::Factor, || match cache {
+        Some(c) => c.plan(&mut w0, d_in, h, opts, opts.act_order, ops),
+        None => {
+            plan_sweep::<T>(&mut w0, d_in, h, opts, opts.act_order, ops).map(std::sync::Arc::new)
+        }
     })?;
     let mut grids = match plan.dyn_blocks {
         Some(_) => vec![Grid::default(); d_out * plan.n_groups],
@@ -549,4 +725,69 @@ pub fn gptq_quantize_with<T: Real>(
         g_idx,
         n_groups: plan.n_groups,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::CpuBackend;
+    use rand::{RngExt, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    /// Batched planning (V's per-head H_col) gives each H exactly the plan it gets alone, in order, whatever
+    /// the batch split, on quant::'s f64 route and through a backend; a singular H fails alone.
+    #[test]
+    fn plan_sweeps_in_batches_equal_one_at_a_time() {
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        let n = 12;
+        let mut hs: Vec<Vec<f64>> = (0..5)
+            .map(|_| {
+                let x: Vec<f64> = (0..3 * n * n)
+                    .map(|_| rng.random_range(-1.0..1.0))
+                    .collect();
+                let mut h = vec![0.0; n * n];
+                for r in 0..3 * n {
+                    for i in 0..n {
+                        for j in 0..n {
+                            h[i * n + j] += x[r * n + i] * x[r * n + j];
+                        }
+                    }
+                }
+                h
+            })
+            .collect();
+        // H 1 has a dead input; H 3 stays singular (NaN survives any damping).
+        for j in 0..n {
+            hs[1][4 * n + j] = 0.0;
+            hs[1][j * n + 4] = 0.0;
+        }
+        hs[3][0] = f64::NAN;
+        let refs: Vec<&[f64]> = hs.iter().map(|h| h.as_slice()).collect();
+        let mut opts = GptqOptions::new(QuantSpec::new(3, Some(5), false, ScaleSearch::Hessian));
+        opts.act_order = true;
+        for ops in [None, Some(&CpuBackend as &dyn QuantOps)] {
+            for per_call in [1, 2, 5] {
+                let batched = plan_sweeps_batched::<f32>(&refs, n, &opts, true, ops, per_call);
+                assert_eq!(batched.len(), hs.len());
+                for (i, (b, h)) in batched.iter().zip(&refs).enumerate() {
+                    let mut w = vec![1f32; 2 * n];
+                    let alone = plan_sweep::<f32>(&mut w, n, h, &opts, true, ops);
+                    match (b, alone) {
+                        (Ok(b), Ok(a)) => {
+                            assert_eq!(b.u, a.u, "H {i}, per_call {per_call}: U");
+                            assert_eq!(b.perm, a.perm, "H {i}: perm");
+                            assert_eq!(b.h_p, a.h_p, "H {i}: damped H");
+                            assert_eq!(b.col_group, a.col_group, "H {i}: groups");
+                            assert_eq!(b.dyn_blocks, a.dyn_blocks, "H {i}: H blocks");
+                            assert_eq!(b.dead, a.dead, "H {i}: dead inputs");
+                            assert_eq!(b.dead, if i == 1 { vec![4] } else { vec![] });
+                            assert_eq!(w[4] == 0.0, i == 1, "H {i}: dead column zeroed");
+                        }
+                        (Err(_), Err(_)) => assert_eq!(i, 3, "only H 3 is singular"),
+                        _ => panic!("H {i}, per_call {per_call}: batched and alone disagree"),
+                    }
+                }
+            }
+        }
+    }
 }

@@ -17,6 +17,9 @@
 //! says so) and bf16 operands (cublasGemmEx, CUDA_R_16BF A and B, f32 accumulation and output: the tensor-core
 //! rate, ≈ 2–4e-3 relative error on random data).
 //!
+//! The same handle runs the sweeps' trailing update W[:, i2:] −= E · U[i1:i2, i2:] (`sgemm_strided`; the
+//! row-major ↔ column-major mapping is sweep.rs `trailing_cublas_config`).
+//!
 //! Roofline (H200): 2·m·n·k flop; f32 SIMT ≈ 60 TFLOP/s, bf16 tensor cores ≈ 990 TFLOP/s dense. A 7B
 //! projection on 512 tokens (4096 × 4096): 17 GFLOP → ≈ 0.3 ms f32, ≈ 20 µs bf16 (then bound by W's 64 MB f32
 //! read + conversion ≈ 25 µs). Not measured yet (no GPU run so far).
@@ -24,7 +27,7 @@
 use super::ops::{self, OpsKernels};
 use super::{CudaError, driver};
 use crate::nvtx::range;
-use cudarc::cublas::{CudaBlas, Gemm, result as br, sys};
+use cudarc::cublas::{CudaBlas, Gemm, StridedBatchedConfig, result as br, sys};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use std::ffi::{c_int, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -106,6 +109,36 @@ impl Blas {
             what: "sgemm (search_grids)",
             source,
         })
+    }
+
+    /// A strided-batched f32 GEMM as `cfg` describes it (column-major, cuBLAS's own semantics), on the handle's
+    /// stream: the sweeps' trailing update (sweep.rs `trailing_cublas_config`). One plain SGEMM when the batch
+    /// is 1.
+    ///
+    /// # Safety
+    /// Every element `cfg` addresses through a, b and c (leading dimensions, batch strides) must lie inside
+    /// them, and the leading dimensions must meet cuBLAS's minimums; the caller checks both.
+    pub(super) unsafe fn sgemm_strided(
+        &self,
+        cfg: StridedBatchedConfig<f32>,
+        a: &impl DevicePtr<f32>,
+        b: &impl DevicePtr<f32>,
+        c: &mut impl DevicePtrMut<f32>,
+    ) -> Result<(), CudaError> {
+        // cuBLAS calls act on the calling thread's current context; cudarc binds it for its own calls only.
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(driver("bind context"))?;
+        // SAFETY: the caller's contract above.
+        let r = unsafe {
+            if cfg.batch_size == 1 {
+                self.blas.gemm(cfg.gemm, a, b, c)
+            } else {
+                self.blas.gemm_strided_batched(cfg, a, b, c)
+            }
+        };
+        r.map_err(blas_err("sgemm (sweep trailing update)"))
     }
 
     /// Y [m × n] = X [m × k] · W [n × k]ᵀ (+ bias [n]) on the handle's stream (asynchronous). Every element

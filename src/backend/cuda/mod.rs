@@ -33,6 +33,7 @@ pub use gemm::LinearVariant;
 pub use hessian::XxtVariant;
 pub use ops::{AttentionVariant, RmsNormVariant};
 pub use qgemm::QgemmVariant;
+pub use sweep::TrailingVariant;
 
 use super::cpu::CpuBackend;
 use super::{AttnShape, Backend, Tensor, Weight};
@@ -101,6 +102,8 @@ pub struct CudaBackend {
     linear_variant: LinearVariant,
     attention_variant: AttentionVariant,
     xxt_variant: XxtVariant,
+    /// The sweeps' trailing update (cuBLAS unless set otherwise; the FFMA kernel when cuBLAS cannot be opened).
+    trailing_variant: TrailingVariant,
     poison_outputs: bool,
     /// Device time of the kernels of the last QuantOps call (events around the launches, transfers excluded).
     last_kernel_ms: std::sync::Mutex<f32>,
@@ -206,6 +209,7 @@ impl CudaBackend {
             linear_variant: LinearVariant::F32,
             attention_variant: AttentionVariant::Flash,
             xxt_variant: XxtVariant::Bf16Wmma,
+            trailing_variant: TrailingVariant::Cublas,
             poison_outputs: false,
             last_kernel_ms: std::sync::Mutex::new(0.0),
             solver: std::sync::OnceLock::new(),
@@ -232,6 +236,11 @@ impl CudaBackend {
     /// Selects the XᵀX kernel variant used by xxt_accumulate, head_covariance and v_col_covariance.
     pub fn set_xxt_variant(&mut self, v: XxtVariant) {
         self.xxt_variant = v;
+    }
+
+    /// Selects the sweeps' trailing update: cuBLAS SGEMM (the default) or the FFMA kernel (v1).
+    pub fn set_trailing_variant(&mut self, v: TrailingVariant) {
+        self.trailing_variant = v;
     }
 
     /// Device milliseconds of the kernels of the last QuantOps call (uploads and downloads excluded).
@@ -351,7 +360,8 @@ impl CudaBackend {
                 let b = gemm::Blas::new(&self.stream);
                 if let Err(why) = &b {
                     eprintln!(
-                        "{}: {why}; linear, packed_linear with m > 16 and the scale search run on the CPU",
+                        "{}: {why}; linear, packed_linear with m > 16 and the scale search run on the \
+                         CPU, the sweeps' trailing updates on the FFMA kernel",
                         self.name
                     );
                 }

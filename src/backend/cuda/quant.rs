@@ -7,8 +7,8 @@
 use super::cholesky::{CHOLESKY_MAX_N, launch_cholesky};
 use super::hessian::{ATTN_MAX_DH, launch_attn_x, launch_hessian_xxt, launch_softmax_stats};
 use super::sweep::{
-    BOA_BLOCK, BOA_MAX_DH, BoaBuffers, GPTQ_MAX_BLOCK, GptqBuffers, GptqDynamicBuffers,
-    launch_boa_sweep, launch_gptq_sweep, launch_gptq_sweep_dynamic,
+    BOA_BLOCK, BOA_MAX_DH, BoaBuffers, GPTQ_MAX_BLOCK, GptqBuffers, GptqDynamicBuffers, Trailing,
+    TrailingVariant, launch_boa_sweep, launch_gptq_sweep, launch_gptq_sweep_dynamic,
 };
 use super::{CudaBackend, CudaError, driver};
 use crate::backend::cpu::CpuBackend;
@@ -51,6 +51,22 @@ impl CudaBackend {
         what: &'static str,
     ) -> Result<CudaSlice<T>, CudaError> {
         self.stream.clone_htod(v).map_err(driver(what))
+    }
+
+    /// The trailing-update variant the sweeps run with: the selected one, or the FFMA kernel when cuBLAS is
+    /// selected but cannot be opened (said once on stderr by `blas`).
+    pub fn trailing_variant_in_use(&self) -> TrailingVariant {
+        match self.trailing_variant {
+            TrailingVariant::Cublas if self.blas().is_ok() => TrailingVariant::Cublas,
+            _ => TrailingVariant::Ffma,
+        }
+    }
+
+    fn trailing(&self) -> Trailing<'_> {
+        match self.trailing_variant {
+            TrailingVariant::Cublas => self.blas().map_or(Trailing::Ffma, Trailing::Cublas),
+            TrailingVariant::Ffma => Trailing::Ffma,
+        }
     }
 
     /// Q and the codes of a finished sweep, after the stream has run everything queued (`what` names the op).
@@ -306,7 +322,8 @@ impl CudaBackend {
             .collect())
     }
 
-    /// `cholesky_upper_inverse_batched` for n > CHOLESKY_MAX_N: one cuSOLVER factorization per matrix.
+    /// `cholesky_upper_inverse_batched` for n > CHOLESKY_MAX_N: cuSOLVER, the whole batch uploaded at once and
+    /// its factorizations queued back to back (solver.rs), then one download and one synchronization.
     pub fn try_cholesky_upper_inverse_large(
         &self,
         solver: &super::solver::Solver,
@@ -320,19 +337,27 @@ impl CudaBackend {
                 format!("h.len={} ≠ {count}·{n}²", h.len()),
             ));
         }
-        let mut out = Vec::with_capacity(count);
-        for hb in h.chunks(n * n) {
-            let h_d = self.upload(hb, "upload H")?;
-            let u_d = self.timed(|| solver.upper_inverse(&self.quant.cholesky, &h_d, n))?;
-            out.push(match u_d {
-                Some(u_d) => Some(self.stream.clone_dtoh(&u_d).map_err(driver("download U"))?),
-                None => None,
-            });
+        if n == 0 || count == 0 {
+            return Ok(vec![Some(Vec::new()); count]);
         }
+        let h_d = self.upload(h, "upload H")?;
+        let mut u_d = self.output(count * n * n)?;
+        let st_d = self.timed(|| {
+            solver.upper_inverse_batched(&self.quant.cholesky, &h_d, &mut u_d, n, count)
+        })?;
+        let u = self.stream.clone_dtoh(&u_d).map_err(driver("download U"))?;
+        let st = self
+            .stream
+            .clone_dtoh(&st_d)
+            .map_err(driver("download status"))?;
         self.stream
             .synchronize()
             .map_err(driver("cholesky_upper_inverse"))?;
-        Ok(out)
+        // Status per matrix: potrf info, trtri info, non-finite flag; all zero when it factored.
+        Ok(u.chunks(n * n)
+            .zip(st.chunks(3))
+            .map(|(ub, s)| s.iter().all(|&x| x == 0).then(|| ub.to_vec()))
+            .collect())
     }
 
     /// cuSOLVER, opened on first use; the reason (printed once) when it cannot be.
@@ -390,10 +415,12 @@ impl CudaBackend {
             .stream
             .alloc_zeros::<f32>(bs.min(n) * rows)
             .map_err(driver("alloc E"))?;
+        let trailing = self.trailing();
         self.timed(|| {
             launch_gptq_sweep(
                 &self.stream,
                 &self.quant.sweep,
+                trailing,
                 GptqBuffers {
                     w: &mut w_d,
                     q: &mut q_d,
@@ -483,10 +510,12 @@ impl CudaBackend {
             }
             found.iter().map(|gr| (gr.scale, gr.zero)).collect()
         };
+        let trailing = self.trailing();
         self.timed(|| {
             launch_gptq_sweep_dynamic(
                 &self.stream,
                 &self.quant.sweep,
+                trailing,
                 GptqDynamicBuffers {
                     w: &mut w_d,
                     q: &mut q_d,
@@ -571,10 +600,12 @@ impl CudaBackend {
             .stream
             .alloc_zeros::<f32>(BOA_BLOCK.min(n) * rows)
             .map_err(driver("alloc E"))?;
+        let trailing = self.trailing();
         self.timed(|| {
             launch_boa_sweep(
                 &self.stream,
                 &self.quant.sweep,
+                trailing,
                 BoaBuffers {
                     w: &mut w_d,
                     w0: &w0_d,

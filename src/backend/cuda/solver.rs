@@ -1,14 +1,17 @@
 //! Host side of U = chol(H⁻¹)ᵀ for n > CHOLESKY_MAX_N (the d_in-sized H_col of every layer): cuSOLVER's
 //! potrf and trtri on J H J, with cuda/cholesky.cu's `reverse_kernel` moving the matrix in and out (its
 //! header has the algebra). cuSOLVER is loaded at run time like libcuda; when it is missing the caller
-//! factorizes on the host and says so.
+//! factorizes on the host and says so. A batch of matrices (V's per-head H_col) is queued back to back with
+//! one status array, so the caller synchronizes once per batch, not three times per matrix.
 
 use super::cholesky::CholeskyKernels;
 use super::{CudaError, driver};
 use crate::nvtx::range;
 use cudarc::cusolver::safe::DnHandle;
 use cudarc::cusolver::{result as sr, sys};
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
 use std::ffi::c_void;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
@@ -53,142 +56,186 @@ impl Solver {
         .unwrap_or_else(|_| Err("libcusolver could not be used (missing symbol)".into()))
     }
 
-    /// U = chol(H⁻¹)ᵀ [n × n] of one SPD H on the device, or None when H is not numerically positive definite.
-    pub fn upper_inverse(
+    /// U_b = chol(H_b⁻¹)ᵀ [n × n] of each of `count` SPD matrices H_b stacked in `h` [count × n × n], into
+    /// `u` (same shape), all queued on the handle's stream with no host synchronization: per matrix, the
+    /// reversal J H_b J into one scratch matrix (reused: the stream orders the matrices), potrf, trtri, and
+    /// the reversal out into u_b. Returns the status [count × 3] (potrf info, trtri info, non-finite flag),
+    /// zero for a matrix that factored; the caller downloads it with U and synchronizes once.
+    pub fn upper_inverse_batched(
         &self,
         k: &CholeskyKernels,
         h: &CudaSlice<f32>,
+        u: &mut CudaSlice<f32>,
         n: usize,
-    ) -> Result<Option<CudaSlice<f32>>, CudaError> {
+        count: usize,
+    ) -> Result<CudaSlice<i32>, CudaError> {
+        let nn = n * n;
+        if n == 0 || h.len() != count * nn || u.len() != count * nn {
+            return Err(CudaError::Shape {
+                op: "cholesky_upper_inverse (cuSOLVER)",
+                msg: format!(
+                    "h.len={} u.len={} for count={count}, n={n} (≥ 1)",
+                    h.len(),
+                    u.len()
+                ),
+            });
+        }
         let stream = self.handle.stream();
+        let mut status = stream
+            .alloc_zeros::<i32>(3 * count.max(1))
+            .map_err(driver("alloc status"))?;
+        if count == 0 {
+            return Ok(status);
+        }
         let _r = range(c"cholesky_cusolver");
-        // SAFETY: reverse_kernel writes all n² elements of `a` before potrf reads them.
-        let mut a = unsafe { stream.alloc::<f32>(n * n) }.map_err(driver("alloc J H J"))?;
-        let mut bad = stream.alloc_zeros::<i32>(1).map_err(driver("alloc flag"))?;
-        launch_reverse(stream, k, &mut a, &mut bad, h, n, false)?;
-        let mut info = stream.alloc_zeros::<i32>(1).map_err(driver("alloc info"))?;
+        // cuSOLVER calls act on the calling thread's current context; cudarc binds it for its own calls only.
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(driver("bind context"))?;
+        // SAFETY: reverse_kernel writes all n² elements of `a` before potrf reads them, for every matrix.
+        let mut a = unsafe { stream.alloc::<f32>(nn) }.map_err(driver("alloc J H J"))?;
+        let (cu, params) = (self.handle.cu(), self.params);
         let fill = sys::cublasFillMode_t::CUBLAS_FILL_MODE_UPPER;
+        let diag = sys::cublasDiagType_t::CUBLAS_DIAG_NON_UNIT;
         let f32t = sys::cudaDataType::CUDA_R_32F;
         let ni = n as i64;
-        {
-            let (mut dev_bytes, mut host_bytes) = (0usize, 0usize);
+        // The workspaces depend on n only: sized once, reused by every matrix.
+        let (mut potrf_ws, mut trtri_ws) = {
             let (pa, _sa) = a.device_ptr_mut(stream);
-            // SAFETY: a is [n × n] f32 on this handle's stream; the out-pointers are valid.
-            unsafe {
+            let pa = pa as *mut c_void;
+            // SAFETY (both queries): a is [n × n] f32 on this handle's stream; the out-pointers are valid.
+            let potrf = Workspace::new(stream, "potrf workspace size", |dev, host| unsafe {
                 sys::cusolverDnXpotrf_bufferSize(
-                    self.handle.cu(),
-                    self.params,
-                    fill,
-                    ni,
-                    f32t,
-                    pa as *const c_void,
-                    ni,
-                    f32t,
-                    &mut dev_bytes,
-                    &mut host_bytes,
+                    cu, params, fill, ni, f32t, pa, ni, f32t, dev, host,
                 )
+            })?;
+            let trtri = Workspace::new(stream, "trtri workspace size", |dev, host| unsafe {
+                sys::cusolverDnXtrtri_bufferSize(cu, fill, diag, ni, f32t, pa, ni, dev, host)
+            })?;
+            (potrf, trtri)
+        };
+        for b in 0..count {
+            let mut st = status.slice_mut(3 * b..3 * b + 3);
+            launch_reverse(
+                stream,
+                k,
+                &mut a.slice_mut(..),
+                &mut st.slice_mut(2..3),
+                &h.slice(b * nn..(b + 1) * nn),
+                n,
+                false,
+            )?;
+            {
+                let (pa, _sa) = a.device_ptr_mut(stream);
+                let pa = pa as *mut c_void;
+                // This matrix's status: [potrf info, trtri info, non-finite flag].
+                let (ps, _ss) = st.device_ptr_mut(stream);
+                let (potrf_info, trtri_info) = (ps as *mut i32, (ps + 4) as *mut i32);
+                // SAFETY: a and the workspace as sized above; info is one i32 of this matrix's status.
+                potrf_ws.call(stream, "potrf", |dev, dev_bytes, host, host_bytes| unsafe {
+                    sys::cusolverDnXpotrf(
+                        cu, params, fill, ni, f32t, pa, ni, f32t, dev, dev_bytes, host, host_bytes,
+                        potrf_info,
+                    )
+                })?;
+                // SAFETY: as for potrf. After a failed potrf (info > 0) trtri runs on a partial factor: it
+                // may produce non-finite values or its own info, never an out-of-bounds access; the status
+                // discards that matrix.
+                trtri_ws.call(stream, "trtri", |dev, dev_bytes, host, host_bytes| unsafe {
+                    sys::cusolverDnXtrtri(
+                        cu, fill, diag, ni, f32t, pa, ni, dev, dev_bytes, host, host_bytes,
+                        trtri_info,
+                    )
+                })?;
             }
-            .result()
-            .map_err(solver_err("potrf workspace size"))?;
-            let mut work = stream
-                .alloc_zeros::<u8>(dev_bytes.max(1))
-                .map_err(driver("alloc potrf workspace"))?;
-            let mut host = vec![0u8; host_bytes.max(1)];
-            let (pw, _sw) = work.device_ptr_mut(stream);
-            let (pi, _si) = info.device_ptr_mut(stream);
-            // SAFETY: workspaces of the sizes cuSOLVER asked for; a and info as above.
-            unsafe {
-                sys::cusolverDnXpotrf(
-                    self.handle.cu(),
-                    self.params,
-                    fill,
-                    ni,
-                    f32t,
-                    pa as *mut c_void,
-                    ni,
-                    f32t,
-                    pw as *mut c_void,
-                    dev_bytes,
-                    host.as_mut_ptr() as *mut c_void,
-                    host_bytes,
-                    pi as *mut i32,
-                )
-            }
-            .result()
-            .map_err(solver_err("potrf"))?;
+            launch_reverse(
+                stream,
+                k,
+                &mut u.slice_mut(b * nn..(b + 1) * nn),
+                &mut st.slice_mut(2..3),
+                &a.slice(..),
+                n,
+                true,
+            )?;
         }
-        if read_flag(stream, &info)? != 0 {
-            return Ok(None);
+        if potrf_ws.host_bytes > 0 || trtri_ws.host_bytes > 0 {
+            // The host workspaces are dropped here; see `Workspace::call`.
+            stream
+                .synchronize()
+                .map_err(driver("cuSOLVER host workspace"))?;
         }
-        {
-            let diag = sys::cublasDiagType_t::CUBLAS_DIAG_NON_UNIT;
-            let (mut dev_bytes, mut host_bytes) = (0usize, 0usize);
-            let (pa, _sa) = a.device_ptr_mut(stream);
-            // SAFETY: as for potrf.
-            unsafe {
-                sys::cusolverDnXtrtri_bufferSize(
-                    self.handle.cu(),
-                    fill,
-                    diag,
-                    ni,
-                    f32t,
-                    pa as *mut c_void,
-                    ni,
-                    &mut dev_bytes,
-                    &mut host_bytes,
-                )
-            }
-            .result()
-            .map_err(solver_err("trtri workspace size"))?;
-            let mut work = stream
-                .alloc_zeros::<u8>(dev_bytes.max(1))
-                .map_err(driver("alloc trtri workspace"))?;
-            let mut host = vec![0u8; host_bytes.max(1)];
-            let (pw, _sw) = work.device_ptr_mut(stream);
-            let (pi, _si) = info.device_ptr_mut(stream);
-            // SAFETY: as for potrf.
-            unsafe {
-                sys::cusolverDnXtrtri(
-                    self.handle.cu(),
-                    fill,
-                    diag,
-                    ni,
-                    f32t,
-                    pa as *mut c_void,
-                    ni,
-                    pw as *mut c_void,
-                    dev_bytes,
-                    host.as_mut_ptr() as *mut c_void,
-                    host_bytes,
-                    pi as *mut i32,
-                )
-            }
-            .result()
-            .map_err(solver_err("trtri"))?;
-        }
-        if read_flag(stream, &info)? != 0 {
-            return Ok(None);
-        }
-        // SAFETY: reverse_kernel writes all n² elements of u.
-        let mut u = unsafe { stream.alloc::<f32>(n * n) }.map_err(driver("alloc U"))?;
-        launch_reverse(stream, k, &mut u, &mut bad, &a, n, true)?;
-        Ok((read_flag(stream, &bad)? == 0).then_some(u))
+        Ok(status)
     }
 }
 
-fn read_flag(stream: &Arc<CudaStream>, flag: &CudaSlice<i32>) -> Result<i32, CudaError> {
-    let v = stream.clone_dtoh(flag).map_err(driver("download status"))?;
-    stream.synchronize().map_err(driver("solver status"))?;
-    Ok(v[0])
+/// A cuSOLVER workspace (device and host bytes) of the size its `*_bufferSize` query asked for: the "size →
+/// alloc → call" sequence of potrf and trtri, written once.
+struct Workspace {
+    dev: CudaSlice<u8>,
+    dev_bytes: usize,
+    host: Vec<u8>,
+    host_bytes: usize,
 }
 
-/// out = J in J (row-major [n × n]); with `upper`, zeros below the diagonal and `bad` = 1 on a non-finite entry.
+impl Workspace {
+    /// Runs the size query `size(&mut device_bytes, &mut host_bytes)` (`what` names it in errors) and
+    /// allocates both buffers.
+    fn new(
+        stream: &Arc<CudaStream>,
+        what: &'static str,
+        size: impl FnOnce(&mut usize, &mut usize) -> sys::cusolverStatus_t,
+    ) -> Result<Self, CudaError> {
+        let (mut dev_bytes, mut host_bytes) = (0usize, 0usize);
+        size(&mut dev_bytes, &mut host_bytes)
+            .result()
+            .map_err(solver_err(what))?;
+        let dev = stream
+            .alloc_zeros::<u8>(dev_bytes.max(1))
+            .map_err(driver("alloc cuSOLVER workspace"))?;
+        Ok(Workspace {
+            dev,
+            dev_bytes,
+            host: vec![0u8; host_bytes.max(1)],
+            host_bytes,
+        })
+    }
+
+    /// Runs `call(device ptr, device bytes, host ptr, host bytes)` with this workspace. The next call reuses
+    /// the buffers: the stream orders the device side; a host workspace (none asked for by potrf/trtri as far
+    /// as we know, but the API allows one) could still be read by queued work, so then the stream is drained
+    /// first.
+    fn call(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        what: &'static str,
+        call: impl FnOnce(*mut c_void, usize, *mut c_void, usize) -> sys::cusolverStatus_t,
+    ) -> Result<(), CudaError> {
+        if self.host_bytes > 0 {
+            stream
+                .synchronize()
+                .map_err(driver("cuSOLVER host workspace"))?;
+        }
+        let (pw, _sw) = self.dev.device_ptr_mut(stream);
+        call(
+            pw as *mut c_void,
+            self.dev_bytes,
+            self.host.as_mut_ptr() as *mut c_void,
+            self.host_bytes,
+        )
+        .result()
+        .map_err(solver_err(what))
+    }
+}
+
+/// out = J in J (row-major [n × n]); with `upper`, zeros below the diagonal and `bad[0]` = 1 on a non-finite
+/// entry.
 pub fn launch_reverse(
     stream: &Arc<CudaStream>,
     k: &CholeskyKernels,
-    out: &mut CudaSlice<f32>,
-    bad: &mut CudaSlice<i32>,
-    input: &CudaSlice<f32>,
+    out: &mut CudaViewMut<f32>,
+    bad: &mut CudaViewMut<i32>,
+    input: &CudaView<f32>,
     n: usize,
     upper: bool,
 ) -> Result<(), CudaError> {

@@ -1,8 +1,16 @@
 //! Host side of cuda/sweep.cu: the GPTQ and BoA sweeps as a host loop over column blocks, each block one
 //! sweep kernel and one trailing GEMM on the same stream (no host synchronization between them).
+//!
+//! The trailing GEMM (the lazy batch, W[:, i2:] −= E · U[i1:i2, i2:], design.md §4.2) has two variants
+//! (`TrailingVariant`, style.md rules 4 and 17): v1 `sweep_trailing_gemm_kernel`, our f32 FFMA tile GEMM
+//! (the naive baseline, and the fallback when cuBLAS cannot be opened), and v2 cuBLAS SGEMM (strided-batched
+//! for BoA's per-head U_col; f32 operands and accumulation, CUBLAS_DEFAULT_MATH: no TF32). Both compute the
+//! same `TrailingGemm`; `trailing_cublas_config` maps it onto column-major cuBLAS.
 
 use super::CudaError;
+use super::gemm::Blas;
 use crate::nvtx::range;
+use cudarc::cublas::{GemmConfig, StridedBatchedConfig, sys as blas_sys};
 use cudarc::driver::{
     CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut, DriverError,
     LaunchConfig, PushKernelArg,
@@ -54,54 +62,215 @@ fn launch_err(what: &'static str) -> impl FnOnce(DriverError) -> CudaError {
     move |source| CudaError::Driver { what, source }
 }
 
-/// C_z [rows × ncol] (ldc) −= E_zᵀ [k × rows] (lda)ᵀ · B_z [k × ncol] (ldb), z < batch, with element offsets
-/// c_bs, a_bs, b_bs per z.
-#[allow(clippy::too_many_arguments)]
+/// Trailing-update variants (the lazy batch W[:, i2:] −= E · U[i1:i2, i2:]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TrailingVariant {
+    /// v1: sweep_trailing_gemm_kernel (cuda/sweep.cu), f32 FFMA 64×64 tiles; the naive baseline and the
+    /// fallback when cuBLAS cannot be opened.
+    Ffma = 1,
+    /// v2: cuBLAS SGEMM (strided-batched over heads for a per-head U_col), f32, no TF32; the default.
+    Cublas = 2,
+}
+
+impl TrailingVariant {
+    pub const ALL: [TrailingVariant; 2] = [TrailingVariant::Ffma, TrailingVariant::Cublas];
+}
+
+/// The engine a sweep's trailing updates run on: the FFMA kernel, or cuBLAS through an open handle.
+#[derive(Clone, Copy)]
+pub enum Trailing<'a> {
+    Ffma,
+    Cublas(&'a Blas),
+}
+
+/// One trailing update, all row-major f32 with element offsets into the sweep's buffers:
+/// for z < batch, C_z [rows × ncol] (row stride ldc) −= E_z · B_z, where E_z [rows × k] is stored transposed
+/// as Eᵀ [k × rows] (row stride lda: the sweep kernels write E column by column) and B_z [k × ncol] (row
+/// stride ldb); C_z starts at W + c_off + z·c_bs, E_zᵀ at E + z·a_bs, B_z at U + b_off + z·b_bs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TrailingGemm {
+    pub c_off: usize,
+    pub b_off: usize,
+    pub rows: usize,
+    pub ncol: usize,
+    pub k: usize,
+    /// (ldc, lda, ldb)
+    pub ld: (usize, usize, usize),
+    pub batch: usize,
+    /// (c_bs, a_bs, b_bs)
+    pub bs: (usize, usize, usize),
+}
+
+/// GPTQ, block [i1, i2) of W [rows × n] with E [(i2 − i1) × rows]: W[:, i2:] −= E · U[i1:i2, i2:].
+pub fn gptq_trailing(rows: usize, n: usize, i1: usize, i2: usize) -> TrailingGemm {
+    TrailingGemm {
+        c_off: i2,
+        b_off: i1 * n + i2,
+        rows,
+        ncol: n - i2,
+        k: i2 - i1,
+        ld: (n, rows, n),
+        batch: 1,
+        bs: (0, 0, 0),
+    }
+}
+
+/// BoA, block [i1, i2) of W [n_heads·d_h × n] with E [(i2 − i1) × n_heads·d_h]: every row's own GPTQ
+/// trailing update with its head's U_col, one GEMM over all rows when U_col is shared, one per head
+/// (batched: C, Eᵀ and U_col advance by d_h rows, d_h columns and n² per head) otherwise.
+pub fn boa_trailing(
+    n_heads: usize,
+    d_h: usize,
+    n: usize,
+    i1: usize,
+    i2: usize,
+    per_head_u: bool,
+) -> TrailingGemm {
+    let rows = n_heads * d_h;
+    let (gemm_rows, batch, bs) = if per_head_u {
+        (d_h, n_heads, (d_h * n, d_h, n * n))
+    } else {
+        (rows, 1, (0, 0, 0))
+    };
+    TrailingGemm {
+        c_off: i2,
+        b_off: i1 * n + i2,
+        rows: gemm_rows,
+        ncol: n - i2,
+        k: i2 - i1,
+        ld: (n, rows, n),
+        batch,
+        bs,
+    }
+}
+
+/// `TrailingGemm` as column-major cuBLAS sees it. A row-major [r × c] buffer with row stride ld is the
+/// column-major [c × r] matrix (ld ld) of its transpose, so C_zᵀ [ncol × rows] (ld ldc) −= B_zᵀ · E_zᵀ:
+///
+/// ```text
+///   A' = B_zᵀ [ncol × k]: B_z row-major [k × ncol], ld ldb       → op N, lda' = ldb
+///   B' = E_zᵀ [k × rows]: Eᵀ row-major [k × rows] is column-major E_z [rows × k], ld lda → op T, ldb' = lda
+///   C' = C_zᵀ [ncol × rows], ld ldc;  alpha = −1, beta = 1;  strides (A', B', C') = (b_bs, a_bs, c_bs)
+/// ```
+///
+/// cuBLAS wants lda' ≥ ncol, ldb' ≥ rows (op T), ldc ≥ ncol; `launch_trailing_gemm` has checked them.
+pub fn trailing_cublas_config(t: &TrailingGemm) -> Result<StridedBatchedConfig<f32>, String> {
+    let int = |v: usize, what: &str| {
+        i32::try_from(v).map_err(|_| format!("{what}={v} over cuBLAS's 32-bit int ({t:?})"))
+    };
+    let long = |v: usize| v as i64;
+    let (ldc, lda, ldb) = t.ld;
+    let (c_bs, a_bs, b_bs) = t.bs;
+    Ok(StridedBatchedConfig {
+        gemm: GemmConfig {
+            transa: blas_sys::cublasOperation_t::CUBLAS_OP_N,
+            transb: blas_sys::cublasOperation_t::CUBLAS_OP_T,
+            m: int(t.ncol, "ncol")?,
+            n: int(t.rows, "rows")?,
+            k: int(t.k, "k")?,
+            alpha: -1.0f32,
+            lda: int(ldb, "ldb")?,
+            ldb: int(lda, "lda")?,
+            beta: 1.0f32,
+            ldc: int(ldc, "ldc")?,
+        },
+        batch_size: int(t.batch, "batch")?,
+        stride_a: long(b_bs),
+        stride_b: long(a_bs),
+        stride_c: long(c_bs),
+    })
+}
+
+/// One trailing update `t` on the engine `eng`: W (the whole sweep buffer) −= E · U per `t` (offsets,
+/// leading dimensions and batch strides into w, e and u).
 fn launch_trailing_gemm(
     stream: &Arc<CudaStream>,
     k: &SweepKernels,
-    c: &mut CudaViewMut<f32>,
-    et: &CudaView<f32>,
-    b: &CudaView<f32>,
-    rows: usize,
-    ncol: usize,
-    kdim: usize,
-    ld: (usize, usize, usize),
-    batch: usize,
-    bs: (usize, usize, usize),
+    eng: Trailing,
+    w: &mut CudaSlice<f32>,
+    e: &CudaSlice<f32>,
+    u: &CudaSlice<f32>,
+    t: &TrailingGemm,
 ) -> Result<(), CudaError> {
+    let TrailingGemm {
+        c_off,
+        b_off,
+        rows,
+        ncol,
+        k: kdim,
+        ld,
+        batch,
+        bs,
+    } = *t;
     let (ldc, lda, ldb) = ld;
     let (c_bs, a_bs, b_bs) = bs;
     if rows == 0 || ncol == 0 || kdim == 0 || batch == 0 {
         return Ok(());
     }
     let last = batch - 1;
-    if c.len() < last * c_bs + (rows - 1) * ldc + ncol
-        || et.len() < last * a_bs + (kdim - 1) * lda + rows
-        || b.len() < last * b_bs + (kdim - 1) * ldb + ncol
+    // Every element either engine touches lies inside the buffers, and the leading dimensions are the ones
+    // cuBLAS accepts (ldb ≥ ncol, lda ≥ rows, ldc ≥ ncol).
+    if c_off + last * c_bs + (rows - 1) * ldc + ncol > w.len()
+        || last * a_bs + (kdim - 1) * lda + rows > e.len()
+        || b_off + last * b_bs + (kdim - 1) * ldb + ncol > u.len()
+        || ldc < ncol
+        || ldb < ncol
+        || lda < rows
     {
         return Err(CudaError::Shape {
             op: "sweep_trailing_gemm",
             msg: format!(
-                "rows={rows}, ncol={ncol}, k={kdim}, ld={ld:?}, batch={batch}, bs={bs:?}, lens c={} a={} b={}",
-                c.len(),
-                et.len(),
-                b.len()
+                "{t:?} against buffers w.len={} e.len={} u.len={}",
+                w.len(),
+                e.len(),
+                u.len()
             ),
         });
     }
+    let mut c = w.slice_mut(c_off..);
+    let et = e.slice(..);
+    let b = u.slice(b_off..);
+    match eng {
+        Trailing::Cublas(blas) => {
+            let cfg = trailing_cublas_config(t).map_err(|msg| CudaError::Shape {
+                op: "sweep_trailing_gemm (cuBLAS)",
+                msg,
+            })?;
+            // SAFETY: cuBLAS reads A' = B_z (ncol × k, ld ldb), B' = E_zᵀ (rows × k, ld lda) and reads/writes
+            // C' = C_z (ncol × rows, ld ldc) for z < batch at the strides of `t`: exactly the elements bounded
+            // by the check above, within the views; the leading dimensions meet cuBLAS's minimums (checked).
+            unsafe { blas.sgemm_strided(cfg, &b, &et, &mut c) }
+        }
+        Trailing::Ffma => launch_trailing_ffma(stream, k, &mut c, &et, &b, t),
+    }
+}
+
+/// v1: sweep_trailing_gemm_kernel over the views (offsets applied), shapes as checked by the caller.
+fn launch_trailing_ffma(
+    stream: &Arc<CudaStream>,
+    k: &SweepKernels,
+    c: &mut CudaViewMut<f32>,
+    et: &CudaView<f32>,
+    b: &CudaView<f32>,
+    t: &TrailingGemm,
+) -> Result<(), CudaError> {
     let v32 = |v: usize| v as u32;
+    let (ldc, lda, ldb) = t.ld;
     let (r32, n32, k32, ldc32, lda32, ldb32) = (
-        v32(rows),
-        v32(ncol),
-        v32(kdim),
+        v32(t.rows),
+        v32(t.ncol),
+        v32(t.k),
         v32(ldc),
         v32(lda),
         v32(ldb),
     );
-    let (cb, ab, bb) = (c_bs as u64, a_bs as u64, b_bs as u64);
+    let (cb, ab, bb) = (t.bs.0 as u64, t.bs.1 as u64, t.bs.2 as u64);
     let cfg = LaunchConfig {
-        grid_dim: (n32.div_ceil(GEMM_TILE), r32.div_ceil(GEMM_TILE), v32(batch)),
+        grid_dim: (
+            n32.div_ceil(GEMM_TILE),
+            r32.div_ceil(GEMM_TILE),
+            v32(t.batch),
+        ),
         block_dim: (GEMM_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -120,7 +289,8 @@ fn launch_trailing_gemm(
         .arg(&bb);
     // SAFETY: arguments match sweep_trailing_gemm_kernel(float* c, const float* et, const float* b, uint32 rows,
     // ncol, k, ldc, lda, ldb, uint64 c_bs, a_bs, b_bs); every index the grid touches lies inside the views
-    // (checked above); out-of-range rows/cols are guarded in the kernel.
+    // (checked by launch_trailing_gemm); out-of-range rows/cols are guarded in the kernel. The buffers are
+    // < 2³² elements (the sweeps check rows·n), so the u32 casts are exact.
     unsafe { lb.launch(cfg) }.map_err(launch_err("launch sweep_trailing_gemm"))?;
     Ok(())
 }
@@ -143,6 +313,7 @@ pub struct GptqBuffers<'a> {
 pub fn launch_gptq_sweep(
     stream: &Arc<CudaStream>,
     k: &SweepKernels,
+    eng: Trailing,
     mut buf: GptqBuffers,
     rows: usize,
     n: usize,
@@ -176,7 +347,7 @@ pub fn launch_gptq_sweep(
     let mut i1 = 0;
     while i1 < n {
         let i2 = (i1 + block_size).min(n);
-        launch_gptq_block(stream, k, &mut buf, rows, n, n_groups, i1, i2, maxq)?;
+        launch_gptq_block(stream, k, eng, &mut buf, rows, n, n_groups, i1, i2, maxq)?;
         i1 = i2;
     }
     Ok(())
@@ -188,6 +359,7 @@ pub fn launch_gptq_sweep(
 fn launch_gptq_block(
     stream: &Arc<CudaStream>,
     k: &SweepKernels,
+    eng: Trailing,
     buf: &mut GptqBuffers,
     rows: usize,
     n: usize,
@@ -228,19 +400,8 @@ fn launch_gptq_block(
     }
     if i2 < n {
         // W[:, i2:] −= E · U[i1:i2, i2:]
-        launch_trailing_gemm(
-            stream,
-            k,
-            &mut buf.w.slice_mut(i2..),
-            &buf.e.slice(..),
-            &buf.u.slice(i1 * n + i2..),
-            rows,
-            n - i2,
-            i2 - i1,
-            (n, rows, n),
-            1,
-            (0, 0, 0),
-        )?;
+        let t = gptq_trailing(rows, n, i1, i2);
+        launch_trailing_gemm(stream, k, eng, &mut *buf.w, &*buf.e, buf.u, &t)?;
     }
     Ok(())
 }
@@ -254,6 +415,7 @@ fn launch_gptq_block(
 pub fn launch_gptq_sweep_dynamic(
     stream: &Arc<CudaStream>,
     k: &SweepKernels,
+    eng: Trailing,
     d: GptqDynamicBuffers,
     rows: usize,
     n: usize,
@@ -359,7 +521,7 @@ pub fn launch_gptq_sweep_dynamic(
             zeros: &*zeros_d,
             col_group,
         };
-        launch_gptq_block(stream, k, &mut buf, rows, n, n_groups, i1, i2, maxq)?;
+        launch_gptq_block(stream, k, eng, &mut buf, rows, n, n_groups, i1, i2, maxq)?;
         i1 = i2;
     }
     Ok(())
@@ -403,6 +565,7 @@ pub struct BoaBuffers<'a> {
 pub fn launch_boa_sweep(
     stream: &Arc<CudaStream>,
     k: &SweepKernels,
+    eng: Trailing,
     buf: BoaBuffers,
     per_head_u: bool,
     n_heads: usize,
@@ -478,26 +641,150 @@ pub fn launch_boa_sweep(
         if i2 < n {
             // Own GPTQ trailing updates: W[:, i2:] −= E · U_col[i1:i2, i2:], all heads in one GEMM when U_col
             // is shared, batched over heads otherwise.
-            let (gemm_rows, batch, bs) = if per_head_u {
-                (d_h, n_heads, (d_h * n, d_h, n * n))
-            } else {
-                (rows, 1, (0, 0, 0))
-            };
-            launch_trailing_gemm(
-                stream,
-                k,
-                &mut buf.w.slice_mut(i2..),
-                &buf.e.slice(..),
-                &buf.u_col.slice(i1 * n + i2..),
-                gemm_rows,
-                n - i2,
-                i2 - i1,
-                (n, rows, n),
-                batch,
-                bs,
-            )?;
+            let t = boa_trailing(n_heads, d_h, n, i1, i2, per_head_u);
+            launch_trailing_gemm(stream, k, eng, &mut *buf.w, &*buf.e, buf.u_col, &t)?;
         }
         i1 = i2;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    //! The trailing update's arguments, read the way each engine reads them, against the update written out
+    //! with natural indices: without a GPU this is what checks the row-major ↔ column-major mapping, the
+    //! offsets, leading dimensions and batch strides of the cuBLAS route (and the FFMA kernel's indexing); on
+    //! a GPU, parity_{gptq,boa}_sweep_cuda test the launches themselves.
+    use super::*;
+    use rand::{RngExt, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    /// cuBLAS's sgemmStridedBatched as documented (column-major, op(A) m × k, op(B) k × n, C = α·op(A)·op(B)
+    /// + β·C per batch), over the views the launcher passes (a = U from b_off, b = E, c = W from c_off).
+    fn cublas_reference(cfg: &StridedBatchedConfig<f32>, a: &[f32], b: &[f32], c: &mut [f32]) {
+        use blas_sys::cublasOperation_t::CUBLAS_OP_N;
+        let g = &cfg.gemm;
+        let (m, n, k) = (g.m as usize, g.n as usize, g.k as usize);
+        let (lda, ldb, ldc) = (g.lda as usize, g.ldb as usize, g.ldc as usize);
+        for z in 0..cfg.batch_size as usize {
+            let (a, b) = (
+                &a[z * cfg.stride_a as usize..],
+                &b[z * cfg.stride_b as usize..],
+            );
+            let c = &mut c[z * cfg.stride_c as usize..];
+            let op_a = |i: usize, l: usize| {
+                if g.transa == CUBLAS_OP_N {
+                    a[i + l * lda]
+                } else {
+                    a[l + i * lda]
+                }
+            };
+            let op_b = |l: usize, j: usize| {
+                if g.transb == CUBLAS_OP_N {
+                    b[l + j * ldb]
+                } else {
+                    b[j + l * ldb]
+                }
+            };
+            for j in 0..n {
+                for i in 0..m {
+                    let acc: f32 = (0..k).map(|l| op_a(i, l) * op_b(l, j)).sum();
+                    c[i + j * ldc] = g.alpha * acc + g.beta * c[i + j * ldc];
+                }
+            }
+        }
+    }
+
+    /// sweep_trailing_gemm_kernel's indexing, element by element.
+    fn ffma_reference(t: &TrailingGemm, et: &[f32], b: &[f32], c: &mut [f32]) {
+        let (ldc, lda, ldb) = t.ld;
+        let (c_bs, a_bs, b_bs) = t.bs;
+        for z in 0..t.batch {
+            for r in 0..t.rows {
+                for col in 0..t.ncol {
+                    let acc: f32 = (0..t.k)
+                        .map(|kk| et[z * a_bs + kk * lda + r] * b[z * b_bs + kk * ldb + col])
+                        .sum();
+                    c[z * c_bs + r * ldc + col] -= acc;
+                }
+            }
+        }
+    }
+
+    fn small_ints(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
+        // Integers: every sum is exact in f32, so the engines' summation orders cannot differ.
+        (0..n).map(|_| rng.random_range(-3i32..4) as f32).collect()
+    }
+
+    /// Both engines' reading of `t` over (w, e, u) gives `want`.
+    fn check(t: &TrailingGemm, w: &[f32], e: &[f32], u: &[f32], want: &[f32], what: &str) {
+        let cfg = trailing_cublas_config(t).unwrap();
+        let mut got = w.to_vec();
+        cublas_reference(&cfg, &u[t.b_off..], e, &mut got[t.c_off..]);
+        assert_eq!(got, want, "{what}: cuBLAS config");
+        let mut got = w.to_vec();
+        ffma_reference(t, e, &u[t.b_off..], &mut got[t.c_off..]);
+        assert_eq!(got, want, "{what}: FFMA kernel indexing");
+    }
+
+    #[test]
+    fn gptq_trailing_update_maps_onto_both_engines() {
+        let mut rng = ChaCha8Rng::seed_from_u64(11);
+        for (rows, n, i1, i2) in [(5, 13, 4, 9), (1, 7, 0, 3), (9, 40, 32, 39), (3, 6, 0, 5)] {
+            let (w, u) = (small_ints(&mut rng, rows * n), small_ints(&mut rng, n * n));
+            let bw = i2 - i1;
+            let e = small_ints(&mut rng, bw * rows); // E [bw × rows], column c of the block at c·rows
+            let mut want = w.clone();
+            for r in 0..rows {
+                for c in i2..n {
+                    let s: f32 = (0..bw).map(|k| e[k * rows + r] * u[(i1 + k) * n + c]).sum();
+                    want[r * n + c] -= s;
+                }
+            }
+            let t = gptq_trailing(rows, n, i1, i2);
+            check(
+                &t,
+                &w,
+                &e,
+                &u,
+                &want,
+                &format!("gptq rows={rows} n={n} [{i1}, {i2})"),
+            );
+        }
+    }
+
+    #[test]
+    fn boa_trailing_update_maps_onto_both_engines() {
+        let mut rng = ChaCha8Rng::seed_from_u64(12);
+        for (n_heads, d_h, n, i1, i2) in [(3, 4, 11, 2, 6), (2, 5, 9, 0, 8), (1, 3, 5, 1, 2)] {
+            for per_head in [false, true] {
+                let rows = n_heads * d_h;
+                let w = small_ints(&mut rng, rows * n);
+                let u = small_ints(&mut rng, if per_head { n_heads } else { 1 } * n * n);
+                let bw = i2 - i1;
+                let e = small_ints(&mut rng, bw * rows);
+                let mut want = w.clone();
+                for r in 0..rows {
+                    let uh = if per_head { (r / d_h) * n * n } else { 0 };
+                    for c in i2..n {
+                        let s: f32 = (0..bw)
+                            .map(|k| e[k * rows + r] * u[uh + (i1 + k) * n + c])
+                            .sum();
+                        want[r * n + c] -= s;
+                    }
+                }
+                let t = boa_trailing(n_heads, d_h, n, i1, i2, per_head);
+                let what =
+                    format!("boa heads={n_heads} d_h={d_h} n={n} [{i1}, {i2}) per_head={per_head}");
+                check(&t, &w, &e, &u, &want, &what);
+            }
+        }
+    }
+
+    #[test]
+    fn cublas_config_refuses_shapes_over_i32() {
+        let mut t = gptq_trailing(4, 10, 0, 5);
+        t.ncol = 1 << 31;
+        assert!(trailing_cublas_config(&t).is_err());
+    }
 }
