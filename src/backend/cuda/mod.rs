@@ -30,7 +30,7 @@ pub mod sweep;
 
 pub use crate::nvtx::{Range, range};
 pub use gemm::LinearVariant;
-pub use hessian::XxtVariant;
+pub use hessian::{AttnXVariant, XxtVariant};
 pub use ops::{AttentionVariant, RmsNormVariant};
 pub use qgemm::QgemmVariant;
 
@@ -101,6 +101,7 @@ pub struct CudaBackend {
     linear_variant: LinearVariant,
     attention_variant: AttentionVariant,
     xxt_variant: XxtVariant,
+    attn_x_variant: AttnXVariant,
     poison_outputs: bool,
     /// Device time of the kernels of the last QuantOps call (events around the launches, transfers excluded).
     last_kernel_ms: std::sync::Mutex<f32>,
@@ -206,6 +207,7 @@ impl CudaBackend {
             linear_variant: LinearVariant::F32,
             attention_variant: AttentionVariant::Flash,
             xxt_variant: XxtVariant::Bf16Wmma,
+            attn_x_variant: AttnXVariant::Bf16Wmma,
             poison_outputs: false,
             last_kernel_ms: std::sync::Mutex::new(0.0),
             solver: std::sync::OnceLock::new(),
@@ -232,6 +234,11 @@ impl CudaBackend {
     /// Selects the XᵀX kernel variant used by xxt_accumulate, head_covariance and v_col_covariance.
     pub fn set_xxt_variant(&mut self, v: XxtVariant) {
         self.xxt_variant = v;
+    }
+
+    /// Selects the Y = A_h X kernel of v_col_covariance: tensor cores (the default) or the f32 baseline.
+    pub fn set_attn_x_variant(&mut self, v: AttnXVariant) {
+        self.attn_x_variant = v;
     }
 
     /// Device milliseconds of the kernels of the last QuantOps call (uploads and downloads excluded).

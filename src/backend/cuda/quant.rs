@@ -225,6 +225,7 @@ impl CudaBackend {
                 launch_attn_x(
                     &self.stream,
                     hk,
+                    self.attn_x_variant,
                     &mut y.slice_mut(..),
                     &x_d.slice(..),
                     &q_d.slice(..),
