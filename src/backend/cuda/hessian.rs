@@ -100,7 +100,7 @@ impl HessianKernels {
                     cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                     AX2_SMEM_BYTES as i32,
                 )
-                .map_err(launch_err("opt attn_x_kernel_v2 into 94 KB of shared memory"))?;
+                .map_err(launch_err("opt attn_x_kernel_v2 into 93.5 KB of dynamic shared memory"))?;
                 f
             },
         })
@@ -251,7 +251,7 @@ pub fn launch_softmax_stats(
     Ok(())
 }
 
-/// Y [t × d] = A_head X, A formed tile by tile from Q, K and the stats.
+/// Y [t × d] = A_head X, A formed tile by tile from Q, K and the stats, by the chosen kernel variant.
 #[allow(clippy::too_many_arguments)]
 pub fn launch_attn_x(
     stream: &Arc<CudaStream>,
