@@ -38,23 +38,42 @@
 //   X [t × d], Q [t × h·d_h], K [t × h_kv·d_h] (query head h reads KV head h / (h/h_kv)). Three kernels:
 //     softmax_stats_kernel  grid ceil(t·h/4), block 128: one warp per (head, query row): the row's max and
 //                           Σ exp(s − max) over the causal keys (scores recomputed, never stored);
-//     attn_x_kernel         grid (ceil(d/64), ceil(t/32)), block 256, 45 KB static smem: Y = A_h X for one head,
+//     attn_x_kernel_v1      grid (ceil(d/64), ceil(t/32)), block 256, 45 KB static smem: Y = A_h X for one head,
 //                           flash-attention style: per 32-key tile the 32×32 probabilities are formed in shared
-//                           memory from the stats and multiplied into the 32×64 output tile; A_h never reaches
-//                           global memory (only Y [t × d], one head at a time);
+//                           memory from the stats and multiplied into the 32×64 output tile, f32 FFMA; A_h never
+//                           reaches global memory (only Y [t × d], one head at a time). The exact baseline.
+//     attn_x_kernel_v2      grid (ceil(d/256), ceil(t/64)) (heaviest causal row tile first), block 256 (8 warps),
+//                           93.5 KB dynamic smem (opted in at load; 2 CTAs per SM): per 64-key tile j ≤ i,
+//                           S = Q_i K_jᵀ on tensor cores (fp16 operands, f32 accumulate) → f32 smem → P =
+//                           exp(S/√d_h − m_i)/l_i masked, bf16 smem → acc[64 × 256] += P X_j (bf16 X, f32
+//                           accumulate in registers). smem: Q 17 KB + K 17 KB (fp16, d_h padded to 128) +
+//                           S 17 KB + P 9 KB + X 33 KB (bf16) + stats; the output tile is staged through the
+//                           same bytes for a guarded store. One copy of the tile, no cp.async pipeline: the
+//                           second CTA on the SM hides the staging.
 //     hessian_xxt           the Gram of Y into G_h.
 //   CPU twin: cpu_quant.rs v_col_covariance (attention probabilities, then faer GEMMs); launcher:
 //   launch_v_col (backend/cuda/hessian.rs); parity test: parity_v_col_covariance.
 //
 // Roofline (7B, one sequence t = 2048, d = 4096, 32 heads): A_h X is t²·d (causal: half) = 17 GFLOP per head,
 //   the Gram t·d² = 34 GFLOP per head → ≈ 1.6 TFLOP per sequence, 210 TFLOP for 128 sequences per layer.
-//   At tensor-core rate ≈ 0.2 s per layer; attn_x_kernel is f32 FFMA (~60 TFLOP/s on an H200) and also
-//   recomputes the scores once per 64-column tile (d/64 × t²·d_h/2 = the same again as A_h X), so this first
-//   version is bound near 1 s per layer by FFMA. Next step: bf16 mma for P·X and a wider column tile.
-// ptxas (sm_90a / sm_80), 0 spills: softmax_stats 32 / 40 regs, 2 KB smem; attn_x 64 / 79 regs, 45 KB smem.
+//   At tensor-core rate ≈ 0.2 s per layer. attn_x v1 is f32 FFMA (~60 TFLOP/s on an H200) and recomputes the
+//   scores once per 64-column tile (d/64 × t²·d_h/2 = twice A_h X): 51 GFLOP per head per sequence, ~140 TFLOP
+//   of FFMA per 7B layer, seconds per layer.
+//   attn_x v2 per head per sequence (t = 2048, d = 4096, d_h = 128): 528 causal 64×64 tiles × 16 column tiles
+//   × (scores 2·64·64·128 + P·X 2·64·64·256) = 26.6 GFLOP executed for 17.2 useful (the diagonal tiles and
+//   the scores, recomputed per 256 columns, are the overhead), 109 TFLOP per 7B layer: 0.11 s at the dense
+//   bf16 peak (~990 TFLOP/s). Bytes: each CTA stage reads X 64 KB + K 32 KB of f32 (L2-resident: X is 32 MB per
+//   sequence), 0.83 GB per head, 3.4 TB per layer ≈ 0.35 s at ~10 TB/s of L2: v2 is bound by the L2 → smem
+//   staging, not the tensor cores; expect ~25–35% of the bf16 ceiling (the bench reports it). Next steps if
+//   it matters: X converted to bf16 once per sequence (half the dominant bytes, 16-byte cp.async), a
+//   double-buffered cp.async pipeline, mma.sync with P kept in registers (no S/P round trip through smem).
+//   Variants measured: none yet (no GPU run so far).
+// ptxas (nvcc 13.0, sm_90a / sm_80), 0 spills: softmax_stats 32 / 40 regs, 2 KB smem; attn_x v1 64 / 79 regs,
+//   45 KB smem; attn_x v2 128 / 128 regs (the (256, 2) launch bound's cap), 93.5 KB dynamic smem.
 // ---------------------------------------------------------------------------------------------------------
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <mma.h>
 #include <stdint.h>
 
@@ -76,6 +95,34 @@ constexpr int kAxRows = 32;         // attn_x: query rows per block
 constexpr int kAxKeys = 32;         // attn_x: keys per stage
 constexpr int kAxCols = 64;         // attn_x: columns of X / Y per block
 constexpr int kAxThreads = 256;
+
+// attn_x v2 (bf16 wmma). Rows × keys × columns per CTA = 64 × 64 × 256: the score tile Q_i K_jᵀ costs
+// 64·64·d_h MACs per key tile against 64·64·256 for P·X, so recomputing the scores for each of the d/256 column
+// tiles adds d_h/256 = ½ of the useful work (v1, 64 columns: 2×).
+constexpr int kAx2Rows = 64;        // query rows per CTA (= keys per stage, so only the last key tile is diagonal)
+constexpr int kAx2Keys = 64;        // keys per stage
+constexpr int kAx2Cols = 256;       // columns of X / Y per CTA (= threads: one column per thread when staging)
+constexpr int kAx2Threads = 256;    // 8 warps
+constexpr int kAx2QkLd = kMaxDh + 8;       // fp16 row stride of q_sh / k_sh (16 B pad: rows start 4 banks apart)
+constexpr int kAx2SLd = kAx2Keys + 4;      // f32 row stride of the score tile
+constexpr int kAx2PLd = kAx2Keys + 8;      // bf16 row stride of the probability tile
+constexpr int kAx2XLd = kAx2Cols + 8;      // bf16 row stride of the X tile
+constexpr int kAx2YLd = kAx2Cols + 4;      // f32 row stride of the output staging tile (aliases the others)
+// Byte offsets into the dynamic shared memory; every one a multiple of 32 B (wmma's pointer alignment).
+constexpr int kAx2QOff = 0;
+constexpr int kAx2KOff = kAx2QOff + kAx2Rows * kAx2QkLd * 2;
+constexpr int kAx2SOff = kAx2KOff + kAx2Keys * kAx2QkLd * 2;
+constexpr int kAx2POff = kAx2SOff + kAx2Rows * kAx2SLd * 4;
+constexpr int kAx2XOff = kAx2POff + kAx2Rows * kAx2PLd * 2;
+constexpr int kAx2StatOff = kAx2XOff + kAx2Keys * kAx2XLd * 2;
+constexpr int kAx2SmemBytes = kAx2StatOff + 2 * kAx2Rows * 4;  // 95 744 B: two CTAs fit an SM (228 KB)
+static_assert(kAx2KOff % 32 == 0 && kAx2SOff % 32 == 0 && kAx2POff % 32 == 0 && kAx2XOff % 32 == 0 &&
+                  kAx2StatOff % 32 == 0,
+              "wmma needs 32-byte aligned tile bases");
+static_assert(kAx2Rows * kAx2YLd * 4 <= kAx2SmemBytes, "the output staging tile must fit the aliased buffers");
+static_assert(kAx2Rows == kAx2Keys, "the causal loop bound assumes aligned query and key tiles");
+static_assert(kAx2Cols == kAx2Threads, "X staging maps one column per thread");
+static_assert(kAx2Threads == 8 * kWarpSize, "the warp tiling below is for 8 warps");
 
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
@@ -236,9 +283,10 @@ softmax_stats_kernel(float2* __restrict__ stats,    // [h × t] (row max, Σ exp
     if (lane == 0) stats[row] = make_float2(gm, sum);
 }
 
-// Y [t × d] = A_h X for one query head, A_h formed a 32×32 tile at a time from the scores and the stats.
+// v1: Y [t × d] = A_h X for one query head, A_h formed a 32×32 tile at a time from the scores and the stats,
+// all in f32 FFMA (the exact baseline).
 extern "C" __global__ void __launch_bounds__(kAxThreads)
-attn_x_kernel(float* __restrict__ y,             // [t × d] out
+attn_x_kernel_v1(float* __restrict__ y,             // [t × d] out
               const float* __restrict__ x,       // [t × d] block input
               const float* __restrict__ q,       // [t × h·d_h]
               const float* __restrict__ k,       // [t × h_kv·d_h]
@@ -300,6 +348,161 @@ attn_x_kernel(float* __restrict__ y,             // [t × d] out
         for (int u = 0; u < kAxCols / 8; ++u) {
             const uint32_t c = c0 + c_out + 8 * u;
             if (c < d) y[(size_t)i * d + c] = acc[u];
+        }
+    }
+}
+
+// v2: Y [t × d] = A_h X on tensor cores (wmma m16n16k16, f32 accumulate), flash style: per 64-key tile the
+// scores S = Q_i K_jᵀ (fp16 operands) go through shared memory as f32, become P = exp(S/√d_h − m_i)/l_i (the
+// causal mask applied, rounded to bf16) and are multiplied into the 64 × 256 output tile with X_j (bf16).
+// Why fp16 for Q and K: a score error δ multiplies p by e^δ, and bf16 operands (8 significant bits) give
+// δ ≈ 2^-8·|q||k|/√d_h, which doubled the error of G in the emulation (profiling/emulate_attn_x_v2.py: worst
+// 1.5e-2 vs 3e-3 with fp16's 11 bits). fp16's range (65504) is ample for post-RoPE queries and keys, which
+// fp16 inference holds in fp16 anyway; X keeps bf16's range (activation outliers), P is in [0, 1].
+//
+//   warp tiling (8 warps, w = warp index):     scores S [64 rows × 64 keys]   output acc [64 rows × 256 cols]
+//                                              ┌──────┬──────┐                ┌─────┬─────┬─────┬─────┐
+//     scores: w ↦ rows 16·(w/2), keys 32·(w%2)  │ w0   │ w1   │ 16 rows        │ w0  │ w1  │ w2  │ w3  │ 32 rows
+//     output: w ↦ rows 32·(w/4), cols 64·(w%4)  │ w2   │ w3   │                ├─────┼─────┼─────┼─────┤
+//                                              │ …    │ …    │                │ w4  │ w5  │ w6  │ w7  │
+//                                              └──────┴──────┘                └─────┴─────┴─────┴─────┘
+extern "C" __global__ void __launch_bounds__(kAx2Threads, 2)  // 2 CTAs per SM: one stages while the other computes
+attn_x_kernel_v2(float* __restrict__ y,             // [t × d] out, row-major f32
+                 const float* __restrict__ x,       // [t × d] block input, row-major f32 (bf16 on staging)
+                 const float* __restrict__ q,       // [t × n_heads·d_h] post-RoPE queries, f32
+                 const float* __restrict__ k,       // [t × n_kv·d_h] post-RoPE keys, f32
+                 const float2* __restrict__ stats,  // [n_heads × t] (row max, Σ exp) from softmax_stats_kernel
+                 const uint32_t head,               // query head h; reads KV head h / (n_heads / n_kv)
+                 const uint32_t t, const uint32_t n_heads, const uint32_t n_kv,
+                 const uint32_t d_h,                // ≤ kMaxDh; zero-padded to a multiple of 16 in shared memory
+                 const uint32_t d) {                // columns of X and Y
+    using namespace nvcuda;
+    extern __shared__ __align__(128) unsigned char ax2_smem[];  // kAx2SmemBytes, opted in by the launcher
+    auto q_sh = reinterpret_cast<__half (*)[kAx2QkLd]>(ax2_smem + kAx2QOff);  // [row][dim]
+    auto k_sh = reinterpret_cast<__half (*)[kAx2QkLd]>(ax2_smem + kAx2KOff);  // [key][dim]
+    auto s_sh = reinterpret_cast<float (*)[kAx2SLd]>(ax2_smem + kAx2SOff);           // [row][key]
+    auto p_sh = reinterpret_cast<__nv_bfloat16 (*)[kAx2PLd]>(ax2_smem + kAx2POff);   // [row][key]
+    auto x_sh = reinterpret_cast<__nv_bfloat16 (*)[kAx2XLd]>(ax2_smem + kAx2XOff);   // [key][col]
+    auto y_sh = reinterpret_cast<float (*)[kAx2YLd]>(ax2_smem);                      // [row][col], after the loop
+    float* m_sh = reinterpret_cast<float*>(ax2_smem + kAx2StatOff);                  // row max of the scores
+    float* linv_sh = m_sh + kAx2Rows;                                                // 1 / Σ exp; 0 past t
+    if (d_h > kMaxDh) return;  // the launcher refuses this; never index past q_sh's row
+
+    const uint32_t kvh = head / (n_heads / n_kv);
+    const uint32_t c0 = blockIdx.x * kAx2Cols;
+    // Row tile i does i + 1 key tiles: launch the heaviest first (blocks are issued in increasing index) so
+    // the light ones fill the tail of the grid.
+    const uint32_t i0 = (gridDim.y - 1 - blockIdx.y) * kAx2Rows;
+    const int tid = threadIdx.x, warp = tid / kWarpSize;
+    const uint32_t dh16 = (d_h + 15) & ~15u;
+    const float scale = rsqrtf((float)d_h);
+    const size_t q_gl_stride = (size_t)n_heads * d_h, k_gl_stride = (size_t)n_kv * d_h;
+    const float* q_gl = q + (size_t)head * d_h;
+    const float* k_gl = k + (size_t)kvh * d_h;
+
+    for (uint32_t e = tid; e < kAx2Rows * dh16; e += kAx2Threads) {
+        const uint32_t r = e / dh16, c = e % dh16, i = i0 + r;
+        const float v = (i < t && c < d_h) ? q_gl[i * q_gl_stride + c] : 0.f;
+        q_sh[r][c] = __float2half_rn(v);
+    }
+    if (tid < kAx2Rows) {
+        const uint32_t i = i0 + tid;
+        const float2 st = i < t ? stats[(size_t)head * t + i] : make_float2(0.f, 1.f);
+        m_sh[tid] = st.x;
+        linv_sh[tid] = i < t ? 1.f / st.y : 0.f;  // st.y ≥ 1 for a real row (its max term is exp(0))
+    }
+
+    const int s_row = (warp / 2) * 16, s_key = (warp % 2) * 32;  // this warp's 16 × 32 score sub-tile
+    const int o_row = (warp / 4) * 32, o_col = (warp % 4) * 64;  // this warp's 32 × 64 output sub-tile
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][4];
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+        for (int b = 0; b < 4; ++b) wmma::fill_fragment(acc[a][b], 0.f);
+
+    const bool col_in = c0 + tid < d;
+    const float* x_gl = x + c0 + tid;  // this thread's column of X
+    const uint32_t i_last = min(i0 + kAx2Rows, t) - 1;  // causal: keys past the last query row add nothing
+    for (uint32_t j0 = 0; j0 <= i_last; j0 += kAx2Keys) {
+        __syncthreads();  // the previous tile fully consumed (and q_sh, m_sh written, first time round)
+        for (uint32_t e = tid; e < kAx2Keys * dh16; e += kAx2Threads) {
+            const uint32_t r = e / dh16, c = e % dh16, j = j0 + r;
+            const float v = (j < t && c < d_h) ? k_gl[j * k_gl_stride + c] : 0.f;
+            k_sh[r][c] = __float2half_rn(v);
+        }
+        // One column per thread, 64 keys: a warp reads 128 contiguous bytes of a row per load, and the
+        // unrolled loads are independent, so many are in flight before the first conversion.
+#pragma unroll 16
+        for (int r = 0; r < kAx2Keys; ++r) {
+            const uint32_t j = j0 + r;
+            const float v = (col_in && j < t) ? x_gl[(size_t)j * d] : 0.f;
+            x_sh[r][tid] = __float2bfloat16_rn(v);
+        }
+        __syncthreads();
+
+        {  // S = Q_i K_jᵀ: A = q_sh row-major, B = Kᵀ, i.e. k_sh read column-major
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> s_acc[2];
+            wmma::fill_fragment(s_acc[0], 0.f);
+            wmma::fill_fragment(s_acc[1], 0.f);
+            for (uint32_t kk = 0; kk < dh16; kk += 16) {
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> fq;
+                wmma::load_matrix_sync(fq, &q_sh[s_row][kk], kAx2QkLd);
+#pragma unroll
+                for (int b = 0; b < 2; ++b) {
+                    wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> fk;
+                    wmma::load_matrix_sync(fk, &k_sh[s_key + 16 * b][kk], kAx2QkLd);
+                    wmma::mma_sync(s_acc[b], fq, fk, s_acc[b]);
+                }
+            }
+#pragma unroll
+            for (int b = 0; b < 2; ++b)
+                wmma::store_matrix_sync(&s_sh[s_row][s_key + 16 * b], s_acc[b], kAx2SLd, wmma::mem_row_major);
+        }
+        __syncthreads();
+
+        // P = exp(S/√d_h − m_i) / l_i below the diagonal, 0 above it and past t. A warp covers 32 keys of one
+        // row: conflict-free f32 reads, contiguous bf16 writes.
+#pragma unroll 4
+        for (int e = tid; e < kAx2Rows * kAx2Keys; e += kAx2Threads) {
+            const int r = e / kAx2Keys, jj = e % kAx2Keys;
+            const uint32_t i = i0 + r, j = j0 + jj;
+            // A select, not a multiply: exp of a masked score can overflow to inf, and inf·0 is NaN.
+            const float p = (i < t && j <= i) ? __expf(s_sh[r][jj] * scale - m_sh[r]) * linv_sh[r] : 0.f;
+            p_sh[r][jj] = __float2bfloat16_rn(p);
+        }
+        __syncthreads();
+
+        // acc += P X_j: A = p_sh row-major, B = x_sh row-major.
+#pragma unroll
+        for (int kk = 0; kk < kAx2Keys; kk += 16) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fp[2];
+#pragma unroll
+            for (int a = 0; a < 2; ++a) wmma::load_matrix_sync(fp[a], &p_sh[o_row + 16 * a][kk], kAx2PLd);
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> fx;
+                wmma::load_matrix_sync(fx, &x_sh[kk][o_col + 16 * b], kAx2XLd);
+#pragma unroll
+                for (int a = 0; a < 2; ++a) wmma::mma_sync(acc[a][b], fp[a], fx, acc[a][b]);
+            }
+        }
+    }
+
+    // Through shared memory (aliasing the tiles, hence the barrier) for a guarded, coalesced store: t and d
+    // need not be multiples of the tile, and wmma's direct store would need d % 8 == 0.
+    __syncthreads();
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+        for (int b = 0; b < 4; ++b)
+            wmma::store_matrix_sync(&y_sh[o_row + 16 * a][o_col + 16 * b], acc[a][b], kAx2YLd,
+                                    wmma::mem_row_major);
+    __syncthreads();
+    if (col_in) {
+        float* y_gl = y + c0 + tid;
+        for (int r = 0; r < kAx2Rows; ++r) {
+            const uint32_t i = i0 + r;
+            if (i < t) y_gl[(size_t)i * d] = y_sh[r][tid];
         }
     }
 }

@@ -532,6 +532,7 @@ pub fn bench_quant_ops(
         }
     }
     if let BenchBackend::Cuda(cb) = b {
+        rows.extend(attn_x_rows(cb, shapes, tokens, reps)?);
         rows.extend(packed_gemm_rows(cb, reps)?);
     }
     Ok(BenchReport {
@@ -542,6 +543,79 @@ pub fn bench_quant_ops(
         tokens,
         rows,
     })
+}
+
+/// Y = A_h X (cuda/hessian.cu attn_x, the bulk of v_col_covariance's attention work) for every variant side
+/// by side, one sequence of `tokens` tokens per shape. Kernel time: events around back-to-back launches cycling
+/// over the heads, divided by the launch count, median of `reps` (≥ 3); X stays in L2 across launches, as it
+/// does across the heads of a sequence in the pipeline. Wall time: one whole `time_attn_x` call (uploads, the
+/// stats, the launches). Work counts the useful causal flops (scores t²·d_h + P·X t²·d), not the diagonal
+/// tiles or the scores each variant recomputes per column tile, so the TFLOP/s compare the variants directly.
+/// Before timing, every variant's Y of head 0 is checked against v1 (f32, exact up to summation order).
+fn attn_x_rows(
+    cb: &CudaBackend,
+    shapes: &[LayerShape],
+    tokens: usize,
+    reps: usize,
+) -> anyhow::Result<Vec<BenchRow>> {
+    use crate::backend::cuda::AttnXVariant;
+    let mut rows = Vec::new();
+    let mut rng = ChaCha8Rng::seed_from_u64(0xa77);
+    let t = tokens;
+    for s in shapes {
+        let a = AttnShape {
+            t,
+            h: s.h,
+            h_kv: s.h_kv,
+            d_h: s.d_h,
+            d: s.d,
+        };
+        let x = randn(&mut rng, t * s.d);
+        let q = randn(&mut rng, t * s.h * s.d_h);
+        let k = randn(&mut rng, t * s.h_kv * s.d_h);
+        let launches = s.h.max(8);
+        let mut y_v1: Option<Vec<f32>> = None;
+        for v in AttnXVariant::ALL {
+            let (mut kern, mut wall) = (Vec::new(), Vec::new());
+            for _ in 0..reps.max(3) {
+                let t0 = Instant::now();
+                let (ms, y) = cb
+                    .time_attn_x(v, &x, &q, &k, a, launches)
+                    .map_err(|e| anyhow::anyhow!("attn_x {v:?} {} t={t}: {e}", s.name))?;
+                wall.push(t0.elapsed().as_secs_f64() * 1e3);
+                kern.push(ms);
+                match &y_v1 {
+                    None => y_v1 = Some(y),
+                    Some(r) if kern.len() == 1 => {
+                        let (num, den) = y.iter().zip(r).fold((0f64, 0f64), |(n, d), (&g, &c)| {
+                            (n + (g as f64 - c as f64).powi(2), d + (c as f64).powi(2))
+                        });
+                        let err = (num / den.max(f64::MIN_POSITIVE)).sqrt();
+                        // bf16 operands (tests/parity_quant.rs ATTN_BF16_TOL); NaN fails too.
+                        if err.is_nan() || err > 1e-2 {
+                            anyhow::bail!(
+                                "attn_x {v:?} {} t={t}: rel. difference {err:e} from v1",
+                                s.name
+                            );
+                        }
+                    }
+                    Some(_) => {}
+                }
+            }
+            let (tf, df, dhf) = (t as f64, s.d as f64, s.d_h as f64);
+            rows.push(BenchRow {
+                method: "attn_x",
+                shape: format!("{} t={t} d={} d_h={} ({v:?})", s.name, s.d, s.d_h),
+                wall_ms: median(wall),
+                kernel_ms: Some(median(kern)),
+                work: tf * tf * dhf + tf * tf * df,
+                ceiling: Ceiling::Compute,
+                // one launch is one head of one sequence
+                layer_scale: s.h as f64,
+            });
+        }
+    }
+    Ok(rows)
 }
 
 /// Bytes of distinct packed-weight copies the packed GEMM rows rotate through: over 2× the L2 of an H100/H200

@@ -31,6 +31,27 @@ impl XxtVariant {
     }
 }
 
+/// Y = A_h X kernel variants of the V column statistics (style.md rule 17).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttnXVariant {
+    /// v1: f32 FFMA, 32 rows × 64 columns per block: the exact baseline.
+    F32Tiled = 1,
+    /// v2: tensor cores (fp16 scores, bf16 P·X, f32 accumulation), 64 rows × 256 columns per block, so the
+    /// scores are recomputed 4× less often than in v1; the default.
+    Bf16Wmma = 2,
+}
+
+impl AttnXVariant {
+    pub const ALL: [AttnXVariant; 2] = [AttnXVariant::F32Tiled, AttnXVariant::Bf16Wmma];
+
+    fn kernel_name(self) -> &'static str {
+        match self {
+            AttnXVariant::F32Tiled => "attn_x_kernel_v1",
+            AttnXVariant::Bf16Wmma => "attn_x_kernel_v2",
+        }
+    }
+}
+
 /// Must match kXxtV1Tile / kXxtV2Tile, kXxtV2Threads in cuda/hessian.cu.
 const XXT_V1_TILE: u32 = 16;
 const XXT_V2_TILE: u32 = 64;
@@ -41,12 +62,18 @@ pub const ATTN_MAX_DH: usize = 128;
 const AX_ROWS: u32 = 32;
 const AX_COLS: u32 = 64;
 const AX_THREADS: u32 = 256;
+/// Must match kAx2Rows, kAx2Cols, kAx2Threads, kAx2SmemBytes in cuda/hessian.cu.
+const AX2_ROWS: u32 = 64;
+const AX2_COLS: u32 = 256;
+const AX2_THREADS: u32 = 256;
+const AX2_SMEM_BYTES: u32 = 95_744;
 
 pub struct HessianKernels {
     xxt_v1: CudaFunction,
     xxt_v2: CudaFunction,
     softmax_stats: CudaFunction,
-    attn_x: CudaFunction,
+    attn_x_v1: CudaFunction,
+    attn_x_v2: CudaFunction,
 }
 
 impl HessianKernels {
@@ -64,7 +91,18 @@ impl HessianKernels {
             xxt_v1: get(XxtVariant::F32Tiled.kernel_name())?,
             xxt_v2: get(XxtVariant::Bf16Wmma.kernel_name())?,
             softmax_stats: get("softmax_stats_kernel")?,
-            attn_x: get("attn_x_kernel")?,
+            attn_x_v1: get(AttnXVariant::F32Tiled.kernel_name())?,
+            attn_x_v2: {
+                let f = get(AttnXVariant::Bf16Wmma.kernel_name())?;
+                // Over the 48 KB a launch may ask for by default: the kernel's dynamic limit must be raised
+                // once per function (HOPPER.md), or every launch fails with "invalid argument".
+                f.set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    AX2_SMEM_BYTES as i32,
+                )
+                .map_err(launch_err("opt attn_x_kernel_v2 into 93.5 KB of dynamic shared memory"))?;
+                f
+            },
         })
     }
 }
@@ -213,11 +251,12 @@ pub fn launch_softmax_stats(
     Ok(())
 }
 
-/// Y [t × d] = A_head X, A formed tile by tile from Q, K and the stats.
+/// Y [t × d] = A_head X, A formed tile by tile from Q, K and the stats, by the chosen kernel variant.
 #[allow(clippy::too_many_arguments)]
 pub fn launch_attn_x(
     stream: &Arc<CudaStream>,
     k: &HessianKernels,
+    variant: AttnXVariant,
     y: &mut CudaViewMut<f32>,
     x: &CudaView<f32>,
     q: &CudaView<f32>,
@@ -232,6 +271,8 @@ pub fn launch_attn_x(
 ) -> Result<(), CudaError> {
     const OP: &str = "attn_x";
     if d_h > ATTN_MAX_DH
+        || h_kv == 0
+        || !h.is_multiple_of(h_kv)
         || head >= h
         || y.len() != t * d
         || x.len() != t * d
@@ -249,13 +290,26 @@ pub fn launch_attn_x(
     }
     let (t32, d32) = (u32_of(OP, "t", t)?, u32_of(OP, "d", d)?);
     let (head32, h32, hkv32, dh32) = (head as u32, h as u32, h_kv as u32, d_h as u32);
-    let cfg = LaunchConfig {
-        grid_dim: (d32.div_ceil(AX_COLS), t32.div_ceil(AX_ROWS), 1),
-        block_dim: (AX_THREADS, 1, 1),
-        shared_mem_bytes: 0,
+    let (cfg, f) = match variant {
+        AttnXVariant::F32Tiled => (
+            LaunchConfig {
+                grid_dim: (d32.div_ceil(AX_COLS), t32.div_ceil(AX_ROWS), 1),
+                block_dim: (AX_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &k.attn_x_v1,
+        ),
+        AttnXVariant::Bf16Wmma => (
+            LaunchConfig {
+                grid_dim: (d32.div_ceil(AX2_COLS), t32.div_ceil(AX2_ROWS), 1),
+                block_dim: (AX2_THREADS, 1, 1),
+                shared_mem_bytes: AX2_SMEM_BYTES,
+            },
+            &k.attn_x_v2,
+        ),
     };
     let _r = range(c"attn_x");
-    let mut b = stream.launch_builder(&k.attn_x);
+    let mut b = stream.launch_builder(f);
     b.arg(y)
         .arg(x)
         .arg(q)
@@ -267,8 +321,9 @@ pub fn launch_attn_x(
         .arg(&hkv32)
         .arg(&dh32)
         .arg(&d32);
-    // SAFETY: arguments match attn_x_kernel(float* y, const float* x, q, k, const float2* stats, uint32 head,
-    // t, n_heads, n_kv, d_h, d); every buffer has the shape checked above; out-of-range rows/cols are guarded.
+    // SAFETY: arguments match attn_x_kernel_v{1,2}(float* y, const float* x, q, k, const float2* stats, uint32 head,
+    // t, n_heads, n_kv, d_h, d); every buffer has the shape checked above; out-of-range rows/cols are guarded;
+    // v2's dynamic shared memory is the size its layout needs and was opted into at load.
     unsafe { b.launch(cfg) }.map_err(launch_err("launch attn_x"))?;
     Ok(())
 }

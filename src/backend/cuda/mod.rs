@@ -30,7 +30,7 @@ pub mod sweep;
 
 pub use crate::nvtx::{Range, range};
 pub use gemm::LinearVariant;
-pub use hessian::XxtVariant;
+pub use hessian::{AttnXVariant, XxtVariant};
 pub use ops::{AttentionVariant, RmsNormVariant};
 pub use qgemm::QgemmVariant;
 pub use sweep::TrailingVariant;
@@ -104,6 +104,7 @@ pub struct CudaBackend {
     xxt_variant: XxtVariant,
     /// The sweeps' trailing update (cuBLAS unless set otherwise; the FFMA kernel when cuBLAS cannot be opened).
     trailing_variant: TrailingVariant,
+    attn_x_variant: AttnXVariant,
     poison_outputs: bool,
     /// Device time of the kernels of the last QuantOps call (events around the launches, transfers excluded).
     last_kernel_ms: std::sync::Mutex<f32>,
@@ -210,6 +211,7 @@ impl CudaBackend {
             attention_variant: AttentionVariant::Flash,
             xxt_variant: XxtVariant::Bf16Wmma,
             trailing_variant: TrailingVariant::Cublas,
+            attn_x_variant: AttnXVariant::Bf16Wmma,
             poison_outputs: false,
             last_kernel_ms: std::sync::Mutex::new(0.0),
             solver: std::sync::OnceLock::new(),
@@ -241,6 +243,11 @@ impl CudaBackend {
     /// Selects the sweeps' trailing update: cuBLAS SGEMM (the default) or the FFMA kernel (v1).
     pub fn set_trailing_variant(&mut self, v: TrailingVariant) {
         self.trailing_variant = v;
+    }
+
+    /// Selects the Y = A_h X kernel of v_col_covariance: tensor cores (the default) or the f32 baseline.
+    pub fn set_attn_x_variant(&mut self, v: AttnXVariant) {
+        self.attn_x_variant = v;
     }
 
     /// Device milliseconds of the kernels of the last QuantOps call (uploads and downloads excluded).

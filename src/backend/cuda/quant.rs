@@ -5,7 +5,9 @@
 //! library is missing (said once on stderr). Attention and BoA with d_h > 128 fall back to the CPU.
 
 use super::cholesky::{CHOLESKY_MAX_N, launch_cholesky};
-use super::hessian::{ATTN_MAX_DH, launch_attn_x, launch_hessian_xxt, launch_softmax_stats};
+use super::hessian::{
+    ATTN_MAX_DH, AttnXVariant, launch_attn_x, launch_hessian_xxt, launch_softmax_stats,
+};
 use super::sweep::{
     BOA_BLOCK, BOA_MAX_DH, BoaBuffers, GPTQ_MAX_BLOCK, GptqBuffers, GptqDynamicBuffers, Trailing,
     TrailingVariant, launch_boa_sweep, launch_gptq_sweep, launch_gptq_sweep_dynamic,
@@ -241,6 +243,7 @@ impl CudaBackend {
                 launch_attn_x(
                     &self.stream,
                     hk,
+                    self.attn_x_variant,
                     &mut y.slice_mut(..),
                     &x_d.slice(..),
                     &q_d.slice(..),
@@ -274,6 +277,68 @@ impl CudaBackend {
             .synchronize()
             .map_err(driver("v_col_covariance"))?;
         Ok(out)
+    }
+
+    /// The bench's side-by-side of the attn_x variants: the stats of one sequence, one untimed launch for head
+    /// 0 (its Y is returned, to be checked), then `launches` back-to-back launches cycling over the heads
+    /// between events. Returns the mean device ms per launch (one head) and Y of head 0.
+    pub fn time_attn_x(
+        &self,
+        variant: AttnXVariant,
+        x: &[f32],
+        q: &[f32],
+        k: &[f32],
+        s: AttnShape,
+        launches: usize,
+    ) -> Result<(f64, Vec<f32>), CudaError> {
+        let AttnShape { t, h, h_kv, d_h, d } = s;
+        if h == 0 || t == 0 || d == 0 {
+            return Err(shape("time_attn_x", format!("{s:?}: empty")));
+        }
+        let x_d = self.upload(x, "upload x")?;
+        let q_d = self.upload(q, "upload q")?;
+        let k_d = self.upload(k, "upload k")?;
+        let mut stats = self
+            .stream
+            .alloc_zeros::<f32>(2 * h * t)
+            .map_err(driver("alloc stats"))?;
+        let mut y = self.output(t * d)?;
+        let hk = &self.quant.hessian;
+        launch_softmax_stats(
+            &self.stream,
+            hk,
+            &mut stats.slice_mut(..),
+            &q_d.slice(..),
+            &k_d.slice(..),
+            t,
+            h,
+            h_kv,
+            d_h,
+        )?;
+        let launch = |y: &mut CudaSlice<f32>, head: usize| {
+            launch_attn_x(
+                &self.stream,
+                hk,
+                variant,
+                &mut y.slice_mut(..),
+                &x_d.slice(..),
+                &q_d.slice(..),
+                &k_d.slice(..),
+                &stats.slice(..),
+                head,
+                t,
+                h,
+                h_kv,
+                d_h,
+                d,
+            )
+        };
+        launch(&mut y, 0)?;
+        let y0 = self.stream.clone_dtoh(&y).map_err(driver("download y"))?;
+        self.stream.synchronize().map_err(driver("attn_x"))?;
+        let n = launches.max(1);
+        self.timed(|| (0..n).try_for_each(|i| launch(&mut y, i % h)))?;
+        Ok((self.last_kernel_ms() as f64 / n as f64, y0))
     }
 
     pub fn try_cholesky_upper_inverse_batched(

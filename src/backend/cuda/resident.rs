@@ -505,6 +505,7 @@ impl CudaBackend {
                 launch_attn_x(
                     &self.stream,
                     hk,
+                    self.attn_x_variant,
                     &mut y.slice_mut(..),
                     &xv,
                     &qv,
