@@ -33,6 +33,7 @@ pub use gemm::LinearVariant;
 pub use hessian::XxtVariant;
 pub use ops::{AttentionVariant, RmsNormVariant};
 pub use qgemm::QgemmVariant;
+pub use search::SearchVariant;
 
 use super::cpu::CpuBackend;
 use super::{AttnShape, Backend, Tensor, Weight};
@@ -99,6 +100,7 @@ pub struct CudaBackend {
     name: String,
     rms_norm_variant: RmsNormVariant,
     linear_variant: LinearVariant,
+    search_variant: SearchVariant,
     attention_variant: AttentionVariant,
     xxt_variant: XxtVariant,
     poison_outputs: bool,
@@ -204,6 +206,7 @@ impl CudaBackend {
             name: format!("cuda:{ordinal} {gpu}"),
             rms_norm_variant: RmsNormVariant::WarpPerRow,
             linear_variant: LinearVariant::F32,
+            search_variant: SearchVariant::Bf16Rescore,
             attention_variant: AttentionVariant::Flash,
             xxt_variant: XxtVariant::Bf16Wmma,
             poison_outputs: false,
@@ -222,6 +225,12 @@ impl CudaBackend {
     /// Selects the GEMM of `linear`: f32 (cublasSgemm, the default) or bf16 operands (cublasGemmEx).
     pub fn set_linear_variant(&mut self, v: LinearVariant) {
         self.linear_variant = v;
+    }
+
+    /// Selects the Hessian scale search: bf16 tensor cores with an exact re-score (the default) or the f32
+    /// SGEMM port of the CPU score (search.rs).
+    pub fn set_search_variant(&mut self, v: SearchVariant) {
+        self.search_variant = v;
     }
 
     /// Selects the causal_attention kernel: flash (the default) or the naive port of the CPU twin.
