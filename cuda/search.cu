@@ -1,4 +1,5 @@
-// search.cu — the Hessian-weighted static scale search (design.md §4.1) as GEMMs: for every candidate grid
+// search.cu — the Hessian-weighted static scale search (design.md §4.1) as GEMMs, two variants (v1 F32, v2
+// Bf16Rescore; SearchVariant in search.rs). v1: for every candidate grid
 // (shrink step i, zero choice) of every row, score = Δ H Δᵀ − wᵀHw = s²·vᵀHv − 2s·vᵀ(Hw), with
 // v = clamp(round(w·(1/s)), −z, maxq − z) the integer vector of the candidate (small integers, exact in f32).
 //
@@ -17,6 +18,7 @@
 //   of (almost) equal error. Parity test: parity_search_grids (tests/parity_quant.rs).
 //
 // ---------------------------------------------------------------------------------------------------------
+// v1 kernels:
 // search_v_kernel: V[k, r, j] = clamp(rint(W[r, j] · inv[r, c0 + k]), −z, maxq − z), z = zero[r, c0 + k]
 //   (a NaN zero marks an absent slot: the ceil zero where floor = ceil; its V is written as 0 and never
 //   scored). rint(NaN) → 0 as the CPU's saturating `as i32` does. x·inv is one rounded product, as the CPU's
@@ -29,17 +31,36 @@
 //   xor-shuffle reduces a and b in f64, and every lane keeps the same running best, written back by lane 0.
 //   best_score / best_slot carry the best across batches (the host initialises them to +inf / −1).
 //
-// Roofline (asymmetric: 200 slots; f32 FFMA, H200 ~60 TFLOP/s): the GEMMs are 200 · 2·rows·n² flop:
+// Roofline, v1 (asymmetric: 200 slots; f32 FFMA, H200 ~60 TFLOP/s): the GEMMs are 200 · 2·rows·n² flop:
 //   7B q/k/v/o_proj (4096 × 4096) 27.5 TFLOP ≈ 0.46 s each; gate/up (11008 × 4096) 74 TFLOP ≈ 1.2 s; down_proj
 //   (4096 × 11008) 199 TFLOP ≈ 3.3 s → ~460 TFLOP ≈ 7.6 s per layer, ~4 min per 7B model: GEMM-bound (bytes per
 //   slot ≈ 5 passes over rows·n f32 ≈ 336 MB at 4096², 67 GB per matrix ≈ 14 ms at 4.8 TB/s). That is far
 //   more arithmetic than the CPU twin's incremental search (~3.5 H-row axpys per entry: ~rows·n²·7 flop, 50×
-//   fewer), so the GEMM form wins only through the matrix units. Next variants, in order of promise:
-//   (1) bf16 tensor cores with H split in two bf16 halves (V is exact in bf16; two GEMMs give ~2⁻¹⁷ relative
-//   products, ~1e-5 of the score, coarser than the CPU's f32) plus an f32 re-score of each row's few best
-//   slots, ~10× faster; (2) a device port of the incremental search (per-row chains, H rows from L2).
+//   fewer), so the GEMM form wins only through the matrix units.
+//
+// v2 (Bf16Rescore, the default): score Δ H Δᵀ itself rather than s²·vᵀHv − 2s·vᵀHw. The latter drops wᵀHw,
+//   100–1000× larger than Δ H Δᵀ at 2–4 bits, so bf16 operands (u = 2⁻⁹) on it would leave errors ~1e-3·wᵀHw,
+//   larger than the differences between candidates (catastrophic cancellation). With Δ = ŵ − w the bf16
+//   rounding of Δ and H is relative to Δ H Δᵀ itself (~2⁻⁸; ≤ 9e-3 seen in the emulation). Per call:
+//   H → bf16 once (ops.cu f32_to_bf16); per batch of K slots:
+//     search_delta_bf16_kernel  D [K × rows × n] bf16, D = fl(fl(s·v) − w);
+//     cublasGemmEx              P = D·H  (bf16 operands, f32 accumulate and output, tensor cores);
+//     search_approx_kernel      per row: approx = Σ P·D (f32), folded into the row's kTop = 4 best;
+//   then per batch of the kTop ranks (the exact re-score, f32 throughout):
+//     search_delta_f32_kernel   D of the listed slots; cuBLAS SGEMM P = D·H;
+//     search_rescore_kernel     per row: Σ P·D in f64, the least (score, slot) of the row's list.
+//   The result is the exact minimum over the row's 4 best approximate candidates; profiling/
+//   emulate_search_bf16.py (numpy, realistic W and H, n = 1024/2048, 2–4 bits) found the optimum at rank 0 in
+//   159 and rank 1 in 1 of 160 rows, so v2 chose the optimum in all (v1: also all). Without the re-score
+//   (approximate argmin) 1 of 160 rows was 1.1e-3 above the optimum.
+//   Roofline (H200, bf16 dense 989 TFLOP/s, ~60% reachable by cuBLAS at these shapes): the approximate GEMMs
+//   are v1's 460 TFLOP per 7B layer at ~600 TFLOP/s ≈ 0.77 s (asymmetric; 0.38 s symmetric, 100 slots), the
+//   re-score 4/200 of v1's f32 work ≈ 9 TFLOP ≈ 0.15 s, the elementwise kernels ~6 B per element per slot
+//   ≈ 120 GB ≈ 25 ms: ~0.5–0.9 s per layer against v1's ~7.6 s. Next: fuse the Σ P·D into a GEMM epilogue
+//   (P never written: −4 B per element per slot) and re-score with split-bf16 GEMMs instead of SGEMM.
 // Variants measured: none yet (no GPU run so far).
-// ptxas (nvcc 13.0, sm_90a / sm_80), 0 spills, no smem: search_v 25 / 25 registers; search_score 32 / 32.
+// ptxas (nvcc 13.0, sm_90a / sm_80), 0 spills, 0 stack, no smem: search_v 25 / 25 registers; search_score
+//   32 / 32; search_delta_bf16 25 / 25; search_delta_f32 28 / 28; search_approx 32 / 32; search_rescore 32 / 32.
 // ---------------------------------------------------------------------------------------------------------
 
 #include <cuda_bf16.h>
