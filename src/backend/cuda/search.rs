@@ -35,7 +35,7 @@ const SEARCH_SCORE_ROWS_PER_CTA: usize = SEARCH_SCORE_THREADS as usize / 32;
 const BATCH_ELEMS: usize = 1 << 27;
 /// v2: approximate best slots per row that are re-scored exactly; must match kTop in cuda/search.cu. The
 /// emulation (profiling/emulate_search_bf16.py) never saw the exact optimum below rank 1 of the approximate
-/// order; 4 leaves margin at ~2% of the SGEMM work of v1.
+/// order (280 rows; rank 1 twice); 4 leaves margin at ~2% of the SGEMM work of v1.
 pub const SEARCH_TOP: usize = 4;
 
 /// Device variants of the Hessian scale search (module comment).
