@@ -11,6 +11,7 @@
 //! 256 MiB memcpy and a 1024³ f32 faer GEMM.
 
 use crate::backend::cpu::CpuBackend;
+use crate::backend::cuda::search::{SEARCH_TOP, SearchVariant};
 use crate::backend::cuda::{CudaBackend, TrailingVariant};
 use crate::backend::quant_ops::{AttnShape, QuantOps, StaticGrids, UCol};
 use crate::quant::quantizer::{
@@ -457,32 +458,76 @@ pub fn bench_quant_ops(
         let ops = b.ops();
 
         // Hessian scale search (3-bit asymmetric per channel: 200 candidate slots per row) of a q_proj-sized
-        // (d × d) and a down_proj-sized (d × d_ff) weight. Work counts the GEMM formulation of the CUDA
-        // backend (slots · 2·rows·n² for V·H, plus W·H), an f32 SGEMM: against the bf16 mma ceiling its
-        // fraction is low by design. The CPU's incremental search does far fewer flops for the same result.
-        // Matrices over 48M weights (8B d×d_ff, 70B: 5–45 s a call on an H200 at f32) are left out so the
-        // bench stays inside profiling/gpu_check.sh's time limit.
-        for (rows_w, n) in [(s.d, s.d), (s.d, s.d_ff)] {
+        // (d × d), a gate/up-sized (d_ff × d) and a down_proj-sized (d × d_ff) weight. Work counts the GEMM
+        // formulation of the CUDA backend: v1 (F32) slots · 2·rows·n² for V·H plus W·H in f32 SGEMM, against
+        // the bf16 mma ceiling its fraction is low by design; v2 (Bf16Rescore) slots · 2·rows·n² in bf16 plus
+        // SEARCH_TOP · 2·rows·n² of f32 re-score. CUDA times both variants side by side (v2's row names how
+        // many rows chose another grid than v1: near-ties, see tests/parity_quant.rs); the CPU's incremental
+        // search does far fewer flops for the same result. Matrices over 48M weights (8B d×d_ff, 70B: 5–45 s
+        // a call on an H200 at f32) are left out so the bench stays inside profiling/gpu_check.sh's limit.
+        for (rows_w, n) in [(s.d, s.d), (s.d_ff, s.d), (s.d, s.d_ff)] {
             if rows_w * n > 48 << 20 {
                 continue;
             }
             let spec = QuantSpec::new(3, None, false, ScaleSearch::Hessian);
             let ws = [randn(&mut rng, rows_w * n), randn(&mut rng, rows_w * n)];
             let h = spd_cheap(&mut rng, n);
-            // Up to seconds per call on an H200: one timed call after the warm-up.
-            let (wall, kern) = time(b, reps.min(1), |i| {
-                std::hint::black_box(ops.search_grids(&ws[i % 2], rows_w, n, &h, &spec));
-            });
             let slots = SHRINK_STEPS * candidate_slots(&spec);
-            rows.push(BenchRow {
-                method: "search_grids",
-                shape: tag(format!("{rows_w}×{n}")),
-                wall_ms: wall,
-                kernel_ms: kern,
-                work: (slots + 1) as f64 * 2.0 * rows_w as f64 * (n as f64).powi(2),
-                ceiling: Ceiling::Compute,
-                layer_scale: 1.0,
-            });
+            let gemm = 2.0 * rows_w as f64 * (n as f64).powi(2);
+            let BenchBackend::Cuda(cb) = &*b else {
+                // Up to seconds per call: one timed call after the warm-up.
+                let (wall, kern) = time(b, reps.min(1), |i| {
+                    std::hint::black_box(ops.search_grids(&ws[i % 2], rows_w, n, &h, &spec));
+                });
+                rows.push(BenchRow {
+                    method: "search_grids",
+                    shape: tag(format!("{rows_w}×{n}")),
+                    wall_ms: wall,
+                    kernel_ms: kern,
+                    work: (slots + 1) as f64 * gemm,
+                    ceiling: Ceiling::Compute,
+                    layer_scale: 1.0,
+                });
+                continue;
+            };
+            let mut chosen = Vec::new();
+            for v in SearchVariant::ALL {
+                let mut err = None;
+                let mut last = Vec::new();
+                // Up to seconds per call on an H200 (v1): one timed call after the warm-up.
+                let (wall, kern) = time(b, reps.min(1), |i| {
+                    match cb.try_search_grids_with(v, &ws[i % 2], rows_w, n, &h, &spec) {
+                        Ok(g) => last = g,
+                        Err(e) => {
+                            err.get_or_insert(e);
+                        }
+                    }
+                });
+                if let Some(e) = err {
+                    anyhow::bail!("search_grids {v:?} {rows_w}×{n}: {e}");
+                }
+                let (method, extra, note) = match v {
+                    SearchVariant::F32 => ("search_grids v1 f32", 1, String::new()),
+                    SearchVariant::Bf16Rescore => {
+                        let differ = last.iter().zip(&chosen).filter(|(a, b)| a != b).count();
+                        (
+                            "search_grids v2 bf16",
+                            SEARCH_TOP,
+                            format!(", {differ} rows ≠ v1"),
+                        )
+                    }
+                };
+                rows.push(BenchRow {
+                    method,
+                    shape: tag(format!("{rows_w}×{n}{note}")),
+                    wall_ms: wall,
+                    kernel_ms: kern,
+                    work: (slots + extra) as f64 * gemm,
+                    ceiling: Ceiling::Compute,
+                    layer_scale: 1.0,
+                });
+                chosen = last;
+            }
         }
 
         // BoA sweep of q_proj (shared U_col) with per-head U_row.

@@ -141,6 +141,67 @@ impl Blas {
         r.map_err(blas_err("sgemm (sweep trailing update)"))
     }
 
+    /// C [m × n] (f32) = A [m × n] · H [n × n] with bf16 A and H (u16 bit patterns), f32 accumulation: the
+    /// approximate GEMM of the scale search's v2 (search.rs), the same row-major mapping as `rows_times_h`.
+    pub(super) fn rows_times_h_bf16(
+        &self,
+        c: &mut impl DevicePtrMut<f32>,
+        a: &impl DevicePtr<u16>,
+        h: &CudaSlice<u16>,
+        m: usize,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        let bad = |msg: String| CudaError::Shape {
+            op: "search_grids gemm_ex bf16",
+            msg,
+        };
+        if h.len() != n * n || a.len() < m * n || c.len() < m * n {
+            return Err(bad(format!(
+                "a.len={} c.len={} h.len={} for m={m}, n={n}",
+                a.len(),
+                c.len(),
+                h.len()
+            )));
+        }
+        let cfg = super::search::rows_times_h_config(m, n).map_err(bad)?;
+        let stream = &self.stream;
+        // cuBLAS calls act on the calling thread's current context; cudarc binds it for its own calls only.
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(driver("bind context"))?;
+        let (ph, _sh) = h.device_ptr(stream);
+        let (pa, _sa) = a.device_ptr(stream);
+        let (pc, _sc) = c.device_ptr_mut(stream);
+        let bf16 = sys::cudaDataType_t::CUDA_R_16BF;
+        // SAFETY: H holds n·n, A and C at least m·n elements (checked); the mapping and leading dimensions are
+        // rows_times_h's; compute type 32F takes the f32 alpha and beta of the config.
+        unsafe {
+            br::gemm_ex(
+                *self.blas.handle(),
+                cfg.transa,
+                cfg.transb,
+                cfg.m,
+                cfg.n,
+                cfg.k,
+                &cfg.alpha as *const f32 as *const c_void,
+                ph as *const c_void,
+                bf16,
+                cfg.lda,
+                pa as *const c_void,
+                bf16,
+                cfg.ldb,
+                &cfg.beta as *const f32 as *const c_void,
+                pc as *mut c_void,
+                sys::cudaDataType_t::CUDA_R_32F,
+                cfg.ldc,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(blas_err("gemm_ex bf16 (search_grids)"))
+    }
+
     /// Y [m × n] = X [m × k] · W [n × k]ᵀ (+ bias [n]) on the handle's stream (asynchronous). Every element
     /// of Y is written (beta = 0: cuBLAS does not read C, so a poisoned Y stays a valid test).
     #[allow(clippy::too_many_arguments)]

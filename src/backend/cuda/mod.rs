@@ -33,6 +33,7 @@ pub use gemm::LinearVariant;
 pub use hessian::{AttnXVariant, XxtVariant};
 pub use ops::{AttentionVariant, RmsNormVariant};
 pub use qgemm::QgemmVariant;
+pub use search::SearchVariant;
 pub use sweep::TrailingVariant;
 
 use super::cpu::CpuBackend;
@@ -100,6 +101,7 @@ pub struct CudaBackend {
     name: String,
     rms_norm_variant: RmsNormVariant,
     linear_variant: LinearVariant,
+    search_variant: SearchVariant,
     attention_variant: AttentionVariant,
     xxt_variant: XxtVariant,
     /// The sweeps' trailing update (cuBLAS unless set otherwise; the FFMA kernel when cuBLAS cannot be opened).
@@ -208,6 +210,7 @@ impl CudaBackend {
             name: format!("cuda:{ordinal} {gpu}"),
             rms_norm_variant: RmsNormVariant::WarpPerRow,
             linear_variant: LinearVariant::F32,
+            search_variant: SearchVariant::Bf16Rescore,
             attention_variant: AttentionVariant::Flash,
             xxt_variant: XxtVariant::Bf16Wmma,
             trailing_variant: TrailingVariant::Cublas,
@@ -228,6 +231,12 @@ impl CudaBackend {
     /// Selects the GEMM of `linear`: f32 (cublasSgemm, the default) or bf16 operands (cublasGemmEx).
     pub fn set_linear_variant(&mut self, v: LinearVariant) {
         self.linear_variant = v;
+    }
+
+    /// Selects the Hessian scale search: bf16 tensor cores with an exact re-score (the default) or the f32
+    /// SGEMM port of the CPU score (search.rs).
+    pub fn set_search_variant(&mut self, v: SearchVariant) {
+        self.search_variant = v;
     }
 
     /// Selects the causal_attention kernel: flash (the default) or the naive port of the CPU twin.
