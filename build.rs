@@ -157,8 +157,8 @@ fn compile_kernels(
         })
         .unwrap_or_else(|| "unknown".into());
     // The fatbins are embedded in the binary and in every test executable, and gpu_check.sh carries four of
-    // those in 64 MiB: nvcc ≥ 12.8 compresses them harder on request (the driver inflates them at load;
-    // drivers from CUDA 12.4 on read compressed fatbins).
+    // those in 64 MiB: nvcc ≥ 12.8 compresses them harder on request. The driver inflates them at load; `size`
+    // mode needs driver 550.54+ for CUDA 12 and 580+ for CUDA 13 (which nvcc 13's code needs anyway).
     let compress = release_of(&nvcc_version).is_some_and(|v| v >= (12, 8));
     let include = root.join("include");
     let mut fatbins = Vec::new();
