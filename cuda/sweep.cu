@@ -57,11 +57,12 @@
 //   u_sh[s − i][s − i + 1 + k], bank (s − i + 1 + k) mod 32 with stride ≡ 0 mod 32, all 32 distinct (v1's
 //   stride 33 is 2-way); (b) the block's col_group is staged in smem and the step's global reads (scale,
 //   zero, W0: one L2 round trip) are issued before the cross-row dot, so they hide behind it; in v1 they sit
-//   on the chain after the dot, col_group → scale as two dependent round trips (~0.5 µs a step); (c) the cross-row dot keeps four partial sums (term j into sum j mod 4), so its
-//   dependent FMA chain is i/4 long, not i (a different summation order than v1: rounding-level, ties only),
-//   and thread i's column of F (≤ 127 floats, the same at every step) lives in registers: 210 KB of smem
-//   leaves ~40 KB of L1, less than a head's 64 KB of F, so v1's per-term F loads would be L2 round trips
-//   (~250 cycles per 4 terms, ~8K cycles per step) here.
+//   on the chain after the dot, col_group → scale as two dependent round trips (~0.5 µs a step); (c) the
+//   cross-row dot keeps four partial sums (term j into sum j mod 4), so its dependent FMA chain is i/4 long,
+//   not i (a different summation order than v1: rounding-level, ties only), and thread i's column of F
+//   (≤ 127 floats, the same at every step) lives in registers: 210 KB of smem leaves ~30 KB of the SM's 256 KB
+//   to L1, less than a head's 64 KB of F, so v1's per-term F loads would be L2 round trips here (~250 cycles
+//   per 4 terms, ~8K cycles per step).
 //   Estimate, 32 heads × 128 rows × 4096 columns: per step the slowest lane (row 127 while it is active) does
 //   the cross dot (127 terms: F from registers, δ from smem, 4 independent FMA chains ≈ 150–250 cycles) plus
 //   ≤ 127 own-row updates (LDS, LDS, FMUL, FADD, STS each, independent: ~2–3 cycles issue each ≈ 250–400
@@ -272,14 +273,14 @@ boa_block_kernel(float* __restrict__ w,              // [n_heads·d_h × n] in: 
 }
 
 extern "C" __global__ void __launch_bounds__(kBoaMaxDh, 1)
-boa_block_kernel_v2(float* __restrict__ w,              // [n_heads·d_h × n] in: W with earlier blocks' own updates
+boa_block_kernel_v2(float* __restrict__ w,              // [n_heads·d_h × n] in: W after earlier blocks' updates
                     const float* __restrict__ w0,       // [n_heads·d_h × n] the weights before the sweep
                     float* __restrict__ q,              // [n_heads·d_h × n] out: Q of block columns
                     uint8_t* __restrict__ codes,        // [n_heads·d_h × n] out
-                    float* __restrict__ e,              // [bw × n_heads·d_h] out: E of the block, column-major
+                    float* __restrict__ e,              // [bw × n_heads·d_h] out: E of the block, col-major
                     const float* __restrict__ u_col,    // [n × n] shared, or [n_heads × n × n] per head
                     const uint64_t u_head_stride,       // 0 (shared U_col) or n² (per head)
-                    const float* __restrict__ f_row,    // [n_heads × d_h × d_h]: F[j, i] = U_row[j, i]/U_row[j, j]
+                    const float* __restrict__ f_row,    // [n_heads × d_h × d_h]: F = U_row[j,i]/U_row[j,j]
                     const float* __restrict__ scales,   // [n_heads·d_h × n_groups]
                     const float* __restrict__ zeros,    // [n_heads·d_h × n_groups]
                     const uint32_t* __restrict__ col_group,  // [n]

@@ -606,8 +606,9 @@ pub struct GptqDynamicBuffers<'a> {
 }
 
 /// Device buffers of a BoA sweep (R = n_heads·d_h rows): W [R × n] (modified), W0 [R × n] (the weights before
-/// the sweep), Q, codes out; E scratch [block × R] (block = the variant's width); U_col [n × n] or [n_heads × n × n]; F
-/// [n_heads × d_h × d_h] (F[j, i] = U_row[j, i] / U_row[j, j]); scales, zeros [R × n_groups]; col_group [n].
+/// the sweep), Q, codes out; E scratch [block × R] (block: the block variant's width); U_col [n × n] or
+/// [n_heads × n × n]; F [n_heads × d_h × d_h] (F[j, i] = U_row[j, i] / U_row[j, j]); scales, zeros
+/// [R × n_groups]; col_group [n].
 pub struct BoaBuffers<'a> {
     pub w: &'a mut CudaSlice<f32>,
     pub w0: &'a CudaSlice<f32>,
