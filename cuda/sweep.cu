@@ -41,7 +41,36 @@
 //   Launch: grid n_heads, block 128 (d_h ≤ 128; threads ≥ d_h only join the barriers), static smem 41 KB:
 //   w_sh[c][i] (stride 130: in the wavefront, thread i touches column s − i, and an even stride keeps those
 //   addresses in distinct banks), δ_sh[c][j] (stride 129: read at (s − i, j), written at (s − i, i)), the
-//   U_col block, the codes. One barrier per step.
+//   U_col block, the codes. One barrier per step. This is BoA block variant v1 (sweep.rs BoaBlockVariant::W32).
+//
+// boa_block_kernel_v2 (BoaBlockVariant::W128): the same wavefront over a 128-column block, so a 4096-wide
+//   projection takes 32 block launches of d_h + 127 = 255 steps (Σ 8.2K barrier steps) instead of 128 of 159
+//   (20.4K), and the trailing GEMMs get k = 128 (4× less W traffic). Same CPU twin and parity test (both
+//   variants); the host emulation of both schedules is parity_quant.rs boa_wavefront_emulated.
+//   Launch: grid n_heads, block 128, 210 KB DYNAMIC smem (opted in at load; sm_90's 227 KB per block, so
+//   1 CTA per SM; devices with less shared memory fall back to v1): w_sh [128][130] 65 KB, δ_sh [128][129]
+//   64.5 KB, the U_col block [128][128] 64 KB, col_group of the block 0.5 KB, codes [128][128] 16 KB.
+//   Why all in smem: every step reads U_col[c, c..] with a different row c = s − i per lane, uncoalesced from
+//   global (32 lines per warp load, ~127 loads per step); the W and δ tiles are rewritten every step. Registers
+//   cannot hold them: a lane's column index s − i is a run-time value (local memory).
+//   Changes against v1, besides the width: (a) U_col's row stride is 128, not bw + 1: lane i reads
+//   u_sh[s − i][s − i + 1 + k], bank (s − i + 1 + k) mod 32 with stride ≡ 0 mod 32, all 32 distinct (v1's
+//   stride 33 is 2-way); (b) the block's col_group is staged in smem and the step's global reads (scale,
+//   zero, W0: one L2 round trip) are issued before the cross-row dot, so they hide behind it; in v1 they sit
+//   on the chain after the dot, col_group → scale as two dependent round trips (~0.5 µs a step); (c) the
+//   cross-row dot keeps four partial sums (term j into sum j mod 4), so its dependent FMA chain is i/4 long,
+//   not i (a different summation order than v1: rounding-level, ties only), and thread i's column of F
+//   (≤ 127 floats, the same at every step) lives in registers: 210 KB of smem leaves ~30 KB of the SM's 256 KB
+//   to L1, less than a head's 64 KB of F, so v1's per-term F loads would be L2 round trips here (~250 cycles
+//   per 4 terms, ~8K cycles per step).
+//   Estimate, 32 heads × 128 rows × 4096 columns: per step the slowest lane (row 127 while it is active) does
+//   the cross dot (127 terms: F from registers, δ from smem, 4 independent FMA chains ≈ 150–250 cycles) plus
+//   ≤ 127 own-row updates (LDS, LDS, FMUL, FADD, STS each, independent: ~2–3 cycles issue each ≈ 250–400
+//   cycles), a divide and the quantizer (~60), the barrier (~40): Σ over the 255 steps of the busiest lane
+//   ≈ 48.5K loop iterations ≈ 0.15–0.25 M cycles per block ≈ 0.08–0.13 ms at 1.9 GHz, × 32 blocks ≈ 2.5–4 ms;
+//   plus 31 trailing GEMMs with k = 128 (the GPTQ shape: ~1.5 ms at cuBLAS's f32 rate) ⇒ 4–6 ms against
+//   v1's 10–22 ms. The widening costs work too: the own-row updates inside a block grow with bw
+//   (n·(bw − 1)/2 per row: 65K → 260K), which is why (b) and (c) come with it.
 //
 // Roofline (7B q_proj, 4096 × 4096): the sweeps are latency-bound (design.md §6): GPTQ has n/128 = 32 block
 //   launches of 128 dependent column steps each (~0.1–0.2 µs per step: a divide, a rint, a 128-wide row
@@ -50,12 +79,13 @@
 //   (~45 TFLOP/s), ~3–4 ms for v1 → target ≤ 5 ms. BoA: n/32 = 128 blocks × (d_h + 31) = 159 steps with a
 //   barrier and a ≤ 128-long cross-row dot each → ~20K steps, ~10–40 ms at first; its 127 trailing GEMMs
 //   have k = 32 (8 flop per byte): bound by W's read + write, Σ 8·rows·(n − i2) B ≈ 8.6 GB ≈ 2 ms at the
-//   copy rate for either variant. The next version widens the block (bw = 128 with the δ tile in registers)
-//   to bring it toward the ≤ 2× GPTQ goal.
+//   copy rate for either variant. v2 above widens the block to 128 columns to bring it toward the ≤ 2× GPTQ
+//   goal (estimate there).
 //
 // Variants measured: none yet (no GPU run so far); profiling/quant_core_notes.md has the predictions.
 // ptxas (nvcc 13.0, sm_90a / sm_80), 0 spills: gptq_block 40 / 40 regs, 21 KB smem; sweep_trailing_gemm
-//   57 / 58 regs, 8 KB; boa_block 51 / 44 regs, 41 KB.
+//   57 / 58 regs, 8 KB; boa_block 51 / 44 regs, 41 KB; boa_block_v2 160 / 255 regs (F's column in
+//   registers; 0 B stack), 210 KB dynamic (sm_80 builds it but cannot launch it: 163 KB per block).
 // ---------------------------------------------------------------------------------------------------------
 
 #include <stdint.h>
@@ -72,6 +102,18 @@ constexpr int kBoaMaxDh = 128;    // boa_block: must match BOA_MAX_DH in sweep.r
 constexpr int kBoaBw = 32;        // boa_block: column block width; must match BOA_BLOCK in sweep.rs
 constexpr int kBoaWStride = kBoaMaxDh + 2;
 constexpr int kBoaDStride = kBoaMaxDh + 1;
+constexpr int kBoa2Bw = 128;      // boa_block_v2: column block width; must match BOA_BLOCK_V2 in sweep.rs
+constexpr int kBoa2UStride = kBoa2Bw;  // ≡ 0 mod 32: conflict-free wavefront reads of U_col (header, (a))
+// boa_block_v2's dynamic shared memory, byte offsets (each a multiple of 16).
+constexpr uint32_t kBoa2WOff = 0;                                            // float [kBoa2Bw][kBoaWStride]
+constexpr uint32_t kBoa2DOff = kBoa2WOff + kBoa2Bw * kBoaWStride * 4;        // float [kBoa2Bw][kBoaDStride]
+constexpr uint32_t kBoa2UOff = kBoa2DOff + kBoa2Bw * kBoaDStride * 4;        // float [kBoa2Bw][kBoa2UStride]
+constexpr uint32_t kBoa2GOff = kBoa2UOff + kBoa2Bw * kBoa2UStride * 4;       // uint32 [kBoa2Bw]
+constexpr uint32_t kBoa2COff = kBoa2GOff + kBoa2Bw * 4;                      // uint8 [kBoa2Bw][kBoaMaxDh]
+constexpr uint32_t kBoa2SmemBytes = kBoa2COff + kBoa2Bw * kBoaMaxDh;         // must match BOA_V2_SMEM_BYTES
+static_assert(kBoa2SmemBytes == 215040, "sweep.rs BOA_V2_SMEM_BYTES");
+static_assert(kBoa2DOff % 16 == 0 && kBoa2UOff % 16 == 0 && kBoa2GOff % 16 == 0 && kBoa2COff % 16 == 0,
+              "smem offsets");
 
 // --- device helpers ---------------------------------------------------------------------------------------
 
@@ -218,6 +260,86 @@ boa_block_kernel(float* __restrict__ w,              // [n_heads·d_h × n] in: 
             e[(size_t)c * rows_total + r] = err;
             dl_sh[c][i] = (w0[(size_t)r * n + col] - cross) - qv;
             for (uint32_t c2 = c + 1; c2 < bw; ++c2) w_sh[c2][i] = sub_prod(w_sh[c2][i], err, u_sh[c][c2]);
+            w_sh[c][i] = qv;
+            c_sh[c][i] = (uint8_t)qc;
+        }
+        __syncthreads();
+    }
+    for (uint32_t x = tid; x < d_h * bw; x += blockDim.x) {
+        const uint32_t ii = x / bw, c = x % bw;
+        q[(size_t)(row0 + ii) * n + i1 + c] = w_sh[c][ii];
+        codes[(size_t)(row0 + ii) * n + i1 + c] = c_sh[c][ii];
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(kBoaMaxDh, 1)
+boa_block_kernel_v2(float* __restrict__ w,              // [n_heads·d_h × n] in: W after earlier blocks' updates
+                    const float* __restrict__ w0,       // [n_heads·d_h × n] the weights before the sweep
+                    float* __restrict__ q,              // [n_heads·d_h × n] out: Q of block columns
+                    uint8_t* __restrict__ codes,        // [n_heads·d_h × n] out
+                    float* __restrict__ e,              // [bw × n_heads·d_h] out: E of the block, col-major
+                    const float* __restrict__ u_col,    // [n × n] shared, or [n_heads × n × n] per head
+                    const uint64_t u_head_stride,       // 0 (shared U_col) or n² (per head)
+                    const float* __restrict__ f_row,    // [n_heads × d_h × d_h]: F = U_row[j,i]/U_row[j,j]
+                    const float* __restrict__ scales,   // [n_heads·d_h × n_groups]
+                    const float* __restrict__ zeros,    // [n_heads·d_h × n_groups]
+                    const uint32_t* __restrict__ col_group,  // [n]
+                    const uint32_t d_h, const uint32_t n, const uint32_t n_groups, const uint32_t i1,
+                    const uint32_t i2, const float maxq) {  // i2 − i1 ≤ kBoa2Bw, d_h ≤ kBoaMaxDh = blockDim.x
+    extern __shared__ __align__(16) unsigned char boa2_smem[];  // kBoa2SmemBytes, opted in by the launcher
+    float(*w_sh)[kBoaWStride] = reinterpret_cast<float(*)[kBoaWStride]>(boa2_smem + kBoa2WOff);
+    float(*dl_sh)[kBoaDStride] = reinterpret_cast<float(*)[kBoaDStride]>(boa2_smem + kBoa2DOff);
+    float(*u_sh)[kBoa2UStride] = reinterpret_cast<float(*)[kBoa2UStride]>(boa2_smem + kBoa2UOff);
+    uint32_t* g_sh = reinterpret_cast<uint32_t*>(boa2_smem + kBoa2GOff);
+    uint8_t(*c_sh)[kBoaMaxDh] = reinterpret_cast<uint8_t(*)[kBoaMaxDh]>(boa2_smem + kBoa2COff);
+    const uint32_t head = blockIdx.x, tid = threadIdx.x, bw = i2 - i1;
+    const uint32_t rows_total = gridDim.x * d_h, row0 = head * d_h;
+    const float* uc = u_col + u_head_stride * head;
+    const float* f = f_row + (size_t)head * d_h * d_h;
+    // Coalesced: consecutive threads walk along a row of W (resp. U_col) inside the block.
+    for (uint32_t x = tid; x < d_h * bw; x += blockDim.x) {
+        const uint32_t i = x / bw, c = x % bw;
+        w_sh[c][i] = w[(size_t)(row0 + i) * n + i1 + c];
+    }
+    for (uint32_t x = tid; x < bw * bw; x += blockDim.x) {
+        const uint32_t a = x / bw, b = x % bw;
+        u_sh[a][b] = uc[(size_t)(i1 + a) * n + i1 + b];
+    }
+    for (uint32_t c = tid; c < bw; c += blockDim.x) g_sh[c] = col_group[i1 + c];
+    __syncthreads();
+    const uint32_t i = tid, r = row0 + i;
+    // Column i of F in registers (header, (c)): F[j, i] is the same at every step of the row. Compile-time
+    // indices only (unrolled, early exits), so the array stays in registers; lanes read one coalesced row of F
+    // per j. Threads i ≥ d_h load nothing (their column would run past the head's F).
+    const uint32_t i_f = i < d_h ? i : 0;
+    float f_reg[kBoaMaxDh];
+#pragma unroll
+    for (uint32_t j = 0; j < kBoaMaxDh; ++j) f_reg[j] = j < i_f ? f[(size_t)j * d_h + i] : 0.f;
+    for (uint32_t s = 0; s + 1 < bw + d_h; ++s) {
+        const int c = (int)s - (int)i;
+        if (i < d_h && c >= 0 && c < (int)bw) {
+            const uint32_t col = i1 + c;
+            // Off the chain: issued before the dot, used after it (header, (b)).
+            const uint32_t g = g_sh[c];
+            const float sc = scales[(size_t)r * n_groups + g], z = zeros[(size_t)r * n_groups + g];
+            const float w0v = w0[(size_t)r * n + col];
+            // Eq. (12), the rows above at this column, term j into partial sum j mod 4 (header, (c)).
+            const float* dl = dl_sh[c];
+            float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (uint32_t j = 0; j < kBoaMaxDh; ++j) {
+                if (j >= i) break;
+                acc[j % 4] = fmaf(f_reg[j], dl[j], acc[j % 4]);
+            }
+            const float cross = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+            const float v = w_sh[c][i] - cross;
+            const float qc = boa_quantize(v, sc, z, maxq);
+            const float qv = boa_dequantize(qc, sc, z);
+            const float* u_c = u_sh[c];
+            const float err = (v - qv) / u_c[c];
+            e[(size_t)c * rows_total + r] = err;
+            dl_sh[c][i] = (w0v - cross) - qv;
+            for (uint32_t c2 = c + 1; c2 < bw; ++c2) w_sh[c2][i] = sub_prod(w_sh[c2][i], err, u_c[c2]);
             w_sh[c][i] = qv;
             c_sh[c][i] = (uint8_t)qc;
         }

@@ -33,7 +33,9 @@
 //!   the rows whose applied error is off the applied optimum are counted and reported, not bounded.
 
 use boa_cuda::backend::cpu::CpuBackend;
-use boa_cuda::backend::cuda::{AttnXVariant, CudaBackend, TrailingVariant, XxtVariant};
+use boa_cuda::backend::cuda::{
+    AttnXVariant, BoaBlockVariant, CudaBackend, TrailingVariant, XxtVariant,
+};
 use boa_cuda::backend::quant_ops::{AttnShape, StaticGrids, SweepResult, UCol};
 use boa_cuda::backend::{Backend, QuantOps};
 use boa_cuda::quant::linalg::cholesky_upper_inverse_reference;
@@ -1072,24 +1074,49 @@ fn parity_boa_sweep_cpu() {
 #[test]
 fn parity_boa_sweep_cuda() {
     with_cuda(|b| {
-        for_trailing_variants(b, |b| {
-            parity_boa_sweep(b, Some(&CpuBackend));
-            parity_boa_sweep(b, None);
-        })
+        for v in BoaBlockVariant::ALL {
+            b.set_boa_block_variant(v);
+            let used = b.boa_block_variant_in_use();
+            println!("boa block variant {v:?} (in use: {used:?})");
+            if used != v {
+                println!(
+                    "boa_block_kernel_v2 unavailable on this device: the {v:?} rows ran {used:?}"
+                );
+            }
+            for_trailing_variants(b, |b| {
+                parity_boa_sweep(b, Some(&CpuBackend));
+                parity_boa_sweep(b, None);
+            });
+        }
+        b.set_boa_block_variant(BoaBlockVariant::W32);
     });
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// The BoA kernel's schedule, emulated on the host: cuda/sweep.cu's boa_block_kernel (wavefront over rows,
-// cross-row term from the δ's of the rows above, δ = W0 − cross − q) and the trailing GEMM, step by step in
-// f32, checked against the row-by-row CPU twin. Without a GPU this is what tests the wavefront algebra the
-// kernel relies on (design.md §4.3); on a GPU, parity_boa_sweep_cuda tests the kernel itself.
+// The BoA kernels' schedule, emulated on the host: cuda/sweep.cu's boa_block_kernel (v1, 32 columns) and
+// boa_block_kernel_v2 (128 columns, the cross-row dot in four partial sums j mod 4, fused as fmaf does):
+// wavefront over rows, cross-row term from the δ's of the rows above, δ = W0 − cross − q, and the trailing
+// GEMM, step by step in f32, checked against the row-by-row CPU twin. Without a GPU this is what tests the
+// wavefront algebra and the block bounds the kernels rely on (design.md §4.3); on a GPU,
+// parity_boa_sweep_cuda tests the kernels themselves.
 
-/// Must match kBoaBw in cuda/sweep.cu.
-const BOA_BW: usize = 32;
+/// Cross-row term Σ_{j<i} F[j, i]·δ_j as boa_block_kernel sums it (one running sum; nvcc fuses `+= f·d`).
+fn cross_v1(f: impl Fn(usize) -> f32, dl: &[f32], i: usize) -> f32 {
+    (0..i).fold(0f32, |acc, j| f(j).mul_add(dl[j], acc))
+}
+
+/// As boa_block_kernel_v2 sums it: term j into partial sum a_{j mod 4}, then (a0 + a1) + (a2 + a3).
+fn cross_v2(f: impl Fn(usize) -> f32, dl: &[f32], i: usize) -> f32 {
+    let mut a = [0f32; 4];
+    for j in 0..i {
+        a[j % 4] = f(j).mul_add(dl[j], a[j % 4]);
+    }
+    (a[0] + a[1]) + (a[2] + a[3])
+}
 
 #[allow(clippy::too_many_arguments)]
 fn boa_wavefront_emulated(
+    variant: BoaBlockVariant,
     w: &[f32],
     u_col: &[f32],
     per_head: bool,
@@ -1102,15 +1129,16 @@ fn boa_wavefront_emulated(
     col_group: &[u32],
     maxq: u32,
 ) -> Vec<u8> {
-    use boa_cuda::quant::quantizer::quantize;
+    // kBoaBw / kBoa2Bw in cuda/sweep.cu (static_asserts there tie them to the smem layout sweep.rs sizes).
+    let bw_max = variant.block();
     let rows = n_heads * d_h;
     let w0 = w.to_vec();
     let mut w = w.to_vec();
     let mut codes = vec![0u8; rows * n];
-    let mut e = vec![0f32; BOA_BW * rows]; // [bw × rows], as the kernel writes it
+    let mut e = vec![0f32; bw_max * rows]; // [bw × rows], as the kernel writes it
     let mut i1 = 0;
     while i1 < n {
-        let i2 = (i1 + BOA_BW).min(n);
+        let i2 = (i1 + bw_max).min(n);
         let bw = i2 - i1;
         for h in 0..n_heads {
             let uc = if per_head {
@@ -1131,10 +1159,13 @@ fn boa_wavefront_emulated(
                     let Some(c) = s.checked_sub(i).filter(|&c| c < bw) else {
                         continue;
                     };
-                    let mut cross = 0f32;
-                    for j in 0..i {
-                        cross += ur[j * d_h + i] / ur[j * d_h + j] * dl_sh[c * d_h + j];
-                    }
+                    // F[j, i] as try_boa_sweep divides it; δ of column c, rows 0..i.
+                    let f = |j: usize| ur[j * d_h + i] / ur[j * d_h + j];
+                    let dl = &dl_sh[c * d_h..c * d_h + i];
+                    let cross = match variant {
+                        BoaBlockVariant::W32 => cross_v1(f, dl, i),
+                        BoaBlockVariant::W128 => cross_v2(f, dl, i),
+                    };
                     let (col, r) = (i1 + c, h * d_h + i);
                     let g = grids[r * ng + col_group[col] as usize];
                     let v = w_sh[c * d_h + i] - cross;
@@ -1144,6 +1175,7 @@ fn boa_wavefront_emulated(
                     e[c * rows + r] = err;
                     dl_sh[c * d_h + i] = (w0[r * n + col] - cross) - qv;
                     for c2 in c + 1..bw {
+                        // sub_prod: a rounded product, then a rounded difference.
                         w_sh[c2 * d_h + i] -= err * uc[col * n + i1 + c2];
                     }
                     codes[r * n + col] = qc as u8;
@@ -1178,6 +1210,9 @@ fn boa_wavefront_schedule_matches_cpu() {
         (3, 64, 100, 64, false, 7),
         (2, 128, 70, 70, true, 15),
         (4, 16, 77, 32, false, 3),
+        // Several 128-column blocks (v2's trailing updates), a partial last block, d_h = 128.
+        (2, 128, 300, 64, false, 7),
+        (3, 32, 260, 100, true, 3),
     ] {
         let rows = n_heads * d_h;
         let w = randn(&mut rng, rows * n, 1.0);
@@ -1204,19 +1239,23 @@ fn boa_wavefront_schedule_matches_cpu() {
         let cpu = CpuBackend
             .boa_sweep(&w, uc, &u_row, n_heads, d_h, n, 128, sg, maxq)
             .codes;
-        let emu = boa_wavefront_emulated(
-            &w, &u_col, per_head, &u_row, n_heads, d_h, n, &grids, ng, &col_group, maxq,
-        );
-        let diff = cpu.iter().zip(&emu).filter(|(a, b)| a != b).count() as f64 / cpu.len() as f64;
-        println!(
-            "wavefront emulation d_h={d_h} n={n} per_head={per_head}: {:.4}% codes differ",
-            100.0 * diff
-        );
-        assert!(
-            diff <= CODE_MISMATCH_TOL,
-            "wavefront schedule d_h={d_h} n={n}: {diff} of codes differ"
-        );
-        worst = worst.max(diff);
+        for variant in BoaBlockVariant::ALL {
+            let emu = boa_wavefront_emulated(
+                variant, &w, &u_col, per_head, &u_row, n_heads, d_h, n, &grids, ng, &col_group,
+                maxq,
+            );
+            let diff =
+                cpu.iter().zip(&emu).filter(|(a, b)| a != b).count() as f64 / cpu.len() as f64;
+            println!(
+                "wavefront emulation {variant:?} d_h={d_h} n={n} per_head={per_head}: {:.4}% codes differ",
+                100.0 * diff
+            );
+            assert!(
+                diff <= CODE_MISMATCH_TOL,
+                "wavefront schedule {variant:?} d_h={d_h} n={n}: {diff} of codes differ"
+            );
+            worst = worst.max(diff);
+        }
     }
     println!(
         "wavefront emulation worst code mismatch {:.4}%",

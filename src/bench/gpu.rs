@@ -12,7 +12,7 @@
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::search::{SEARCH_TOP, SearchVariant};
-use crate::backend::cuda::{CudaBackend, TrailingVariant};
+use crate::backend::cuda::{BoaBlockVariant, CudaBackend, TrailingVariant};
 use crate::backend::quant_ops::{AttnShape, QuantOps, StaticGrids, UCol};
 use crate::quant::quantizer::{
     Grid, QuantSpec, SHRINK_STEPS, ScaleSearch, candidate_slots, minmax_grid,
@@ -175,6 +175,33 @@ impl BenchBackend {
             ("boa_sweep", TrailingVariant::Cublas) => "boa_sweep (cuBLAS)",
             ("boa_sweep", TrailingVariant::Ffma) => "boa_sweep (FFMA v1)",
             _ => method,
+        }
+    }
+
+    /// The BoA block variants the boa_sweep rows are timed with: both on CUDA (v1 32 columns, v2 128), none
+    /// on the CPU (its own blocked sweep).
+    fn boa_block_variants(&self) -> Vec<Option<BoaBlockVariant>> {
+        match self {
+            BenchBackend::Cpu(_) => vec![None],
+            BenchBackend::Cuda(_) => BoaBlockVariant::ALL.map(Some).to_vec(),
+        }
+    }
+
+    /// Selects BoA block variant `v` and trailing variant `t` (CUDA) and returns the row label with the
+    /// variants in use (v1 when v2 cannot be loaded, FFMA when cuBLAS cannot be opened).
+    fn set_boa(&mut self, v: Option<BoaBlockVariant>, t: Option<TrailingVariant>) -> &'static str {
+        let label = self.set_trailing(t, "boa_sweep");
+        let BenchBackend::Cuda(b) = self else {
+            return label;
+        };
+        if let Some(v) = v {
+            b.set_boa_block_variant(v);
+        }
+        match (b.boa_block_variant_in_use(), b.trailing_variant_in_use()) {
+            (BoaBlockVariant::W32, TrailingVariant::Cublas) => "boa_sweep (B 32 v1, cuBLAS)",
+            (BoaBlockVariant::W32, TrailingVariant::Ffma) => "boa_sweep (B 32 v1, FFMA v1)",
+            (BoaBlockVariant::W128, TrailingVariant::Cublas) => "boa_sweep (B 128 v2, cuBLAS)",
+            (BoaBlockVariant::W128, TrailingVariant::Ffma) => "boa_sweep (B 128 v2, FFMA v1)",
         }
     }
 }
@@ -544,8 +571,14 @@ pub fn bench_quant_ops(
                 n_groups: 1,
                 col_group: &col_group,
             };
-            for v in b.trailing_variants() {
-                let method = b.set_trailing(v, "boa_sweep");
+            // Block variants side by side with each trailing variant: the same inputs for all four rows.
+            let combos: Vec<_> = b
+                .boa_block_variants()
+                .into_iter()
+                .flat_map(|bv| b.trailing_variants().into_iter().map(move |t| (bv, t)))
+                .collect();
+            for (bv, v) in combos {
+                let method = b.set_boa(bv, v);
                 let ops = b.ops();
                 let (wall, kern) = time(b, reps, |_| {
                     std::hint::black_box(ops.boa_sweep(
@@ -572,8 +605,8 @@ pub fn bench_quant_ops(
                     layer_scale: 1.0,
                 });
             }
-            // Back to the default for anything timed after this.
-            b.set_trailing(Some(TrailingVariant::Cublas), "boa_sweep");
+            // Back to the defaults for anything timed after this.
+            b.set_boa(Some(BoaBlockVariant::W32), Some(TrailingVariant::Cublas));
         }
     }
     if let BenchBackend::Cuda(cb) = b {

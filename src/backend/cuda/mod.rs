@@ -34,7 +34,7 @@ pub use hessian::{AttnXVariant, XxtVariant};
 pub use ops::{AttentionVariant, RmsNormVariant};
 pub use qgemm::QgemmVariant;
 pub use search::SearchVariant;
-pub use sweep::TrailingVariant;
+pub use sweep::{BoaBlockVariant, TrailingVariant};
 
 use super::cpu::CpuBackend;
 use super::{AttnShape, Backend, Tensor, Weight};
@@ -106,6 +106,8 @@ pub struct CudaBackend {
     xxt_variant: XxtVariant,
     /// The sweeps' trailing update (cuBLAS unless set otherwise; the FFMA kernel when cuBLAS cannot be opened).
     trailing_variant: TrailingVariant,
+    /// The BoA sweep's column block (v1, 32 columns, unless set otherwise; v1 when v2 cannot be loaded).
+    boa_block_variant: BoaBlockVariant,
     attn_x_variant: AttnXVariant,
     poison_outputs: bool,
     /// Device time of the kernels of the last QuantOps call (events around the launches, transfers excluded).
@@ -214,6 +216,7 @@ impl CudaBackend {
             attention_variant: AttentionVariant::Flash,
             xxt_variant: XxtVariant::Bf16Wmma,
             trailing_variant: TrailingVariant::Cublas,
+            boa_block_variant: BoaBlockVariant::W32,
             attn_x_variant: AttnXVariant::Bf16Wmma,
             poison_outputs: false,
             last_kernel_ms: std::sync::Mutex::new(0.0),
@@ -252,6 +255,11 @@ impl CudaBackend {
     /// Selects the sweeps' trailing update: cuBLAS SGEMM (the default) or the FFMA kernel (v1).
     pub fn set_trailing_variant(&mut self, v: TrailingVariant) {
         self.trailing_variant = v;
+    }
+
+    /// Selects the BoA sweep's block kernel: 32-column blocks (v1, the default until v2 is measured) or 128.
+    pub fn set_boa_block_variant(&mut self, v: BoaBlockVariant) {
+        self.boa_block_variant = v;
     }
 
     /// Selects the Y = A_h X kernel of v_col_covariance: tensor cores (the default) or the f32 baseline.

@@ -9,8 +9,8 @@ use super::hessian::{
     ATTN_MAX_DH, AttnXVariant, launch_attn_x, launch_hessian_xxt, launch_softmax_stats,
 };
 use super::sweep::{
-    BOA_BLOCK, BOA_MAX_DH, BoaBuffers, GPTQ_MAX_BLOCK, GptqBuffers, GptqDynamicBuffers, Trailing,
-    TrailingVariant, launch_boa_sweep, launch_gptq_sweep, launch_gptq_sweep_dynamic,
+    BOA_MAX_DH, BoaBlockVariant, BoaBuffers, GPTQ_MAX_BLOCK, GptqBuffers, GptqDynamicBuffers,
+    Trailing, TrailingVariant, launch_boa_sweep, launch_gptq_sweep, launch_gptq_sweep_dynamic,
 };
 use super::{CudaBackend, CudaError, driver};
 use crate::backend::cpu::CpuBackend;
@@ -62,6 +62,12 @@ impl CudaBackend {
             TrailingVariant::Cublas if self.blas().is_ok() => TrailingVariant::Cublas,
             _ => TrailingVariant::Ffma,
         }
+    }
+
+    /// The BoA block variant the sweeps run with: the selected one, or v1 when v2 could not be opted into its
+    /// shared memory at load (a device with less than 210 KB per block).
+    pub fn boa_block_variant_in_use(&self) -> BoaBlockVariant {
+        self.quant.sweep.boa_block_in_use(self.boa_block_variant)
     }
 
     fn trailing(&self) -> Trailing<'_> {
@@ -661,9 +667,10 @@ impl CudaBackend {
         let (s_d, z_d, cg_d) = self.upload_grids(&grids)?;
         let mut q_d = self.output(rows * n)?;
         let mut c_d = self.codes_output(rows * n)?;
+        let variant = self.boa_block_variant_in_use();
         let mut e_d = self
             .stream
-            .alloc_zeros::<f32>(BOA_BLOCK.min(n) * rows)
+            .alloc_zeros::<f32>(variant.block().min(n) * rows)
             .map_err(driver("alloc E"))?;
         let trailing = self.trailing();
         self.timed(|| {
@@ -671,6 +678,7 @@ impl CudaBackend {
                 &self.stream,
                 &self.quant.sweep,
                 trailing,
+                variant,
                 BoaBuffers {
                     w: &mut w_d,
                     w0: &w0_d,
@@ -818,8 +826,8 @@ impl QuantOps for CudaBackend {
             // One CTA per head holds ≤ 128 rows; wider heads use the CPU.
             return CpuBackend.boa_sweep(w, u_col, u_row, n_heads, d_h, n, block_size, grids, maxq);
         }
-        // The kernel's column block is BOA_BLOCK whatever `block_size` says (sweep.rs): the block width only
-        // changes the rounding order of the trailing updates.
+        // The kernel's column block is the block variant's width whatever `block_size` says (sweep.rs): the
+        // block width only changes the rounding order of the trailing updates.
         self.try_boa_sweep(w, u_col, u_row, n_heads, d_h, n, grids, maxq)
             .unwrap_or_else(|e| {
                 panic!(

@@ -6,6 +6,11 @@
 //! (the naive baseline, and the fallback when cuBLAS cannot be opened), and v2 cuBLAS SGEMM (strided-batched
 //! for BoA's per-head U_col; f32 operands and accumulation, CUBLAS_DEFAULT_MATH: no TF32). Both compute the
 //! same `TrailingGemm`; `trailing_cublas_config` maps it onto column-major cuBLAS.
+//!
+//! The BoA block kernel has two variants too (`BoaBlockVariant`): v1 `boa_block_kernel`, 32 columns per block
+//! in static shared memory, and v2 `boa_block_kernel_v2`, 128 columns per block in 210 KB of dynamic shared
+//! memory (4× fewer block launches and wavefront fills; the trailing GEMMs get k = 128). v2 needs the
+//! opt-in above 48 KB at load; where the device cannot give it, the sweep runs v1 and says which ran.
 
 use super::CudaError;
 use super::gemm::Blas;
@@ -23,11 +28,21 @@ pub const MODULE: &str = "sweep";
 /// Widest GPTQ column block (kGptqMaxBw); rows per CTA (kGptqRows).
 pub const GPTQ_MAX_BLOCK: usize = 128;
 const GPTQ_ROWS: u32 = 32;
-/// BoA: largest head dimension (kBoaMaxDh) and the column block width (kBoaBw). The BoA block is 32 columns
-/// whatever the caller's block size: the δ and W tiles of 128 rows × 32 columns already take 41 KB of shared
-/// memory. The block width changes only the rounding order of the trailing updates, not the algorithm.
+/// BoA: largest head dimension (kBoaMaxDh) and the column block widths of v1 (kBoaBw) and v2 (kBoa2Bw). The
+/// BoA block is the variant's width whatever the caller's block size: v1's δ and W tiles of 128 rows × 32
+/// columns already take 41 KB of static shared memory, v2's of 128 × 128 plus U_col's block 210 KB of dynamic.
+/// The block width changes only the rounding order of the trailing updates, not the algorithm.
 pub const BOA_MAX_DH: usize = 128;
 pub const BOA_BLOCK: usize = 32;
+pub const BOA_BLOCK_V2: usize = 128;
+/// kBoa2SmemBytes: w_sh [128][130] + δ_sh [128][129] + U_col [128][128] f32, col_group [128] u32, codes
+/// [128][128] u8.
+pub const BOA_V2_SMEM_BYTES: u32 = (BOA_BLOCK_V2 * (BOA_MAX_DH + 2) * 4
+    + BOA_BLOCK_V2 * (BOA_MAX_DH + 1) * 4
+    + BOA_BLOCK_V2 * BOA_BLOCK_V2 * 4
+    + BOA_BLOCK_V2 * 4
+    + BOA_BLOCK_V2 * BOA_MAX_DH) as u32;
+const _: () = assert!(BOA_V2_SMEM_BYTES == 215_040);
 const GEMM_TILE: u32 = 64;
 const GEMM_THREADS: u32 = 256;
 
@@ -35,6 +50,8 @@ pub struct SweepKernels {
     gptq_block: CudaFunction,
     gemm: CudaFunction,
     boa_block: CudaFunction,
+    /// boa_block_kernel_v2 opted into its dynamic shared memory, or why it could not be (v1 runs instead).
+    boa_block_v2: Result<CudaFunction, String>,
     gather_cols: CudaFunction,
 }
 
@@ -53,8 +70,52 @@ impl SweepKernels {
             gptq_block: get("gptq_block_kernel")?,
             gemm: get("sweep_trailing_gemm_kernel")?,
             boa_block: get("boa_block_kernel")?,
+            boa_block_v2: {
+                let f = get("boa_block_kernel_v2")?;
+                // Over the 48 KB a launch may ask for by default: the limit is raised once per function
+                // (HOPPER.md). sm_90 allows 227 KB per block; a device with less (sm_80: 163 KB) keeps v1.
+                f.set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    BOA_V2_SMEM_BYTES as i32,
+                )
+                .map(|()| f)
+                .map_err(|e| {
+                    format!("boa_block_kernel_v2 cannot have {BOA_V2_SMEM_BYTES} B of shared memory: {e}")
+                })
+            },
             gather_cols: get("gather_cols_kernel")?,
         })
+    }
+
+    /// The BoA block variant a sweep asked for `v` runs: v2 falls back to v1 when it could not be opted into
+    /// its shared memory.
+    pub fn boa_block_in_use(&self, v: BoaBlockVariant) -> BoaBlockVariant {
+        match v {
+            BoaBlockVariant::W128 if self.boa_block_v2.is_ok() => BoaBlockVariant::W128,
+            _ => BoaBlockVariant::W32,
+        }
+    }
+}
+
+/// BoA block-kernel variants (the column block of the wavefront sweep; cuda/sweep.cu header).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BoaBlockVariant {
+    /// v1: boa_block_kernel, 32-column blocks, static shared memory; the naive baseline and the default
+    /// until v2 has been measured on a GPU.
+    W32 = 1,
+    /// v2: boa_block_kernel_v2, 128-column blocks, 210 KB dynamic shared memory (sm_90).
+    W128 = 2,
+}
+
+impl BoaBlockVariant {
+    pub const ALL: [BoaBlockVariant; 2] = [BoaBlockVariant::W32, BoaBlockVariant::W128];
+
+    /// Columns per block launch (kBoaBw, kBoa2Bw).
+    pub fn block(self) -> usize {
+        match self {
+            BoaBlockVariant::W32 => BOA_BLOCK,
+            BoaBlockVariant::W128 => BOA_BLOCK_V2,
+        }
     }
 }
 
@@ -545,8 +606,9 @@ pub struct GptqDynamicBuffers<'a> {
 }
 
 /// Device buffers of a BoA sweep (R = n_heads·d_h rows): W [R × n] (modified), W0 [R × n] (the weights before
-/// the sweep), Q, codes out; E scratch [BOA_BLOCK × R]; U_col [n × n] or [n_heads × n × n]; F
-/// [n_heads × d_h × d_h] (F[j, i] = U_row[j, i] / U_row[j, j]); scales, zeros [R × n_groups]; col_group [n].
+/// the sweep), Q, codes out; E scratch [block × R] (block: the block variant's width); U_col [n × n] or
+/// [n_heads × n × n]; F [n_heads × d_h × d_h] (F[j, i] = U_row[j, i] / U_row[j, j]); scales, zeros
+/// [R × n_groups]; col_group [n].
 pub struct BoaBuffers<'a> {
     pub w: &'a mut CudaSlice<f32>,
     pub w0: &'a CudaSlice<f32>,
@@ -560,12 +622,14 @@ pub struct BoaBuffers<'a> {
     pub col_group: &'a CudaSlice<u32>,
 }
 
-/// The BoA wavefront sweep (static grids), all heads at once; `per_head_u` selects U_col per head.
+/// The BoA wavefront sweep (static grids), all heads at once, column blocks of the block variant in use
+/// (`SweepKernels::boa_block_in_use(variant)`); `per_head_u` selects U_col per head.
 #[allow(clippy::too_many_arguments)]
 pub fn launch_boa_sweep(
     stream: &Arc<CudaStream>,
     k: &SweepKernels,
     eng: Trailing,
+    variant: BoaBlockVariant,
     buf: BoaBuffers,
     per_head_u: bool,
     n_heads: usize,
@@ -576,13 +640,15 @@ pub fn launch_boa_sweep(
 ) -> Result<(), CudaError> {
     let rows = n_heads * d_h;
     let u_len = if per_head_u { n_heads * n * n } else { n * n };
+    let variant = k.boa_block_in_use(variant);
+    let block = variant.block();
     if d_h == 0
         || d_h > BOA_MAX_DH
         || buf.w.len() != rows * n
         || buf.w0.len() != rows * n
         || buf.q.len() != rows * n
         || buf.codes.len() != rows * n
-        || buf.e.len() < BOA_BLOCK.min(n) * rows
+        || buf.e.len() < block.min(n) * rows
         || buf.u_col.len() != u_len
         || buf.f_row.len() != n_heads * d_h * d_h
         || buf.scales.len() != rows * n_groups
@@ -593,7 +659,9 @@ pub fn launch_boa_sweep(
         return Err(CudaError::Shape {
             op: "boa_sweep",
             msg: format!(
-                "n_heads={n_heads}, d_h={d_h} (1..={BOA_MAX_DH}), n={n}, n_groups={n_groups}, per_head_u={per_head_u}"
+                "n_heads={n_heads}, d_h={d_h} (1..={BOA_MAX_DH}), n={n}, n_groups={n_groups}, per_head_u={per_head_u}, \
+                 e.len={} for block {block} ({variant:?})",
+                buf.e.len()
             ),
         });
     }
@@ -603,17 +671,21 @@ pub fn launch_boa_sweep(
     let _r = range(c"boa_sweep");
     let u_hs: u64 = if per_head_u { (n * n) as u64 } else { 0 };
     let (dh32, n32, ng32, maxq_f) = (d_h as u32, n as u32, n_groups as u32, maxq as f32);
+    let (func, smem) = match (variant, &k.boa_block_v2) {
+        (BoaBlockVariant::W128, Ok(f)) => (f, BOA_V2_SMEM_BYTES),
+        _ => (&k.boa_block, 0),
+    };
     let cfg = LaunchConfig {
         grid_dim: (n_heads as u32, 1, 1),
         block_dim: (BOA_MAX_DH as u32, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: smem,
     };
     let mut i1 = 0;
     while i1 < n {
-        let i2 = (i1 + BOA_BLOCK).min(n);
+        let i2 = (i1 + block).min(n);
         let (i1_32, i2_32) = (i1 as u32, i2 as u32);
         {
-            let mut lb = stream.launch_builder(&k.boa_block);
+            let mut lb = stream.launch_builder(func);
             lb.arg(&mut *buf.w)
                 .arg(buf.w0)
                 .arg(&mut *buf.q)
@@ -631,11 +703,13 @@ pub fn launch_boa_sweep(
                 .arg(&i1_32)
                 .arg(&i2_32)
                 .arg(&maxq_f);
-            // SAFETY: arguments match boa_block_kernel(float* w, const float* w0, float* q, uint8* codes,
+            // SAFETY: arguments match boa_block_kernel{,_v2}(float* w, const float* w0, float* q, uint8* codes,
             // float* e, const float* u_col, uint64 u_head_stride, const float* f_row, scales, zeros,
             // const uint32* col_group, uint32 d_h, n, n_groups, i1, i2, float maxq); the grid is n_heads, so
             // rows_total = n_heads·d_h matches the buffers checked above; d_h ≤ 128 = the block and smem
-            // tiles; i2 − i1 ≤ 32 = the smem column block.
+            // tiles; i2 − i1 ≤ the variant's block = its smem column block, and e holds block·rows; v2's
+            // dynamic shared memory is the size its layout needs (static_assert in sweep.cu) and was opted
+            // into at load (only an Ok v2 function is launched).
             unsafe { lb.launch(cfg) }.map_err(launch_err("launch boa_block"))?;
         }
         if i2 < n {
