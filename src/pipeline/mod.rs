@@ -89,15 +89,18 @@ fn place_activations(
     }
     let per_chunk = placement.chunk_seqs * per_seq;
     x.chunks(per_chunk)
-        .map(|c| {
-            let t = Tensor::Host(c.to_vec());
-            if placement.parked {
-                be.to_host(t, true)
-            } else {
-                be.to_device(t)
-            }
-        })
+        .map(|c| place(be, c.to_vec(), placement))
         .collect()
+}
+
+/// One chunk of X where the plan puts it.
+fn place(be: &dyn Backend, chunk: Vec<f32>, placement: &Placement) -> Tensor {
+    let t = Tensor::Host(chunk);
+    if placement.parked {
+        be.to_host(t, true)
+    } else {
+        be.to_device(t)
+    }
 }
 
 pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> {
@@ -192,7 +195,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
         } else {
             None
         };
-        let (start, x, mut reports) = match saved {
+        let (start, mut x, mut reports) = match saved {
             Some(s) => {
                 progress.line(&format!(
                     "resuming from block {} of {} ({})",
@@ -218,6 +221,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                         x.len()
                     ));
                 }
+                let x = place_activations(be.as_ref(), x, opts.seqlen * cfg.d, &placement);
                 (s.next_block, x, s.reports)
             }
             None => {
@@ -227,8 +231,12 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                         folder.tmp.display()
                     ));
                 }
+                // Embedded a chunk at a time, so the host never holds X twice.
                 let x = match &calib_ids {
-                    Some(flat) => model.embed(flat)?,
+                    Some(flat) => flat
+                        .chunks(placement.chunk_seqs * opts.seqlen)
+                        .map(|ids| Ok(place(be.as_ref(), model.embed(ids)?, &placement)))
+                        .collect::<anyhow::Result<Vec<Tensor>>>()?,
                     None => Vec::new(),
                 };
                 (0, x, Vec::new())
@@ -246,7 +254,6 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
         bar.inc(start as u64);
         // Blocks whose weights the loop reads: the selected ones, and the others while X must pass them.
         let needs_weights = |l: usize| layers.contains(l) || (needs_calib && l < last_needed);
-        let mut x = place_activations(be.as_ref(), x, opts.seqlen * cfg.d, &placement);
         let be = be.as_ref();
         // A block's weights in f32 on the host, and (when X goes through it) copied into the backend's
         // memory: for the prefetch thread, so both the disk read and the upload overlap the previous block.
