@@ -335,7 +335,8 @@ impl CudaBackend {
         }
     }
 
-    /// RMSNorm through the selected kernel variant; see `Backend::rms_norm`.
+    /// RMSNorm through the selected kernel variant; see `Backend::rms_norm`. The host-slice form of
+    /// `try_rms_norm_t` (resident.rs), so the parity tests check the kernels the pipeline runs.
     pub fn try_rms_norm(
         &self,
         x: &[f32],
@@ -343,38 +344,8 @@ impl CudaBackend {
         d: usize,
         eps: f32,
     ) -> Result<Vec<f32>, CudaError> {
-        if d == 0 || w.len() != d || !x.len().is_multiple_of(d) {
-            return Err(CudaError::Shape {
-                op: "rms_norm",
-                msg: format!(
-                    "x.len={} is not a multiple of d={d}, or w.len={} ≠ d",
-                    x.len(),
-                    w.len()
-                ),
-            });
-        }
-        if x.is_empty() {
-            return Ok(Vec::new());
-        }
-        let rows = x.len() / d;
-        let x_d = self.stream.clone_htod(x).map_err(driver("upload x"))?;
-        let w_d = self.stream.clone_htod(w).map_err(driver("upload w"))?;
-        let mut y_d = self.output(x.len())?;
-        ops::launch_rms_norm(
-            &self.stream,
-            &self.ops,
-            self.rms_norm_variant,
-            &mut y_d,
-            &x_d,
-            &w_d,
-            rows,
-            d,
-            eps,
-        )?;
-        let y = self.stream.clone_dtoh(&y_d).map_err(driver("download y"))?;
-        // Surfaces asynchronous kernel faults here, naming the op, rather than at some later call.
-        self.stream.synchronize().map_err(driver("rms_norm"))?;
-        Ok(y)
+        let y = self.try_rms_norm_t(&Tensor::Host(x.to_vec()), w, d, eps)?;
+        self.finish(y, "rms_norm")
     }
 
     /// cuBLAS, opened on first use; the reason (printed once) when it cannot be.
@@ -412,45 +383,8 @@ impl CudaBackend {
         k: usize,
         n: usize,
     ) -> Result<Vec<f32>, CudaError> {
-        let blas = self.blas().map_err(|why| CudaError::Shape {
-            op: "linear",
-            msg: format!("cuBLAS unavailable: {why}"),
-        })?;
-        if x.len() != m * k || w.len() != n * k || bias.is_some_and(|b| b.len() != n) {
-            return Err(CudaError::Shape {
-                op: "linear",
-                msg: format!(
-                    "x.len={}, w.len={}, bias.len={:?} do not match [m={m} × k={k}], [n={n} × k], [n]",
-                    x.len(),
-                    w.len(),
-                    bias.map(<[f32]>::len)
-                ),
-            });
-        }
-        if m == 0 || n == 0 {
-            return Ok(Vec::new());
-        }
-        let x_d = self.stream.clone_htod(x).map_err(driver("upload x"))?;
-        let w_d = self.stream.clone_htod(w).map_err(driver("upload w"))?;
-        let b_d = match bias {
-            Some(b) => Some(self.stream.clone_htod(b).map_err(driver("upload bias"))?),
-            None => None,
-        };
-        let mut y_d = self.output(m * n)?;
-        blas.linear(
-            &self.ops,
-            self.linear_variant,
-            &mut y_d,
-            &x_d,
-            &w_d,
-            b_d.as_ref(),
-            m,
-            k,
-            n,
-        )?;
-        let y = self.stream.clone_dtoh(&y_d).map_err(driver("download y"))?;
-        self.stream.synchronize().map_err(driver("linear"))?;
-        Ok(y)
+        let y = self.try_linear_t(&Tensor::Host(x.to_vec()), Weight::host(w), bias, m, k, n)?;
+        self.finish(y, "linear")
     }
 
     /// Rotate-half RoPE in place on the GPU; see `Backend::rope`.
@@ -463,78 +397,16 @@ impl CudaBackend {
         cos: &[f32],
         sin: &[f32],
     ) -> Result<(), CudaError> {
-        let half = d_h / 2;
-        let width = n_heads * d_h;
-        if t == 0 || width == 0 || !x.len().is_multiple_of(t * width) {
-            return Err(CudaError::Shape {
-                op: "rope",
-                msg: format!("x.len={} is not [n_seq·{t} × {n_heads}·{d_h}]", x.len()),
-            });
-        }
-        if cos.len() < t * half || sin.len() < t * half {
-            return Err(CudaError::Shape {
-                op: "rope",
-                msg: format!(
-                    "tables cos.len={}, sin.len={} shorter than t={t} × d_h/2={half}",
-                    cos.len(),
-                    sin.len()
-                ),
-            });
-        }
-        if x.is_empty() || half == 0 {
-            return Ok(());
-        }
-        let mut x_d = self.stream.clone_htod(x).map_err(driver("upload x"))?;
-        // Only the first t positions are read; the tables may be longer (built for the model's max length).
-        let c_d = self
-            .stream
-            .clone_htod(&cos[..t * half])
-            .map_err(driver("upload cos"))?;
-        let s_d = self
-            .stream
-            .clone_htod(&sin[..t * half])
-            .map_err(driver("upload sin"))?;
-        ops::launch_rope(
-            &self.stream,
-            &self.ops,
-            &mut x_d,
-            &c_d,
-            &s_d,
-            t,
-            n_heads,
-            d_h,
-        )?;
-        self.stream
-            .memcpy_dtoh(&x_d, x)
-            .map_err(driver("download x"))?;
-        self.stream.synchronize().map_err(driver("rope"))?;
+        let mut xt = Tensor::Host(x.to_vec());
+        self.try_rope_t(&mut xt, t, n_heads, d_h, cos, sin)?;
+        x.copy_from_slice(&self.finish(xt, "rope")?);
         Ok(())
     }
 
     /// silu(gate) ⊙ up on the GPU; see `Backend::swiglu`.
     pub fn try_swiglu(&self, gate: &[f32], up: &[f32]) -> Result<Vec<f32>, CudaError> {
-        if gate.len() != up.len() {
-            return Err(CudaError::Shape {
-                op: "swiglu",
-                msg: format!("gate.len={} ≠ up.len={}", gate.len(), up.len()),
-            });
-        }
-        if gate.is_empty() {
-            return Ok(Vec::new());
-        }
-        let g_d = self
-            .stream
-            .clone_htod(gate)
-            .map_err(driver("upload gate"))?;
-        let u_d = self.stream.clone_htod(up).map_err(driver("upload up"))?;
-        let mut o_d = self.output(gate.len())?;
-        ops::launch_swiglu(&self.stream, &self.ops, &mut o_d, &g_d, &u_d)?;
-        let o = self
-            .stream
-            .clone_dtoh(&o_d)
-            .map_err(driver("download out"))?;
-        self.stream.synchronize().map_err(driver("swiglu"))?;
-        Ok(o)
+        let o = self.try_swiglu_t(&Tensor::Host(gate.to_vec()), &Tensor::Host(up.to_vec()))?;
+        self.finish(o, "swiglu")
     }
 
     /// Causal GQA attention on the GPU (the flash variant takes d_h ≤ ops::ATTN_MAX_D_H); see
@@ -551,48 +423,10 @@ impl CudaBackend {
         h_kv: usize,
         d_h: usize,
     ) -> Result<Vec<f32>, CudaError> {
-        let q_len = n_seq * t * h * d_h;
-        if q.len() != q_len || k.len() != n_seq * t * h_kv * d_h || v.len() != k.len() {
-            return Err(CudaError::Shape {
-                op: "causal_attention",
-                msg: format!(
-                    "q.len={}, k.len={}, v.len={} do not match n_seq={n_seq}, t={t}, h={h}, h_kv={h_kv}, \
-                     d_h={d_h}",
-                    q.len(),
-                    k.len(),
-                    v.len()
-                ),
-            });
-        }
-        if q_len == 0 {
-            return Ok(Vec::new());
-        }
-        let q_d = self.stream.clone_htod(q).map_err(driver("upload q"))?;
-        let k_d = self.stream.clone_htod(k).map_err(driver("upload k"))?;
-        let v_d = self.stream.clone_htod(v).map_err(driver("upload v"))?;
-        let mut o_d = self.output(q_len)?;
-        ops::launch_causal_attention(
-            &self.stream,
-            &self.ops,
-            self.attention_variant,
-            &mut o_d,
-            &q_d,
-            &k_d,
-            &v_d,
-            n_seq,
-            t,
-            h,
-            h_kv,
-            d_h,
-        )?;
-        let o = self
-            .stream
-            .clone_dtoh(&o_d)
-            .map_err(driver("download out"))?;
-        self.stream
-            .synchronize()
-            .map_err(driver("causal_attention"))?;
-        Ok(o)
+        let host = |x: &[f32]| Tensor::Host(x.to_vec());
+        let o =
+            self.try_causal_attention_t(&host(q), &host(k), &host(v), n_seq, t, h, h_kv, d_h)?;
+        self.finish(o, "causal_attention")
     }
 
     /// The causal softmax probabilities [h × t × t] of one sequence on the GPU; see `Backend::attention_probs`.

@@ -222,61 +222,19 @@ impl CudaBackend {
         let x_d = self.upload(x, "upload x")?;
         let q_d = self.upload(q, "upload q")?;
         let k_d = self.upload(k, "upload k")?;
-        let mut stats = self
-            .stream
-            .alloc_zeros::<f32>(2 * h * t)
-            .map_err(driver("alloc stats"))?;
-        let mut y = self.output(t * d)?;
+        let mut scratch = self.v_col_scratch(s)?;
         let mut g = self
             .stream
             .alloc_zeros::<f32>(n_out)
             .map_err(driver("alloc G"))?;
-        let hk = &self.quant.hessian;
         self.timed(|| {
-            launch_softmax_stats(
-                &self.stream,
-                hk,
-                &mut stats.slice_mut(..),
-                &q_d.slice(..),
-                &k_d.slice(..),
-                t,
-                h,
-                h_kv,
-                d_h,
-            )?;
-            // One head at a time: Y = A_h X is the only [t × d] intermediate; A_h is never stored.
-            for head in 0..h {
-                launch_attn_x(
-                    &self.stream,
-                    hk,
-                    self.attn_x_variant,
-                    &mut y.slice_mut(..),
-                    &x_d.slice(..),
-                    &q_d.slice(..),
-                    &k_d.slice(..),
-                    &stats.slice(..),
-                    head,
-                    t,
-                    h,
-                    h_kv,
-                    d_h,
-                    d,
-                )?;
-                launch_hessian_xxt(
-                    &self.stream,
-                    hk,
-                    self.xxt_variant,
-                    &mut g.slice_mut(head * d * d..(head + 1) * d * d),
-                    &y.slice(..),
-                    t,
-                    d,
-                    d,
-                    1,
-                    0,
-                    0,
-                )?;
-            }
-            Ok(())
+            self.queue_v_col_sequence(
+                &mut g,
+                |head| head,
+                &mut scratch,
+                (&x_d.slice(..), &q_d.slice(..), &k_d.slice(..)),
+                s,
+            )
         })?;
         let out = self.stream.clone_dtoh(&g).map_err(driver("download G"))?;
         self.stream

@@ -14,9 +14,15 @@ use super::hessian::{ATTN_MAX_DH, launch_attn_x, launch_hessian_xxt, launch_soft
 use super::{CudaBackend, CudaError, driver, ops};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{AttnShape, Backend, Tensor, Weight};
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, CudaView};
 use std::borrow::Cow;
 use std::ops::Deref;
+
+/// Per-sequence scratch of V's statistics (`CudaBackend::queue_v_col_sequence`).
+pub(super) struct VColScratch {
+    stats: CudaSlice<f32>,
+    y: CudaSlice<f32>,
+}
 
 /// A device view of a tensor: borrowed when it is on the device, else a temporary upload.
 pub(super) enum DevRef<'a> {
@@ -59,6 +65,20 @@ impl CudaBackend {
                 DevRef::Owned(s) => Ok(s),
                 DevRef::Borrowed(_) => unreachable!("only device tensors borrow"),
             },
+        }
+    }
+
+    /// The values of a tensor an op returned, once the stream has run it: the host-slice methods' last step,
+    /// so a kernel fault surfaces here, named by `op`.
+    pub(super) fn finish(&self, t: Tensor, op: &'static str) -> Result<Vec<f32>, CudaError> {
+        match t {
+            Tensor::Device(d) => {
+                let v = self.stream.clone_dtoh(&d).map_err(driver("download"))?;
+                self.stream.synchronize().map_err(driver(op))?;
+                Ok(v)
+            }
+            Tensor::Host(v) => Ok(v),
+            Tensor::Pinned(p) => Ok(p.as_slice().map_err(driver(op))?.to_vec()),
         }
     }
 
@@ -162,6 +182,17 @@ impl CudaBackend {
         let blas = self
             .blas()
             .map_err(|why| shape("linear", format!("cuBLAS unavailable: {why}")))?;
+        let w_len = w.resident.map_or(w.host.len(), Tensor::len);
+        if x.len() != m * k || w_len != n * k || bias.is_some_and(|b| b.len() != n) {
+            return Err(shape(
+                "linear",
+                format!(
+                    "x.len={}, w.len={w_len}, bias.len={:?} do not match [m={m} × k={k}], [n={n} × k], [n]",
+                    x.len(),
+                    bias.map(<[f32]>::len)
+                ),
+            ));
+        }
         if m == 0 || n == 0 {
             return Ok(Tensor::Host(Vec::new()));
         }
@@ -232,10 +263,14 @@ impl CudaBackend {
         d: usize,
         eps: f32,
     ) -> Result<Tensor, CudaError> {
-        if d == 0 || !x.len().is_multiple_of(d) {
+        if d == 0 || w.len() != d || !x.len().is_multiple_of(d) {
             return Err(shape(
                 "rms_norm",
-                format!("x.len={} is not a multiple of d={d}", x.len()),
+                format!(
+                    "x.len={} is not a multiple of d={d}, or w.len={} ≠ d",
+                    x.len(),
+                    w.len()
+                ),
             ));
         }
         if x.is_empty() {
@@ -269,11 +304,18 @@ impl CudaBackend {
         sin: &[f32],
     ) -> Result<(), CudaError> {
         let half = d_h / 2;
-        if t == 0 || cos.len() < t * half || sin.len() < t * half {
+        let width = n_heads * d_h;
+        if t == 0 || width == 0 || !x.len().is_multiple_of(t * width) {
+            return Err(shape(
+                "rope",
+                format!("x.len={} is not [n_seq·{t} × {n_heads}·{d_h}]", x.len()),
+            ));
+        }
+        if cos.len() < t * half || sin.len() < t * half {
             return Err(shape(
                 "rope",
                 format!(
-                    "t={t}, d_h={d_h}: tables cos.len={}, sin.len={} shorter than t × d_h/2",
+                    "tables cos.len={}, sin.len={} shorter than t={t} × d_h/2={half}",
                     cos.len(),
                     sin.len()
                 ),
@@ -311,6 +353,19 @@ impl CudaBackend {
         h_kv: usize,
         d_h: usize,
     ) -> Result<Tensor, CudaError> {
+        if q.len() != n_seq * t * h * d_h || k.len() != n_seq * t * h_kv * d_h || v.len() != k.len()
+        {
+            return Err(shape(
+                "causal_attention",
+                format!(
+                    "q.len={}, k.len={}, v.len={} do not match n_seq={n_seq}, t={t}, h={h}, h_kv={h_kv}, \
+                     d_h={d_h}",
+                    q.len(),
+                    k.len(),
+                    v.len()
+                ),
+            ));
+        }
         if q.is_empty() {
             return Ok(Tensor::Host(Vec::new()));
         }
@@ -334,6 +389,12 @@ impl CudaBackend {
     }
 
     pub fn try_swiglu_t(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor, CudaError> {
+        if gate.len() != up.len() {
+            return Err(shape(
+                "swiglu",
+                format!("gate.len={} ≠ up.len={}", gate.len(), up.len()),
+            ));
+        }
         if gate.is_empty() {
             return Ok(Tensor::Host(Vec::new()));
         }
@@ -438,6 +499,76 @@ impl CudaBackend {
         )
     }
 
+    /// The softmax stats [h × t] and Y [t × d] buffers `queue_v_col_sequence` reuses across sequences.
+    pub(super) fn v_col_scratch(&self, s: AttnShape) -> Result<VColScratch, CudaError> {
+        Ok(VColScratch {
+            stats: self
+                .stream
+                .alloc_zeros::<f32>(2 * s.h * s.t)
+                .map_err(driver("alloc stats"))?,
+            y: self.output(s.t * s.d)?,
+        })
+    }
+
+    /// Queues V's statistics of one sequence (X [t × d], Q, K of it): per query head, Y = A_h X (A_h formed
+    /// tile by tile, never stored) and acc[slot(head)] += Yᵀ Y, [d × d] per slot. The slice form keeps a slot
+    /// per query head, the tensor form folds heads into their KV head.
+    pub(super) fn queue_v_col_sequence(
+        &self,
+        acc: &mut CudaSlice<f32>,
+        slot: impl Fn(usize) -> usize,
+        scratch: &mut VColScratch,
+        (x, q, k): (&CudaView<f32>, &CudaView<f32>, &CudaView<f32>),
+        s: AttnShape,
+    ) -> Result<(), CudaError> {
+        let AttnShape { t, h, h_kv, d_h, d } = s;
+        let hk = &self.quant.hessian;
+        launch_softmax_stats(
+            &self.stream,
+            hk,
+            &mut scratch.stats.slice_mut(..),
+            q,
+            k,
+            t,
+            h,
+            h_kv,
+            d_h,
+        )?;
+        for head in 0..h {
+            launch_attn_x(
+                &self.stream,
+                hk,
+                self.attn_x_variant,
+                &mut scratch.y.slice_mut(..),
+                x,
+                q,
+                k,
+                &scratch.stats.slice(..),
+                head,
+                t,
+                h,
+                h_kv,
+                d_h,
+                d,
+            )?;
+            let g = slot(head);
+            launch_hessian_xxt(
+                &self.stream,
+                hk,
+                self.xxt_variant,
+                &mut acc.slice_mut(g * d * d..(g + 1) * d * d),
+                &scratch.y.slice(..),
+                t,
+                d,
+                d,
+                1,
+                0,
+                0,
+            )?;
+        }
+        Ok(())
+    }
+
     /// Per sequence and query head: Y = A_h X (A_h formed tile by tile, never stored), then
     /// acc[kv(head)] += Yᵀ Y — query heads fold into their KV head on the device.
     #[allow(clippy::too_many_arguments)]
@@ -477,62 +608,20 @@ impl CudaBackend {
         }
         let (x_d, q_d, k_d) = (self.dev(x)?, self.dev(q)?, self.dev(k)?);
         let acc = self.acc_dev(acc)?;
-        let mut stats = self
-            .stream
-            .alloc_zeros::<f32>(2 * h * t)
-            .map_err(driver("alloc stats"))?;
-        let mut y = self.output(t * d)?;
-        let hk = &self.quant.hessian;
+        let mut scratch = self.v_col_scratch(s)?;
         let gs = h / h_kv;
         for i in 0..n_seq {
-            let (xv, qv, kv) = (
-                x_d.slice(i * xs..(i + 1) * xs),
-                q_d.slice(i * qs..(i + 1) * qs),
-                k_d.slice(i * ks..(i + 1) * ks),
-            );
-            launch_softmax_stats(
-                &self.stream,
-                hk,
-                &mut stats.slice_mut(..),
-                &qv,
-                &kv,
-                t,
-                h,
-                h_kv,
-                d_h,
+            self.queue_v_col_sequence(
+                acc,
+                |head| head / gs,
+                &mut scratch,
+                (
+                    &x_d.slice(i * xs..(i + 1) * xs),
+                    &q_d.slice(i * qs..(i + 1) * qs),
+                    &k_d.slice(i * ks..(i + 1) * ks),
+                ),
+                s,
             )?;
-            for head in 0..h {
-                launch_attn_x(
-                    &self.stream,
-                    hk,
-                    self.attn_x_variant,
-                    &mut y.slice_mut(..),
-                    &xv,
-                    &qv,
-                    &kv,
-                    &stats.slice(..),
-                    head,
-                    t,
-                    h,
-                    h_kv,
-                    d_h,
-                    d,
-                )?;
-                let g = head / gs;
-                launch_hessian_xxt(
-                    &self.stream,
-                    hk,
-                    self.xxt_variant,
-                    &mut acc.slice_mut(g * d * d..(g + 1) * d * d),
-                    &y.slice(..),
-                    t,
-                    d,
-                    d,
-                    1,
-                    0,
-                    0,
-                )?;
-            }
         }
         Ok(())
     }
