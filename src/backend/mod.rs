@@ -182,14 +182,7 @@ pub trait Backend: QuantOps + Send + Sync {
         cos: &[f32],
         sin: &[f32],
     ) {
-        match x.host_mut() {
-            Some(v) => self.rope(v, t, n_heads, d_h, cos, sin),
-            None => {
-                let mut v = self.read(x).into_owned();
-                self.rope(&mut v, t, n_heads, d_h, cos, sin);
-                *x = self.to_device(Tensor::Host(v));
-            }
-        }
+        update_on_host(self, x, |v| self.rope(v, t, n_heads, d_h, cos, sin));
     }
 
     /// `causal_attention` on tensors.
@@ -227,27 +220,15 @@ pub trait Backend: QuantOps + Send + Sync {
     fn add_t(&self, x: &mut Tensor, y: &Tensor) {
         assert_eq!(x.len(), y.len(), "add_t: lengths differ");
         let y = self.read(y);
-        match x.host_mut() {
-            Some(v) => v.iter_mut().zip(y.iter()).for_each(|(a, b)| *a += b),
-            None => {
-                let mut v = self.read(x).into_owned();
-                v.iter_mut().zip(y.iter()).for_each(|(a, b)| *a += b);
-                *x = self.to_device(Tensor::Host(v));
-            }
-        }
+        update_on_host(self, x, |v| {
+            v.iter_mut().zip(y.iter()).for_each(|(a, b)| *a += b)
+        });
     }
 
     /// acc [d × d] += Xᵀ X of X [m × d] (`xxt_accumulate` on tensors; acc from `zeros`).
     fn xxt_accumulate_t(&self, acc: &mut Tensor, x: &Tensor, m: usize, d: usize) {
         let x = self.read(x);
-        match acc.host_mut() {
-            Some(a) => self.xxt_accumulate(a, &x, m, d),
-            None => {
-                let mut a = self.read(acc).into_owned();
-                self.xxt_accumulate(&mut a, &x, m, d);
-                *acc = self.to_device(Tensor::Host(a));
-            }
-        }
+        update_on_host(self, acc, |a| self.xxt_accumulate(a, &x, m, d));
     }
 
     /// acc [n_heads × d_h × d_h] += the per-head sums of `head_covariance` of X [m × n_heads·d_h].
@@ -295,5 +276,18 @@ pub trait Backend: QuantOps + Send + Sync {
             }
         }
         self.add_t(acc, &Tensor::Host(folded));
+    }
+}
+
+/// Applies `f` to x's values in place: directly when they are in host memory, else on a host copy that goes
+/// back where x was (the tensor defaults' in-place ops).
+fn update_on_host<B: Backend + ?Sized>(be: &B, x: &mut Tensor, f: impl FnOnce(&mut [f32])) {
+    match x.host_mut() {
+        Some(v) => f(v),
+        None => {
+            let mut v = be.read(x).into_owned();
+            f(&mut v);
+            *x = be.to_device(Tensor::Host(v));
+        }
     }
 }
