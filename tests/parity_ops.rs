@@ -274,6 +274,63 @@ fn parity_swiglu(b: &dyn Backend) {
     );
 }
 
+// --- embedding -------------------------------------------------------------------------------------------
+
+/// (vocab, d, tokens): SmolLM2's width over a small vocabulary, a width that is no multiple of 4 with one
+/// token, and more output elements than one elementwise grid covers (the grid-stride loop).
+const EMBED_SHAPES: [(usize, usize, usize); 3] = [(50, 576, 37), (7, 1001, 1), (300, 4096, 1100)];
+
+/// The gather moves values and computes nothing, so it must match the host row copy bit for bit, from a
+/// table in the backend's own memory (`upload_weight`) and from a host tensor alike; an id past the table is
+/// refused (the CUDA kernel would read out of bounds).
+fn parity_embed(b: &dyn Backend) {
+    use boa_cuda::backend::Tensor;
+    let mut rng = rng();
+    for (vocab, d, tokens) in EMBED_SHAPES {
+        let table: Vec<f32> = (0..vocab * d)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        // The first and last rows, and repeats.
+        let mut ids: Vec<u32> = (0..tokens)
+            .map(|_| rng.random_range(0..vocab as u32))
+            .collect();
+        ids[0] = (vocab - 1) as u32;
+        if tokens > 2 {
+            ids[1] = 0;
+            ids[2] = ids[0];
+        }
+        let want: Vec<f32> = ids
+            .iter()
+            .flat_map(|&i| table[i as usize * d..(i as usize + 1) * d].iter().copied())
+            .collect();
+        let resident = b.upload_weight(&table);
+        let host = Tensor::Host(table.clone());
+        for t in [resident.as_ref(), Some(&host)].into_iter().flatten() {
+            let x = b.embed_t(t, &ids, d);
+            assert_eq!(
+                b.read(&x).as_ref(),
+                want.as_slice(),
+                "{}: embed vocab={vocab} d={d} tokens={tokens} from {t:?}",
+                b.name()
+            );
+        }
+    }
+    println!(
+        "{}: embed bit-exact at {} shapes",
+        b.name(),
+        EMBED_SHAPES.len()
+    );
+}
+
+#[test]
+fn embed_refuses_an_id_past_the_table_on_cuda() {
+    with_cuda(|b| {
+        let table = boa_cuda::backend::Tensor::Host(vec![0.0; 4 * 8]);
+        let e = b.try_embed_t(&table, &[1, 4], 8).unwrap_err();
+        assert!(e.to_string().contains("token id 4"), "{e}");
+    });
+}
+
 // --- attention ---------------------------------------------------------------------------------------------
 
 /// Scores s = q·k/√d_h in f32 are off by ~u·Σ|q_c k_c|/√d_h ≲ 6e-8 × 30 ≈ 2e-6 absolute for the scores drawn
@@ -514,6 +571,16 @@ fn parity_swiglu_cpu() {
 #[test]
 fn parity_swiglu_cuda() {
     with_cuda(|b| parity_swiglu(b));
+}
+
+#[test]
+fn parity_embed_cpu() {
+    parity_embed(&CpuBackend);
+}
+
+#[test]
+fn parity_embed_cuda() {
+    with_cuda(|b| parity_embed(b));
 }
 
 #[test]

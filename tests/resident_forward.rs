@@ -244,6 +244,21 @@ fn tensor_forward_is_the_host_forward_on_the_cpu() {
     assert_ne!(xh, chunks[0], "the block changed nothing");
 }
 
+/// `run` and `eval` gather X from the f32 table on a device (`embed_t`); the rows must be the ones the host
+/// path reads straight from the checkpoint's bf16 bytes.
+#[test]
+fn the_table_gather_is_the_checkpoint_embedding() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (model, _) = setup(tmp.path(), 1, 4, 1);
+    let vocab = model.cfg.vocab as u32;
+    let ids: Vec<u32> = (0..40).map(|i| (i * 7919) % vocab).collect();
+    let table = Tensor::Host(model.embed_table().unwrap());
+    let x = CpuBackend.embed_t(&table, &ids, model.cfg.d);
+    assert_eq!(x.host().unwrap(), model.embed(&ids).unwrap().as_slice());
+    let e = model.check_ids(&[vocab]).unwrap_err();
+    assert!(e.to_string().contains("outside the vocabulary"), "{e}");
+}
+
 #[test]
 fn resident_forward_and_statistics_on_cuda() {
     let be = match CudaBackend::new(0) {
@@ -276,6 +291,24 @@ fn resident_forward_and_statistics_on_cuda() {
     be.write_back(&other, &mut parked);
     assert!(matches!(parked, Tensor::Pinned(_)));
     assert_eq!(parked.host().unwrap(), reversed.as_slice());
+
+    // Weight uploads: a length's first upload is pageable, later ones pass through its page-locked staging
+    // buffer, which the next upload may only overwrite once the previous copy has read it.
+    let uploads: Vec<Vec<f32>> = (0..4)
+        .map(|k| (0..300_000).map(|i| (i * 4 + k) as f32).collect())
+        .collect();
+    let on_device: Vec<Tensor> = uploads
+        .iter()
+        .map(|u| be.upload_weight(u).expect("a device copy"))
+        .collect();
+    for (u, d) in uploads.iter().zip(&on_device) {
+        assert!(d.on_device());
+        assert_eq!(
+            be.read(d).as_ref(),
+            u.as_slice(),
+            "a staged upload was overwritten"
+        );
+    }
 
     // One block forward with resident weights against the CPU (f32 SGEMM and f32 kernels).
     let resident = ResidentWeights::upload(&be, &w);

@@ -134,6 +134,17 @@ pub trait Backend: QuantOps + Send + Sync {
         None
     }
 
+    /// Rows `ids` of an embedding table [vocab × d] (this backend's copy, from `upload_weight`, or a host
+    /// tensor) → [ids.len() × d], where this backend computes. The caller checks every id < vocab.
+    fn embed_t(&self, table: &Tensor, ids: &[u32], d: usize) -> Tensor {
+        let table = self.read(table);
+        let mut x = Vec::with_capacity(ids.len() * d);
+        for &id in ids {
+            x.extend_from_slice(&table[id as usize * d..(id as usize + 1) * d]);
+        }
+        self.to_device(Tensor::Host(x))
+    }
+
     /// `linear` on tensors.
     #[allow(clippy::too_many_arguments)]
     fn linear_t(

@@ -4,11 +4,11 @@
 //! weights plus the chunk's activations, whatever the model size.
 
 use crate::backend::Backend;
-use crate::backend::Tensor;
 use crate::backend::cpu::{max_lanes, sum_exp_f64};
+use crate::backend::{Tensor, Weight};
 use crate::data::{text, tokenizer::Tokenizer, windows};
 use crate::model::Model;
-use crate::model::llama::block_forward;
+use crate::model::llama::{RopeTable, block_forward};
 use crate::progress::Progress;
 use rayon::prelude::*;
 use std::path::PathBuf;
@@ -70,6 +70,13 @@ pub fn window_nll(
     let rope = model.rope_table(t);
     let norm = model.final_norm()?;
     let head = model.lm_head()?;
+    // A device backend keeps the LM head (and, when tied, the embedding table: the same matrix) in its own
+    // memory for the whole evaluation instead of copying it per window.
+    let head_t = be.upload_weight(&head);
+    let table_t = match &head_t {
+        Some(_) if !c.tie_word_embeddings => be.upload_weight(&model.embed_table()?),
+        _ => None,
+    };
     let n_chunks = wins.len().div_ceil(chunk);
     let mut bar = progress.bar("eval", (n_chunks * (c.n_layers + 1)) as u64, "blocks");
     let (mut nll, mut count) = (0f64, 0usize);
@@ -77,8 +84,9 @@ pub fn window_nll(
     let fused = be.name() == "cpu" && model.gptq.is_none();
     for group in wins.chunks(chunk) {
         let ids: Vec<u32> = group.iter().flat_map(|w| w.iter().copied()).collect();
-        let mut x = model.embed(&ids)?;
+        count += group.len() * (t - 1);
         if fused {
+            let mut x = model.embed(&ids)?;
             nll += cpu::chunk_nll(
                 c,
                 &rope,
@@ -92,34 +100,54 @@ pub fn window_nll(
                 &head,
                 || bar.inc(1),
             )?;
-            count += group.len() * (t - 1);
             continue;
         }
-        // X stays where the backend computes for the whole stack of blocks.
-        let mut xt = be.to_device(Tensor::Host(x));
-        for l in 0..c.n_layers {
-            let w = model.load_block(l)?;
-            block_forward(be, &w, None, c, &rope, &mut xt, group.len(), None);
-            bar.inc(1);
-        }
-        let x = be.read(&xt);
-        let h = be.rms_norm(&x, &norm, c.d, c.eps);
-        for (s, win) in group.iter().enumerate() {
-            let logits = be.linear(
-                &h[s * t * c.d..(s + 1) * t * c.d],
-                &head,
-                None,
-                t,
-                c.d,
-                c.vocab,
-            );
-            nll += next_token_nll(&logits, win, c.vocab);
-            count += t - 1;
-        }
-        bar.inc(1);
+        let mut xt = match table_t.as_ref().or(head_t.as_ref()) {
+            Some(table) => {
+                model.check_ids(&ids)?;
+                be.embed_t(table, &ids, c.d)
+            }
+            None => be.to_device(Tensor::Host(model.embed(&ids)?)),
+        };
+        let head_w = Weight {
+            host: &head,
+            resident: head_t.as_ref(),
+        };
+        nll += forward_nll(be, model, &rope, &mut xt, group, &norm, head_w, &mut bar)?;
     }
     bar.finish();
     Ok((nll, count))
+}
+
+/// The NLL of one group of windows from their embeddings X (where the backend computes; X stays there for
+/// the whole stack of blocks): the blocks, the final norm, then per window the logits against `head`.
+#[allow(clippy::too_many_arguments)]
+fn forward_nll(
+    be: &dyn Backend,
+    model: &Model,
+    rope: &RopeTable,
+    xt: &mut Tensor,
+    group: &[&[u32]],
+    norm: &[f32],
+    head: Weight<'_>,
+    bar: &mut crate::progress::Bar,
+) -> anyhow::Result<f64> {
+    let c = &model.cfg;
+    let t = group[0].len();
+    for l in 0..c.n_layers {
+        let w = model.load_block(l)?;
+        block_forward(be, &w, None, c, rope, xt, group.len(), None);
+        bar.inc(1);
+    }
+    let h = be.rms_norm(&be.read(xt), norm, c.d, c.eps);
+    let mut nll = 0f64;
+    for (s, win) in group.iter().enumerate() {
+        let hs = Tensor::Host(h[s * t * c.d..(s + 1) * t * c.d].to_vec());
+        let logits = be.linear_t(&hs, head, None, t, c.d, c.vocab);
+        nll += next_token_nll(&be.read(&logits), win, c.vocab);
+    }
+    bar.inc(1);
+    Ok(nll)
 }
 
 /// Σ_i −log softmax(logits_i)[ids_{i+1}] for i < t − 1; logits [t × vocab]. Log-sum-exp in f64; the

@@ -436,9 +436,10 @@ impl Model {
         })
     }
 
-    /// Embedding rows for token ids → [ids.len() × d].
+    /// Embedding rows for token ids → [ids.len() × d], read straight from the checkpoint.
     pub fn embed(&self, ids: &[u32]) -> anyhow::Result<Vec<f32>> {
         let c = &self.cfg;
+        self.check_ids(ids)?;
         let e = self
             .store
             .entry("model.embed_tokens.weight")
@@ -448,16 +449,27 @@ impl Model {
         let mut out = Vec::with_capacity(ids.len() * c.d);
         for &id in ids {
             let id = id as usize;
-            if id >= c.vocab {
-                return Err(crate::input_err!(
-                    "token id {id} is outside the vocabulary of {}",
-                    c.vocab
-                ));
-            }
             let row = &bytes[id * c.d * elt..(id + 1) * c.d * elt];
             out.extend(super::weights::to_f32(e.dtype, row).map_err(|m| file_err(&self.dir, m))?);
         }
         Ok(out)
+    }
+
+    /// A clear error for a token id the embedding table has no row for (a tokenizer larger than the model).
+    pub fn check_ids(&self, ids: &[u32]) -> anyhow::Result<()> {
+        match ids.iter().find(|&&id| id as usize >= self.cfg.vocab) {
+            Some(id) => Err(crate::input_err!(
+                "token id {id} is outside the vocabulary of {}",
+                self.cfg.vocab
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// The whole embedding table [vocab × d] in f32, for a backend that gathers rows itself (`embed_t`).
+    pub fn embed_table(&self) -> anyhow::Result<Vec<f32>> {
+        self.store
+            .f32("model.embed_tokens.weight", &[self.cfg.vocab, self.cfg.d])
     }
 
     pub fn final_norm(&self) -> anyhow::Result<Vec<f32>> {
@@ -466,12 +478,11 @@ impl Model {
 
     /// The output projection [vocab × d] (the embedding matrix when tied).
     pub fn lm_head(&self) -> anyhow::Result<Vec<f32>> {
-        let name = if self.cfg.tie_word_embeddings {
-            "model.embed_tokens.weight"
-        } else {
-            "lm_head.weight"
-        };
-        self.store.f32(name, &[self.cfg.vocab, self.cfg.d])
+        if self.cfg.tie_word_embeddings {
+            return self.embed_table();
+        }
+        self.store
+            .f32("lm_head.weight", &[self.cfg.vocab, self.cfg.d])
     }
 
     pub fn rope_table(&self, t: usize) -> RopeTable {

@@ -109,7 +109,24 @@ impl MemoryPlan {
     pub fn device_bytes(&self) -> u64 {
         self.items.iter().map(|(_, b)| b).sum()
     }
+
+    /// Whether `bytes` more (the f32 embedding table, uploaded so X is gathered on the device) fit while
+    /// the calibration windows are embedded: before the first block, the room its weights, statistics,
+    /// workspace and forward chunk take later is free.
+    pub fn fits_before_blocks(&self, bytes: u64) -> bool {
+        let later: u64 = self
+            .items
+            .iter()
+            .filter(|(n, _)| ![X_ON_DEVICE, X_STREAMED, RESERVE].contains(n))
+            .map(|(_, b)| b)
+            .sum();
+        bytes <= later
+    }
 }
+
+const X_ON_DEVICE: &str = "calibration activations X";
+const X_STREAMED: &str = "two chunks of X (X in pinned host memory)";
+const RESERVE: &str = "CUDA context + cuBLAS workspace";
 
 /// The calibration set: `nsamples` sequences of `seqlen` tokens (0 samples: RTN without data).
 #[derive(Clone, Copy, Debug)]
@@ -158,7 +175,7 @@ pub fn plan(
     // Smaller chunks cost a little GEMM efficiency; moving X off the device costs two PCIe copies of it per
     // block. So every chunk size is tried with X on the device before X moves.
     for &seqs in &chunk_options {
-        let items = with(seqs, ("calibration activations X", x_bytes));
+        let items = with(seqs, (X_ON_DEVICE, x_bytes));
         if fits(&items) {
             return Ok(MemoryPlan {
                 target,
@@ -170,14 +187,11 @@ pub fn plan(
             });
         }
     }
-    let mut tightest = with(1, ("calibration activations X", x_bytes));
+    let mut tightest = with(1, (X_ON_DEVICE, x_bytes));
     if target == Target::Gpu && x_bytes > 0 {
         for &seqs in &chunk_options {
             let chunk_x = (chunk_tokens(seqs) * shape.d * F32) as u64;
-            let items = with(
-                seqs,
-                ("two chunks of X (X in pinned host memory)", 2 * chunk_x),
-            );
+            let items = with(seqs, (X_STREAMED, 2 * chunk_x));
             if fits(&items) {
                 return Ok(MemoryPlan {
                     target,
@@ -243,7 +257,7 @@ fn fixed_items(shape: &ModelShape, with_stats: bool, target: Target) -> Vec<(&'s
         ),
         ("block statistics", stats),
         ("quantization workspace (largest linear)", work),
-        ("CUDA context + cuBLAS workspace", target.reserve()),
+        (RESERVE, target.reserve()),
     ]
 }
 
@@ -351,6 +365,24 @@ mod tests {
         let (_, s70) = shapes()[3];
         let p = plan(&s70, CALIB, Target::Gpu, 80 * GB, 8).unwrap();
         assert_eq!(p.items[0], ("calibration activations X", 8 << 30));
+    }
+
+    #[test]
+    fn the_embedding_table_is_gathered_on_the_gpu_at_every_shape() {
+        // f32 tables: Llama-2 7B/13B/30B 32000 rows, Llama-3 70B 128256 rows (4.2 GB): each fits in the room
+        // the first block takes later, in the plans above and in the 32 GB one that streams X.
+        let vocab = [32000, 32000, 32000, 128256];
+        for ((name, s), v) in shapes().into_iter().zip(vocab) {
+            let table = (v * s.d * F32) as u64;
+            for budget in [32 * GB, 80 * GB, 141 * GB] {
+                let p = plan(&s, CALIB, Target::Gpu, budget, 8).unwrap();
+                assert!(p.fits_before_blocks(table), "{name} at {budget}: {p}");
+            }
+        }
+        // A table larger than a block's whole working set does not.
+        let (_, s7) = shapes()[0];
+        let p = plan(&s7, CALIB, Target::Gpu, 80 * GB, 8).unwrap();
+        assert!(!p.fits_before_blocks(p.device_bytes()), "{p}");
     }
 
     #[test]

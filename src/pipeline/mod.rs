@@ -34,6 +34,9 @@ struct Placement {
     /// X parked in pinned host memory between uses (the GPU plan did not fit X on the device).
     parked: bool,
     chunk_seqs: usize,
+    /// The embedding table goes to the device and X is gathered there (a device backend whose plan has room
+    /// for the table before the first block); else X is embedded on the host and uploaded.
+    embed_on_device: bool,
 }
 
 /// Prints the memory plan before any long work and returns where X lives. A GPU plan that cannot fit is
@@ -60,6 +63,7 @@ fn state_memory_plan(
             Ok(Placement {
                 parked: p.activations == Activations::HostStreamed,
                 chunk_seqs: p.chunk_seqs,
+                embed_on_device: p.fits_before_blocks((cfg.vocab * cfg.d * 4) as u64),
             })
         }
         None => {
@@ -71,6 +75,7 @@ fn state_memory_plan(
             Ok(Placement {
                 parked: false,
                 chunk_seqs: CHUNK,
+                embed_on_device: false,
             })
         }
     }
@@ -95,7 +100,10 @@ fn place_activations(
 
 /// One chunk of X where the plan puts it.
 fn place(be: &dyn Backend, chunk: Vec<f32>, placement: &Placement) -> Tensor {
-    let t = Tensor::Host(chunk);
+    place_t(be, Tensor::Host(chunk), placement)
+}
+
+fn place_t(be: &dyn Backend, t: Tensor, placement: &Placement) -> Tensor {
     if placement.parked {
         be.to_host(t, true)
     } else {
@@ -231,12 +239,27 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                         folder.tmp.display()
                     ));
                 }
-                // Embedded a chunk at a time, so the host never holds X twice.
+                // Embedded a chunk at a time, so the host never holds X twice; on a device with room for
+                // the table, gathered there, so X never crosses PCIe.
                 let x = match &calib_ids {
-                    Some(flat) => flat
-                        .chunks(placement.chunk_seqs * opts.seqlen)
-                        .map(|ids| Ok(place(be.as_ref(), model.embed(ids)?, &placement)))
-                        .collect::<anyhow::Result<Vec<Tensor>>>()?,
+                    Some(flat) => {
+                        let table = if placement.embed_on_device {
+                            be.upload_weight(&model.embed_table()?)
+                        } else {
+                            None
+                        };
+                        flat.chunks(placement.chunk_seqs * opts.seqlen)
+                            .map(|ids| {
+                                Ok(match &table {
+                                    Some(t) => {
+                                        model.check_ids(ids)?;
+                                        place_t(be.as_ref(), be.embed_t(t, ids, cfg.d), &placement)
+                                    }
+                                    None => place(be.as_ref(), model.embed(ids)?, &placement),
+                                })
+                            })
+                            .collect::<anyhow::Result<Vec<Tensor>>>()?
+                    }
                     None => Vec::new(),
                 };
                 (0, x, Vec::new())

@@ -96,6 +96,8 @@ pub struct CudaBackend {
     stream: Arc<CudaStream>,
     /// Weight uploads (`upload_weight`), issued from the prefetch thread while `stream` computes.
     copy_stream: Arc<CudaStream>,
+    /// Page-locked buffers the weight uploads pass through (resident.rs).
+    staging: std::sync::Mutex<resident::WeightStaging>,
     ops: ops::OpsKernels,
     quant: QuantKernels,
     name: String,
@@ -206,6 +208,7 @@ impl CudaBackend {
         Ok(CudaBackend {
             stream: ctx.default_stream(),
             copy_stream,
+            staging: Default::default(),
             ctx,
             ops,
             quant,
@@ -628,6 +631,11 @@ impl Backend for CudaBackend {
             self.try_upload_weight(w)
                 .unwrap_or_else(|e| panic!("{} upload_weight ({} f32): {e}", self.name, w.len())),
         )
+    }
+
+    fn embed_t(&self, table: &Tensor, ids: &[u32], d: usize) -> Tensor {
+        self.try_embed_t(table, ids, d)
+            .unwrap_or_else(|e| panic!("{} embed ({} ids, d={d}): {e}", self.name, ids.len()))
     }
 
     fn linear_t(

@@ -53,7 +53,7 @@ const RMS_NORM_V1_THREADS: u32 = 128;
 /// v2: warps (= rows) per block. Must match kRmsNormV2Warps in cuda/ops.cu (its __launch_bounds__).
 const RMS_NORM_V2_WARPS: u32 = 4;
 
-/// Threads per block of the elementwise kernels (rope, swiglu, bias_add, f32_to_bf16). Must match
+/// Threads per block of the elementwise kernels (rope, swiglu, bias_add, f32_to_bf16, embed). Must match
 /// kElementwiseThreads in cuda/ops.cu (their __launch_bounds__).
 const ELEMENTWISE_THREADS: u32 = 256;
 /// Most blocks an elementwise launch uses; the kernels grid-stride over the rest.
@@ -77,6 +77,7 @@ pub struct OpsKernels {
     swiglu: CudaFunction,
     bias_add: CudaFunction,
     f32_to_bf16: CudaFunction,
+    embed: CudaFunction,
     attention_probs: CudaFunction,
     causal_attention_v1: CudaFunction,
     causal_attention_d64: CudaFunction,
@@ -110,6 +111,7 @@ impl OpsKernels {
             swiglu: get_named("swiglu_kernel")?,
             bias_add: get_named("bias_add_kernel")?,
             f32_to_bf16: get_named("f32_to_bf16_kernel")?,
+            embed: get_named("embed_kernel")?,
             attention_probs: get_named("attention_probs_kernel")?,
             causal_attention_v1: get_named("causal_attention_kernel_v1")?,
             causal_attention_d64: get_named("causal_attention_kernel_d64")?,
@@ -298,6 +300,47 @@ pub fn launch_swiglu(
     // SAFETY: matches swiglu_kernel(float* out, const float* gate, const float* up, uint64 n); all three hold
     // n f32 (checked above).
     unsafe { b.launch(elementwise_cfg(n64)) }.map_err(launch_err("launch swiglu"))?;
+    Ok(())
+}
+
+/// X [ids.len() × d] = rows `ids` of table [vocab × d]. Asynchronous on `stream`. Every id must be < vocab
+/// (the caller checks: the kernel reads table[id] unguarded).
+pub fn launch_embed(
+    stream: &Arc<CudaStream>,
+    k: &OpsKernels,
+    x: &mut CudaSlice<f32>,
+    table: &CudaSlice<f32>,
+    ids: &CudaSlice<u32>,
+    d: usize,
+) -> Result<(), CudaError> {
+    let rows = ids.len();
+    let (Ok(d32), Some(total)) = (u32::try_from(d), rows.checked_mul(d)) else {
+        return Err(CudaError::Shape {
+            op: "embed",
+            msg: format!("d={d} does not fit in u32 or rows={rows}·d overflows"),
+        });
+    };
+    if d == 0 || x.len() != total || !table.len().is_multiple_of(d) {
+        return Err(CudaError::Shape {
+            op: "embed",
+            msg: format!(
+                "x.len={} ≠ rows={rows}·d={d}, or table.len={} is not a multiple of d",
+                x.len(),
+                table.len()
+            ),
+        });
+    }
+    if total == 0 {
+        return Ok(());
+    }
+    let n = total as u64;
+    let _r = range(c"embed");
+    let mut b = stream.launch_builder(&k.embed);
+    b.arg(x).arg(table).arg(ids).arg(&n).arg(&d32);
+    // SAFETY: matches embed_kernel(float* x, const float* table, const uint32* ids, uint64 total, uint32 d);
+    // x holds rows·d f32 (checked above) and every ids[r] < table.len()/d (the caller's contract), so each
+    // read table[ids[r]·d + c], c < d, is in bounds.
+    unsafe { b.launch(elementwise_cfg(n)) }.map_err(launch_err("launch embed"))?;
     Ok(())
 }
 

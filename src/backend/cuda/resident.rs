@@ -14,7 +14,7 @@ use super::hessian::{ATTN_MAX_DH, launch_attn_x, launch_hessian_xxt, launch_soft
 use super::{CudaBackend, CudaError, driver, ops};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{AttnShape, Backend, Tensor, Weight};
-use cudarc::driver::{CudaSlice, CudaView};
+use cudarc::driver::{CudaSlice, CudaView, PinnedHostSlice};
 use std::borrow::Cow;
 use std::ops::Deref;
 
@@ -22,6 +22,58 @@ use std::ops::Deref;
 pub(super) struct VColScratch {
     stats: CudaSlice<f32>,
     y: CudaSlice<f32>,
+}
+
+/// Page-locked buffers that weights pass through on their way to the device, one per weight length: a block
+/// has at most three (q/o, k/v, gate/up/down), so 7B keeps ~0.3 GB page-locked and 70B ~1.2 GB, reused by
+/// every block. A length is staged from its second upload on, so a one-off upload (an embedding table, an LM
+/// head) pins nothing. Write-combined: the host only writes them, the DMA engine only reads them.
+#[derive(Default)]
+pub(super) struct WeightStaging {
+    buffers: std::collections::HashMap<usize, PinnedHostSlice<f32>>,
+    seen: std::collections::HashSet<usize>,
+    bytes: usize,
+    /// Page-locking failed once (then every upload is pageable).
+    refused: bool,
+}
+
+/// Page-locked staging stops growing here; larger sets of shapes (an eval's LM head beside a 70B block's
+/// weights) upload the rest from pageable memory.
+const STAGING_CAP_BYTES: usize = 4 << 30;
+
+impl WeightStaging {
+    /// The buffer for weights of `len` f32, allocated on the second upload of that length; None before,
+    /// when it would pass the cap, or when the driver refuses to page-lock more memory.
+    fn buffer(
+        &mut self,
+        ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
+        len: usize,
+    ) -> Option<&mut PinnedHostSlice<f32>> {
+        if len == 0 || self.refused {
+            return None;
+        }
+        if !self.buffers.contains_key(&len) {
+            if self.seen.insert(len) {
+                return None;
+            }
+            let bytes = len * size_of::<f32>();
+            if self.bytes + bytes > STAGING_CAP_BYTES {
+                return None;
+            }
+            // SAFETY: the buffer is written in full (copy_from_slice of len values) before each copy reads it.
+            match unsafe { ctx.alloc_pinned::<f32>(len) } {
+                Ok(b) => {
+                    self.bytes += bytes;
+                    self.buffers.insert(len, b);
+                }
+                Err(_) => {
+                    self.refused = true;
+                    return None;
+                }
+            }
+        }
+        self.buffers.get_mut(&len)
+    }
 }
 
 /// A device view of a tensor: borrowed when it is on the device, else a temporary upload.
@@ -160,11 +212,28 @@ impl CudaBackend {
 
     /// A weight copied into device memory on the copy stream, so a block's weights can be uploaded from the
     /// prefetch thread while the main stream computes the previous block (cudarc's event tracking makes the
-    /// main stream wait for the copy before a kernel reads it).
+    /// main stream wait for the copy before a kernel reads it). The copy's source is page-locked
+    /// (`WeightStaging`), so the DMA engine reads it directly at full PCIe rate.
     pub fn try_upload_weight(&self, w: &[f32]) -> Result<Tensor, CudaError> {
-        let d = self
-            .copy_stream
-            .clone_htod(w)
+        let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(buf) = staging.buffer(&self.ctx, w.len()) else {
+            // A first upload of this length, over the cap, or page-locking refused: the driver stages the
+            // pageable copy itself.
+            let d = self
+                .copy_stream
+                .clone_htod(w)
+                .map_err(driver("upload weight"))?;
+            return Ok(Tensor::Device(d));
+        };
+        // as_mut_slice waits for this buffer's previous copy (the same shape of the block before).
+        buf.as_mut_slice()
+            .map_err(driver("wait for the staging buffer"))?
+            .copy_from_slice(w);
+        // SAFETY: the copy below writes all w.len() elements before any kernel reads them (stream order).
+        let mut d =
+            unsafe { self.copy_stream.alloc::<f32>(w.len()) }.map_err(driver("alloc weight"))?;
+        self.copy_stream
+            .memcpy_htod(buf, &mut d)
             .map_err(driver("upload weight"))?;
         Ok(Tensor::Device(d))
     }
@@ -402,6 +471,34 @@ impl CudaBackend {
         let mut o = self.output(gate.len())?;
         ops::launch_swiglu(&self.stream, &self.ops, &mut o, &g_d, &u_d)?;
         Ok(Tensor::Device(o))
+    }
+
+    /// The embedding gather on the device: `ids` go up (4 bytes a token), X is made where it stays.
+    pub fn try_embed_t(&self, table: &Tensor, ids: &[u32], d: usize) -> Result<Tensor, CudaError> {
+        if d == 0 || !table.len().is_multiple_of(d) {
+            return Err(shape(
+                "embed",
+                format!("table.len={} is not a multiple of d={d}", table.len()),
+            ));
+        }
+        let vocab = table.len() / d;
+        if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+            return Err(shape(
+                "embed",
+                format!("token id {bad} is outside the table's {vocab} rows"),
+            ));
+        }
+        if ids.is_empty() {
+            return Ok(Tensor::Host(Vec::new()));
+        }
+        let table_d = self.dev(table)?;
+        let ids_d = self
+            .stream
+            .clone_htod(ids)
+            .map_err(driver("upload token ids"))?;
+        let mut x = self.output(ids.len() * d)?;
+        ops::launch_embed(&self.stream, &self.ops, &mut x, &table_d, &ids_d, d)?;
+        Ok(Tensor::Device(x))
     }
 
     /// x += y through the bias-add kernel with one "row" of length x.len().
