@@ -14,6 +14,16 @@
 #                                          shapes against the measured copy and tensor-core ceilings), and
 #                                          write logs, results.md and bench.md under $OUT.
 #
+#   profiling/gpu_check.sh --stage-demo [CKPT]
+#                                          on the build machine: split the demo model's packed checkpoint
+#                                          (default demo/smollm2-135m-boa-w3g64, 155 MiB, from scripts/demo.sh)
+#                                          and a copy of the binary into .gpu_demo/p1…pN, each small enough to
+#                                          travel in one call, and print the N device calls.
+#   profiling/gpu_check.sh --demo-part K N on the GPU machine: keep part K in /tmp/boa_demo (a warm machine
+#                                          keeps /tmp between calls); at K = N, reassemble the checkpoint and
+#                                          compare `eval --device cuda` with `--device cpu` (perplexity within
+#                                          1e-3 relative), writing demo-ppl.txt under $OUT.
+#
 # Build half: needs nvcc (NVCC=<path>, CUDA_HOME, PATH or /usr/local/cuda/bin; otherwise it is installed with
 # scripts/install_nvcc.sh into $NVCC_DIR, default .nvcc-venv/). Everything staged must fit the 64 MiB the
 # `run` tool carries; debug info is stripped from the copies when it would not.
@@ -92,6 +102,8 @@ for line in sys.stdin:
      timeout_s: 600
    (it runs the staged tests: ${want[*]}; stage others with \`profiling/gpu_check.sh NAME…\`)
    Logs and results.md come back under \$OUT (files_at). Give the machine back afterwards unless you rerun at once.
+   Then, with ≥ 4 minutes of device time left and the machine still warm, the demo model's own packed
+   checkpoint: \`profiling/gpu_check.sh --stage-demo\` here prints three calls to make back to back.
 MSG
 }
 
@@ -207,9 +219,9 @@ device_half() {
     tail -n 30 "$out/e2e.log"
     # Packed checkpoints: `eval --device cuda` (packed_linear on the GPU) against `--device cpu`, perplexities
     # within 1e-3 relative. The demo model's packed checkpoint (155 MiB: its f32 embedding alone is 113 MB) and
-    # the demo model itself (517 MiB; its GGUF 94 MiB) do not fit the 64 MiB carry, so the checkpoints are made
-    # here from a synthesized model: 4-bit g128 (contiguous groups: the fused kernel's fast case) and 3-bit g64
-    # act-order (dynamic groups, so g_idx is permuted: the kernel's g_idx path). Each is evaluated at seqlen 16,
+    # the demo model itself (517 MiB; its GGUF 94 MiB) do not fit the 64 MiB carry (the demo checkpoint has its
+    # own check in parts: --stage-demo, --demo-part), so these checkpoints are made here from a synthesized
+    # model: 4-bit g128 (contiguous groups: the fused kernel's fast case) and 3-bit g64 act-order (dynamic groups, so g_idx is permuted: the kernel's g_idx path). Each is evaluated at seqlen 16,
     # chunk 1 (16 tokens per call: the fused kernel) and seqlen 256, chunk 4 (1024: dequantize + cuBLAS).
     local ppl_rc=0
     set +e
@@ -289,6 +301,80 @@ PY
     return "$rc"
 }
 
+# The demo model's packed checkpoint does not fit one call's 64 MiB, so it travels in parts over consecutive
+# calls, each within the machine's 30 s warm window of the last (every part is checked by size on arrival).
+stage_demo() {
+    local ckpt="${1:-$root/demo/smollm2-135m-boa-w3g64}" dest="$root/.gpu_demo"
+    [[ -f "$ckpt/quantize_config.json" ]] || {
+        echo "gpu_check.sh: $ckpt is not a packed checkpoint (scripts/demo.sh writes demo/smollm2-135m-boa-w3g64)" >&2
+        exit 1
+    }
+    [[ -x "$root/target/release/boa-cuda" ]] || { echo "gpu_check.sh: build first (profiling/gpu_check.sh)" >&2; exit 1; }
+    # Each call also carries the tracked and untracked files of the repository; leave them 4 MiB of room.
+    local tree part_mib
+    tree="$(cd "$root" && git ls-files -co --exclude-standard -z | xargs -0 du -cb 2>/dev/null | tail -n1 | cut -f1)"
+    part_mib=$(((carry_limit - tree) / 1048576 - 4))
+    rm -rf "$dest"
+    mkdir -p "$dest/split"
+    tar -C "$(dirname "$ckpt")" -cf - "$(basename "$ckpt")" | split -b "${part_mib}m" -d -a 2 - "$dest/split/ckpt.tar."
+    local files=("$dest"/split/ckpt.tar.*) n k
+    n=${#files[@]}
+    for ((k = 1; k <= n; k++)); do
+        mkdir -p "$dest/p$k"
+        mv "${files[k - 1]}" "$dest/p$k/"
+    done
+    # The binary rides with the smallest part, so the last call needs nothing from an earlier one but /tmp.
+    cp target/release/boa-cuda "$dest/p$n/boa-cuda"
+    strip --strip-debug "$dest/p$n/boa-cuda"
+    (cd "$dest" && find p* -type f -printf '%p %s\n' | sort) >"$dest/manifest.txt"
+    cp "$dest/manifest.txt" "$dest/p$n/manifest.txt"
+    rmdir "$dest/split"
+    local size
+    for ((k = 1; k <= n; k++)); do
+        size="$(du -sb "$dest/p$k" | cut -f1)"
+        ((size + tree <= carry_limit)) || { echo "gpu_check.sh: part $k is $((size >> 20)) MiB, too big" >&2; exit 1; }
+    done
+    echo "== $(basename "$ckpt") staged in $n parts under .gpu_demo/ ($(du -sh "$dest" | cut -f1)). Make the $n calls back to back"
+    echo "   (the machine stays warm 30 s after each; a cold machine loses the earlier parts and says so):"
+    for ((k = 1; k <= n; k++)); do
+        echo "     command: bash profiling/gpu_check.sh --demo-part $k $n   carry: [\".gpu_demo/p$k\"]   timeout_s: $((k == n ? 300 : 60))"
+    done
+}
+
+demo_part() {
+    local k="$1" n="$2" keep=/tmp/boa_demo out="${OUT:-$root/gpu_out}"
+    mkdir -p "$keep" "$out"
+    cp -r "$root/.gpu_demo/p$k/." "$keep/"
+    echo "part $k of $n kept in $keep"
+    ((k == n)) || return 0
+    local ok=1 path size
+    while read -r path size; do
+        local f="$keep/$(basename "$path")"
+        [[ "$(basename "$path")" == manifest.txt ]] && continue
+        if [[ ! -f "$f" || "$(stat -c %s "$f")" != "$size" ]]; then
+            echo "missing or short: $(basename "$path") (the machine went cold between calls? make the calls again)"
+            ok=0
+        fi
+    done <"$keep/manifest.txt"
+    ((ok)) || return 1
+    rm -rf "$keep/ckpt"
+    mkdir -p "$keep/ckpt"
+    cat "$keep"/ckpt.tar.* | tar -C "$keep/ckpt" -xf -
+    local m
+    m="$(find "$keep/ckpt" -mindepth 1 -maxdepth 1 -type d)"
+    chmod +x "$keep/boa-cuda"
+    {
+        echo "# demo packed checkpoint $(basename "$m"), eval on README.md, seqlen 512, 8 windows"
+        for dev in cuda cpu; do
+            timeout 200 "$keep/boa-cuda" eval --model "$m" --data README.md --seqlen 512 --max-windows 8 \
+                --device "$dev" --json >"$out/demo-ppl-$dev.json"
+            cat "$out/demo-ppl-$dev.json"
+        done
+        compare_ppl "$out/demo-ppl-cuda.json" "$out/demo-ppl-cpu.json" "demo model $(basename "$m")"
+    } 2>&1 | tee "$out/demo-ppl.txt"
+    return "${PIPESTATUS[0]}"
+}
+
 # Mean relative output error per method of two report.json files; fails when CUDA's is off by more than 10%
 # (the GPU statistics are bf16 and its factors f32, so the codes differ a little; a wrong kernel is far off).
 compare_reports() {
@@ -330,6 +416,10 @@ compare_ppl() {
 
 case "${1:-}" in
     --on-device) shift; device_half "$@" ;;
-    -h|--help) echo "usage: $0 [TEST…]   |   $0 --on-device [TEST…]" >&2; exit 2 ;;
+    --stage-demo) shift; stage_demo "$@" ;;
+    --demo-part) shift; (($# == 2)) || { echo "usage: $0 --demo-part K N" >&2; exit 2; }; demo_part "$@" ;;
+    -h|--help)
+        echo "usage: $0 [TEST…]  |  $0 --on-device [TEST…]  |  $0 --stage-demo [CKPT]  |  $0 --demo-part K N" >&2
+        exit 2 ;;
     *) build_half "$@" ;;
 esac
