@@ -119,6 +119,7 @@ constexpr int kAx2SmemBytes = kAx2StatOff + 2 * kAx2Rows * 4;  // 95 744 B: two 
 static_assert(kAx2KOff % 32 == 0 && kAx2SOff % 32 == 0 && kAx2POff % 32 == 0 && kAx2XOff % 32 == 0 &&
                   kAx2StatOff % 32 == 0,
               "wmma needs 32-byte aligned tile bases");
+static_assert(kAx2SmemBytes == 95744, "hessian.rs AX2_SMEM_BYTES");
 static_assert(kAx2Rows * kAx2YLd * 4 <= kAx2SmemBytes, "the output staging tile must fit the aliased buffers");
 static_assert(kAx2Rows == kAx2Keys, "the causal loop bound assumes aligned query and key tiles");
 static_assert(kAx2Cols == kAx2Threads, "X staging maps one column per thread");

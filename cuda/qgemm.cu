@@ -256,9 +256,10 @@ __device__ __forceinline__ void qgemm_fused(float* __restrict__ y,              
     // Make this CTA's partials visible device-wide before it is counted.
     __threadfence();
     __syncthreads();
-    __shared__ uint32_t is_last;
-    if (threadIdx.x == 0) is_last = atomicAdd(&counters[blockIdx.x], 1u) == splits - 1;
-    __syncthreads();
+    // The barrier's OR broadcasts thread 0's verdict: no static shared memory, so the launcher's dynamic
+    // budget (up to exactly 48 KiB) is the CTA's whole shared memory and needs no opt-in.
+    const int is_last =
+        __syncthreads_or(threadIdx.x == 0 && atomicAdd(&counters[blockIdx.x], 1u) == splits - 1);
     if (!is_last) return;
     __threadfence();
     if (j < n) {

@@ -257,7 +257,29 @@ device_half() {
     echo
     cat "$table"
     echo "status: $([[ $status == 0 ]] && echo PASS || echo FAIL)"
+    # Last, so a call that runs out of time has everything above: out-of-bounds and uninitialized device
+    # accesses that the NaN-poisoned parity outputs cannot see (SANITIZE=0 skips it).
+    sanitize "$out" || status=1
     return "$status"
+}
+
+# compute-sanitizer memcheck over parity_ops (small shapes, every forward kernel; ~10-100x slower than plain).
+sanitize() {
+    local out="$1" cs
+    [[ "${SANITIZE:-1}" == 0 ]] && return 0
+    cs="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)"
+    if [[ -z "$cs" || ! -x "$carry/tests/parity_ops" ]]; then
+        echo "sanitizer: skipped (no compute-sanitizer, or parity_ops not staged)"
+        return 0
+    fi
+    local rc=0
+    set +e
+    timeout 120 "$cs" --tool memcheck --error-exitcode 9 "$carry/tests/parity_ops" --test-threads=1 cuda \
+        >"$out/sanitizer.log" 2>&1
+    rc=$?
+    set -e
+    echo "sanitizer (memcheck, parity_ops cuda tests, exit $rc): $(grep -o 'ERROR SUMMARY: [0-9]* errors*' "$out/sanitizer.log" | tail -n1)"
+    ((rc == 0 || rc == 124)) || { grep -m 20 -e 'Invalid' -e 'at 0x' -e 'by thread' "$out/sanitizer.log"; return 1; }
 }
 
 # The product's main job on a 7B-shaped model (d 4096, d_ff 11008, 32 heads, realistic-scale random weights):

@@ -323,6 +323,28 @@ fn resident_forward_and_statistics_on_cuda() {
     println!("{}: resident block forward rel. error {e:.2e}", be.name());
     assert!(e <= 1e-4, "resident block forward rel. error {e:.3e}");
 
+    // The pipeline's prefetch: block 1's weights uploaded from another thread (copy stream, staging) while
+    // this thread runs block 0 on the main stream; then block 1 runs on them.
+    let w1 = model.load_block(1).unwrap();
+    let (resident1, mut xd) = std::thread::scope(|s| {
+        let h = s.spawn(|| ResidentWeights::upload(&be, &w1));
+        let mut xd = be.to_device(Tensor::Host(chunks[0].clone()));
+        block_forward(&be, &w, Some(&resident), cfg, &rope, &mut xd, 2, None);
+        (h.join().expect("prefetch thread"), xd)
+    });
+    block_forward(&be, &w1, Some(&resident1), cfg, &rope, &mut xd, 2, None);
+    let mut xc = chunks[0].clone();
+    block_forward_host(&CpuBackend, &w, cfg, &rope, &mut xc, 2);
+    block_forward_host(&CpuBackend, &w1, cfg, &rope, &mut xc, 2);
+    let got: Vec<f64> = be.read(&xd).iter().map(|&v| v as f64).collect();
+    let want: Vec<f64> = xc.iter().map(|&v| v as f64).collect();
+    let e = rel_err(&got, &want);
+    println!(
+        "{}: two blocks with a prefetched upload, rel. error {e:.2e}",
+        be.name()
+    );
+    assert!(e <= 2e-4, "prefetched block forward rel. error {e:.3e}");
+
     // Statistics through device sums (bf16 tensor-core XᵀX by default: bf16 rounding of the inputs).
     let xs: Vec<Tensor> = chunks
         .iter()

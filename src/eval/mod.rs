@@ -73,8 +73,9 @@ pub fn window_nll(
     // A device backend keeps the LM head (and, when tied, the embedding table: the same matrix) in its own
     // memory for the whole evaluation instead of copying it per window.
     let head_t = be.upload_weight(&head);
+    // An untied table has the head's length: through `to_device`, so it does not claim a staging buffer.
     let table_t = match &head_t {
-        Some(_) if !c.tie_word_embeddings => be.upload_weight(&model.embed_table()?),
+        Some(_) if !c.tie_word_embeddings => Some(be.to_device(Tensor::Host(model.embed_table()?))),
         _ => None,
     };
     let n_chunks = wins.len().div_ceil(chunk);

@@ -104,6 +104,11 @@ impl Blas {
             )));
         }
         let cfg = super::search::rows_times_h_config(m, n).map_err(bad)?;
+        // cuBLAS calls act on the calling thread's current context; cudarc binds it for its own calls only.
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(driver("bind context"))?;
         // SAFETY: H holds n·n, A and C at least m·n f32 (checked); the leading dimensions are n.
         unsafe { self.blas.gemm(cfg, h, a, c) }.map_err(|source| CudaError::Blas {
             what: "sgemm (search_grids)",

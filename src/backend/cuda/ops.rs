@@ -511,9 +511,10 @@ pub fn launch_causal_attention(
         op: "causal_attention",
         msg: format!("{msg} (n_seq={n_seq}, t={t}, h={h}, h_kv={h_kv}, d_h={d_h})"),
     };
-    if d_h > ATTN_MAX_D_H {
+    // v1 walks any head dim; only the flash kernels pad it to a fixed kD.
+    if variant == AttentionVariant::Flash && d_h > ATTN_MAX_D_H {
         return Err(err(format!(
-            "d_h > {ATTN_MAX_D_H} (the kernels' padded head dim)"
+            "d_h > {ATTN_MAX_D_H} (the flash kernels' padded head dim)"
         )));
     }
     let (q_len, kv_len) = (n_seq * t * h * d_h, n_seq * t * h_kv * d_h);

@@ -147,7 +147,11 @@ impl CudaBackend {
                 Ok(Tensor::Host(v))
             }
             Tensor::Device(d) => {
-                let mut p = self.alloc_pinned(d.len())?;
+                // Page-locking can be refused (host memory pressure, container limits); a plain vector
+                // serves every use of a parked chunk, only its copies are slower.
+                let Ok(mut p) = self.alloc_pinned(d.len()) else {
+                    return self.try_to_host(Tensor::Device(d), false);
+                };
                 self.stream
                     .memcpy_dtoh(&d, &mut p)
                     .map_err(driver("park tensor"))?;
@@ -155,7 +159,9 @@ impl CudaBackend {
                 Ok(Tensor::Pinned(p))
             }
             Tensor::Host(v) if pinned => {
-                let mut p = self.alloc_pinned(v.len())?;
+                let Ok(mut p) = self.alloc_pinned(v.len()) else {
+                    return Ok(Tensor::Host(v));
+                };
                 p.as_mut_slice()
                     .map_err(driver("park tensor"))?
                     .copy_from_slice(&v);
@@ -196,6 +202,12 @@ impl CudaBackend {
                     .map_err(driver("download tensor"))?;
                 self.stream.synchronize().map_err(driver("download tensor"))
             }
+            // The pinned buffer itself goes to the copy (not a slice of it), so cudarc records the copy on
+            // its event and a later host write to it waits for the DMA.
+            (Tensor::Pinned(p), Tensor::Device(d)) => self
+                .stream
+                .memcpy_htod(p, d)
+                .map_err(driver("upload tensor")),
             (s, Tensor::Device(d)) => {
                 let v = s.host().expect("host memory");
                 self.stream
@@ -393,9 +405,10 @@ impl CudaBackend {
         if x.is_empty() || half == 0 {
             return Ok(());
         }
-        let mut x_d = self.owned_dev(std::mem::take(x))?;
+        // The tables first: a failed upload then leaves x as it was.
         let c_d = self.upload(&cos[..t * half], "upload cos")?;
         let s_d = self.upload(&sin[..t * half], "upload sin")?;
+        let mut x_d = self.owned_dev(std::mem::take(x))?;
         let r = ops::launch_rope(
             &self.stream,
             &self.ops,

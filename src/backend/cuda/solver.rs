@@ -47,6 +47,11 @@ impl Solver {
         }
         // cudarc panics, rather than erroring, when a symbol is missing from the library it found.
         catch_unwind(AssertUnwindSafe(|| -> Result<Self, String> {
+            // cusolverDnCreate acts on the calling thread's current context; cudarc does not bind it here.
+            stream
+                .context()
+                .bind_to_thread()
+                .map_err(|e| format!("bind context: {e}"))?;
             let handle =
                 DnHandle::new(stream.clone()).map_err(|e| format!("cusolverDnCreate: {e}"))?;
             let params =
