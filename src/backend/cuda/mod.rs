@@ -270,7 +270,17 @@ impl CudaBackend {
         self.attn_x_variant = v;
     }
 
-    /// Device milliseconds of the kernels of the last QuantOps call (uploads and downloads excluded).
+    /// Forgets the last kernel time (NaN), so a call that ends up on the host (a CPU fallback) does not
+    /// report the time of the call before it.
+    pub fn reset_kernel_ms(&self) {
+        *self
+            .last_kernel_ms
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = f32::NAN;
+    }
+
+    /// Device milliseconds of the kernels of the last QuantOps call (uploads and downloads excluded); NaN
+    /// after `reset_kernel_ms` until a call launches kernels.
     pub fn last_kernel_ms(&self) -> f32 {
         *self
             .last_kernel_ms
