@@ -361,4 +361,14 @@ fn resident_forward_and_statistics_on_cuda() {
         true,
     );
     compare_stats(&got, &want, 1e-2, "cuda device sums");
+
+    // The same statistics from parked chunks (pinned host memory, each staged on the copy stream while the
+    // one before computes): the same kernels on the same values, so equal to the resident route.
+    let parked: Vec<Tensor> = xs
+        .iter()
+        .map(|c| be.to_host(be.duplicate(c), true))
+        .collect();
+    assert!(parked.iter().all(|c| matches!(c, Tensor::Pinned(_))));
+    let from_parked = collect(&be, &w, Some(&resident), cfg, &rope, &parked, true);
+    compare_stats(&from_parked, &got, 1e-6, "parked vs resident chunks");
 }

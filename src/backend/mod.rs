@@ -123,6 +123,13 @@ pub trait Backend: QuantOps + Send + Sync {
         self.to_device(Tensor::Host(self.read(x).into_owned()))
     }
 
+    /// A copy of `x` where this backend computes, started now: a device backend uploads a parked (pinned)
+    /// chunk on its copy stream, so a caller that stages chunk c+1 before computing chunk c overlaps the copy
+    /// with the compute. Elsewhere the same as `duplicate`.
+    fn stage(&self, x: &Tensor) -> Tensor {
+        self.duplicate(x)
+    }
+
     /// `n` zeros where this backend computes.
     fn zeros(&self, n: usize) -> Tensor {
         self.to_device(Tensor::Host(vec![0.0; n]))

@@ -472,14 +472,20 @@ fn forward_all(
     x: &mut [Tensor],
 ) {
     let per_seq = rope.t * cfg.d;
-    for c in x.iter_mut() {
+    let parked = |c: &Tensor| matches!(c, Tensor::Pinned(_));
+    // Parked chunks are staged one ahead: chunk i+1's upload runs while chunk i computes.
+    let mut next = x.first().filter(|c| parked(c)).map(|c| be.stage(c));
+    for i in 0..x.len() {
+        let staged = next.take();
+        next = x.get(i + 1).filter(|c| parked(c)).map(|c| be.stage(c));
+        let c = &mut x[i];
         let ns = c.len() / per_seq;
-        if matches!(c, Tensor::Pinned(_)) {
-            let mut xt = be.duplicate(c);
-            block_forward(be, w, Some(resident), cfg, rope, &mut xt, ns, None);
-            be.write_back(&xt, c);
-        } else {
-            block_forward(be, w, Some(resident), cfg, rope, c, ns, None);
+        match staged {
+            Some(mut xt) => {
+                block_forward(be, w, Some(resident), cfg, rope, &mut xt, ns, None);
+                be.write_back(&xt, c);
+            }
+            None => block_forward(be, w, Some(resident), cfg, rope, c, ns, None),
         }
     }
 }

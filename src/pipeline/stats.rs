@@ -54,9 +54,15 @@ pub fn collect(
     let mut sums = be
         .accelerates_statistics()
         .then(|| DeviceSums::new(be, cfg, attention_aware));
-    for chunk in x {
+    // Parked chunks are staged one ahead: chunk i+1's upload runs while chunk i computes (the plan's two
+    // chunks of X on the device). A chunk already on the device is copied when its turn comes.
+    let parked = |c: &Tensor| matches!(c, Tensor::Pinned(_));
+    let mut next = x.first().filter(|c| parked(c)).map(|c| be.stage(c));
+    for (i, chunk) in x.iter().enumerate() {
         let ns = chunk.len() / (t * d);
-        let mut xc = be.duplicate(chunk);
+        let staged = next.take();
+        next = x.get(i + 1).filter(|c| parked(c)).map(|c| be.stage(c));
+        let mut xc = staged.unwrap_or_else(|| be.duplicate(chunk));
         let mut tr = BlockTrace::default();
         let t0 = Instant::now();
         crate::nvtx::ranged(c"forward", || {

@@ -94,7 +94,9 @@ struct QuantKernels {
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    /// Weight uploads (`upload_weight`), issued from the prefetch thread while `stream` computes.
+    /// Weight uploads (`upload_weight`), issued from the prefetch thread while `stream` computes, and the
+    /// parked chunks' trips (`stage`, `write_back`). Its existence also keeps cudarc in multi-stream mode,
+    /// the mode in which it records copies on pinned buffers' events: the parked paths rely on that.
     copy_stream: Arc<CudaStream>,
     /// Page-locked buffers the weight uploads pass through (resident.rs).
     staging: std::sync::Mutex<resident::WeightStaging>,
@@ -630,6 +632,10 @@ impl Backend for CudaBackend {
 
     fn duplicate(&self, x: &Tensor) -> Tensor {
         resident::duplicate(self, x)
+    }
+
+    fn stage(&self, x: &Tensor) -> Tensor {
+        resident::stage(self, x)
     }
 
     fn zeros(&self, n: usize) -> Tensor {

@@ -190,12 +190,13 @@ impl CudaBackend {
             (Tensor::Device(s), Tensor::Device(d)) => {
                 self.stream.memcpy_dtod(s, d).map_err(driver("copy tensor"))
             }
-            (Tensor::Device(s), Tensor::Pinned(p)) => {
-                self.stream
-                    .memcpy_dtoh(s, p)
-                    .map_err(driver("park tensor"))?;
-                self.stream.synchronize().map_err(driver("park tensor"))
-            }
+            // On the copy stream and without a sync: the copy waits for s's last write, records itself on
+            // p's event (every host access to p waits for that), and s's drop waits for the copy's read.
+            // So the next chunk's compute is not held up by this one's trip back.
+            (Tensor::Device(s), Tensor::Pinned(p)) => self
+                .copy_stream
+                .memcpy_dtoh(s, p)
+                .map_err(driver("park tensor")),
             (Tensor::Device(s), Tensor::Host(v)) => {
                 self.stream
                     .memcpy_dtoh(s, v)
@@ -770,6 +771,19 @@ pub(super) fn duplicate(be: &CudaBackend, x: &Tensor) -> Tensor {
         DevRef::Owned(s) => Ok(s),
     });
     Tensor::Device(r.unwrap_or_else(|e| panic!("{} duplicate ({} f32): {e}", be.name, x.len())))
+}
+
+/// A parked chunk goes up on the copy stream from its own pinned buffer (cudarc records the copy on the
+/// buffer's event and on the new slice's write event, which the compute stream waits for before reading it).
+pub(super) fn stage(be: &CudaBackend, x: &Tensor) -> Tensor {
+    match x {
+        Tensor::Pinned(p) => Tensor::Device(
+            be.copy_stream
+                .clone_htod(p)
+                .unwrap_or_else(|e| panic!("{} stage ({} f32): {e}", be.name, x.len())),
+        ),
+        _ => duplicate(be, x),
+    }
 }
 
 pub(super) fn zeros(be: &CudaBackend, n: usize) -> Tensor {
