@@ -331,7 +331,9 @@ stage_demo() {
         echo "gpu_check.sh: $ckpt is not a packed checkpoint (scripts/demo.sh writes demo/smollm2-135m-boa-w3g64)" >&2
         exit 1
     }
-    [[ -x "$root/target/release/boa-cuda" ]] || { echo "gpu_check.sh: build first (profiling/gpu_check.sh)" >&2; exit 1; }
+    # The binary the build half staged (kernels embedded), not target/release's, which a later plain build
+    # may have replaced with one without kernels.
+    [[ -f "$carry/bin/boa-cuda" ]] || { echo "gpu_check.sh: run the build half first (profiling/gpu_check.sh)" >&2; exit 1; }
     # Each call also carries the tracked and untracked files of the repository; leave them 4 MiB of room.
     local tree part_mib
     tree="$(cd "$root" && git ls-files -co --exclude-standard -z | xargs -0 du -cb 2>/dev/null | tail -n1 | cut -f1)"
@@ -346,7 +348,7 @@ stage_demo() {
         mv "${files[k - 1]}" "$dest/p$k/"
     done
     # The binary rides with the smallest part, so the last call needs nothing from an earlier one but /tmp.
-    cp target/release/boa-cuda "$dest/p$n/boa-cuda"
+    cp "$carry/bin/boa-cuda" "$dest/p$n/boa-cuda"
     strip --strip-debug "$dest/p$n/boa-cuda"
     (cd "$dest" && find p* -type f -printf '%p %s\n' | sort) >"$dest/manifest.txt"
     cp "$dest/manifest.txt" "$dest/p$n/manifest.txt"
