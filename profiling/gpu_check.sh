@@ -128,16 +128,24 @@ device_half() {
     cat "$out/machine.txt"
 
     local table="$out/results.md" status=0
+    # The call's sections and its deadline: each section's timeout shrinks to what is left of DEADLINE_S
+    # (default 570 of the call's 600 s), and a section left with under 30 s is skipped and named at the end,
+    # so a second call can run just those (SECTIONS="7b sanitize", say).
+    local sections=" ${SECTIONS:-tests bench e2e ppl 7b sanitize} " skipped_sections=() t_start=$SECONDS
+    local deadline="${DEADLINE_S:-570}"
     printf '| test binary | exit | passed | failed | CUDA skipped | seconds |\n|---|---|---|---|---|---|\n' >"$table"
     for t in "$carry"/tests/*; do
-        local name log rc t0 t1 passed failed skipped
+        local name log rc t0 t1 passed failed skipped c
         name="$(basename "$t")"
         if ((${#only[@]} > 0)) && [[ ! " ${only[*]} " == *" $name "* ]]; then continue; fi
+        wanted tests || break
+        c="$(cap 240)"
+        ((c > 0)) || { skipped_sections+=("tests:$name"); continue; }
         log="$out/$name.log"
         chmod +x "$t"
         t0="$(date +%s.%N)"
         set +e
-        timeout 240 "$t" --test-threads=1 --nocapture >"$log" 2>&1
+        timeout "$c" "$t" --test-threads=1 --nocapture >"$log" 2>&1
         rc=$?
         set -e
         t1="$(date +%s.%N)"
@@ -156,7 +164,7 @@ device_half() {
     {
         echo
         echo "max rel. error vs the f64 reference, per backend and kernel variant:"
-        sed -n -e 's/^test .* \.\.\. //' -e '/max rel\. error\|rms_norm variant\|linear variant\|causal_attention variant\|cuBLAS unavailable\|skipped: /s/^/    /p' "$out"/*.log
+        sed -n -e 's/^test .* \.\.\. //' -e '/max rel\. error\|rms_norm variant\|linear variant\|causal_attention variant\|cuBLAS unavailable\|skipped: /s/^/    /p' "$out"/*.log 2>/dev/null || true
     } >>"$table"
     for log in "$out"/*.log; do
         if grep -q -e 'FAILED' -e 'panicked' "$log"; then
@@ -167,100 +175,128 @@ device_half() {
     # Kernel speed: every QuantOps method on real layer shapes (src/bench/gpu.rs states the method).
     local bench_rc=0
     chmod +x "$carry/bin/boa-cuda"
-    set +e
-    timeout 150 "$carry/bin/boa-cuda" bench --device cuda --reps 3 >"$out/bench.md" 2>"$out/bench.log"
-    bench_rc=$?
-    set -e
-    if ((bench_rc != 0)); then
-        status=1
-        echo "== bench failed (exit $bench_rc):"
-        tail -n 20 "$out/bench.log"
+    if wanted bench; then
+        set +e
+        timeout "$(cap 150)" "$carry/bin/boa-cuda" bench --device cuda --reps 3 >"$out/bench.md" 2>"$out/bench.log"
+        bench_rc=$?
+        set -e
+        if ((bench_rc != 0)); then
+            status=1
+            echo "== bench failed (exit $bench_rc):"
+            tail -n 20 "$out/bench.log"
+        fi
     fi
     # End to end: `run --device cuda` (statistics, Cholesky and sweeps on the GPU) against `--device cpu` on a
     # synthesized GQA model (d 512, 8 heads over 4 KV heads, 4 blocks), calibrated on this README (the model's
     # tokenizer is byte-level). The relative output errors of report.json must agree (compare_reports below).
     local e2e_rc=0
-    set +e
-    (
-        set -e
-        m="$out/synth"
-        rm -rf "$m" "$out"/q-*
-        "$carry/bin/boa-cuda" synth-model --out "$m" --d 512 --d-ff 1376 --layers 4 --heads 8 --kv-heads 4
-        # BoA 3-bit per-channel (static grids: every sweep on the device), then GPTQ 4-bit g64 (dynamic groups:
-        # the device sweep calls back to the host search at every group start). Every config runs and reports,
-        # even after one fails; the section fails at the end if any did. (set -e does not act inside a command
-        # whose status `||` tests, hence the explicit returns.)
-        run_config() {
-            local cfg="$1" tag="${1%% *}" dev
-            for dev in cuda cpu; do
-                # shellcheck disable=SC2086
-                timeout 120 "$carry/bin/boa-cuda" run --model "$m" --calib README.md --method $cfg \
-                    --nsamples 16 --seqlen 256 --device "$dev" --format fake --out "$out/q-$dev" --quiet \
-                    --profile || { echo "e2e: run --device $dev failed"; return 1; }
-                cp "$out/q-$dev/report.json" "$out/report-$tag-$dev.json" || return 1
-                rm -rf "$out/q-$dev"
+    if wanted e2e; then
+        set +e
+        (
+            set -e
+            m="$out/synth"
+            rm -rf "$m" "$out"/q-*
+            "$carry/bin/boa-cuda" synth-model --out "$m" --d 512 --d-ff 1376 --layers 4 --heads 8 --kv-heads 4
+            # BoA 3-bit per-channel (static grids: every sweep on the device), then GPTQ 4-bit g64 (dynamic groups:
+            # the device sweep calls back to the host search at every group start). Every config runs and reports,
+            # even after one fails; the section fails at the end if any did. (set -e does not act inside a command
+            # whose status `||` tests, hence the explicit returns.)
+            run_config() {
+                local cfg="$1" tag="${1%% *}" dev
+                for dev in cuda cpu; do
+                    # shellcheck disable=SC2086
+                    timeout "$(cap 120)" "$carry/bin/boa-cuda" run --model "$m" --calib README.md --method $cfg \
+                        --nsamples 16 --seqlen 256 --device "$dev" --format fake --out "$out/q-$dev" --quiet \
+                        --profile || { echo "e2e: run --device $dev failed"; return 1; }
+                    cp "$out/q-$dev/report.json" "$out/report-$tag-$dev.json" || return 1
+                    rm -rf "$out/q-$dev"
+                done
+                compare_reports "$out/report-$tag-cuda.json" "$out/report-$tag-cpu.json"
+            }
+            failed=()
+            for cfg in "boa --wbits 3" "gptq --wbits 4 --group-size 64"; do
+                echo "== $cfg"
+                run_config "$cfg" || failed+=("$cfg")
             done
-            compare_reports "$out/report-$tag-cuda.json" "$out/report-$tag-cpu.json"
-        }
-        failed=()
-        for cfg in "boa --wbits 3" "gptq --wbits 4 --group-size 64"; do
-            echo "== $cfg"
-            run_config "$cfg" || failed+=("$cfg")
-        done
-        if ((${#failed[@]} > 0)); then
-            printf 'e2e: FAIL: %s\n' "${failed[@]}"
-            exit 1
-        fi
-    ) >"$out/e2e.log" 2>&1
-    e2e_rc=$?
-    set -e
-    rm -rf "$out/synth"
-    if ((e2e_rc != 0)); then status=1; echo "== end-to-end run failed (exit $e2e_rc):"; fi
-    tail -n 30 "$out/e2e.log"
+            if ((${#failed[@]} > 0)); then
+                printf 'e2e: FAIL: %s\n' "${failed[@]}"
+                exit 1
+            fi
+        ) >"$out/e2e.log" 2>&1
+        e2e_rc=$?
+        set -e
+        rm -rf "$out/synth"
+        if ((e2e_rc != 0)); then status=1; echo "== end-to-end run failed (exit $e2e_rc):"; fi
+        tail -n 30 "$out/e2e.log"
+    fi
     # Packed checkpoints: `eval --device cuda` (packed_linear on the GPU) against `--device cpu`, perplexities
     # within 1e-3 relative. The demo model's packed checkpoint (155 MiB: its f32 embedding alone is 113 MB) and
     # the demo model itself (517 MiB; its GGUF 94 MiB) do not fit the 64 MiB carry (the demo checkpoint has its
     # own check in parts: --stage-demo, --demo-part), so these checkpoints are made here from a synthesized
-    # model: 4-bit g128 (contiguous groups: the fused kernel's fast case) and 3-bit g64 act-order (dynamic groups, so g_idx is permuted: the kernel's g_idx path). Each is evaluated at seqlen 16,
-    # chunk 1 (16 tokens per call: the fused kernel) and seqlen 256, chunk 4 (1024: dequantize + cuBLAS).
+    # model: 4-bit g128 (contiguous groups: the fused kernel's fast case) and 3-bit g64 act-order (dynamic
+    # groups, so g_idx is permuted: the kernel's g_idx path). Each is evaluated at seqlen 16, chunk 1 (16 tokens
+    # per call: the fused kernel) and seqlen 256, chunk 4 (1024: dequantize + cuBLAS).
     local ppl_rc=0
-    set +e
-    (
-        set -e
-        m="$out/synth-ppl"
-        rm -rf "$m" "$out"/q-ppl-*
-        "$carry/bin/boa-cuda" synth-model --out "$m" --d 512 --d-ff 1376 --layers 4 --heads 8 --kv-heads 4
-        for cfg in "g128 --wbits 4 --group-size 128" "actorder --wbits 3 --group-size 64 --act-order"; do
-            tag="${cfg%% *}"
-            # shellcheck disable=SC2086
-            timeout 120 "$carry/bin/boa-cuda" run --model "$m" --calib README.md --method gptq ${cfg#* } \
-                --nsamples 8 --seqlen 128 --device cpu --format gptq_v2 --out "$out/q-ppl-$tag" --quiet
-            for shape in "16 1" "256 4"; do
-                read -r sl ch <<<"$shape"
-                for dev in cuda cpu; do
-                    timeout 120 "$carry/bin/boa-cuda" eval --model "$out/q-ppl-$tag" --data README.md --seqlen "$sl" \
-                        --chunk "$ch" --max-windows 8 --device "$dev" --json >"$out/ppl-$tag-$sl-$dev.json"
+    if wanted ppl; then
+        set +e
+        (
+            set -e
+            m="$out/synth-ppl"
+            rm -rf "$m" "$out"/q-ppl-*
+            "$carry/bin/boa-cuda" synth-model --out "$m" --d 512 --d-ff 1376 --layers 4 --heads 8 --kv-heads 4
+            for cfg in "g128 --wbits 4 --group-size 128" "actorder --wbits 3 --group-size 64 --act-order"; do
+                tag="${cfg%% *}"
+                # shellcheck disable=SC2086
+                timeout "$(cap 120)" "$carry/bin/boa-cuda" run --model "$m" --calib README.md --method gptq ${cfg#* } \
+                    --nsamples 8 --seqlen 128 --device cpu --format gptq_v2 --out "$out/q-ppl-$tag" --quiet
+                for shape in "16 1" "256 4"; do
+                    read -r sl ch <<<"$shape"
+                    for dev in cuda cpu; do
+                        timeout "$(cap 120)" "$carry/bin/boa-cuda" eval --model "$out/q-ppl-$tag" --data README.md --seqlen "$sl" \
+                            --chunk "$ch" --max-windows 8 --device "$dev" --json >"$out/ppl-$tag-$sl-$dev.json"
+                    done
+                    compare_ppl "$out/ppl-$tag-$sl-cuda.json" "$out/ppl-$tag-$sl-cpu.json" "$tag, seqlen $sl, chunk $ch"
                 done
-                compare_ppl "$out/ppl-$tag-$sl-cuda.json" "$out/ppl-$tag-$sl-cpu.json" "$tag, seqlen $sl, chunk $ch"
             done
-        done
-    ) >"$out/ppl.log" 2>&1
-    ppl_rc=$?
-    set -e
-    rm -rf "$out/synth-ppl" "$out"/q-ppl-*
-    if ((ppl_rc != 0)); then status=1; echo "== packed-checkpoint eval check failed (exit $ppl_rc):"; fi
-    tail -n 12 "$out/ppl.log"
-    e2e_7b "$out" || status=1
+        ) >"$out/ppl.log" 2>&1
+        ppl_rc=$?
+        set -e
+        rm -rf "$out/synth-ppl" "$out"/q-ppl-*
+        if ((ppl_rc != 0)); then status=1; echo "== packed-checkpoint eval check failed (exit $ppl_rc):"; fi
+        tail -n 12 "$out/ppl.log"
+    fi
+    if wanted 7b; then e2e_7b "$out" || status=1; fi
     [[ -f "$out/notes.txt" ]] && cat "$out/notes.txt"
     echo
-    cat "$out/bench.md"
+    [[ -f "$out/bench.md" ]] && cat "$out/bench.md"
     echo
     cat "$table"
-    echo "status: $([[ $status == 0 ]] && echo PASS || echo FAIL)"
+    echo "status: $([[ $status == 0 ]] && echo PASS || echo FAIL) after $((SECONDS - t_start)) s"
     # Last, so a call that runs out of time has everything above: out-of-bounds and uninitialized device
     # accesses that the NaN-poisoned parity outputs cannot see (SANITIZE=0 skips it).
-    sanitize "$out" || status=1
+    if wanted sanitize; then sanitize "$out" || status=1; fi
+    if ((${#skipped_sections[@]} > 0)); then
+        echo "not run for lack of time: ${skipped_sections[*]} (DEADLINE_S=$deadline); a second call can run them:"
+        echo "  SECTIONS=\"$(printf '%s\n' "${skipped_sections[@]}" | cut -d: -f1 | sort -u | tr '\n' ' ' | sed 's/ $//')\" bash profiling/gpu_check.sh --on-device"
+        status=1
+    fi
     return "$status"
+}
+
+# The timeout a section gets: its own cap ($1 s), or what is left before the call's deadline; 0 when under
+# 30 s are left. (Reads device_half's locals deadline and t_start: bash scopes dynamically.)
+cap() {
+    local left=$((deadline - (SECONDS - t_start) - 5))
+    if ((left < 30)); then echo 0; elif ((left < $1)); then echo "$left"; else echo "$1"; fi
+}
+
+# Whether section $1 runs: named in SECTIONS and at least 30 s left, else listed in skipped_sections when it
+# was wanted.
+wanted() {
+    [[ "$sections" == *" $1 "* ]] || return 1
+    (($(cap 30) > 0)) && return 0
+    skipped_sections+=("$1")
+    return 1
 }
 
 # compute-sanitizer memcheck over parity_ops (small shapes, every forward kernel; ~10-100x slower than plain).
@@ -274,14 +310,14 @@ sanitize() {
     fi
     local rc=0
     set +e
-    timeout 120 "$cs" --tool memcheck --error-exitcode 9 "$carry/tests/parity_ops" --test-threads=1 cuda \
+    timeout "$(cap 120)" "$cs" --tool memcheck --error-exitcode 9 "$carry/tests/parity_ops" --test-threads=1 cuda \
         >"$out/sanitizer.log" 2>&1
     rc=$?
     set -e
     # Errors are printed as they happen, so a run cut off by the timeout (exit 124) still reports what it saw.
     local found
     found="$(grep -c '^========= \(Invalid\|Program hit\|Misaligned\|Out-of-range\)' "$out/sanitizer.log" || true)"
-    echo "sanitizer (memcheck, parity_ops cuda tests, exit $rc$( ((rc == 124)) && echo ', cut off at 120 s')): $found errors seen; $(grep -o 'ERROR SUMMARY: [0-9]* errors*' "$out/sanitizer.log" | tail -n1)"
+    echo "sanitizer (memcheck, parity_ops cuda tests, exit $rc$( ((rc == 124)) && echo ', cut off by its timeout')): $found errors seen; $(grep -o 'ERROR SUMMARY: [0-9]* errors*' "$out/sanitizer.log" | tail -n1)"
     if ((found > 0 || (rc != 0 && rc != 124))); then
         grep -m 20 -e '^========= ' "$out/sanitizer.log"
         return 1
@@ -307,7 +343,7 @@ e2e_7b() {
         "$carry/bin/boa-cuda" synth-model --out "$m" --d 4096 --d-ff 11008 --layers "$layers" --heads 32 \
             --kv-heads 32
         echo "synth-model: $(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }') s"
-        timeout 240 "$carry/bin/boa-cuda" run --model "$m" --calib "$out/calib7b.txt" --method boa --wbits 3 \
+        timeout "$(cap 240)" "$carry/bin/boa-cuda" run --model "$m" --calib "$out/calib7b.txt" --method boa --wbits 3 \
             --nsamples 128 --seqlen 2048 --device cuda --format gptq --out "$q" --profile
         python3 - "$q/report.json" "$layers" <<'PY'
 import json, sys
