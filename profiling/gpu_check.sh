@@ -11,8 +11,10 @@
 #                                          test executable (or only the named ones, e.g. parity_ops
 #                                          parity_quant, to keep the call short), then `boa-cuda bench
 #                                          --device cuda` (the quantization-core kernels on 7B/8B/70B layer
-#                                          shapes against the measured copy and tensor-core ceilings), and
-#                                          write logs, results.md and bench.md under $OUT.
+#                                          shapes against the measured copy and tensor-core ceilings), the
+#                                          end-to-end checks and the 7B-shaped run, then compute-sanitizer;
+#                                          logs, results.md and bench.md go under $OUT. SECTIONS="tests bench
+#                                          e2e ppl 7b sanitize" picks sections; all share DEADLINE_S (570 s).
 #
 #   profiling/gpu_check.sh --stage-demo [CKPT]
 #                                          on the build machine: split the demo model's packed checkpoint
