@@ -296,6 +296,8 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
             let (mut last_save, mut save_cost) = (Instant::now(), 0.0);
             let mut writing = None;
             for l in start..cfg.n_layers {
+                let t_block = Instant::now();
+                let mut load_wait = 0.0;
                 let selected = layers.contains(l);
                 let w = if needs_weights(l) {
                     let t = Instant::now();
@@ -303,7 +305,8 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                         Some(h) => join_load(h)?,
                         None => load(l)?,
                     };
-                    timings.load += t.elapsed().as_secs_f64();
+                    load_wait = t.elapsed().as_secs_f64();
+                    timings.load += load_wait;
                     Some(w)
                 } else {
                     None
@@ -387,6 +390,11 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                 // X_{l+1} is kept only while a later block still needs it.
                 if !(needs_calib && l < last_needed) {
                     x.clear();
+                }
+                if selected {
+                    timings
+                        .blocks
+                        .push(t_block.elapsed().as_secs_f64() - load_wait);
                 }
                 // Saving X costs seconds per block on a 7B model (GiBs to disk): save when it is at most
                 // ~10% of the time since the last save, and after the last block.

@@ -22,6 +22,11 @@ pub struct Timings {
     /// state's saves.
     pub write: f64,
     pub total: f64,
+    /// Wall seconds of each block this run quantized (`--layers`), in order, without its wait for the weights
+    /// (the first block's disk read) or the resume-state save: what a projection to a deeper model of the
+    /// same shape multiplies.
+    #[serde(default)]
+    pub blocks: Vec<f64>,
 }
 
 impl Timings {
@@ -52,7 +57,26 @@ impl Timings {
             s += &format!("| {name} | {secs:.2} | {:.1}% |\n", 100.0 * secs / total);
         }
         s += &format!("| total | {:.2} | 100.0% |\n", self.total);
+        if let Some(b) = self.block_summary() {
+            s += &b;
+            s.push('\n');
+        }
         s
+    }
+
+    /// "blocks: N, first F s, median of the rest M s" (weight waits and saves excluded); None for < 2 blocks.
+    pub fn block_summary(&self) -> Option<String> {
+        let (first, rest) = self.blocks.split_first()?;
+        if rest.is_empty() {
+            return None;
+        }
+        let mut r = rest.to_vec();
+        r.sort_by(f64::total_cmp);
+        Some(format!(
+            "blocks: {}, first {first:.2} s, median of the rest {:.2} s (weight waits and resume saves excluded)",
+            self.blocks.len(),
+            r[r.len() / 2]
+        ))
     }
 }
 
@@ -115,4 +139,24 @@ pub(crate) fn proc_kb_field(path: &str, key: &str) -> Option<u64> {
     let line = s.lines().find(|l| l.starts_with(key))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_block_summary_separates_the_first_block() {
+        let mut t = Timings::default();
+        assert_eq!(t.block_summary(), None);
+        t.blocks = vec![9.0];
+        assert_eq!(t.block_summary(), None, "one block has no rest");
+        t.blocks = vec![9.0, 3.0, 2.0, 4.0];
+        let s = t.block_summary().unwrap();
+        assert!(
+            s.starts_with("blocks: 4, first 9.00 s, median of the rest 3.00 s"),
+            "{s}"
+        );
+        assert!(t.phase_table().ends_with(&format!("{s}\n")));
+    }
 }
