@@ -1,6 +1,7 @@
-// ops.cu — model ops of the Llama block forward (design.md §6 "ops"): token embedding, RMSNorm, RoPE, SwiGLU, causal GQA
-// attention (flash-style), the causal softmax probabilities of one sequence, and the two small helpers of the
-// cuBLAS linear (bias add, f32 → bf16 operand conversion; the GEMM itself is cuBLAS, src/backend/cuda/gemm.rs).
+// ops.cu — model ops of the Llama block forward (design.md §6 "ops"): token embedding, RMSNorm, RoPE, SwiGLU,
+// causal GQA attention (flash-style), the causal softmax probabilities of one sequence, and the two small
+// helpers of the cuBLAS linear (bias add, f32 → bf16 operand conversion; the GEMM itself is cuBLAS,
+// src/backend/cuda/gemm.rs).
 // Kernels other than rms_norm take their sizes as plain scalar arguments (no params struct: nothing to mirror).
 //
 // ---------------------------------------------------------------------------------------------------------
