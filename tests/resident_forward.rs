@@ -245,7 +245,7 @@ fn tensor_forward_is_the_host_forward_on_the_cpu() {
 }
 
 /// `run` and `eval` gather X from the f32 table on a device (`embed_t`); the rows must be the ones the host
-/// path reads straight from the checkpoint's bf16 bytes.
+/// path reads straight from the checkpoint's bytes.
 #[test]
 fn the_table_gather_is_the_checkpoint_embedding() {
     let tmp = tempfile::tempdir().unwrap();
