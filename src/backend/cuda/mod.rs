@@ -596,9 +596,6 @@ impl Backend for CudaBackend {
         h_kv: usize,
         d_h: usize,
     ) -> Vec<f32> {
-        if self.attention_variant == AttentionVariant::Flash && d_h > ops::ATTN_MAX_D_H {
-            return CpuBackend.causal_attention(q, k, v, n_seq, t, h, h_kv, d_h);
-        }
         self.try_causal_attention(q, k, v, n_seq, t, h, h_kv, d_h)
             .unwrap_or_else(|e| {
                 panic!(
@@ -754,19 +751,6 @@ impl Backend for CudaBackend {
         h_kv: usize,
         d_h: usize,
     ) -> Tensor {
-        if self.attention_variant == AttentionVariant::Flash && d_h > ops::ATTN_MAX_D_H {
-            let o = CpuBackend.causal_attention(
-                &self.read(q),
-                &self.read(k),
-                &self.read(v),
-                n_seq,
-                t,
-                h,
-                h_kv,
-                d_h,
-            );
-            return self.to_device(Tensor::Host(o));
-        }
         self.try_causal_attention_t(q, k, v, n_seq, t, h, h_kv, d_h)
             .unwrap_or_else(|e| {
                 panic!(

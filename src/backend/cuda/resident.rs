@@ -456,6 +456,21 @@ impl CudaBackend {
         if q.is_empty() {
             return Ok(Tensor::Host(Vec::new()));
         }
+        // The flash kernels pad the head dim to ATTN_MAX_D_H; above it the flash variant runs on the CPU (v1
+        // takes any head dim). Here, so the slice and tensor forms share it.
+        if self.attention_variant == ops::AttentionVariant::Flash && d_h > ops::ATTN_MAX_D_H {
+            let o = CpuBackend.causal_attention(
+                &self.read(q),
+                &self.read(k),
+                &self.read(v),
+                n_seq,
+                t,
+                h,
+                h_kv,
+                d_h,
+            );
+            return Ok(Tensor::Device(self.owned_dev(Tensor::Host(o))?));
+        }
         let (q_d, k_d, v_d) = (self.dev(q)?, self.dev(k)?, self.dev(v)?);
         let mut o = self.output(q.len())?;
         ops::launch_causal_attention(
