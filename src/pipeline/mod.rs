@@ -480,12 +480,10 @@ fn forward_all(
     x: &mut [Tensor],
 ) {
     let per_seq = rope.t * cfg.d;
-    let parked = |c: &Tensor| matches!(c, Tensor::Pinned(_));
-    // Parked chunks are staged one ahead: chunk i+1's upload runs while chunk i computes.
-    let mut next = x.first().filter(|c| parked(c)).map(|c| be.stage(c));
+    let mut next = stats::stage_if_parked(be, x, 0);
     for i in 0..x.len() {
         let staged = next.take();
-        next = x.get(i + 1).filter(|c| parked(c)).map(|c| be.stage(c));
+        next = stats::stage_if_parked(be, x, i + 1);
         let c = &mut x[i];
         let ns = c.len() / per_seq;
         match staged {

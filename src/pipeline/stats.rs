@@ -25,6 +25,15 @@ pub struct BlockStats {
     pub stats_time: Duration,
 }
 
+/// Chunk i of X staged on the device when it is parked in pinned host memory, else None. The forward loops
+/// stage chunk i+1 before computing chunk i, so its upload overlaps the compute (the plan's two chunks of X
+/// on the device).
+pub(crate) fn stage_if_parked(be: &dyn Backend, x: &[Tensor], i: usize) -> Option<Tensor> {
+    x.get(i)
+        .filter(|c| matches!(c, Tensor::Pinned(_)))
+        .map(|c| be.stage(c))
+}
+
 /// Forwards the FP block over the chunks of `x` (each [n·t × d] for its n sequences; not modified) and
 /// accumulates the statistics. `attention_aware` adds the per-head statistics BoA needs; `resident` holds
 /// the block's weights in the backend's memory.
@@ -54,14 +63,12 @@ pub fn collect(
     let mut sums = be
         .accelerates_statistics()
         .then(|| DeviceSums::new(be, cfg, attention_aware));
-    // Parked chunks are staged one ahead: chunk i+1's upload runs while chunk i computes (the plan's two
-    // chunks of X on the device). A chunk already on the device is copied when its turn comes.
-    let parked = |c: &Tensor| matches!(c, Tensor::Pinned(_));
-    let mut next = x.first().filter(|c| parked(c)).map(|c| be.stage(c));
+    // A chunk already on the device is copied when its turn comes.
+    let mut next = stage_if_parked(be, x, 0);
     for (i, chunk) in x.iter().enumerate() {
         let ns = chunk.len() / (t * d);
         let staged = next.take();
-        next = x.get(i + 1).filter(|c| parked(c)).map(|c| be.stage(c));
+        next = stage_if_parked(be, x, i + 1);
         let mut xc = staged.unwrap_or_else(|| be.duplicate(chunk));
         let mut tr = BlockTrace::default();
         let t0 = Instant::now();
