@@ -5,14 +5,13 @@
 //! library is missing (said once on stderr). Attention and BoA with d_h > 128 fall back to the CPU.
 
 use super::cholesky::{CHOLESKY_MAX_N, launch_cholesky};
-use super::hessian::{
-    ATTN_MAX_DH, AttnXVariant, launch_attn_x, launch_hessian_xxt, launch_softmax_stats,
-};
+use super::hessian::{ATTN_MAX_DH, AttnXVariant, launch_attn_x, launch_softmax_stats};
 use super::sweep::{
     BOA_MAX_DH, BoaBlockVariant, BoaBuffers, GPTQ_MAX_BLOCK, GptqBuffers, GptqDynamicBuffers,
     Trailing, TrailingVariant, launch_boa_sweep, launch_gptq_sweep, launch_gptq_sweep_dynamic,
 };
 use super::{CudaBackend, CudaError, driver};
+use crate::backend::Tensor;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::quant_ops::{AttnShape, QuantOps, StaticGrids, SweepResult, UCol};
 use crate::quant::ScaleSearch;
@@ -120,23 +119,13 @@ impl CudaBackend {
         if m == 0 || d == 0 {
             return Ok(());
         }
-        let x_d = self.upload(x, "upload x")?;
-        let mut h_d = self.upload(h, "upload h")?;
-        self.timed(|| {
-            launch_hessian_xxt(
-                &self.stream,
-                &self.quant.hessian,
-                self.xxt_variant,
-                &mut h_d.slice_mut(..),
-                &x_d.slice(..),
-                m,
-                d,
-                d,
-                1,
-                0,
-                0,
-            )
-        })?;
+        // The tensor form's launch, on device copies made before the timed region (kernel time only).
+        let x_t = Tensor::Device(self.upload(x, "upload x")?);
+        let mut acc = Tensor::Device(self.upload(h, "upload h")?);
+        self.timed(|| self.try_xxt_accumulate_t(&mut acc, &x_t, m, d))?;
+        let Tensor::Device(h_d) = acc else {
+            unreachable!("the accumulator was uploaded above")
+        };
         self.stream
             .memcpy_dtoh(&h_d, h)
             .map_err(driver("download h"))?;
@@ -160,34 +149,15 @@ impl CudaBackend {
         if m == 0 || n_out == 0 {
             return Ok(vec![0.0; n_out]);
         }
-        let x_d = self.upload(x, "upload x")?;
-        let mut c_d = self
-            .stream
-            .alloc_zeros::<f32>(n_out)
-            .map_err(driver("alloc covariances"))?;
-        self.timed(|| {
-            launch_hessian_xxt(
-                &self.stream,
-                &self.quant.hessian,
-                self.xxt_variant,
-                &mut c_d.slice_mut(..),
-                &x_d.slice(..),
-                m,
-                d_h,
-                n_heads * d_h,
-                n_heads,
-                d_h,
-                d_h * d_h,
-            )
-        })?;
-        let c = self
-            .stream
-            .clone_dtoh(&c_d)
-            .map_err(driver("download covariances"))?;
-        self.stream
-            .synchronize()
-            .map_err(driver("head_covariance"))?;
-        Ok(c)
+        // The tensor form's launch, as in try_xxt_accumulate.
+        let x_t = Tensor::Device(self.upload(x, "upload x")?);
+        let mut acc = Tensor::Device(
+            self.stream
+                .alloc_zeros::<f32>(n_out)
+                .map_err(driver("alloc covariances"))?,
+        );
+        self.timed(|| self.try_head_covariance_t(&mut acc, &x_t, m, n_heads, d_h))?;
+        self.finish(acc, "head_covariance")
     }
 
     pub fn try_v_col_covariance(
