@@ -32,7 +32,6 @@ pub(super) struct VColScratch {
 pub(super) struct WeightStaging {
     buffers: std::collections::HashMap<usize, PinnedHostSlice<f32>>,
     seen: std::collections::HashSet<usize>,
-    bytes: usize,
     /// Page-locking failed once (then every upload is pageable).
     refused: bool,
 }
@@ -56,14 +55,13 @@ impl WeightStaging {
             if self.seen.insert(len) {
                 return None;
             }
-            let bytes = len * size_of::<f32>();
-            if self.bytes + bytes > STAGING_CAP_BYTES {
+            let held: usize = self.buffers.keys().sum();
+            if (held + len) * size_of::<f32>() > STAGING_CAP_BYTES {
                 return None;
             }
-            // SAFETY: the buffer is written in full (copy_from_slice of len values) before each copy reads it.
+            // SAFETY: try_upload_weight writes all len values before each copy reads the buffer.
             match unsafe { ctx.alloc_pinned::<f32>(len) } {
                 Ok(b) => {
-                    self.bytes += bytes;
                     self.buffers.insert(len, b);
                 }
                 Err(_) => {
