@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Builds the CPU emulator of the CUDA stack (profiling/emu/README.md) into $EMU_DIR (default
+# target/cuda-emu): libcuda.so (the fake driver, the fiber runtime and every kernel of cuda/*.cu except the
+# bench's ceiling.cu, compiled by g++ from the unchanged sources), libcublas.so and libcusolver.so.
+# EMU_ASAN=1 builds the AddressSanitizer variant into target/cuda-emu-asan (run.sh with EMU_ASAN=1 uses it).
+#
+#   profiling/emu/build.sh            then   profiling/emu/run.sh cargo test --release --test parity_ops
+#
+# Needs g++ ≥ 12 (C++20, _Float16) on x86-64, python3, and cuda.h: from CUDA_HOME/include, or from the
+# PyPI nvcc that scripts/install_nvcc.sh installs (found next to $NVCC).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+emu=profiling/emu
+out="${EMU_DIR:-target/cuda-emu}"
+[[ "${EMU_ASAN:-0}" == 1 && -z "${EMU_DIR:-}" ]] && out=target/cuda-emu-asan
+cxx="${CXX:-g++}"
+mkdir -p "$out/gen"
+
+inc=""
+for cand in "${CUDA_HOME:-/nonexistent}/include" "$(dirname "${NVCC:-/nonexistent/bin/nvcc}")/../include" \
+    .nvcc-venv/lib/python3*/site-packages/nvidia/cu13/include \
+    "$HOME"/.cache/boa-cuda/nvcc/lib/python3*/site-packages/nvidia/cu13/include; do
+    if [[ -f "$cand/cuda.h" ]]; then inc="$cand"; break; fi
+done
+[[ -n "$inc" ]] || { echo "build.sh: cuda.h not found (set CUDA_HOME, or NVCC to a PyPI nvcc from scripts/install_nvcc.sh)" >&2; exit 1; }
+
+kernels=()
+for f in cuda/*.cu; do [[ "$f" == cuda/ceiling.cu ]] || kernels+=("$f"); done
+python3 "$emu/gen_kernels.py" "$out/gen" "$cxx" "${kernels[@]}"
+
+# No -march: without FMA instructions the compiler cannot contract a·b+c, so __fmul_rn/__fsub_rn keep
+# their meaning (README "Limits"). -O2 keeps the parity tests' launches to seconds.
+flags=(-std=c++20 -O2 -g -fPIC -fvisibility=hidden -Wall -Wno-unused-variable -Wno-unused-function -Wno-unknown-pragmas
+       -include "$emu/cuda_emu.h" -I "$emu/shim" -I "$emu" -I include -I "$out/gen")
+if [[ "${EMU_ASAN:-0}" == 1 ]]; then
+    # AddressSanitizer on the kernels and the driver: compute-sanitizer's memcheck on the CPU (run.sh preloads
+    # the runtime, because the Rust binaries are not instrumented).
+    flags+=(-fsanitize=address -fno-omit-frame-pointer -DEMU_ASAN)
+    link=(-fsanitize=address)
+else
+    link=()
+fi
+objs=() pids=()
+for f in "$out"/gen/*.emu.cpp "$emu/runtime.cpp" "$emu/driver.cpp"; do
+    o="$out/gen/$(basename "${f%.cpp}").o"
+    extra=()
+    [[ "$f" == */driver.cpp ]] && extra=(-I "$inc")  # only the driver sees the real CUDA headers
+    "$cxx" "${flags[@]}" "${extra[@]}" -c "$f" -o "$o" &
+    objs+=("$o") pids+=($!)
+done
+for p in "${pids[@]}"; do wait "$p" || { echo "build.sh: a compile failed (messages above)" >&2; exit 1; }; done
+"$cxx" -shared "${link[@]}" -o "$out/libcuda.so" "${objs[@]}" -lpthread
+"$cxx" -std=c++20 -O2 -fPIC -shared "${link[@]}" -o "$out/libcublas.so" "$emu/cublas.cpp" -lpthread
+"$cxx" -std=c++20 -O2 -fPIC -shared "${link[@]}" -o "$out/libcusolver.so" "$emu/cusolver.cpp" -lpthread
+# The emulator's own tests (check.sh runs them): device semantics on toy kernels, and the two libraries.
+"$cxx" "${flags[@]}" "${link[@]}" -o "$out/test_emu" "$emu/test_emu.cpp" "$emu/runtime.cpp"
+"$cxx" -std=c++20 -O2 "${link[@]}" -o "$out/test_blas" "$emu/test_blas.cpp" -ldl
+echo "$out"

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Runs the GPU halves of the tests on the CPU emulator (README.md here), twice: threads in order between
+# barriers, then in reverse (EMU_SCHEDULE=reverse), so a race on shared memory shows as a failure in one.
+# Builds the emulator first. Extra arguments go to cargo (the same as scripts/test.sh's, so nothing is
+# rebuilt: the test binaries must have the kernels embedded, BOA_REQUIRE_KERNELS=1).
+#
+#   profiling/emu/check.sh              # ~2 minutes on 2 cores
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+out="$(profiling/emu/build.sh | tail -n1)"
+echo "== the emulator's own tests"
+"$out/test_emu"
+EMU_SCHEDULE=reverse "$out/test_emu"
+"$out/test_blas" "$out" 2>/dev/null | tail -n1  # stderr: the refusals its bad-argument cases provoke
+tests=(--test parity_ops --test parity_quant --test parity_qgemm --test resident_forward)
+for order in forward reverse; do
+    echo "== CUDA tests on the CPU emulator, threads in $order order"
+    log="$(mktemp)"
+    # The tests print "skipped: <why>"; on the emulator nothing may be skipped (no device, no kernels, no cuBLAS).
+    EMU_SCHEDULE="$order" profiling/emu/run.sh cargo test --release "$@" "${tests[@]}" -- --nocapture 2>&1 \
+        | tee "$log" | grep -E "^test |test result|emulator\): .*(error|differ|mismatch)" || true
+    status="${PIPESTATUS[0]}"
+    if [[ "$status" != 0 ]]; then echo "check.sh: tests failed on the emulator ($order order)" >&2; exit 1; fi
+    if grep -q "skipped: " "$log"; then
+        echo "check.sh: CUDA tests skipped on the emulator:" >&2
+        grep "skipped: " "$log" | sort | uniq -c | head -5 >&2
+        exit 1
+    fi
+    grep -q "CPU emulator" "$log" || { echo "check.sh: no test ran on the emulator" >&2; exit 1; }
+    rm -f "$log"
+done

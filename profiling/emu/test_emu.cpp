@@ -1,0 +1,175 @@
+// test_emu.cpp — tests of the emulator's own device semantics (runtime.cpp + cuda_emu.h), on toy kernels
+// whose right answers are known: block and warp barriers, shuffles, vote functions, shared memory, wmma,
+// and the failures it must report (deadlock, __launch_bounds__). Built and run by build.sh / check.sh:
+//
+//   g++ -std=c++20 -O2 -include profiling/emu/cuda_emu.h -I profiling/emu/shim -I profiling/emu
+//       profiling/emu/test_emu.cpp profiling/emu/runtime.cpp -o test_emu && ./test_emu
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "runtime.h"
+#include <mma.h>
+
+using namespace nvcuda;
+
+static int g_failures = 0;
+#define CHECK(cond, ...)                                        \
+    do {                                                        \
+        if (!(cond) && ++g_failures <= 20) {                    \
+            std::fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
+            std::fprintf(stderr, __VA_ARGS__);                  \
+            std::fprintf(stderr, "\n");                         \
+        }                                                       \
+    } while (0)
+
+// Each thread publishes its index, then reads its neighbour's: right only if the barrier holds everyone.
+extern "C" __global__ void __launch_bounds__(256) neighbour_kernel(int* out) {
+    __shared__ int sh[256];
+    const unsigned t = threadIdx.x, n = blockDim.x;
+    sh[t] = (int)(t + 1000 * blockIdx.x);
+    __syncthreads();
+    out[blockIdx.x * n + t] = sh[(t + 1) % n];
+}
+
+// Warp sum by xor shuffles, block OR and count by __syncthreads_or/count, ballot of odd lanes.
+extern "C" __global__ void __launch_bounds__(64) collectives_kernel(int* out) {
+    const int t = (int)threadIdx.x;
+    int v = t;
+    for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+    out[t] = v;
+    out[64 + t] = __syncthreads_or(t == 37);
+    out[128 + t] = __syncthreads_count(t % 3 == 0);
+    out[192 + t] = (int)__ballot_sync(0xffffffffu, t & 1);
+    out[256 + t] = __shfl_down_sync(0xffffffffu, t, 1);
+}
+
+// Threads 0–15 wait at the block barrier, 16–31 at a warp barrier that needs 0–15: a deadlock on a GPU too.
+extern "C" __global__ void __launch_bounds__(32) deadlock_kernel(int*) {
+    if (threadIdx.x < 16) __syncthreads();
+    else __syncwarp();
+}
+
+// Reads static shared memory nobody wrote: must see the NaN pattern, not zero.
+extern "C" __global__ void __launch_bounds__(32) unwritten_smem_kernel(float* out) {
+    __shared__ float sh[32];
+    out[threadIdx.x] = sh[threadIdx.x];
+}
+
+// One 16×16×16 bf16 wmma product with f32 accumulation, row-major A, col-major B.
+extern "C" __global__ void __launch_bounds__(32) wmma_kernel(const __nv_bfloat16* a, const __nv_bfloat16* b, float* c) {
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa;
+    wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb;
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+    wmma::fill_fragment(acc, 1.0f);
+    wmma::load_matrix_sync(fa, a, 16);
+    wmma::load_matrix_sync(fb, b, 16);
+    wmma::mma_sync(acc, fa, fb, acc);
+    wmma::store_matrix_sync(c, acc, 16, wmma::mem_row_major);
+}
+
+// Lanes load different tiles: undefined in CUDA, reported by the emulator.
+extern "C" __global__ void __launch_bounds__(32) wmma_divergent_kernel(const __nv_bfloat16* a, float* c) {
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa;
+    wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb;
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+    wmma::fill_fragment(acc, 0.0f);
+    wmma::load_matrix_sync(fa, a + 256 * (threadIdx.x % 2), 16);
+    wmma::load_matrix_sync(fb, a, 16);
+    wmma::mma_sync(acc, fa, fb, acc);
+    wmma::store_matrix_sync(c, acc, 16, wmma::mem_row_major);
+}
+
+EMU_REGISTER(neighbour_kernel, 256)
+EMU_REGISTER(collectives_kernel, 64)
+EMU_REGISTER(deadlock_kernel, 32)
+EMU_REGISTER(unwritten_smem_kernel, 32)
+EMU_REGISTER(wmma_kernel, 32)
+EMU_REGISTER(wmma_divergent_kernel, 32)
+
+template <class... A>
+static std::string run(const char* name, uint3 grid, uint3 block, A*... args) {
+    const emu::Kernel* k = emu::find_kernel(name);
+    if (!k) return std::string("no kernel ") + name;
+    void* params[] = {(void*)args...};  // as cuLaunchKernel: one pointer to each argument's value
+    return emu::launch(*k, grid, block, 0, params);
+}
+
+int main() {
+    {
+        std::vector<int> out(3 * 256);
+        int* p = out.data();
+        const std::string err = run("neighbour_kernel", {3, 1, 1}, {256, 1, 1}, &p);
+        CHECK(err.empty(), "neighbour_kernel: %s", err.c_str());
+        for (unsigned b = 0; b < 3; ++b)
+            for (unsigned t = 0; t < 256; ++t)
+                CHECK(out[b * 256 + t] == (int)((t + 1) % 256 + 1000 * b), "neighbour b=%u t=%u got %d", b, t,
+                      out[b * 256 + t]);
+    }
+    {
+        std::vector<int> out(5 * 64);
+        int* p = out.data();
+        const std::string err = run("collectives_kernel", {1, 1, 1}, {64, 1, 1}, &p);
+        CHECK(err.empty(), "collectives_kernel: %s", err.c_str());
+        for (int t = 0; t < 64; ++t) {
+            const int w = t / 32;
+            CHECK(out[t] == 32 * 31 / 2 + 32 * 32 * w, "warp sum t=%d got %d", t, out[t]);
+            CHECK(out[64 + t] == 1, "syncthreads_or t=%d", t);
+            CHECK(out[128 + t] == 22, "syncthreads_count t=%d got %d", t, out[128 + t]);
+            CHECK((unsigned)out[192 + t] == 0xaaaaaaaau, "ballot t=%d got %x", t, (unsigned)out[192 + t]);
+            CHECK(out[256 + t] == (t % 32 == 31 ? t : t + 1), "shfl_down t=%d got %d", t, out[256 + t]);
+        }
+    }
+    {
+        int dummy = 0;
+        int* p = &dummy;
+        const std::string err = run("deadlock_kernel", {1, 1, 1}, {32, 1, 1}, &p);
+        CHECK(err.find("deadlock") != std::string::npos, "deadlock not reported: '%s'", err.c_str());
+        const std::string big = run("neighbour_kernel", {1, 1, 1}, {512, 1, 1}, &p);
+        CHECK(big.find("__launch_bounds__(256)") != std::string::npos, "launch bound not enforced: '%s'", big.c_str());
+    }
+    {
+        std::vector<float> out(32, 0.0f);
+        float* p = out.data();
+        const std::string err = run("unwritten_smem_kernel", {1, 1, 1}, {32, 1, 1}, &p);
+        CHECK(err.empty(), "unwritten_smem_kernel: %s", err.c_str());
+#ifndef EMU_ASAN
+        for (float v : out) CHECK(v != v, "unwritten shared memory read as %g, not NaN", v);
+#endif
+    }
+    {
+        alignas(32) __nv_bfloat16 a[256], b[256];
+        alignas(32) float c[256];
+        for (int i = 0; i < 256; ++i) {
+            a[i] = __float2bfloat16_rn(0.25f * (float)(i % 7) - 0.5f);
+            b[i] = __float2bfloat16_rn(0.125f * (float)(i % 5) - 0.25f);
+        }
+        __nv_bfloat16* pa = a;
+        __nv_bfloat16* pb = b;
+        float* pc = c;
+        const std::string err = run("wmma_kernel", {1, 1, 1}, {32, 1, 1}, &pa, &pb, &pc);
+        CHECK(err.empty(), "wmma_kernel: %s", err.c_str());
+        for (int i = 0; i < 16; ++i)
+            for (int j = 0; j < 16; ++j) {
+                float want = 1.0f;
+                for (int k = 0; k < 16; ++k) want += (float)a[i * 16 + k] * (float)b[j * 16 + k];  // B col-major
+                CHECK(c[i * 16 + j] == want, "wmma c[%d][%d] = %g, want %g", i, j, c[i * 16 + j], want);
+            }
+    }
+    {
+        alignas(32) __nv_bfloat16 a[512];
+        alignas(32) float c[256];
+        for (int i = 0; i < 512; ++i) a[i] = __float2bfloat16_rn((float)(i % 11));
+        __nv_bfloat16* pa = a;
+        float* pc = c;
+        const std::string err = run("wmma_divergent_kernel", {1, 1, 1}, {32, 1, 1}, &pa, &pc);
+        CHECK(err.find("different fragments") != std::string::npos, "divergent wmma not reported: '%s'", err.c_str());
+    }
+    if (g_failures) {
+        std::fprintf(stderr, "test_emu: %d failures\n", g_failures);
+        return 1;
+    }
+    std::printf("test_emu: barriers, shuffles, votes, shared memory, wmma, deadlock, launch-bound and warp-uniform checks pass\n");
+    return 0;
+}
