@@ -26,8 +26,9 @@
 
 #include "cuda_emu.h"
 
-// emu_switch(save, to): saves the callee-saved registers, MXCSR and the x87 control word on the current
-// stack, stores the stack pointer in *save, and resumes the context whose stack pointer is `to`.
+// emu_switch(save, to): pushes the callee-saved registers on the current stack, stores the stack pointer in
+// *save, and resumes the context whose stack pointer is `to`. MXCSR and the x87 control word are not
+// switched: nothing in a kernel or in the host code changes them, and their loads serialise the pipeline.
 asm(R"(
     .pushsection .text
     .globl emu_switch
@@ -39,14 +40,8 @@ emu_switch:
     pushq %r13
     pushq %r14
     pushq %r15
-    subq $8, %rsp
-    stmxcsr (%rsp)
-    fnstcw 4(%rsp)
     movq %rsp, (%rdi)
     movq %rsi, %rsp
-    ldmxcsr (%rsp)
-    fldcw 4(%rsp)
-    addq $8, %rsp
     popq %r15
     popq %r14
     popq %r13
@@ -189,7 +184,6 @@ void* initial_sp(char* stack) {
     *--top = 0;                                     // fiber_main's (never used) return address
     *--top = reinterpret_cast<uint64_t>(&fiber_main);
     for (int i = 0; i < 6; ++i) *--top = 0;         // rbp rbx r12 r13 r14 r15
-    *--top = 0x1F80ull | (0x037Full << 32);         // default MXCSR, x87 control word
     return top;
 }
 
