@@ -12,7 +12,7 @@ echo "== the emulator's own tests"
 "$out/test_emu"
 EMU_SCHEDULE=reverse "$out/test_emu"
 "$out/test_blas" "$out" 2>/dev/null | tail -n1  # stderr: the refusals its bad-argument cases provoke
-tests=(--test parity_ops --test parity_quant --test parity_qgemm --test resident_forward)
+tests=(--test parity_ops --test parity_quant --test parity_qgemm --test resident_forward --test device_run)
 for order in forward reverse; do
     echo "== CUDA tests on the CPU emulator, threads in $order order"
     log="$(mktemp)"
