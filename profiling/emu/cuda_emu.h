@@ -11,8 +11,9 @@
 //   - `__shared__` becomes `static` (in section emu_shared): blocks of one launch run one after another on one OS thread, and
 //     launches are serialised, so one copy per kernel is one copy per running block. Dynamic shared memory
 //     (`extern __shared__ T name[];`) is rewritten by gen_kernels.py into a pointer from emu::dyn_smem().
-//   - wmma fragments hold the whole 16×16 tile in every lane; load/store/mma are computed per lane, which
-//     is exact for code that treats fragments as opaque (ours does; `.x[]` is refused at compile time).
+//   - wmma fragments hold the whole 16×16 tile in every lane, which is exact for code that treats fragments
+//     as opaque (ours does; `.x[]` is refused at compile time). Loads and stores run per lane; mma_sync runs
+//     once per warp and checks that the other lanes hold the same fragments (emu::warp_uniform).
 #pragma once
 
 #include <cmath>

@@ -221,8 +221,9 @@ const Kernel* find_kernel(const char* name) {
 }
 
 std::string launch(const Kernel& k, uint3 grid, uint3 block, size_t smem_bytes, void** params) {
-    // EMU_SCHEDULE=reverse runs the threads between two barriers from the last to the first: a result that
-    // changes with the order is a race (a missing barrier), which one fixed order can hide.
+    // EMU_SCHEDULE=reverse runs the threads between two barriers from the last to the first, and the blocks
+    // from the last to the first: a result that changes with the order is a race (a missing barrier or
+    // fence), which one fixed order can hide.
     static const bool reverse = [] {
         const char* s = std::getenv("EMU_SCHEDULE");
         return s && std::string(s) == "reverse";
@@ -261,9 +262,13 @@ std::string launch(const Kernel& k, uint3 grid, uint3 block, size_t smem_bytes, 
     if (&__stop_emu_shared > &__start_emu_shared)
         std::memset(__start_emu_shared, 0xff, (size_t)(__stop_emu_shared - __start_emu_shared));
     g_block = &b;
-    for (unsigned z = 0; z < grid.z; ++z)
-        for (unsigned y = 0; y < grid.y; ++y)
-            for (unsigned x = 0; x < grid.x; ++x) {
+    // Reverse order also runs the blocks last to first: a kernel whose blocks communicate (qgemm's split-K
+    // "last block sums") must not depend on which block finishes first.
+    for (unsigned zi = 0; zi < grid.z; ++zi)
+        for (unsigned yi = 0; yi < grid.y; ++yi)
+            for (unsigned xi = 0; xi < grid.x; ++xi) {
+                const unsigned x = reverse ? grid.x - 1 - xi : xi, y = reverse ? grid.y - 1 - yi : yi,
+                               z = reverse ? grid.z - 1 - zi : zi;
                 b.bid = {x, y, z};
                 b.block = Barrier{};
                 b.block.live = nthreads;
