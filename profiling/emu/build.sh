@@ -25,7 +25,7 @@ done
 [[ -n "$inc" ]] || { echo "build.sh: cuda.h not found (set CUDA_HOME, or NVCC to a PyPI nvcc from scripts/install_nvcc.sh)" >&2; exit 1; }
 
 kernels=()
-for f in cuda/*.cu; do [[ "$f" == cuda/ceiling.cu ]] || kernels+=("$f"); done
+for f in cuda/*.cu; do kernels+=("$f"); done
 python3 "$emu/gen_kernels.py" "$out/gen" "$cxx" "${kernels[@]}"
 
 # No -march: without FMA instructions the compiler cannot contract a·b+c, so __fmul_rn/__fsub_rn keep

@@ -12,8 +12,8 @@
 //     launches are serialised, so one copy per kernel is one copy per running block. Dynamic shared memory
 //     (`extern __shared__ T name[];`) is rewritten by gen_kernels.py into a pointer from emu::dyn_smem().
 //   - wmma fragments hold the whole 16×16 tile in every lane, which is exact for code that treats fragments
-//     as opaque (ours does; `.x[]` is refused at compile time). Loads and stores run per lane; mma_sync runs
-//     once per warp and checks that the other lanes hold the same fragments (emu::warp_uniform).
+//     as opaque or works on them element by element (ours does). Loads and stores run per lane; mma_sync
+//     runs once per warp and checks that the other lanes hold the same fragments (emu::warp_uniform).
 #pragma once
 
 #include <cmath>
@@ -349,11 +349,14 @@ struct col_major {};
 enum layout_t { mem_row_major, mem_col_major };
 
 // Every lane keeps the whole tile (rows × cols of its role) in f32; inputs were rounded to T when stored.
+// `x` and `num_elements` exist so element-wise code (ceiling.cu sums accumulators with them) compiles; it
+// then works on the whole tile in every lane, which is the same result for element-wise operations.
 template <class Use, int M, int N, int K, class T, class Layout = void>
 struct fragment {
     static constexpr int rows = std::is_same_v<Use, matrix_b> ? K : M;
     static constexpr int cols = std::is_same_v<Use, matrix_a> ? K : N;
-    float v[rows * cols];
+    static constexpr int num_elements = rows * cols;
+    float x[num_elements];
 };
 
 namespace detail {
@@ -367,7 +370,7 @@ void check(const T* p, unsigned ldm, const char* what) {
 
 template <class Use, int M, int N, int K, class T, class L>
 void fill_fragment(fragment<Use, M, N, K, T, L>& f, float v) {
-    for (float& x : f.v) x = v;
+    for (float& x : f.x) x = v;
 }
 template <class Use, int M, int N, int K, class T, class L, class P>
 void load_matrix_sync(fragment<Use, M, N, K, T, L>& f, const P* p, unsigned ldm) {
@@ -377,13 +380,13 @@ void load_matrix_sync(fragment<Use, M, N, K, T, L>& f, const P* p, unsigned ldm)
     using F = fragment<Use, M, N, K, T, L>;
     for (int r = 0; r < F::rows; ++r)
         for (int c = 0; c < F::cols; ++c)
-            f.v[r * F::cols + c] = (float)(std::is_same_v<L, row_major> ? p[(size_t)r * ldm + c] : p[r + (size_t)c * ldm]);
+            f.x[r * F::cols + c] = (float)(std::is_same_v<L, row_major> ? p[(size_t)r * ldm + c] : p[r + (size_t)c * ldm]);
 }
 template <int M, int N, int K, class T>
 void store_matrix_sync(float* p, const fragment<accumulator, M, N, K, T>& f, unsigned ldm, layout_t layout) {
     detail::check(p, ldm, "wmma::store_matrix_sync: base not 32-byte aligned or ldm not a multiple of 16 bytes");
     for (int r = 0; r < M; ++r)
-        for (int c = 0; c < N; ++c) (layout == mem_row_major ? p[(size_t)r * ldm + c] : p[r + (size_t)c * ldm]) = f.v[r * N + c];
+        for (int c = 0; c < N; ++c) (layout == mem_row_major ? p[(size_t)r * ldm + c] : p[r + (size_t)c * ldm]) = f.x[r * N + c];
 }
 template <int M, int N, int K, class TA, class LA, class LB, class TC>
 void mma_sync(fragment<accumulator, M, N, K, TC>& d, const fragment<matrix_a, M, N, K, TA, LA>& a,
@@ -391,10 +394,10 @@ void mma_sync(fragment<accumulator, M, N, K, TC>& d, const fragment<matrix_a, M,
     struct In {
         float a[M * K], b[K * N], c[M * N];
     } in;
-    std::memcpy(in.a, a.v, sizeof in.a);
-    std::memcpy(in.b, b.v, sizeof in.b);
-    std::memcpy(in.c, c.v, sizeof in.c);
-    emu::warp_uniform(&in, sizeof in, d.v, sizeof d.v, [](const void* p, void* o) {
+    std::memcpy(in.a, a.x, sizeof in.a);
+    std::memcpy(in.b, b.x, sizeof in.b);
+    std::memcpy(in.c, c.x, sizeof in.c);
+    emu::warp_uniform(&in, sizeof in, d.x, sizeof d.x, [](const void* p, void* o) {
         const In& x = *static_cast<const In*>(p);
         float* out = static_cast<float*>(o);
         for (int i = 0; i < M; ++i)
