@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the CPU emulator of the CUDA stack (profiling/emu/README.md) into $EMU_DIR (default
-# target/cuda-emu): libcuda.so (the fake driver, the fiber runtime and every kernel of cuda/*.cu except the
-# bench's ceiling.cu, compiled by g++ from the unchanged sources), libcublas.so and libcusolver.so.
+# target/cuda-emu): libcuda.so (the fake driver, the fiber runtime and every kernel of cuda/*.cu, compiled by
+# g++ from the unchanged sources), libcublas.so and libcusolver.so.
 # EMU_ASAN=1 builds the AddressSanitizer variant into target/cuda-emu-asan (run.sh with EMU_ASAN=1 uses it).
 #
 #   profiling/emu/build.sh            then   profiling/emu/run.sh cargo test --release --test parity_ops

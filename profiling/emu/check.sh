@@ -17,9 +17,11 @@ for order in forward reverse; do
     echo "== CUDA tests on the CPU emulator, threads in $order order"
     log="$(mktemp)"
     # The tests print "skipped: <why>"; on the emulator nothing may be skipped (no device, no kernels, no cuBLAS).
+    set +e
     EMU_SCHEDULE="$order" profiling/emu/run.sh cargo test --release "$@" "${tests[@]}" -- --nocapture 2>&1 \
-        | tee "$log" | grep -E "^test |test result|emulator\): .*(error|differ|mismatch)" || true
-    status="${PIPESTATUS[0]}"
+        | tee "$log" | grep -E "^test |test result|emulator\): .*(error|differ|mismatch)"
+    status="${PIPESTATUS[0]}"  # cargo's, not grep's
+    set -e
     if [[ "$status" != 0 ]]; then echo "check.sh: tests failed on the emulator ($order order)" >&2; exit 1; fi
     if grep -q "skipped: " "$log"; then
         echo "check.sh: CUDA tests skipped on the emulator:" >&2

@@ -46,7 +46,7 @@ size_t g_device_bytes = 0;
 size_t total_bytes() {
     static const size_t t = [] {
         const char* s = std::getenv("EMU_MEM_GIB");
-        return (size_t)(s ? std::atof(s) : 16.0) * (size_t(1) << 30);
+        return (size_t)((s ? std::atof(s) : 16.0) * (double)(size_t(1) << 30));
     }();
     return t;
 }

@@ -12,6 +12,9 @@
 #include "runtime.h"
 
 #include <sys/mman.h>
+#ifdef EMU_ASAN
+#include <sanitizer/common_interface_defs.h>
+#endif
 
 #include <algorithm>
 #include <array>
@@ -128,7 +131,36 @@ char* take_stack() {
     return static_cast<char*>(p);
 }
 
-void yield_to_scheduler() { emu_switch(&g_fiber->sp, g_block->sched_sp); }
+// Under EMU_ASAN the sanitizer is told about every stack switch (its fiber API), so it knows which stack it
+// is on; otherwise a [[noreturn]] call on a fiber stack makes it warn and may give false reports.
+#ifdef EMU_ASAN
+thread_local const void* g_sched_bottom = nullptr;
+thread_local size_t g_sched_size = 0;
+#endif
+
+void yield_to_scheduler(bool finished = false) {
+#ifdef EMU_ASAN
+    void* fake = nullptr;
+    __sanitizer_start_switch_fiber(finished ? nullptr : &fake, g_sched_bottom, g_sched_size);
+#endif
+    emu_switch(&g_fiber->sp, g_block->sched_sp);
+#ifdef EMU_ASAN
+    __sanitizer_finish_switch_fiber(fake, &g_sched_bottom, &g_sched_size);
+#endif
+    (void)finished;
+}
+
+// The scheduler's side of a switch into fiber `f`.
+void run_fiber(Block& b, Fiber& f) {
+#ifdef EMU_ASAN
+    void* fake = nullptr;
+    __sanitizer_start_switch_fiber(&fake, f.stack, kStackBytes);
+#endif
+    emu_switch(&b.sched_sp, f.sp);
+#ifdef EMU_ASAN
+    __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#endif
+}
 
 void complete(Barrier& b, unsigned first, unsigned count) {
     b.res_or = b.acc_or;
@@ -164,6 +196,9 @@ void arrive(Barrier& b, int pred, unsigned first, unsigned count) {
 }
 
 void fiber_main() {
+#ifdef EMU_ASAN
+    __sanitizer_finish_switch_fiber(nullptr, &g_sched_bottom, &g_sched_size);
+#endif
     g_block->kernel->invoke(g_block->params);
     Fiber& f = *g_fiber;
     Block& blk = *g_block;
@@ -174,7 +209,7 @@ void fiber_main() {
     if (--blk.block.live > 0 && blk.block.arrived == blk.block.live && blk.block.arrived > 0)
         complete(blk.block, 0, (unsigned)blk.fibers.size());
     if (--w.live > 0 && w.arrived == w.live && w.arrived > 0) complete(w, f.warp * 32, 32);
-    yield_to_scheduler();
+    yield_to_scheduler(true);
     std::abort();  // a finished fiber is never resumed
 }
 
@@ -298,7 +333,7 @@ std::string launch(const Kernel& k, uint3 grid, uint3 block, size_t smem_bytes, 
                             f.sp = initial_sp(f.stack);
                         }
                         g_fiber = &f;
-                        emu_switch(&b.sched_sp, f.sp);
+                        run_fiber(b, f);
                         if (f.state == State::Done) {  // off its stack now: the stack can be reused
                             g_free_stacks.push_back(f.stack);
                             f.stack = nullptr;
