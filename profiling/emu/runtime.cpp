@@ -126,9 +126,13 @@ char* take_stack() {
         g_free_stacks.pop_back();
         return s;
     }
-    void* p = mmap(nullptr, kStackBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (p == MAP_FAILED) throw std::runtime_error("emu: cannot map a fiber stack");
-    return static_cast<char*>(p);
+    // A guard page below each stack: a kernel that overflows its fiber's stack faults instead of silently
+    // overwriting the next fiber's.
+    constexpr size_t kGuard = 4096;
+    void* p = mmap(nullptr, kStackBytes + kGuard, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                   -1, 0);
+    if (p == MAP_FAILED || mprotect(p, kGuard, PROT_NONE) != 0) throw std::runtime_error("emu: cannot map a fiber stack");
+    return static_cast<char*>(p) + kGuard;
 }
 
 // Under EMU_ASAN the sanitizer is told about every stack switch (its fiber API), so it knows which stack it
