@@ -31,12 +31,8 @@
 // precision compute types (CUBLAS_COMPUTE_32F_FAST_16F/16BF/TF32, EMULATED_16BFX9) and CUBLAS_TF32_TENSOR_OP
 // math are computed exactly too: on a GPU they may be less accurate than here, never more.
 
-#include <immintrin.h>
-
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <cstdarg>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -45,7 +41,6 @@
 #include <exception>
 #include <memory>
 #include <new>
-#include <thread>
 #include <vector>
 
 namespace {
@@ -77,18 +72,11 @@ constexpr int CUDART_VERSION = 13000;
 
 constexpr uint64_t HANDLE_MAGIC = 0x656d75626c617321ull;  // "emublas!": catches stale or foreign handles
 
-void complain(const char* fn, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
-void complain(const char* fn, const char* fmt, ...) {
-    // One line per refused call, so an emulated run that takes a path the emulator lacks says which.
-    char msg[512];
-    va_list ap;
-    va_start(ap, fmt);
-    std::vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    std::fprintf(stderr, "emu libcublas: %s: %s\n", fn, msg);
-}
+constexpr const char* kEmuLib = "libcublas";  // for host_blas.h's messages
 
 }  // namespace
+
+#include "host_blas.h"
 
 struct cublasContext {
     uint64_t magic;
@@ -104,6 +92,15 @@ using cublasHandle_t = cublasContext*;
 namespace {
 
 bool live(cublasHandle_t h) { return h != nullptr && h->magic == HANDLE_MAGIC; }
+
+// The Get* calls: a live handle and somewhere to write, then one field of it.
+template <class T>
+int get_field(cublasHandle_t h, T* out, T cublasContext::*field) {
+    if (!live(h)) return ST_NOT_INITIALIZED;
+    if (out == nullptr) return ST_INVALID_VALUE;
+    *out = h->*field;
+    return ST_SUCCESS;
+}
 
 // ---- element types --------------------------------------------------------------------------------------
 // Each reads its storage into double and writes a double back rounded to nearest even. bf16 and f16 writes
@@ -175,7 +172,7 @@ struct F16 {
 // KC slice into double panels (MR rows / NR columns, k-major) so the micro-kernel streams contiguous memory
 // whatever the transposes and leading dimensions are.
 
-constexpr int64_t MR = 8, NR = 4, KC = 256, MC = 128, NC = 128;
+constexpr int64_t KC = 256, MC = 128, NC = 128;  // MR, NR: host_blas.h
 
 struct GemmCall {
     int opa, opb;
@@ -189,53 +186,6 @@ struct GemmCall {
     int64_t ldc, stride_c;
     int64_t batch;
 };
-
-// out (MR × NR, column-major) = Σ_p a[p·MR + i] · b[p·NR + j].
-__attribute__((target("avx2,fma"))) void micro_avx2(int64_t kc, const double* a, const double* b, double* out) {
-    __m256d c00 = _mm256_setzero_pd(), c01 = c00, c02 = c00, c03 = c00;
-    __m256d c10 = c00, c11 = c00, c12 = c00, c13 = c00;
-    for (int64_t p = 0; p < kc; ++p, a += MR, b += NR) {
-        const __m256d a0 = _mm256_loadu_pd(a), a1 = _mm256_loadu_pd(a + 4);
-        __m256d bj = _mm256_broadcast_sd(b);
-        c00 = _mm256_fmadd_pd(a0, bj, c00);
-        c10 = _mm256_fmadd_pd(a1, bj, c10);
-        bj = _mm256_broadcast_sd(b + 1);
-        c01 = _mm256_fmadd_pd(a0, bj, c01);
-        c11 = _mm256_fmadd_pd(a1, bj, c11);
-        bj = _mm256_broadcast_sd(b + 2);
-        c02 = _mm256_fmadd_pd(a0, bj, c02);
-        c12 = _mm256_fmadd_pd(a1, bj, c12);
-        bj = _mm256_broadcast_sd(b + 3);
-        c03 = _mm256_fmadd_pd(a0, bj, c03);
-        c13 = _mm256_fmadd_pd(a1, bj, c13);
-    }
-    _mm256_storeu_pd(out + 0, c00);
-    _mm256_storeu_pd(out + 4, c10);
-    _mm256_storeu_pd(out + 8, c01);
-    _mm256_storeu_pd(out + 12, c11);
-    _mm256_storeu_pd(out + 16, c02);
-    _mm256_storeu_pd(out + 20, c12);
-    _mm256_storeu_pd(out + 24, c03);
-    _mm256_storeu_pd(out + 28, c13);
-}
-
-void micro_generic(int64_t kc, const double* a, const double* b, double* out) {
-    double acc[MR * NR] = {};
-    for (int64_t p = 0; p < kc; ++p, a += MR, b += NR)
-        for (int64_t j = 0; j < NR; ++j)
-            for (int64_t i = 0; i < MR; ++i) acc[i + j * MR] += a[i] * b[j];
-    std::memcpy(out, acc, sizeof acc);
-}
-
-using Micro = void (*)(int64_t, const double*, const double*, double*);
-
-Micro pick_micro() {
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return micro_avx2;
-    return micro_generic;
-}
-
-const Micro micro = pick_micro();
 
 // op(A) rows [i0, i0+mc) × k [p0, p0+kc) → MR-row panels, rows past mc zero.
 template <class T>
@@ -347,51 +297,16 @@ void gemm_tile(const GemmCall& g, int64_t z, int64_t i0, int64_t mc, int64_t j0,
     }
 }
 
-unsigned thread_count() {
-    // EMU_BLAS_THREADS caps the worker threads (results do not depend on it; only the time does).
-    static const unsigned n = [] {
-        unsigned hw = std::max(1u, std::thread::hardware_concurrency());
-        if (const char* e = std::getenv("EMU_BLAS_THREADS")) {
-            const long v = std::strtol(e, nullptr, 10);
-            if (v >= 1) hw = static_cast<unsigned>(std::min<long>(v, 256));
-        }
-        return hw;
-    }();
-    return n;
-}
-
 template <class TAB, class TC>
 void gemm_run(const GemmCall& g) {
     const int64_t tm = (g.m + MC - 1) / MC, tn = (g.n + NC - 1) / NC;
-    const int64_t tasks = g.batch * tm * tn;
-    std::atomic<int64_t> next{0};
-    std::atomic<bool> out_of_memory{false};
-    auto worker = [&] {
-        // Exceptions must not leave a std::thread (that would terminate the process): report them instead.
-        try {
-            Scratch s(g);
-            for (int64_t t; (t = next.fetch_add(1)) < tasks;) {
-                const int64_t z = t / (tm * tn), r = t % (tm * tn);
-                const int64_t i0 = (r % tm) * MC, j0 = (r / tm) * NC;
-                gemm_tile<TAB, TC>(g, z, i0, std::min(MC, g.m - i0), j0, std::min(NC, g.n - j0), s);
-            }
-        } catch (const std::bad_alloc&) {
-            out_of_memory = true;
-        }
-    };
-    // Threads only pay off past a few million multiply-adds; below that one thread is faster.
-    const double work = static_cast<double>(g.m) * g.n * g.k * g.batch;
-    const int64_t want = work < 4e6 ? 1 : std::min<int64_t>(thread_count(), tasks);
-    std::vector<std::thread> pool;
-    try {
-        for (int64_t i = 1; i < want; ++i) pool.emplace_back(worker);
-    } catch (const std::exception&) {
-        // Fewer threads than wanted (thread creation failed): the atomic task counter still covers every tile.
-    }
-    worker();
-    for (auto& t : pool) t.join();
-    // A worker that ran out of memory may have claimed tiles it never computed: the call has failed.
-    if (out_of_memory) throw std::bad_alloc();
+    parallel_tasks(
+        g.batch * tm * tn, static_cast<double>(g.m) * g.n * g.k * g.batch, [&] { return Scratch(g); },
+        [&](Scratch& s, int64_t t) {
+            const int64_t z = t / (tm * tn), r = t % (tm * tn);
+            const int64_t i0 = (r % tm) * MC, j0 = (r / tm) * NC;
+            gemm_tile<TAB, TC>(g, z, i0, std::min(MC, g.m - i0), j0, std::min(NC, g.n - j0), s);
+        });
 }
 
 // Checks shared by every GEMM entry point (cuBLAS's documented CUBLAS_STATUS_INVALID_VALUE cases), then runs.
@@ -551,10 +466,7 @@ EXPORT int cublasSetStream_v2(cublasHandle_t handle, void* stream) {
 }
 
 EXPORT int cublasGetStream_v2(cublasHandle_t handle, void** stream) {
-    if (!live(handle)) return ST_NOT_INITIALIZED;
-    if (stream == nullptr) return ST_INVALID_VALUE;
-    *stream = handle->stream;
-    return ST_SUCCESS;
+    return get_field(handle, stream, &cublasContext::stream);
 }
 
 EXPORT int cublasSetPointerMode_v2(cublasHandle_t handle, int mode) {
@@ -568,10 +480,7 @@ EXPORT int cublasSetPointerMode_v2(cublasHandle_t handle, int mode) {
 }
 
 EXPORT int cublasGetPointerMode_v2(cublasHandle_t handle, int* mode) {
-    if (!live(handle)) return ST_NOT_INITIALIZED;
-    if (mode == nullptr) return ST_INVALID_VALUE;
-    *mode = handle->pointer_mode;
-    return ST_SUCCESS;
+    return get_field(handle, mode, &cublasContext::pointer_mode);
 }
 
 EXPORT int cublasSetMathMode(cublasHandle_t handle, int mode) {
@@ -588,10 +497,7 @@ EXPORT int cublasSetMathMode(cublasHandle_t handle, int mode) {
 }
 
 EXPORT int cublasGetMathMode(cublasHandle_t handle, int* mode) {
-    if (!live(handle)) return ST_NOT_INITIALIZED;
-    if (mode == nullptr) return ST_INVALID_VALUE;
-    *mode = handle->math_mode;
-    return ST_SUCCESS;
+    return get_field(handle, mode, &cublasContext::math_mode);
 }
 
 EXPORT int cublasSetAtomicsMode(cublasHandle_t handle, int mode) {
@@ -602,10 +508,7 @@ EXPORT int cublasSetAtomicsMode(cublasHandle_t handle, int mode) {
 }
 
 EXPORT int cublasGetAtomicsMode(cublasHandle_t handle, int* mode) {
-    if (!live(handle)) return ST_NOT_INITIALIZED;
-    if (mode == nullptr) return ST_INVALID_VALUE;
-    *mode = handle->atomics_mode;
-    return ST_SUCCESS;
+    return get_field(handle, mode, &cublasContext::atomics_mode);
 }
 
 EXPORT int cublasSetWorkspace_v2(cublasHandle_t handle, void* workspace, size_t bytes) {

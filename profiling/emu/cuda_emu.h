@@ -156,14 +156,7 @@ inline unsigned __ballot_sync(unsigned mask, int p) {
     return r;
 }
 inline int __any_sync(unsigned mask, int p) { return __ballot_sync(mask, p) != 0; }
-inline int __all_sync(unsigned mask, int p) {
-    uint64_t all[32];
-    if (mask != 0xffffffffu) emu::fail("__all_sync with a partial mask is not emulated");
-    emu::warp_gather(p != 0 ? 2 : 1, all);
-    for (int i = 0; i < 32; ++i)
-        if (all[i] == 1) return 0;
-    return 1;
-}
+inline int __all_sync(unsigned mask, int p) { return !__any_sync(mask, !p); }  // exited lanes vote for neither
 
 // Blocks run one at a time and launches are serialised, so plain read-modify-writes are atomic here.
 template <class T>

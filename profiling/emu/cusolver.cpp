@@ -32,12 +32,8 @@
 // columns, so results are at least as accurate as cuSOLVER's f32 arithmetic and do not depend on the thread
 // count.
 
-#include <immintrin.h>
-
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <cstdarg>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -46,7 +42,6 @@
 #include <exception>
 #include <memory>
 #include <new>
-#include <thread>
 #include <vector>
 
 namespace {
@@ -77,18 +72,11 @@ constexpr size_t DEVICE_WORKSPACE_BYTES = 256, HOST_WORKSPACE_BYTES = 0;
 
 constexpr uint64_t HANDLE_MAGIC = 0x656d75736f6c7672ull, PARAMS_MAGIC = 0x656d757061726d73ull;
 
-void complain(const char* fn, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
-void complain(const char* fn, const char* fmt, ...) {
-    // One line per refused call, so an emulated run that takes a path the emulator lacks says which.
-    char msg[512];
-    va_list ap;
-    va_start(ap, fmt);
-    std::vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    std::fprintf(stderr, "emu libcusolver: %s: %s\n", fn, msg);
-}
+constexpr const char* kEmuLib = "libcusolver";  // for host_blas.h's messages
 
 }  // namespace
+
+#include "host_blas.h"
 
 struct cusolverDnContext {
     uint64_t magic;
@@ -111,92 +99,7 @@ bool live(cusolverDnHandle_t h) { return h != nullptr && h->magic == HANDLE_MAGI
 // small block already in double). P is packed per KC slice into MR-row panels so the micro-kernel streams
 // contiguous memory whichever triangle (lower: column-contiguous, upper: row-contiguous) P comes from.
 
-constexpr int64_t MR = 8, NR = 4, KC = 256, MC = 128, NB = 64;
-
-// out (MR × NR, column-major) = Σ_p a[p·MR + i] · b[p·NR + j].
-__attribute__((target("avx2,fma"))) void micro_avx2(int64_t kc, const double* a, const double* b, double* out) {
-    __m256d c00 = _mm256_setzero_pd(), c01 = c00, c02 = c00, c03 = c00;
-    __m256d c10 = c00, c11 = c00, c12 = c00, c13 = c00;
-    for (int64_t p = 0; p < kc; ++p, a += MR, b += NR) {
-        const __m256d a0 = _mm256_loadu_pd(a), a1 = _mm256_loadu_pd(a + 4);
-        __m256d bj = _mm256_broadcast_sd(b);
-        c00 = _mm256_fmadd_pd(a0, bj, c00);
-        c10 = _mm256_fmadd_pd(a1, bj, c10);
-        bj = _mm256_broadcast_sd(b + 1);
-        c01 = _mm256_fmadd_pd(a0, bj, c01);
-        c11 = _mm256_fmadd_pd(a1, bj, c11);
-        bj = _mm256_broadcast_sd(b + 2);
-        c02 = _mm256_fmadd_pd(a0, bj, c02);
-        c12 = _mm256_fmadd_pd(a1, bj, c12);
-        bj = _mm256_broadcast_sd(b + 3);
-        c03 = _mm256_fmadd_pd(a0, bj, c03);
-        c13 = _mm256_fmadd_pd(a1, bj, c13);
-    }
-    _mm256_storeu_pd(out + 0, c00);
-    _mm256_storeu_pd(out + 4, c10);
-    _mm256_storeu_pd(out + 8, c01);
-    _mm256_storeu_pd(out + 12, c11);
-    _mm256_storeu_pd(out + 16, c02);
-    _mm256_storeu_pd(out + 20, c12);
-    _mm256_storeu_pd(out + 24, c03);
-    _mm256_storeu_pd(out + 28, c13);
-}
-
-void micro_generic(int64_t kc, const double* a, const double* b, double* out) {
-    double acc[MR * NR] = {};
-    for (int64_t p = 0; p < kc; ++p, a += MR, b += NR)
-        for (int64_t j = 0; j < NR; ++j)
-            for (int64_t i = 0; i < MR; ++i) acc[i + j * MR] += a[i] * b[j];
-    std::memcpy(out, acc, sizeof acc);
-}
-
-using Micro = void (*)(int64_t, const double*, const double*, double*);
-
-Micro pick_micro() {
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return micro_avx2;
-    return micro_generic;
-}
-
-const Micro micro = pick_micro();
-
-unsigned thread_count() {
-    // EMU_BLAS_THREADS caps the worker threads (results do not depend on it; only the time does).
-    static const unsigned n = [] {
-        unsigned hw = std::max(1u, std::thread::hardware_concurrency());
-        if (const char* e = std::getenv("EMU_BLAS_THREADS")) {
-            const long v = std::strtol(e, nullptr, 10);
-            if (v >= 1) hw = static_cast<unsigned>(std::min<long>(v, 256));
-        }
-        return hw;
-    }();
-    return n;
-}
-
-// Runs body(task) for every task in [0, tasks) on up to thread_count() threads (one when the work is small).
-template <class F>
-void parallel_tasks(int64_t tasks, double work, F&& body) {
-    std::atomic<int64_t> next{0};
-    std::atomic<bool> out_of_memory{false};
-    auto worker = [&] {
-        // Exceptions must not leave a std::thread (that would terminate the process): report them instead.
-        try {
-            for (int64_t t; (t = next.fetch_add(1)) < tasks;) body(t);
-        } catch (const std::bad_alloc&) {
-            out_of_memory = true;
-        }
-    };
-    const int64_t want = work < 4e6 ? 1 : std::min<int64_t>(thread_count(), tasks);
-    std::vector<std::thread> pool;
-    try {
-        for (int64_t i = 1; i < want; ++i) pool.emplace_back(worker);
-    } catch (const std::exception&) {
-        // Fewer threads than wanted: the shared task counter still covers every task.
-    }
-    worker();
-    for (auto& t : pool) t.join();
-    if (out_of_memory) throw std::bad_alloc();
-}
+constexpr int64_t KC = 256, MC = 128, NB = 64;  // MR, NR: host_blas.h
 
 // The stored triangle seen as lower: element (i, j), i ≥ j, of L (or of the symmetric A's lower half). For
 // CUBLAS_FILL_MODE_UPPER that is U(j, i) = a[j + i·lda]: U = Lᵀ, so one lower algorithm serves both fills.
@@ -233,7 +136,7 @@ void update(double* w, int64_t ldw, int64_t m, int64_t nq, int64_t k, const Tri<
     if (m <= 0 || nq <= 0 || k <= 0) return;
     const int64_t chunks = (m + MC - 1) / MC;
     const bool row_contiguous = view.rs == 1;
-    parallel_tasks(chunks, static_cast<double>(m) * nq * k, [&](int64_t chunk) {
+    parallel_tasks(chunks, static_cast<double>(m) * nq * k, [] { return 0; }, [&](int, int64_t chunk) {
         const int64_t i0 = chunk * MC, mc = std::min(MC, m - i0);
         // Packed P slice, uninitialized: pack fills every element the micro-kernel reads.
         const int64_t rows_p = (mc + MR - 1) / MR * MR;

@@ -33,7 +33,7 @@ extern "C" __global__ void __launch_bounds__(256) neighbour_kernel(int* out) {
     out[blockIdx.x * n + t] = sh[(t + 1) % n];
 }
 
-// Warp sum by xor shuffles, block OR and count by __syncthreads_or/count, ballot of odd lanes.
+// Warp sum by xor shuffles, block OR and count by __syncthreads_or/count, ballot of odd lanes, all_sync.
 extern "C" __global__ void __launch_bounds__(64) collectives_kernel(int* out) {
     const int t = (int)threadIdx.x;
     int v = t;
@@ -43,6 +43,7 @@ extern "C" __global__ void __launch_bounds__(64) collectives_kernel(int* out) {
     out[128 + t] = __syncthreads_count(t % 3 == 0);
     out[192 + t] = (int)__ballot_sync(0xffffffffu, t & 1);
     out[256 + t] = __shfl_down_sync(0xffffffffu, t, 1);
+    out[320 + t] = __all_sync(0xffffffffu, t != 5);  // false in warp 0 only
 }
 
 // Threads 0–15 wait at the block barrier, 16–31 at a warp barrier that needs 0–15: a deadlock on a GPU too.
@@ -108,7 +109,7 @@ int main() {
                       out[b * 256 + t]);
     }
     {
-        std::vector<int> out(5 * 64);
+        std::vector<int> out(6 * 64);
         int* p = out.data();
         const std::string err = run("collectives_kernel", {1, 1, 1}, {64, 1, 1}, &p);
         CHECK(err.empty(), "collectives_kernel: %s", err.c_str());
@@ -119,6 +120,7 @@ int main() {
             CHECK(out[128 + t] == 22, "syncthreads_count t=%d got %d", t, out[128 + t]);
             CHECK((unsigned)out[192 + t] == 0xaaaaaaaau, "ballot t=%d got %x", t, (unsigned)out[192 + t]);
             CHECK(out[256 + t] == (t % 32 == 31 ? t : t + 1), "shfl_down t=%d got %d", t, out[256 + t]);
+            CHECK(out[320 + t] == (w == 1), "all_sync t=%d got %d", t, out[320 + t]);
         }
     }
     {

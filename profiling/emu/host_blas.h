@@ -1,0 +1,129 @@
+// host_blas.h — what the emulator's libcublas.so and libcusolver.so share (profiling/emu/README.md): the
+// double-precision MR × NR micro-kernel both spend their time in, the worker threads both spread tasks
+// over, and the one-line refusal message. Header-only, with internal linkage: each library gets its own copy
+// and neither exports these names.
+//
+// Before including it, a file defines `constexpr const char* kEmuLib` (the library's name, for messages)
+// inside an anonymous namespace.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <new>
+#include <thread>
+#include <vector>
+
+namespace {
+
+void complain(const char* fn, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
+void complain(const char* fn, const char* fmt, ...) {
+    // One line per refused call, so an emulated run that takes a path the emulator lacks says which.
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    std::vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    std::fprintf(stderr, "emu %s: %s: %s\n", kEmuLib, fn, msg);
+}
+
+// Panel widths of the micro-kernel: A (or P) packed in MR-row panels, B (or Q) in NR-column panels, k-major.
+constexpr int64_t MR = 8, NR = 4;
+
+// out (MR × NR, column-major) = Σ_p a[p·MR + i] · b[p·NR + j].
+__attribute__((target("avx2,fma"))) void micro_avx2(int64_t kc, const double* a, const double* b, double* out) {
+    __m256d c00 = _mm256_setzero_pd(), c01 = c00, c02 = c00, c03 = c00;
+    __m256d c10 = c00, c11 = c00, c12 = c00, c13 = c00;
+    for (int64_t p = 0; p < kc; ++p, a += MR, b += NR) {
+        const __m256d a0 = _mm256_loadu_pd(a), a1 = _mm256_loadu_pd(a + 4);
+        __m256d bj = _mm256_broadcast_sd(b);
+        c00 = _mm256_fmadd_pd(a0, bj, c00);
+        c10 = _mm256_fmadd_pd(a1, bj, c10);
+        bj = _mm256_broadcast_sd(b + 1);
+        c01 = _mm256_fmadd_pd(a0, bj, c01);
+        c11 = _mm256_fmadd_pd(a1, bj, c11);
+        bj = _mm256_broadcast_sd(b + 2);
+        c02 = _mm256_fmadd_pd(a0, bj, c02);
+        c12 = _mm256_fmadd_pd(a1, bj, c12);
+        bj = _mm256_broadcast_sd(b + 3);
+        c03 = _mm256_fmadd_pd(a0, bj, c03);
+        c13 = _mm256_fmadd_pd(a1, bj, c13);
+    }
+    _mm256_storeu_pd(out + 0, c00);
+    _mm256_storeu_pd(out + 4, c10);
+    _mm256_storeu_pd(out + 8, c01);
+    _mm256_storeu_pd(out + 12, c11);
+    _mm256_storeu_pd(out + 16, c02);
+    _mm256_storeu_pd(out + 20, c12);
+    _mm256_storeu_pd(out + 24, c03);
+    _mm256_storeu_pd(out + 28, c13);
+}
+
+void micro_generic(int64_t kc, const double* a, const double* b, double* out) {
+    double acc[MR * NR] = {};
+    for (int64_t p = 0; p < kc; ++p, a += MR, b += NR)
+        for (int64_t j = 0; j < NR; ++j)
+            for (int64_t i = 0; i < MR; ++i) acc[i + j * MR] += a[i] * b[j];
+    std::memcpy(out, acc, sizeof acc);
+}
+
+using Micro = void (*)(int64_t, const double*, const double*, double*);
+
+Micro pick_micro() {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return micro_avx2;
+    return micro_generic;
+}
+
+const Micro micro = pick_micro();
+
+unsigned thread_count() {
+    // EMU_BLAS_THREADS caps the worker threads (results do not depend on it; only the time does).
+    static const unsigned n = [] {
+        unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+        if (const char* e = std::getenv("EMU_BLAS_THREADS")) {
+            const long v = std::strtol(e, nullptr, 10);
+            if (v >= 1) hw = static_cast<unsigned>(std::min<long>(v, 256));
+        }
+        return hw;
+    }();
+    return n;
+}
+
+// Runs body(state, task) for every task in [0, tasks) on up to thread_count() threads, each with its own
+// `state = init()` (scratch buffers); one thread when `work` (multiply-adds) is under a few million, where
+// threads do not pay off. A worker that runs out of memory may have claimed tasks it never ran, so
+// bad_alloc is rethrown once all have joined: the call has failed.
+template <class Init, class Body>
+void parallel_tasks(int64_t tasks, double work, Init&& init, Body&& body) {
+    std::atomic<int64_t> next{0};
+    std::atomic<bool> out_of_memory{false};
+    auto worker = [&] {
+        // Exceptions must not leave a std::thread (that would terminate the process): report them instead.
+        try {
+            auto state = init();
+            for (int64_t t; (t = next.fetch_add(1)) < tasks;) body(state, t);
+        } catch (const std::bad_alloc&) {
+            out_of_memory = true;
+        }
+    };
+    const int64_t want = work < 4e6 ? 1 : std::min<int64_t>(thread_count(), tasks);
+    std::vector<std::thread> pool;
+    try {
+        for (int64_t i = 1; i < want; ++i) pool.emplace_back(worker);
+    } catch (const std::exception&) {
+        // Fewer threads than wanted (thread creation failed): the shared task counter still covers every task.
+    }
+    worker();
+    for (auto& t : pool) t.join();
+    if (out_of_memory) throw std::bad_alloc();
+}
+
+}  // namespace
