@@ -217,6 +217,11 @@ struct RunArgs {
     /// CPU always computes in f32.
     #[arg(long, value_enum, default_value_t = GemmPrecision::Bf16)]
     gemm: GemmPrecision,
+    /// Plan within at most this many GiB of GPU memory instead of all that is free (to leave room for
+    /// another process). When the calibration activations do not fit, they stay in pinned host memory and
+    /// visit the GPU chunk by chunk: slower, same result.
+    #[arg(long, value_name = "GIB", allow_negative_numbers = true)]
+    gpu_mem: Option<f64>,
     /// Replace --out if it exists.
     #[arg(long)]
     force: bool,
@@ -293,6 +298,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 layers,
                 device: a.device,
                 gemm: a.gemm,
+                gpu_mem: a.gpu_mem,
                 force: a.force,
                 resume: a.resume,
                 format: a.format,
@@ -585,6 +591,7 @@ fn bench_quant(
                 layers: None,
                 device: Device::Cpu,
                 gemm: GemmPrecision::F32,
+                gpu_mem: None,
                 force: true,
                 resume: false,
                 format: OutFormat::Fake,

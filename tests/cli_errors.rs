@@ -202,6 +202,26 @@ fn invalid_flags() {
     let (code, _, err) = run(&["eval", "--model", "x", "--data", "y", "--device", "tpu"]);
     assert_eq!(code, 2, "{err}");
     assert!(!err.contains("panicked"));
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tiny_model(tmp.path());
+    let out = tmp.path().join("q");
+    for bad in ["0", "-1", "nan", "inf"] {
+        assert_user_error(
+            &[
+                "run",
+                "--model",
+                s(&m),
+                "--out",
+                s(&out),
+                "--method",
+                "rtn",
+                "--gpu-mem",
+                bad,
+            ],
+            &["--gpu-mem"],
+        );
+    }
+    assert!(!out.exists(), "a refused run left {out:?}");
 }
 
 #[test]

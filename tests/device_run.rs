@@ -3,19 +3,25 @@
 //! - device-resident activations and the prefetch thread;
 //! - the statistics, the factors and the sweeps: BoA 3-bit with static grids (every sweep on the device),
 //!   and GPTQ 4-bit g64 with dynamic groups (the device sweep calls back to the host search at each group);
-//! - the quantized forward and the writer.
+//! - the quantized forward and the writer;
+//! - and, with `--gpu-mem` just too small for the activations, X parked in pinned host memory: each chunk
+//!   staged on the copy stream and written back into its pinned buffer (the second stream's paths).
 //!
 //! Per method, the mean relative output error of report.json must agree with the CPU's within 10%. The GPU's
 //! statistics are bf16 and its factors f32, so codes differ a little; a wrong kernel or a wrong buffer is far
 //! off. The test prints "skipped: <why>" without a CUDA device. CI runs it on the CPU emulator of the CUDA
-//! stack (profiling/emu/check.sh); gpu_check.sh's e2e section is the same check at a larger size.
+//! stack (profiling/emu/check.sh, once with lazy streams); gpu_check.sh's e2e section is the same check at a
+//! larger size.
 
 mod common;
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use boa_cuda::model::config::Config;
 use boa_cuda::model::synth::{SynthSpec, write_model};
+use boa_cuda::pipeline::CHUNK;
+use boa_cuda::pipeline::memory_plan::{Activations, Calibration, ModelShape, Target, plan};
 
 /// Mean `error` of report.json's linears, per `method`.
 fn mean_errors(report: &Path) -> BTreeMap<String, f64> {
@@ -36,14 +42,8 @@ fn mean_errors(report: &Path) -> BTreeMap<String, f64> {
         .collect()
 }
 
-#[test]
-fn run_on_cuda_matches_run_on_the_cpu() {
-    if let Err(why) = boa_cuda::backend::cuda::CudaBackend::new(0) {
-        println!("skipped: {why}");
-        return;
-    }
-    let tmp = tempfile::tempdir().unwrap();
-    let model = tmp.path().join("synth");
+fn synth_model(dir: &Path) -> std::path::PathBuf {
+    let model = dir.join("synth");
     let spec = SynthSpec {
         d: 256,
         d_ff: 688,
@@ -52,7 +52,72 @@ fn run_on_cuda_matches_run_on_the_cpu() {
         ..SynthSpec::tiny()
     };
     write_model(&model, &spec).unwrap();
-    let calib = Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md");
+    model
+}
+
+/// Runs `cfg` on cuda and on the cpu with `calib` windows and asserts the mean errors agree per method;
+/// returns the cuda run's stderr.
+fn compare_devices(tmp: &Path, model: &Path, calib: (usize, usize), cfg: &[&str]) -> String {
+    let readme = Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md");
+    let (nsamples, seqlen) = (calib.0.to_string(), calib.1.to_string());
+    let mut errors = Vec::new();
+    let mut cuda_stderr = String::new();
+    for dev in ["cuda", "cpu"] {
+        let out = tmp.join(format!("q-{dev}"));
+        let mut args = vec![
+            "run",
+            "--model",
+            model.to_str().unwrap(),
+            "--calib",
+            readme.to_str().unwrap(),
+            "--nsamples",
+            &nsamples,
+            "--seqlen",
+            &seqlen,
+            "--format",
+            "fake",
+            "--device",
+            dev,
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        args.extend_from_slice(cfg);
+        let (code, _, err) = common::run(&args);
+        assert_eq!(code, 0, "run {cfg:?} --device {dev} failed: {err}");
+        if dev == "cuda" {
+            cuda_stderr = err;
+        }
+        errors.push(mean_errors(&out.join("report.json")));
+        std::fs::remove_dir_all(&out).unwrap();
+    }
+    let (cuda, cpu) = (&errors[0], &errors[1]);
+    assert_eq!(
+        cuda.keys().collect::<Vec<_>>(),
+        cpu.keys().collect::<Vec<_>>(),
+        "{cfg:?}: the devices quantized different sets of methods"
+    );
+    for (method, &c) in cpu {
+        let ratio = cuda[method] / c;
+        println!(
+            "{cfg:?} {method}: mean relative output error cuda {:.5}, cpu {c:.5}, ratio {ratio:.3}",
+            cuda[method]
+        );
+        assert!(
+            (0.9..=1.1).contains(&ratio),
+            "{cfg:?} {method}: CUDA's mean output error is {ratio:.3}× the CPU's (bound [0.9, 1.1])"
+        );
+    }
+    cuda_stderr
+}
+
+#[test]
+fn run_on_cuda_matches_run_on_the_cpu() {
+    if let Err(why) = boa_cuda::backend::cuda::CudaBackend::new(0) {
+        println!("skipped: {why}");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let model = synth_model(tmp.path());
     let configs: [&[&str]; 2] = [
         &[
             "--method",
@@ -61,53 +126,64 @@ fn run_on_cuda_matches_run_on_the_cpu() {
             "3",
             "--scale-search",
             "minmax",
+            "--quiet",
         ],
-        &["--method", "gptq", "--wbits", "4", "--group-size", "64"],
+        &[
+            "--method",
+            "gptq",
+            "--wbits",
+            "4",
+            "--group-size",
+            "64",
+            "--quiet",
+        ],
     ];
     for cfg in configs {
-        let mut errors = Vec::new();
-        for dev in ["cuda", "cpu"] {
-            let out = tmp.path().join(format!("q-{dev}"));
-            let mut args = vec![
-                "run",
-                "--model",
-                model.to_str().unwrap(),
-                "--calib",
-                calib.to_str().unwrap(),
-                "--nsamples",
-                "8",
-                "--seqlen",
-                "128",
-                "--format",
-                "fake",
-                "--quiet",
-                "--device",
-                dev,
-                "--out",
-                out.to_str().unwrap(),
-            ];
-            args.extend_from_slice(cfg);
-            let (code, _, err) = common::run(&args);
-            assert_eq!(code, 0, "run {cfg:?} --device {dev} failed: {err}");
-            errors.push(mean_errors(&out.join("report.json")));
-            std::fs::remove_dir_all(&out).unwrap();
-        }
-        let (cuda, cpu) = (&errors[0], &errors[1]);
-        assert_eq!(
-            cuda.keys().collect::<Vec<_>>(),
-            cpu.keys().collect::<Vec<_>>(),
-            "{cfg:?}: the devices quantized different sets of methods"
-        );
-        for (method, &c) in cpu {
-            let ratio = cuda[method] / c;
-            println!(
-                "{cfg:?} {method}: mean relative output error cuda {:.5}, cpu {c:.5}, ratio {ratio:.3}",
-                cuda[method]
-            );
-            assert!(
-                (0.9..=1.1).contains(&ratio),
-                "{cfg:?} {method}: CUDA's mean output error is {ratio:.3}× the CPU's (bound [0.9, 1.1])"
-            );
-        }
+        compare_devices(tmp.path(), &model, (8, 128), cfg);
     }
+}
+
+/// The GPU budget (GiB) halfway between the least the planner accepts with X parked and the least with X on
+/// the device, so the plan parks X whatever the planner's constants are.
+fn parking_budget_gib(model: &Path, calib: Calibration) -> f64 {
+    let shape = ModelShape::of(&Config::load(model).unwrap());
+    let least = |ok: &dyn Fn(u64) -> bool| {
+        let (mut lo, mut hi) = (0u64, 1u64 << 40);
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            if ok(mid) { hi = mid } else { lo = mid }
+        }
+        hi
+    };
+    let parked = least(&|b| plan(&shape, calib, Target::Gpu, b, CHUNK).is_ok());
+    let resident = least(&|b| {
+        plan(&shape, calib, Target::Gpu, b, CHUNK)
+            .is_ok_and(|p| p.activations == Activations::Device)
+    });
+    assert!(
+        parked < resident,
+        "the planner never parks X for {calib:?} (least budgets: {parked} B, {resident} B on the device)"
+    );
+    (parked + resident) as f64 / 2.0 / (1u64 << 30) as f64
+}
+
+#[test]
+fn run_with_parked_activations_matches_the_cpu() {
+    if let Err(why) = boa_cuda::backend::cuda::CudaBackend::new(0) {
+        println!("skipped: {why}");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let model = synth_model(tmp.path());
+    let calib = Calibration {
+        nsamples: 16,
+        seqlen: 128,
+    };
+    let gib = format!("{:.6}", parking_budget_gib(&model, calib));
+    let cfg: &[&str] = &["--method", "gptq", "--wbits", "4", "--gpu-mem", &gib];
+    let err = compare_devices(tmp.path(), &model, (calib.nsamples, calib.seqlen), cfg);
+    assert!(
+        err.contains("stays in pinned host memory"),
+        "--gpu-mem {gib} did not park X: {err}"
+    );
 }

@@ -41,10 +41,10 @@ else
     link=()
 fi
 objs=() pids=()
-for f in "$out"/gen/*.emu.cpp "$emu/runtime.cpp" "$emu/driver.cpp"; do
+for f in "$out"/gen/*.emu.cpp "$emu/runtime.cpp" "$emu/streams.cpp" "$emu/driver.cpp"; do
     o="$out/gen/$(basename "${f%.cpp}").o"
     extra=()
-    [[ "$f" == */driver.cpp ]] && extra=(-I "$inc")  # only the driver sees the real CUDA headers
+    [[ "$f" == */driver.cpp || "$f" == */streams.cpp ]] && extra=(-I "$inc")  # only the driver sees the real CUDA headers
     "$cxx" "${flags[@]}" "${extra[@]}" -c "$f" -o "$o" &
     objs+=("$o") pids+=($!)
 done
@@ -52,7 +52,10 @@ for p in "${pids[@]}"; do wait "$p" || { echo "build.sh: a compile failed (messa
 "$cxx" -shared "${link[@]}" -o "$out/libcuda.so" "${objs[@]}" -lpthread
 "$cxx" -std=c++20 -O2 -fPIC -shared "${link[@]}" -o "$out/libcublas.so" "$emu/cublas.cpp" -lpthread
 "$cxx" -std=c++20 -O2 -fPIC -shared "${link[@]}" -o "$out/libcusolver.so" "$emu/cusolver.cpp" -lpthread
-# The emulator's own tests (check.sh runs them): device semantics on toy kernels, and the two libraries.
+# The emulator's own tests (check.sh runs them): device semantics on toy kernels, the lazy stream schedule,
+# and the two libraries.
 "$cxx" "${flags[@]}" "${link[@]}" -o "$out/test_emu" "$emu/test_emu.cpp" "$emu/runtime.cpp"
+"$cxx" "${flags[@]}" -I "$inc" "${link[@]}" -o "$out/test_streams" "$emu/test_streams.cpp" "$emu/driver.cpp" \
+    "$emu/streams.cpp" "$emu/runtime.cpp" -lpthread
 "$cxx" -std=c++20 -O2 "${link[@]}" -o "$out/test_blas" "$emu/test_blas.cpp" -ldl
 echo "$out"

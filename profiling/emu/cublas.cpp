@@ -1,8 +1,8 @@
 // cublas.cpp — libcublas.so of the CPU emulator: the cuBLAS calls the project makes, computed on the host.
 //
 // Part of the CPU emulator of the CUDA stack (profiling/emu/README.md), which runs the project's CUDA code
-// paths without a GPU: host memory stands in for device memory (a CUdeviceptr is a host address), and every
-// call is synchronous, so the stream a handle is bound to is only remembered. cudarc (`dynamic-loading`)
+// paths without a GPU: host memory stands in for device memory (a CUdeviceptr is a host address), and each
+// GEMM is one operation on the handle's stream, queued by the fake driver (streams.h). cudarc (`dynamic-loading`)
 // dlopen()s this file's library as libcublas.so and resolves each function lazily by the name below; the
 // ABI (argument types, enum values, status codes) is the one of cudarc 0.19.10's src/cublas/sys/mod.rs with
 // the cuda-13000 bindings. No CUDA header is used.
@@ -341,16 +341,10 @@ int gemm_checked(const char* fn, cublasHandle_t h, GemmCall g) {
         complain(fn, "null matrix pointer (A=%p B=%p C=%p)", g.a, g.b, g.c);
         return ST_INVALID_VALUE;
     }
-    try {
+    return on_stream(h->stream, fn, {g.a, g.b, g.c}, [g] {
         gemm_run<TAB, TC>(g);
-    } catch (const std::bad_alloc&) {
-        complain(fn, "out of host memory");
-        return ST_ALLOC_FAILED;
-    } catch (const std::exception& e) {
-        complain(fn, "%s", e.what());
-        return ST_INTERNAL_ERROR;
-    }
-    return ST_SUCCESS;
+        return ST_SUCCESS;
+    });
 }
 
 template <class T>
@@ -460,7 +454,7 @@ EXPORT int cublasDestroy_v2(cublasHandle_t handle) {
 
 EXPORT int cublasSetStream_v2(cublasHandle_t handle, void* stream) {
     if (!live(handle)) return ST_NOT_INITIALIZED;
-    // Calls are synchronous; the stream is kept only for cublasGetStream.
+    // Calls run in this stream's order (host_blas.h's on_stream).
     handle->stream = stream;
     return ST_SUCCESS;
 }

@@ -2,8 +2,8 @@
 //
 // Part of the CPU emulator of the CUDA stack (profiling/emu/README.md), which runs the project's CUDA code
 // paths without a GPU: host memory stands in for device memory (a CUdeviceptr is a host address, so the
-// "device" info word and workspace are plain host memory), and every call is synchronous, so the stream a
-// handle is bound to is only remembered. cudarc (`dynamic-loading`) dlopen()s this file's library as
+// "device" info word and workspace are plain host memory), and each factorization is one operation on the
+// handle's stream, queued by the fake driver (streams.h). cudarc (`dynamic-loading`) dlopen()s this file's library as
 // libcusolver.so and resolves each function lazily by the name below; the ABI (argument types, enum values,
 // status codes) is the one of cudarc 0.19.10's src/cusolver/sys/mod.rs with the cuda-13000 bindings. No CUDA
 // header is used.
@@ -321,23 +321,18 @@ int check_workspace(const char* fn, const void* dev, size_t dev_bytes, const voi
     return ST_SUCCESS;
 }
 
-// Runs a factorization and stores its info, turning exceptions into statuses (nothing may unwind into C).
+// Runs a factorization of A on the handle's stream and stores its info. `body` is kept until the stream
+// runs it: it captures by value.
 template <class F>
-int run(const char* fn, int* info, F&& body) {
+int run(const char* fn, cusolverDnHandle_t handle, int* info, const void* A, F body) {
     if (info == nullptr) {
         complain(fn, "info is null");
         return ST_INVALID_VALUE;
     }
-    try {
+    return on_stream(handle->stream, fn, {A, info}, [info, body] {
         *info = body();
-    } catch (const std::bad_alloc&) {
-        complain(fn, "out of host memory");
-        return ST_ALLOC_FAILED;
-    } catch (const std::exception& e) {
-        complain(fn, "%s", e.what());
-        return ST_INTERNAL_ERROR;
-    }
-    return ST_SUCCESS;
+        return ST_SUCCESS;
+    });
 }
 
 }  // namespace
@@ -369,7 +364,7 @@ EXPORT int cusolverDnDestroy(cusolverDnHandle_t handle) {
 
 EXPORT int cusolverDnSetStream(cusolverDnHandle_t handle, void* stream) {
     if (!live(handle)) return ST_NOT_INITIALIZED;
-    // Calls are synchronous; the stream is kept only for cusolverDnGetStream.
+    // Calls run in this stream's order (host_blas.h's on_stream).
     handle->stream = stream;
     return ST_SUCCESS;
 }
@@ -462,7 +457,7 @@ EXPORT int cusolverDnXpotrf(cusolverDnHandle_t handle, cusolverDnParams_t /*para
     if (int st = check_types(fn, dataTypeA, computeType)) return st;
     if (int st = check_workspace(fn, bufferOnDevice, workspaceInBytesOnDevice, bufferOnHost, workspaceInBytesOnHost))
         return st;
-    return run(fn, info, [&] {
+    return run(fn, handle, info, A, [=] {
         return dataTypeA == R_32F ? potrf(tri_view(static_cast<float*>(A), lda, uplo), n)
                                   : potrf(tri_view(static_cast<double*>(A), lda, uplo), n);
     });
@@ -497,7 +492,7 @@ EXPORT int cusolverDnXtrtri(cusolverDnHandle_t handle, int uplo, int diag, int64
     if (int st = check_workspace(fn, bufferOnDevice, workspaceInBytesOnDevice, bufferOnHost, workspaceInBytesOnHost))
         return st;
     const bool unit = diag == DIAG_UNIT;
-    return run(fn, info, [&] {
+    return run(fn, handle, info, A, [=] {
         return dataTypeA == R_32F ? trtri(tri_view(static_cast<float*>(A), lda, uplo), n, unit)
                                   : trtri(tri_view(static_cast<double*>(A), lda, uplo), n, unit);
     });
@@ -522,7 +517,7 @@ int legacy_potrf(const char* fn, cusolverDnHandle_t handle, int uplo, int n, S* 
     if (int st = check_common(fn, handle, uplo, n, A, lda)) return st;
     if (int st = check_workspace(fn, work, lwork < 0 ? 0 : static_cast<size_t>(lwork) * sizeof(S), nullptr, 0))
         return st;
-    return run(fn, info, [&] { return potrf(tri_view(A, lda, uplo), n); });
+    return run(fn, handle, info, A, [=] { return potrf(tri_view(A, lda, uplo), n); });
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-// driver.cpp — a fake libcuda.so: the CUDA driver API that cudarc calls, on host memory, synchronously.
+// driver.cpp — a fake libcuda.so: the CUDA driver API that cudarc calls, on host memory.
 //
 // Part of the CPU emulator of the CUDA stack (profiling/emu/README.md). cudarc loads libcuda by name at run
 // time, so with this library first on LD_LIBRARY_PATH the project's CUDA backend, its launch code and its
@@ -8,8 +8,11 @@
 //     checked against the live allocations, so a copy past the end of a buffer fails with a message instead
 //     of corrupting the heap. Built with EMU_ASAN=1, AddressSanitizer checks the kernels' own loads and
 //     stores the same way (compute-sanitizer's memcheck, on the CPU).
-//   - Every operation completes before the call returns. That is one legal schedule of CUDA's stream
-//     semantics, so events and stream waits need no work; it cannot reveal a missing dependency.
+//   - Streams and events follow streams.h: by default every operation completes before the call returns;
+//     with EMU_STREAMS=lazy operations wait in their stream's queue until something forces them, which
+//     reveals a missing stream wait or host synchronization. Copies follow CUDA's rules for pageable host
+//     memory (staged at the call; a copy into it returns when done) and page-locked memory (read and written
+//     when the copy runs).
 //   - The device claims to be an H200-like sm_90 part (132 SMs, 227 KiB opt-in shared memory) with
 //     EMU_MEM_GIB (default 16) of memory, and enforces the launch limits the real one would: threads per
 //     block, grid dimensions, and dynamic shared memory above 48 KiB only after the kernel opted in.
@@ -18,18 +21,23 @@
 
 #include <cuda.h>
 
-#include <chrono>
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "cuda_emu.h"
 #include "runtime.h"
+#include "streams.h"
 
 #define EMU_API extern "C" __attribute__((visibility("default")))
+
+namespace streams = emu::streams;
 
 namespace {
 
@@ -40,6 +48,7 @@ constexpr int kOptinSmem = 227 * 1024;
 std::mutex g_mu;                            // guards the tables below (the prefetch thread calls in too)
 std::map<uintptr_t, size_t> g_device;      // live device allocations: base → bytes
 std::map<uintptr_t, size_t> g_host;        // live page-locked host allocations
+std::map<uintptr_t, size_t> g_registered;  // pageable ranges page-locked by cuMemHostRegister
 std::map<const emu::Kernel*, int> g_optin; // MAX_DYNAMIC_SHARED_SIZE_BYTES per kernel
 size_t g_device_bytes = 0;
 
@@ -51,10 +60,7 @@ size_t total_bytes() {
     return t;
 }
 
-struct Event {
-    std::chrono::steady_clock::time_point at{};
-};
-int g_stream_tag, g_pool_tag, g_module_tag, g_ctx_tag;
+int g_pool_tag, g_module_tag, g_ctx_tag;
 
 CUresult report(CUresult r, const std::string& what) {
     std::fprintf(stderr, "emu: %s\n", what.c_str());
@@ -95,12 +101,25 @@ CUresult alloc_device(CUdeviceptr* p, size_t n) {
     return CUDA_SUCCESS;
 }
 
-CUresult free_device(CUdeviceptr p) {
+// `what` is the call that frees: a queued operation that still names the memory would use it after the free
+// (lazy schedule; streams.h), so that is reported instead of freeing.
+CUresult free_device(CUdeviceptr p, const char* what) {
+    size_t n = 0;
+    {
+        std::lock_guard<std::mutex> l(g_mu);
+        auto it = g_device.find((uintptr_t)p);
+        if (it == g_device.end())
+            return report(CUDA_ERROR_INVALID_VALUE, std::string(what) + " of a pointer that is not a live allocation");
+        n = it->second;
+    }
+    if (std::string user = streams::pending_user((uintptr_t)p, n); !user.empty()) {
+        char buf[160];
+        std::snprintf(buf, sizeof buf, "%s of %zu bytes at 0x%zx while ", what, n, (size_t)p);
+        return report(CUDA_ERROR_ILLEGAL_ADDRESS, buf + user + " uses them: a stream wait is missing before the free");
+    }
     std::lock_guard<std::mutex> l(g_mu);
-    auto it = g_device.find((uintptr_t)p);
-    if (it == g_device.end()) return report(CUDA_ERROR_INVALID_VALUE, "free of a pointer that is not a live allocation");
-    g_device_bytes -= it->second;
-    g_device.erase(it);
+    g_device_bytes -= n;
+    g_device.erase((uintptr_t)p);
     std::free((void*)p);
     return CUDA_SUCCESS;
 }
@@ -113,6 +132,81 @@ CUresult copy(void* dst, const void* src, size_t n, bool dst_dev, bool src_dev, 
     if (n) std::memmove(dst, src, n);
     return CUDA_SUCCESS;
 }
+
+enum class Mem { Device, PageLocked, Pageable };
+
+Mem kind(const void* p, size_t n) {
+    std::lock_guard<std::mutex> l(g_mu);
+    if (inside(g_device, (uintptr_t)p, std::max<size_t>(n, 1))) return Mem::Device;
+    if (inside(g_host, (uintptr_t)p, std::max<size_t>(n, 1)) || inside(g_registered, (uintptr_t)p, std::max<size_t>(n, 1)))
+        return Mem::PageLocked;
+    return Mem::Pageable;
+}
+
+// A copy in stream order, with CUDA's rules for host memory: a pageable source is staged now (the caller may
+// reuse it when the call returns); a pageable destination means the call returns when the copy is done;
+// page-locked memory is read or written when the copy runs, so the host must wait for it.
+CUresult copy_async(void* dst, const void* src, size_t n, bool dst_dev, bool src_dev, CUstream s, const char* what) {
+    if (dst_dev)
+        if (CUresult r = check_device((uintptr_t)dst, n, what)) return r;
+    if (src_dev)
+        if (CUresult r = check_device((uintptr_t)src, n, what)) return r;
+    if (n == 0) return CUDA_SUCCESS;
+    const std::vector<uintptr_t> refs{(uintptr_t)dst, (uintptr_t)src};
+    if (!dst_dev && kind(dst, n) == Mem::Pageable) {
+        if (CUresult r = streams::drain(s)) return r;
+        std::memmove(dst, src, n);
+        return CUDA_SUCCESS;
+    }
+    if (!src_dev && kind(src, n) == Mem::Pageable) {
+        auto staged = std::make_shared<std::vector<unsigned char>>((const unsigned char*)src, (const unsigned char*)src + n);
+        return streams::submit(s, {what, {(uintptr_t)dst}, [=] { return copy(dst, staged->data(), n, dst_dev, false, what); }});
+    }
+    return streams::submit(s, {what, refs, [=] { return copy(dst, src, n, dst_dev, src_dev, what); }});
+}
+
+// The synchronous copies and memsets run on the legacy stream and return when done.
+CUresult copy_sync(void* dst, const void* src, size_t n, bool dst_dev, bool src_dev, const char* what) {
+    if (CUresult r = streams::drain(nullptr)) return r;
+    return copy(dst, src, n, dst_dev, src_dev, what);
+}
+
+template <class T>
+CUresult memset_async(CUdeviceptr d, T v, size_t count, CUstream s, const char* what) {
+    if (CUresult r = check_device((uintptr_t)d, count * sizeof(T), what)) return r;
+    return streams::submit(s, {what, {(uintptr_t)d}, [=] {
+                                   for (size_t i = 0; i < count; ++i) ((T*)d)[i] = v;
+                                   return CUDA_SUCCESS;
+                               }});
+}
+
+// cuLaunchKernel's argument array points at the caller's variables, valid only during the call: a queued
+// launch keeps copies.
+struct Args {
+    struct alignas(16) Slot {
+        unsigned char b[16];
+    };
+    std::vector<Slot> storage;     // every argument at a 16-byte aligned offset
+    std::vector<void*> ptrs;
+    std::vector<uintptr_t> words;  // every 8-byte word of the arguments: the pointers among them are its refs
+    Args(const emu::Kernel& k, void** params) {
+        std::vector<size_t> at;
+        size_t slots = 0;
+        for (size_t n : k.arg_sizes) at.push_back(slots), slots += (n + 15) / 16;
+        storage.resize(std::max<size_t>(slots, 1));
+        auto* base = reinterpret_cast<unsigned char*>(storage.data());
+        for (size_t i = 0; i < k.arg_sizes.size(); ++i) {
+            unsigned char* dst = base + 16 * at[i];
+            std::memcpy(dst, params[i], k.arg_sizes[i]);
+            ptrs.push_back(dst);
+            for (size_t o = 0; o + 8 <= k.arg_sizes[i]; o += 8) {
+                uintptr_t w;
+                std::memcpy(&w, dst + o, 8);
+                words.push_back(w);
+            }
+        }
+    }
+};
 
 }  // namespace
 
@@ -192,7 +286,7 @@ EMU_API CUresult cuCtxGetDevice(CUdevice* d) {
     *d = 0;
     return CUDA_SUCCESS;
 }
-EMU_API CUresult cuCtxSynchronize() { return CUDA_SUCCESS; }
+EMU_API CUresult cuCtxSynchronize() { return streams::synchronize_all(); }
 EMU_API CUresult cuCtxDestroy(CUcontext) { return CUDA_SUCCESS; }
 EMU_API CUresult cuCtxGetStreamPriorityRange(int* least, int* greatest) {
     *least = 0;
@@ -222,10 +316,18 @@ EMU_API CUresult cuProfilerStop() { return CUDA_SUCCESS; }
 
 // ---- memory ----------------------------------------------------------------------------------------------
 EMU_API CUresult cuMemAlloc(CUdeviceptr* p, size_t n) { return alloc_device(p, n); }
-EMU_API CUresult cuMemFree(CUdeviceptr p) { return free_device(p); }
+EMU_API CUresult cuMemFree(CUdeviceptr p) {
+    // cuMemFree waits for the device in practice; the lazy schedule's queued work runs first.
+    streams::synchronize_all();
+    return free_device(p, "cuMemFree");
+}
+// Memory comes into being at the call (its contents are NaN bytes until something writes them).
 EMU_API CUresult cuMemAllocAsync(CUdeviceptr* p, size_t n, CUstream) { return alloc_device(p, n); }
 EMU_API CUresult cuMemAllocFromPoolAsync(CUdeviceptr* p, size_t n, CUmemoryPool, CUstream) { return alloc_device(p, n); }
-EMU_API CUresult cuMemFreeAsync(CUdeviceptr p, CUstream) { return free_device(p); }
+EMU_API CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) {
+    if (CUresult r = check_device((uintptr_t)p, 1, "cuMemFreeAsync")) return r;
+    return streams::submit(s, {"cuMemFreeAsync", {}, [p] { return free_device(p, "cuMemFreeAsync"); }});
+}
 EMU_API CUresult cuMemGetInfo(size_t* free_b, size_t* total) {
     std::lock_guard<std::mutex> l(g_mu);
     *total = total_bytes();
@@ -242,46 +344,69 @@ EMU_API CUresult cuMemHostAlloc(void** pp, size_t n, unsigned int) {
 }
 EMU_API CUresult cuMemAllocHost(void** pp, size_t n) { return cuMemHostAlloc(pp, n, 0); }
 EMU_API CUresult cuMemFreeHost(void* p) {
+    size_t n = 0;
+    {
+        std::lock_guard<std::mutex> l(g_mu);
+        auto it = g_host.find((uintptr_t)p);
+        if (it == g_host.end()) return report(CUDA_ERROR_INVALID_VALUE, "cuMemFreeHost of an unknown pointer");
+        n = it->second;
+    }
+    if (std::string user = streams::pending_user((uintptr_t)p, n); !user.empty())
+        return report(CUDA_ERROR_ILLEGAL_ADDRESS, "cuMemFreeHost while " + user + " uses the buffer");
     std::lock_guard<std::mutex> l(g_mu);
-    if (!g_host.erase((uintptr_t)p)) return report(CUDA_ERROR_INVALID_VALUE, "cuMemFreeHost of an unknown pointer");
+    g_host.erase((uintptr_t)p);
     std::free(p);
     return CUDA_SUCCESS;
 }
-EMU_API CUresult cuMemHostRegister(void*, size_t, unsigned int) { return CUDA_SUCCESS; }
-EMU_API CUresult cuMemHostUnregister(void*) { return CUDA_SUCCESS; }
+EMU_API CUresult cuMemHostRegister(void* p, size_t n, unsigned int) {
+    std::lock_guard<std::mutex> l(g_mu);
+    g_registered[(uintptr_t)p] = n;
+    return CUDA_SUCCESS;
+}
+EMU_API CUresult cuMemHostUnregister(void* p) {
+    std::lock_guard<std::mutex> l(g_mu);
+    g_registered.erase((uintptr_t)p);
+    return CUDA_SUCCESS;
+}
 EMU_API CUresult cuMemHostGetDevicePointer(CUdeviceptr* d, void* p, unsigned int) {
     *d = (CUdeviceptr)p;
     return CUDA_SUCCESS;
 }
-EMU_API CUresult cuMemcpyHtoD(CUdeviceptr d, const void* s, size_t n) { return copy((void*)d, s, n, true, false, "cuMemcpyHtoD"); }
-EMU_API CUresult cuMemcpyDtoH(void* d, CUdeviceptr s, size_t n) { return copy(d, (void*)s, n, false, true, "cuMemcpyDtoH"); }
-EMU_API CUresult cuMemcpyDtoD(CUdeviceptr d, CUdeviceptr s, size_t n) { return copy((void*)d, (void*)s, n, true, true, "cuMemcpyDtoD"); }
-EMU_API CUresult cuMemcpyHtoDAsync(CUdeviceptr d, const void* s, size_t n, CUstream) {
-    return copy((void*)d, s, n, true, false, "cuMemcpyHtoDAsync");
+EMU_API CUresult cuMemcpyHtoD(CUdeviceptr d, const void* s, size_t n) { return copy_sync((void*)d, s, n, true, false, "cuMemcpyHtoD"); }
+EMU_API CUresult cuMemcpyDtoH(void* d, CUdeviceptr s, size_t n) { return copy_sync(d, (void*)s, n, false, true, "cuMemcpyDtoH"); }
+EMU_API CUresult cuMemcpyDtoD(CUdeviceptr d, CUdeviceptr s, size_t n) { return copy_sync((void*)d, (void*)s, n, true, true, "cuMemcpyDtoD"); }
+EMU_API CUresult cuMemcpyHtoDAsync(CUdeviceptr d, const void* s, size_t n, CUstream st) {
+    return copy_async((void*)d, s, n, true, false, st, "cuMemcpyHtoDAsync");
 }
-EMU_API CUresult cuMemcpyDtoHAsync(void* d, CUdeviceptr s, size_t n, CUstream) {
-    return copy(d, (void*)s, n, false, true, "cuMemcpyDtoHAsync");
+EMU_API CUresult cuMemcpyDtoHAsync(void* d, CUdeviceptr s, size_t n, CUstream st) {
+    return copy_async(d, (void*)s, n, false, true, st, "cuMemcpyDtoHAsync");
 }
-EMU_API CUresult cuMemcpyDtoDAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream) {
-    return copy((void*)d, (void*)s, n, true, true, "cuMemcpyDtoDAsync");
+EMU_API CUresult cuMemcpyDtoDAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) {
+    return copy_async((void*)d, (void*)s, n, true, true, st, "cuMemcpyDtoDAsync");
 }
-EMU_API CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream) {
-    std::memmove((void*)d, (const void*)s, n);
-    return CUDA_SUCCESS;
+// Unified addressing: either side may be host or device memory.
+EMU_API CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) {
+    return copy_async((void*)d, (const void*)s, n, kind((void*)d, n) == Mem::Device, kind((void*)s, n) == Mem::Device,
+                      st, "cuMemcpyAsync");
 }
-EMU_API CUresult cuMemcpy(CUdeviceptr d, CUdeviceptr s, size_t n) { return cuMemcpyAsync(d, s, n, nullptr); }
+EMU_API CUresult cuMemcpy(CUdeviceptr d, CUdeviceptr s, size_t n) {
+    return copy_sync((void*)d, (const void*)s, n, kind((void*)d, n) == Mem::Device, kind((void*)s, n) == Mem::Device,
+                     "cuMemcpy");
+}
+EMU_API CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, CUstream s) {
+    return memset_async(d, v, n, s, "cuMemsetD8Async");
+}
+EMU_API CUresult cuMemsetD32Async(CUdeviceptr d, unsigned int v, size_t n, CUstream s) {
+    return memset_async(d, v, n, s, "cuMemsetD32Async");
+}
 EMU_API CUresult cuMemsetD8(CUdeviceptr d, unsigned char v, size_t n) {
-    if (CUresult r = check_device((uintptr_t)d, n, "cuMemsetD8")) return r;
-    std::memset((void*)d, v, n);
-    return CUDA_SUCCESS;
+    if (CUresult r = memset_async(d, v, n, nullptr, "cuMemsetD8")) return r;
+    return streams::drain(nullptr);
 }
-EMU_API CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, CUstream) { return cuMemsetD8(d, v, n); }
-EMU_API CUresult cuMemsetD32Async(CUdeviceptr d, unsigned int v, size_t n, CUstream) {
-    if (CUresult r = check_device((uintptr_t)d, n * 4, "cuMemsetD32Async")) return r;
-    for (size_t i = 0; i < n; ++i) ((unsigned*)d)[i] = v;
-    return CUDA_SUCCESS;
+EMU_API CUresult cuMemsetD32(CUdeviceptr d, unsigned int v, size_t n) {
+    if (CUresult r = memset_async(d, v, n, nullptr, "cuMemsetD32")) return r;
+    return streams::drain(nullptr);
 }
-EMU_API CUresult cuMemsetD32(CUdeviceptr d, unsigned int v, size_t n) { return cuMemsetD32Async(d, v, n, nullptr); }
 EMU_API CUresult cuDeviceGetDefaultMemPool(CUmemoryPool* p, CUdevice) {
     *p = (CUmemoryPool)&g_pool_tag;
     return CUDA_SUCCESS;
@@ -295,42 +420,29 @@ EMU_API CUresult cuMemPoolGetAttribute(CUmemoryPool, CUmemPool_attribute, void* 
 EMU_API CUresult cuMemPoolTrimTo(CUmemoryPool, size_t) { return CUDA_SUCCESS; }
 
 // ---- streams and events ----------------------------------------------------------------------------------
-EMU_API CUresult cuStreamCreate(CUstream* s, unsigned int) {
-    *s = (CUstream)&g_stream_tag;
-    return CUDA_SUCCESS;
-}
+EMU_API CUresult cuStreamCreate(CUstream* s, unsigned int flags) { return streams::create(s, flags); }
 EMU_API CUresult cuStreamCreateWithPriority(CUstream* s, unsigned int f, int) { return cuStreamCreate(s, f); }
-EMU_API CUresult cuStreamDestroy(CUstream) { return CUDA_SUCCESS; }
-EMU_API CUresult cuStreamSynchronize(CUstream) { return CUDA_SUCCESS; }
-EMU_API CUresult cuStreamQuery(CUstream) { return CUDA_SUCCESS; }
-EMU_API CUresult cuStreamWaitEvent(CUstream, CUevent, unsigned int) { return CUDA_SUCCESS; }
+EMU_API CUresult cuStreamDestroy(CUstream s) { return streams::destroy(s); }
+EMU_API CUresult cuStreamSynchronize(CUstream s) { return streams::synchronize(s); }
+EMU_API CUresult cuStreamQuery(CUstream s) { return streams::query(s); }
+EMU_API CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned int) { return streams::wait_event(s, e); }
 EMU_API CUresult cuStreamIsCapturing(CUstream, CUstreamCaptureStatus* s) {
     *s = CU_STREAM_CAPTURE_STATUS_NONE;
     return CUDA_SUCCESS;
 }
-EMU_API CUresult cuLaunchHostFunc(CUstream, CUhostFn fn, void* data) {
-    fn(data);
-    return CUDA_SUCCESS;
+EMU_API CUresult cuLaunchHostFunc(CUstream s, CUhostFn fn, void* data) {
+    return streams::submit(s, {"cuLaunchHostFunc", {}, [fn, data] {
+                                   fn(data);
+                                   return CUDA_SUCCESS;
+                               }});
 }
-EMU_API CUresult cuEventCreate(CUevent* e, unsigned int) {
-    *e = (CUevent) new Event;
-    return CUDA_SUCCESS;
-}
-EMU_API CUresult cuEventDestroy(CUevent e) {
-    delete (Event*)e;
-    return CUDA_SUCCESS;
-}
-EMU_API CUresult cuEventRecord(CUevent e, CUstream) {
-    ((Event*)e)->at = std::chrono::steady_clock::now();
-    return CUDA_SUCCESS;
-}
+EMU_API CUresult cuEventCreate(CUevent* e, unsigned int) { return streams::event_create(e); }
+EMU_API CUresult cuEventDestroy(CUevent e) { return streams::event_destroy(e); }
+EMU_API CUresult cuEventRecord(CUevent e, CUstream s) { return streams::event_record(e, s); }
 EMU_API CUresult cuEventRecordWithFlags(CUevent e, CUstream s, unsigned int) { return cuEventRecord(e, s); }
-EMU_API CUresult cuEventSynchronize(CUevent) { return CUDA_SUCCESS; }
-EMU_API CUresult cuEventQuery(CUevent) { return CUDA_SUCCESS; }
-EMU_API CUresult cuEventElapsedTime(float* ms, CUevent a, CUevent b) {
-    *ms = std::chrono::duration<float, std::milli>(((Event*)b)->at - ((Event*)a)->at).count();
-    return CUDA_SUCCESS;
-}
+EMU_API CUresult cuEventSynchronize(CUevent e) { return streams::event_synchronize(e); }
+EMU_API CUresult cuEventQuery(CUevent e) { return streams::event_query(e); }
+EMU_API CUresult cuEventElapsedTime(float* ms, CUevent a, CUevent b) { return streams::event_elapsed(ms, a, b); }
 #undef cuEventElapsedTime
 EMU_API CUresult cuEventElapsedTime(float* ms, CUevent a, CUevent b) { return cuEventElapsedTime_v2(ms, a, b); }
 
@@ -382,7 +494,7 @@ EMU_API CUresult cuOccupancyAvailableDynamicSMemPerBlock(size_t* s, CUfunction, 
 }
 
 EMU_API CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
-                                unsigned int by, unsigned int bz, unsigned int smem, CUstream, void** params,
+                                unsigned int by, unsigned int bz, unsigned int smem, CUstream s, void** params,
                                 void** extra) {
     const auto* k = (const emu::Kernel*)f;
     if (extra) return report(CUDA_ERROR_NOT_SUPPORTED, "cuLaunchKernel with `extra` is not emulated");
@@ -406,7 +518,10 @@ EMU_API CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, 
                       k->name.c_str(), smem, limit);
         return report(CUDA_ERROR_INVALID_VALUE, buf);
     }
-    const std::string err = emu::launch(*k, uint3{gx, gy, gz}, uint3{bx, by, bz}, smem, params);
-    if (!err.empty()) return report(CUDA_ERROR_LAUNCH_FAILED, err);
-    return CUDA_SUCCESS;
+    auto args = std::make_shared<Args>(*k, params);
+    const uint3 grid{gx, gy, gz}, block{bx, by, bz};
+    return streams::submit(s, {"kernel " + k->name, args->words, [k, args, grid, block, smem] {
+                                   const std::string err = emu::launch(*k, grid, block, smem, args->ptrs.data());
+                                   return err.empty() ? CUDA_SUCCESS : report(CUDA_ERROR_LAUNCH_FAILED, err);
+                               }});
 }

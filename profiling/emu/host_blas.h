@@ -1,12 +1,13 @@
 // host_blas.h — what the emulator's libcublas.so and libcusolver.so share (profiling/emu/README.md): the
 // double-precision MR × NR micro-kernel both spend their time in, the worker threads both spread tasks
-// over, and the one-line refusal message. Header-only, with internal linkage: each library gets its own copy
+// over, the one-line refusal message, and the hand-off of a call to the fake driver's stream queues. Header-only, with internal linkage: each library gets its own copy
 // and neither exports these names.
 //
-// Before including it, a file defines `constexpr const char* kEmuLib` (the library's name, for messages)
-// inside an anonymous namespace.
+// Before including it, a file defines, inside an anonymous namespace, `constexpr const char* kEmuLib` (the
+// library's name, for messages) and its status codes ST_SUCCESS, ST_ALLOC_FAILED and ST_INTERNAL_ERROR.
 #pragma once
 
+#include <dlfcn.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -17,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <initializer_list>
 #include <new>
 #include <thread>
 #include <vector>
@@ -124,6 +126,48 @@ void parallel_tasks(int64_t tasks, double work, Init&& init, Body&& body) {
     worker();
     for (auto& t : pool) t.join();
     if (out_of_memory) throw std::bad_alloc();
+}
+
+using Defer = int (*)(void*, const char*, const uintptr_t*, size_t, int (*)(void*), void (*)(void*), void*);
+
+// The fake driver's emu_stream_defer, when the fake driver is loaded (cudarc loads it before these).
+Defer find_defer() {
+    static const Defer defer = [] {
+        for (const char* name : {"libcuda.so", "libcuda.so.1"})
+            if (void* h = dlopen(name, RTLD_NOLOAD | RTLD_LAZY))
+                if (void* f = dlsym(h, "emu_stream_defer")) return reinterpret_cast<Defer>(f);
+        return static_cast<Defer>(nullptr);
+    }();
+    return defer;
+}
+
+// Runs `body` (returning a library status, 0 = success) as one operation on `stream`, through the fake
+// driver's emu_stream_defer (streams.h): under EMU_STREAMS=lazy it waits in the stream's queue like a
+// kernel, so a missing stream wait shows here too. `refs` are the device addresses it touches. Without the
+// fake driver loaded (test_blas dlopens the library alone) the body runs at once. Exceptions become
+// statuses: nothing may unwind into C.
+template <class B>
+int on_stream(void* stream, const char* what, std::initializer_list<const void*> refs, B run) {
+    auto body = [what, run] {
+        try {
+            return run();
+        } catch (const std::bad_alloc&) {
+            complain(what, "out of host memory");
+            return ST_ALLOC_FAILED;
+        } catch (const std::exception& e) {
+            complain(what, "%s", e.what());
+            return ST_INTERNAL_ERROR;
+        }
+    };
+    using F = decltype(body);
+    const Defer defer = find_defer();
+    if (defer == nullptr) return body();
+    std::vector<uintptr_t> r;
+    for (const void* p : refs) r.push_back(reinterpret_cast<uintptr_t>(p));
+    auto* box = new F(std::move(body));
+    return defer(
+        stream, what, r.data(), r.size(), [](void* b) { return (*static_cast<F*>(b))(); },
+        [](void* b) { delete static_cast<F*>(b); }, box);
 }
 
 }  // namespace

@@ -250,8 +250,8 @@ std::string describe_deadlock(const Block& b) {
 
 }  // namespace
 
-Registrar::Registrar(const char* name, void (*invoke)(void**), unsigned max_threads) {
-    registry()[name] = Kernel{name, invoke, max_threads};
+Registrar::Registrar(const char* name, void (*invoke)(void**), unsigned max_threads, std::vector<size_t> arg_sizes) {
+    registry()[name] = Kernel{name, invoke, max_threads, std::move(arg_sizes)};
 }
 
 const Kernel* find_kernel(const char* name) {

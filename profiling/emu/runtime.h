@@ -7,6 +7,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 struct uint3;
 
@@ -16,10 +17,11 @@ struct Kernel {
     std::string name;
     void (*invoke)(void** params);  // calls the kernel with cuLaunchKernel's argument array
     unsigned max_threads;           // its __launch_bounds__: a larger block fails to launch on a GPU
+    std::vector<size_t> arg_sizes;  // bytes of each argument: a queued launch copies them (streams.h)
 };
 
 struct Registrar {
-    Registrar(const char* name, void (*invoke)(void**), unsigned max_threads);
+    Registrar(const char* name, void (*invoke)(void**), unsigned max_threads, std::vector<size_t> arg_sizes);
 };
 
 const Kernel* find_kernel(const char* name);
@@ -36,8 +38,13 @@ template <class... A>
 void invoke(void (*f)(A...), void** p) {
     invoke_with(f, p, std::index_sequence_for<A...>{});
 }
+template <class... A>
+std::vector<size_t> arg_sizes(void (*)(A...)) {
+    return {sizeof(std::remove_cv_t<std::remove_reference_t<A>>)...};
+}
 
 }  // namespace emu
 
 #define EMU_REGISTER(name, max_threads) \
-    static emu::Registrar emu_registrar_##name(#name, [](void** p) { emu::invoke(&name, p); }, (max_threads));
+    static emu::Registrar emu_registrar_##name(#name, [](void** p) { emu::invoke(&name, p); }, (max_threads), \
+                                               emu::arg_sizes(&name));

@@ -10,19 +10,10 @@
 #include <vector>
 
 #include "runtime.h"
+#include "test_check.h"
 #include <mma.h>
 
 using namespace nvcuda;
-
-static int g_failures = 0;
-#define CHECK(cond, ...)                                        \
-    do {                                                        \
-        if (!(cond) && ++g_failures <= 20) {                    \
-            std::fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-            std::fprintf(stderr, __VA_ARGS__);                  \
-            std::fprintf(stderr, "\n");                         \
-        }                                                       \
-    } while (0)
 
 // Each thread publishes its index, then reads its neighbour's: right only if the barrier holds everyone.
 extern "C" __global__ void __launch_bounds__(256) neighbour_kernel(int* out) {

@@ -26,8 +26,9 @@ use options::{LayerSet, Method, RunOptions, ScaleSearchArg};
 use report::{LayerReport, RunReport, Timings};
 use std::time::Instant;
 
-/// Windows forwarded together; bounds the memory of one forward's intermediates.
-const CHUNK: usize = 8;
+/// Windows forwarded together (at most: the memory plan may take fewer); bounds the memory of one forward's
+/// intermediates.
+pub const CHUNK: usize = 8;
 
 /// Where the calibration activations live and how many sequences one forward takes.
 struct Placement {
@@ -57,8 +58,17 @@ fn state_memory_plan(
     let shape = ModelShape::of(cfg);
     match be.device_memory() {
         Some((free, _)) => {
-            let p = plan(&shape, calib, Target::Gpu, free, CHUNK)
-                .map_err(|m| crate::input_err!("{m}"))?;
+            let cap = opts
+                .gpu_mem
+                .map_or(u64::MAX, |g| (g * (1u64 << 30) as f64) as u64);
+            let p = plan(&shape, calib, Target::Gpu, free.min(cap), CHUNK).map_err(|m| {
+                let why = if cap < free {
+                    " (free memory capped by --gpu-mem)"
+                } else {
+                    ""
+                };
+                crate::input_err!("{m}{why}")
+            })?;
             progress.line(p.to_string().trim_end());
             Ok(Placement {
                 parked: p.activations == Activations::HostStreamed,

@@ -112,6 +112,9 @@ pub struct RunOptions {
     /// Operand precision of the forward's GEMMs on a GPU.
     #[serde(default)]
     pub gemm: crate::backend::GemmPrecision,
+    /// GiB of GPU memory the plan may use at most (None: all that is free).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_mem: Option<f64>,
     /// Replace --out if it exists.
     pub force: bool,
     /// Continue the partial run of the same --out from its last finished block. Not in report.json: a
@@ -132,6 +135,11 @@ impl RunOptions {
                 "--wbits {} is not supported (supported: 2, 3, 4, 8)",
                 self.wbits
             ));
+        }
+        if let Some(g) = self.gpu_mem
+            && !(g.is_finite() && g > 0.0)
+        {
+            return Err(format!("--gpu-mem {g} is not a positive number of GiB"));
         }
         if let Some(g) = self.group_size
             && (g < 16 || g % 16 != 0)

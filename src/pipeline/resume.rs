@@ -62,7 +62,9 @@ pub fn fingerprint(
 ) -> anyhow::Result<Value> {
     let mut options = serde_json::to_value(opts)?;
     if let Value::Object(m) = &mut options {
-        for k in ["model", "calib", "out", "force", "resume", "device"] {
+        for k in [
+            "model", "calib", "out", "force", "resume", "device", "gpu_mem",
+        ] {
             m.remove(k);
         }
     }
