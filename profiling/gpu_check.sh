@@ -4,8 +4,9 @@
 #
 #   profiling/gpu_check.sh [TEST…]         on the build machine: build the binary and the test executables
 #                                          with the kernels embedded (BOA_REQUIRE_KERNELS=1), copy the binary
-#                                          and the named tests (default: parity_ops parity_quant parity_qgemm,
-#                                          the ones with CUDA halves) into .gpu_carry/, and print the device call for `run`.
+#                                          and the named tests (default: parity_ops parity_quant parity_qgemm
+#                                          resident_forward device_run, the ones with CUDA halves) into
+#                                          .gpu_carry/, and print the device call for `run`.
 #   profiling/gpu_check.sh --on-device [TEST…]
 #                                          on the GPU machine (the `run` tool's command): run each staged
 #                                          test executable (or only the named ones, e.g. parity_ops
@@ -38,7 +39,7 @@ carry_limit=$((64 * 1024 * 1024))
 
 # Staged by default: the tests that exercise CUDA code. Every test binary together is ~94 MiB stripped, over
 # the 64 MiB the `run` tool carries; the rest are CPU tests that CI already runs.
-default_tests=(parity_ops parity_quant parity_qgemm resident_forward)
+default_tests=(parity_ops parity_quant parity_qgemm resident_forward device_run)
 
 build_half() {
     local want=("$@")
@@ -144,10 +145,11 @@ device_half() {
         c="$(cap 240)"
         ((c > 0)) || { skipped_sections+=("tests:$name"); continue; }
         log="$out/$name.log"
-        chmod +x "$t"
+        chmod +x "$t" "$carry/bin/boa-cuda"
         t0="$(date +%s.%N)"
         set +e
-        timeout "$c" "$t" --test-threads=1 --nocapture >"$log" 2>&1
+        # device_run runs the binary; cargo's path to it does not exist here.
+        BOA_CUDA_BIN="$carry/bin/boa-cuda" timeout "$c" "$t" --test-threads=1 --nocapture >"$log" 2>&1
         rc=$?
         set -e
         t1="$(date +%s.%N)"

@@ -44,6 +44,7 @@ impl Progress {
             what: what.into(),
             total,
             pos: 0,
+            skipped: 0,
             start: Instant::now(),
             last: Instant::now(),
         }
@@ -62,6 +63,8 @@ pub struct Bar {
     what: String,
     total: u64,
     pos: u64,
+    /// Units done before this bar started (`skip`): in the position, not in the rate.
+    skipped: u64,
     start: Instant,
     last: Instant,
 }
@@ -76,16 +79,32 @@ impl Bar {
         {
             self.last = Instant::now();
             let el = self.start.elapsed().as_secs_f64();
-            let eta = if self.pos > 0 {
-                el / self.pos as f64 * (self.total - self.pos) as f64
-            } else {
-                0.0
-            };
+            let eta = self.eta_secs(el);
             eprintln!(
                 "{}: {}/{} ({el:.0} s elapsed, ETA {eta:.0} s)",
                 self.what, self.pos, self.total
             );
         }
+    }
+
+    /// Counts `n` units done before this bar started (a resumed run's earlier blocks): they show in the
+    /// position but not in the rate, or the ETA would credit this session with their time.
+    pub fn skip(&mut self, n: u64) {
+        self.pos += n;
+        self.skipped += n;
+        if let Some(pb) = &self.pb {
+            pb.inc(n);
+            pb.reset_eta();
+        }
+    }
+
+    /// Seconds left at this session's rate, `elapsed` seconds after the bar started.
+    fn eta_secs(&self, elapsed: f64) -> f64 {
+        let done = self.pos - self.skipped;
+        if done == 0 {
+            return 0.0;
+        }
+        elapsed / done as f64 * self.total.saturating_sub(self.pos) as f64
     }
 
     pub fn set_message(&self, msg: String) {
@@ -98,5 +117,26 @@ impl Bar {
         if let Some(pb) = &self.pb {
             pb.finish_and_clear();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn eta_counts_only_this_sessions_units() {
+        let mut bar = Progress::Quiet.bar("quantize", 30, "blocks");
+        bar.skip(28);
+        assert_eq!(bar.eta_secs(10.0), 0.0, "nothing done yet in this session");
+        bar.inc(1);
+        // One block in 10 s, one left: 10 s (not 10 / 29 s, as if the 28 earlier blocks took no time).
+        assert!(
+            (bar.eta_secs(10.0) - 10.0).abs() < 1e-9,
+            "{}",
+            bar.eta_secs(10.0)
+        );
+        bar.inc(1);
+        assert_eq!(bar.eta_secs(20.0), 0.0);
     }
 }

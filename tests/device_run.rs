@@ -10,8 +10,8 @@
 //! Per method, the mean relative output error of report.json must agree with the CPU's within 10%. The GPU's
 //! statistics are bf16 and its factors f32, so codes differ a little; a wrong kernel or a wrong buffer is far
 //! off. The test prints "skipped: <why>" without a CUDA device. CI runs it on the CPU emulator of the CUDA
-//! stack (profiling/emu/check.sh, once with lazy streams); gpu_check.sh's e2e section is the same check at a
-//! larger size.
+//! stack (profiling/emu/check.sh, once with lazy streams), gpu_check.sh on a GPU (with `BOA_CUDA_BIN` naming
+//! the staged binary); gpu_check.sh's e2e section is the same check at a larger size.
 
 mod common;
 
@@ -58,7 +58,9 @@ fn synth_model(dir: &Path) -> std::path::PathBuf {
 /// Runs `cfg` on cuda and on the cpu with `calib` windows and asserts the mean errors agree per method;
 /// returns the cuda run's stderr.
 fn compare_devices(tmp: &Path, model: &Path, calib: (usize, usize), cfg: &[&str]) -> String {
-    let readme = Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md");
+    // The calibration text travels inside the test executable (gpu_check.sh runs it away from the source).
+    let readme = tmp.join("calib.txt");
+    std::fs::write(&readme, include_str!("../README.md")).unwrap();
     let (nsamples, seqlen) = (calib.0.to_string(), calib.1.to_string());
     let mut errors = Vec::new();
     let mut cuda_stderr = String::new();

@@ -289,7 +289,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
         // the ETA of `--layers 0-1` on an 80-layer model forty times too long.
         let worked = |r: std::ops::Range<usize>| r.filter(|&l| needs_weights(l)).count() as u64;
         let mut bar = progress.bar("quantize", worked(0..cfg.n_layers), "blocks");
-        bar.inc(worked(0..start));
+        bar.skip(worked(0..start));
         let be = be.as_ref();
         // A block's weights in f32 on the host, and (when X goes through it) copied into the backend's
         // memory: for the prefetch thread, so both the disk read and the upload overlap the previous block.

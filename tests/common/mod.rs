@@ -4,8 +4,13 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+/// The binary cargo built, or `BOA_CUDA_BIN` (profiling/gpu_check.sh runs staged test executables on a
+/// machine where cargo's build path does not exist).
 pub fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_boa-cuda"))
+    match std::env::var_os("BOA_CUDA_BIN") {
+        Some(p) => Command::new(p),
+        None => Command::new(env!("CARGO_BIN_EXE_boa-cuda")),
+    }
 }
 
 /// Runs the binary with `args`; returns (exit code, stdout, stderr).
