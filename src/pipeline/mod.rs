@@ -77,6 +77,11 @@ fn state_memory_plan(
             })
         }
         None => {
+            if opts.gpu_mem.is_some() {
+                progress.line(
+                    "note: --gpu-mem caps GPU memory; this run is on the CPU, so it has no effect",
+                );
+            }
             let free = host_available_bytes().unwrap_or(u64::MAX);
             match plan(&shape, calib, Target::Cpu, free, CHUNK) {
                 Ok(p) => progress.line(p.to_string().trim_end()),
