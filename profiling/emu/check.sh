@@ -6,7 +6,7 @@
 # Builds the emulator first. Extra arguments go to cargo (the same as scripts/test.sh's, so nothing is
 # rebuilt: the test binaries must have the kernels embedded, BOA_REQUIRE_KERNELS=1).
 #
-#   profiling/emu/check.sh              # 3 m 59 s on 2 cores (2026-11-30)
+#   profiling/emu/check.sh              # 4 to 5 min on 2 cores (2026-11-30)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out="$(profiling/emu/build.sh | tail -n1)"
@@ -34,5 +34,9 @@ for order in forward reverse; do
         exit 1
     fi
     grep -q "CPU emulator" "$log" || { echo "check.sh: no test ran on the emulator" >&2; exit 1; }
+    if [[ "$streams" == lazy ]] && ! grep -q "CPU emulator (profiling/emu, lazy streams)" "$log"; then
+        echo "check.sh: the lazy pass did not run with lazy streams (EMU_STREAMS not seen by the emulator)" >&2
+        exit 1
+    fi
     rm -f "$log"
 done

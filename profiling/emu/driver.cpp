@@ -226,7 +226,8 @@ EMU_API CUresult cuDeviceGet(CUdevice* d, int ordinal) {
     return CUDA_SUCCESS;
 }
 EMU_API CUresult cuDeviceGetName(char* name, int len, CUdevice) {
-    std::snprintf(name, (size_t)len, "CPU emulator (profiling/emu)");
+    // The schedule is in the name, so a log shows which one ran (check.sh relies on it).
+    std::snprintf(name, (size_t)len, "CPU emulator (profiling/emu%s)", streams::lazy() ? ", lazy streams" : "");
     return CUDA_SUCCESS;
 }
 EMU_API CUresult cuDeviceTotalMem(size_t* bytes, CUdevice) {
