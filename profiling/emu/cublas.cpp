@@ -91,17 +91,6 @@ using cublasHandle_t = cublasContext*;
 
 namespace {
 
-bool live(cublasHandle_t h) { return h != nullptr && h->magic == HANDLE_MAGIC; }
-
-// The Get* calls: a live handle and somewhere to write, then one field of it.
-template <class T>
-int get_field(cublasHandle_t h, T* out, T cublasContext::*field) {
-    if (!live(h)) return ST_NOT_INITIALIZED;
-    if (out == nullptr) return ST_INVALID_VALUE;
-    *out = h->*field;
-    return ST_SUCCESS;
-}
-
 // ---- element types --------------------------------------------------------------------------------------
 // Each reads its storage into double and writes a double back rounded to nearest even. bf16 and f16 writes
 // round through f32 first, as cuBLAS rounds its f32 result to the output type.

@@ -92,8 +92,6 @@ using cusolverDnParams_t = cusolverDnParams*;
 
 namespace {
 
-bool live(cusolverDnHandle_t h) { return h != nullptr && h->magic == HANDLE_MAGIC; }
-
 // ---- blocked update kernel ------------------------------------------------------------------------------
 // Both factorizations spend their time in W += P·Qᵀ (W a double panel, P a block of the stored triangle, Q a
 // small block already in double). P is packed per KC slice into MR-row panels so the micro-kernel streams
@@ -370,10 +368,7 @@ EXPORT int cusolverDnSetStream(cusolverDnHandle_t handle, void* stream) {
 }
 
 EXPORT int cusolverDnGetStream(cusolverDnHandle_t handle, void** stream) {
-    if (!live(handle)) return ST_NOT_INITIALIZED;
-    if (stream == nullptr) return ST_INVALID_VALUE;
-    *stream = handle->stream;
-    return ST_SUCCESS;
+    return get_field(handle, stream, &cusolverDnContext::stream);
 }
 
 EXPORT int cusolverDnSetDeterministicMode(cusolverDnHandle_t handle, int mode) {
@@ -384,10 +379,7 @@ EXPORT int cusolverDnSetDeterministicMode(cusolverDnHandle_t handle, int mode) {
 }
 
 EXPORT int cusolverDnGetDeterministicMode(cusolverDnHandle_t handle, int* mode) {
-    if (!live(handle)) return ST_NOT_INITIALIZED;
-    if (mode == nullptr) return ST_INVALID_VALUE;
-    *mode = handle->deterministic_mode;
-    return ST_SUCCESS;
+    return get_field(handle, mode, &cusolverDnContext::deterministic_mode);
 }
 
 EXPORT int cusolverDnCreateParams(cusolverDnParams_t* params) {

@@ -101,14 +101,15 @@ CUresult alloc_device(CUdeviceptr* p, size_t n) {
     return CUDA_SUCCESS;
 }
 
-// `what` is the call that frees: a queued operation that still names the memory would use it after the free
-// (lazy schedule; streams.h), so that is reported instead of freeing.
-CUresult free_device(CUdeviceptr p, const char* what) {
+// Frees `p`, an allocation of `table` (device or page-locked host memory), with `what` the call that frees.
+// A queued operation that still names the memory would use it after the free (lazy schedule; streams.h),
+// so that is reported instead of freeing.
+CUresult release(std::map<uintptr_t, size_t>& table, void* p, const char* what) {
     size_t n = 0;
     {
         std::lock_guard<std::mutex> l(g_mu);
-        auto it = g_device.find((uintptr_t)p);
-        if (it == g_device.end())
+        auto it = table.find((uintptr_t)p);
+        if (it == table.end())
             return report(CUDA_ERROR_INVALID_VALUE, std::string(what) + " of a pointer that is not a live allocation");
         n = it->second;
     }
@@ -118,9 +119,9 @@ CUresult free_device(CUdeviceptr p, const char* what) {
         return report(CUDA_ERROR_ILLEGAL_ADDRESS, buf + user + " uses them: a stream wait is missing before the free");
     }
     std::lock_guard<std::mutex> l(g_mu);
-    g_device_bytes -= n;
-    g_device.erase((uintptr_t)p);
-    std::free((void*)p);
+    if (&table == &g_device) g_device_bytes -= n;
+    table.erase((uintptr_t)p);
+    std::free(p);
     return CUDA_SUCCESS;
 }
 
@@ -154,7 +155,7 @@ CUresult copy_async(void* dst, const void* src, size_t n, bool dst_dev, bool src
     if (n == 0) return CUDA_SUCCESS;
     const std::vector<uintptr_t> refs{(uintptr_t)dst, (uintptr_t)src};
     if (!dst_dev && kind(dst, n) == Mem::Pageable) {
-        if (CUresult r = streams::drain(s)) return r;
+        if (CUresult r = streams::synchronize(s)) return r;
         std::memmove(dst, src, n);
         return CUDA_SUCCESS;
     }
@@ -167,7 +168,7 @@ CUresult copy_async(void* dst, const void* src, size_t n, bool dst_dev, bool src
 
 // The synchronous copies and memsets run on the legacy stream and return when done.
 CUresult copy_sync(void* dst, const void* src, size_t n, bool dst_dev, bool src_dev, const char* what) {
-    if (CUresult r = streams::drain(nullptr)) return r;
+    if (CUresult r = streams::synchronize(nullptr)) return r;
     return copy(dst, src, n, dst_dev, src_dev, what);
 }
 
@@ -320,14 +321,14 @@ EMU_API CUresult cuMemAlloc(CUdeviceptr* p, size_t n) { return alloc_device(p, n
 EMU_API CUresult cuMemFree(CUdeviceptr p) {
     // cuMemFree waits for the device in practice; the lazy schedule's queued work runs first.
     streams::synchronize_all();
-    return free_device(p, "cuMemFree");
+    return release(g_device, (void*)p, "cuMemFree");
 }
 // Memory comes into being at the call (its contents are NaN bytes until something writes them).
 EMU_API CUresult cuMemAllocAsync(CUdeviceptr* p, size_t n, CUstream) { return alloc_device(p, n); }
 EMU_API CUresult cuMemAllocFromPoolAsync(CUdeviceptr* p, size_t n, CUmemoryPool, CUstream) { return alloc_device(p, n); }
 EMU_API CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) {
     if (CUresult r = check_device((uintptr_t)p, 1, "cuMemFreeAsync")) return r;
-    return streams::submit(s, {"cuMemFreeAsync", {}, [p] { return free_device(p, "cuMemFreeAsync"); }});
+    return streams::submit(s, {"cuMemFreeAsync", {}, [p] { return release(g_device, (void*)p, "cuMemFreeAsync"); }});
 }
 EMU_API CUresult cuMemGetInfo(size_t* free_b, size_t* total) {
     std::lock_guard<std::mutex> l(g_mu);
@@ -344,21 +345,7 @@ EMU_API CUresult cuMemHostAlloc(void** pp, size_t n, unsigned int) {
     return CUDA_SUCCESS;
 }
 EMU_API CUresult cuMemAllocHost(void** pp, size_t n) { return cuMemHostAlloc(pp, n, 0); }
-EMU_API CUresult cuMemFreeHost(void* p) {
-    size_t n = 0;
-    {
-        std::lock_guard<std::mutex> l(g_mu);
-        auto it = g_host.find((uintptr_t)p);
-        if (it == g_host.end()) return report(CUDA_ERROR_INVALID_VALUE, "cuMemFreeHost of an unknown pointer");
-        n = it->second;
-    }
-    if (std::string user = streams::pending_user((uintptr_t)p, n); !user.empty())
-        return report(CUDA_ERROR_ILLEGAL_ADDRESS, "cuMemFreeHost while " + user + " uses the buffer");
-    std::lock_guard<std::mutex> l(g_mu);
-    g_host.erase((uintptr_t)p);
-    std::free(p);
-    return CUDA_SUCCESS;
-}
+EMU_API CUresult cuMemFreeHost(void* p) { return release(g_host, p, "cuMemFreeHost"); }
 EMU_API CUresult cuMemHostRegister(void* p, size_t n, unsigned int) {
     std::lock_guard<std::mutex> l(g_mu);
     g_registered[(uintptr_t)p] = n;
@@ -402,11 +389,11 @@ EMU_API CUresult cuMemsetD32Async(CUdeviceptr d, unsigned int v, size_t n, CUstr
 }
 EMU_API CUresult cuMemsetD8(CUdeviceptr d, unsigned char v, size_t n) {
     if (CUresult r = memset_async(d, v, n, nullptr, "cuMemsetD8")) return r;
-    return streams::drain(nullptr);
+    return streams::synchronize(nullptr);
 }
 EMU_API CUresult cuMemsetD32(CUdeviceptr d, unsigned int v, size_t n) {
     if (CUresult r = memset_async(d, v, n, nullptr, "cuMemsetD32")) return r;
-    return streams::drain(nullptr);
+    return streams::synchronize(nullptr);
 }
 EMU_API CUresult cuDeviceGetDefaultMemPool(CUmemoryPool* p, CUdevice) {
     *p = (CUmemoryPool)&g_pool_tag;

@@ -4,7 +4,8 @@
 // and neither exports these names.
 //
 // Before including it, a file defines, inside an anonymous namespace, `constexpr const char* kEmuLib` (the
-// library's name, for messages) and its status codes ST_SUCCESS, ST_ALLOC_FAILED and ST_INTERNAL_ERROR.
+// library's name, for messages), HANDLE_MAGIC (the first word of its live handles) and its status codes
+// ST_SUCCESS, ST_NOT_INITIALIZED, ST_INVALID_VALUE, ST_ALLOC_FAILED and ST_INTERNAL_ERROR.
 #pragma once
 
 #include <dlfcn.h>
@@ -126,6 +127,21 @@ void parallel_tasks(int64_t tasks, double work, Init&& init, Body&& body) {
     worker();
     for (auto& t : pool) t.join();
     if (out_of_memory) throw std::bad_alloc();
+}
+
+// A handle of this library (its context struct starts with `uint64_t magic`), not null, freed or foreign.
+template <class Ctx>
+bool live(const Ctx* h) {
+    return h != nullptr && h->magic == HANDLE_MAGIC;
+}
+
+// The Get* calls: a live handle and somewhere to write, then one field of it.
+template <class Ctx, class T>
+int get_field(const Ctx* h, T* out, T Ctx::*field) {
+    if (!live(h)) return ST_NOT_INITIALIZED;
+    if (out == nullptr) return ST_INVALID_VALUE;
+    *out = h->*field;
+    return ST_SUCCESS;
 }
 
 using Defer = int (*)(void*, const char*, const uintptr_t*, size_t, int (*)(void*), void (*)(void*), void*);

@@ -126,7 +126,7 @@ CUresult submit(CUstream s, Op op) {
     return CUDA_SUCCESS;
 }
 
-CUresult drain(CUstream s) {
+CUresult synchronize(CUstream s) {
     std::lock_guard<std::recursive_mutex> l(g_lock);
     Stream* st = of(s);
     order_with_legacy(st);
@@ -149,8 +149,6 @@ CUresult destroy(CUstream s) {
     run_until(st, st->issued);
     return CUDA_SUCCESS;
 }
-
-CUresult synchronize(CUstream s) { return drain(s); }
 
 CUresult synchronize_all() {
     std::lock_guard<std::recursive_mutex> l(g_lock);

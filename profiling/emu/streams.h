@@ -33,11 +33,10 @@ bool lazy();
 // Runs `op` now (eager), or queues it on `s` (lazy: CUDA_SUCCESS, and a failure when it runs is kept and
 // returned by every later synchronizing call, as CUDA's sticky errors are).
 CUresult submit(CUstream s, Op op);
-// Lazy: runs everything queued on `s` first (a call that CUDA documents as synchronous for its stream).
-CUresult drain(CUstream s);
-
 CUresult create(CUstream* s, unsigned flags);
 CUresult destroy(CUstream s);
+// Runs everything queued on `s` (cuStreamSynchronize, and the calls CUDA documents as synchronous for
+// their stream); returns the sticky error.
 CUresult synchronize(CUstream s);
 CUresult synchronize_all();
 CUresult query(CUstream s);
