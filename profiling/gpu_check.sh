@@ -94,6 +94,9 @@ for line in sys.stdin:
         echo "commit: $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . 2>/dev/null || echo ' (+ uncommitted changes)')"
         echo "built: $(date -u +%FT%TZ) on $(uname -n), $(ldd --version 2>/dev/null | head -n1)"
         echo "nvcc: ${NVCC:-<found by build.rs>}"
+        # The newest glibc symbol version the staged executables use: the device machine's glibc must be at least it.
+        echo "needs: $(objdump -T "$carry"/bin/* "$carry"/tests/* 2>/dev/null | grep -o 'GLIBC_[0-9.]*' | sort -uV \
+            | tail -n1 | sed 's/_/ ≥ /')"
         (cd "$carry" && find bin tests -type f -printf '%p %s\n' | sort)
     } >"$carry/manifest.txt"
     cat "$carry/manifest.txt"
@@ -110,6 +113,69 @@ for line in sys.stdin:
 MSG
 }
 
+# cudarc opens cuBLAS and cuSOLVER by name (libcublas.so, then .so.13, .so.12, …), through the loader's path.
+# When the loader cannot find one, GEMMs, the scale search and the large factorizations quietly fall back to
+# the CPU or the FFMA kernel (the backend says so once), and the speed rows and the 7B run would time the CPU.
+# So: say where each library resolves; if one does not, look where CUDA 13 and PyTorch's wheels keep it and put
+# that folder on LD_LIBRARY_PATH (exported for everything after). Prints one line per library; returns 1 when
+# one stays missing.
+find_cuda_libs() {
+    local lib dir where rc=0 site=()
+    if command -v python3 >/dev/null; then
+        mapfile -t site < <(python3 -c 'import site; print("\n".join(site.getsitepackages()))' 2>/dev/null || true)
+    fi
+    for lib in cublas cusolver; do
+        if where="$(lib_resolves "$lib")"; then
+            echo "lib$lib: $where"
+            continue
+        fi
+        where=""
+        for dir in ${CUDA_HOME:+"$CUDA_HOME/lib64"} /usr/local/cuda/lib64 /usr/local/cuda-13*/lib64 \
+            /usr/local/cuda*/targets/x86_64-linux/lib "${site[@]/%//nvidia/cu13/lib}" "${site[@]/%//nvidia/$lib/lib}"; do
+            if compgen -G "$dir/lib$lib.so.1[0-9]*" >/dev/null; then where="$dir"; break; fi
+        done
+        if [[ -z "$where" ]]; then
+            where="$(find /usr /opt "${site[@]}" -name "lib$lib.so.1[0-9]*" -printf '%h\n' 2>/dev/null | head -n1 || true)"
+        fi
+        if [[ -n "$where" ]]; then
+            export LD_LIBRARY_PATH="$where${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        fi
+        if where="$(lib_resolves "$lib")"; then
+            echo "lib$lib: $where (its folder added to LD_LIBRARY_PATH)"
+        else
+            echo "lib$lib: NOT FOUND by the loader nor under /usr, /opt or python's site-packages"
+            rc=1
+        fi
+    done
+    return "$rc"
+}
+
+# The file the loader opens for cudarc's first candidate names of lib$1; fails when it opens none. Needs python3
+# (ctypes, then /proc/self/maps for the path); without it, `ldconfig -p` and LD_LIBRARY_PATH are searched.
+lib_resolves() {
+    if command -v python3 >/dev/null; then
+        python3 - "$1" <<'PY'
+import ctypes, re, sys
+lib = sys.argv[1]
+for name in [f"lib{lib}.so"] + [f"lib{lib}.so.{v}" for v in (13, 12, 11, 10)]:
+    try:
+        ctypes.CDLL(name)
+    except OSError:
+        continue
+    path = next((l.split()[-1] for l in open("/proc/self/maps") if re.search(rf"/lib{lib}\.so", l)), name)
+    print(path)
+    sys.exit(0)
+sys.exit(1)
+PY
+        return
+    fi
+    local dir
+    for dir in ${LD_LIBRARY_PATH//:/ }; do
+        compgen -G "$dir/lib$1.so*" >/dev/null && { echo "$dir"; return 0; }
+    done
+    ldconfig -p 2>/dev/null | grep -o "/[^ ]*/lib$1\.so[.0-9]*" | head -n1 | grep .
+}
+
 device_half() {
     local only=("$@")
     cd "$root"
@@ -117,6 +183,7 @@ device_half() {
     mkdir -p "$out"
     [[ -d "$carry/tests" ]] || { echo "gpu_check.sh: no $carry_rel/tests; pass carry [\"$carry_rel\"]" >&2; exit 1; }
     export RUST_BACKTRACE=1
+    local libs_missing=0
     {
         echo "# gpu_check $(date -u +%FT%TZ)"
         cat "$carry/manifest.txt" 2>/dev/null || true
@@ -127,10 +194,16 @@ device_half() {
         nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total,clocks.sm,clocks.max.sm,temperature.gpu \
             --format=csv 2>&1 || echo "nvidia-smi failed"
         command -v nvcc >/dev/null && nvcc --version | tail -n1 || echo "no nvcc on PATH"
+        echo "## CUDA libraries"
+        find_cuda_libs || libs_missing=1
     } >"$out/machine.txt" 2>&1
     cat "$out/machine.txt"
 
     local table="$out/results.md" status=0
+    if ((libs_missing)); then
+        status=1
+        echo "cuBLAS or cuSOLVER not found (machine.txt): their work ran on the CPU or the FFMA kernel" >>"$out/notes.txt"
+    fi
     # The call's sections and its deadline: each section's timeout shrinks to what is left of DEADLINE_S
     # (default 570 of the call's 600 s), and a section left with under 30 s is skipped and named at the end,
     # so a second call can run just those (SECTIONS="7b sanitize", say).
@@ -440,6 +513,7 @@ demo_part() {
     local m
     m="$(find "$keep/ckpt" -mindepth 1 -maxdepth 1 -type d)"
     chmod +x "$keep/boa-cuda"
+    find_cuda_libs || echo "packed eval: without cuBLAS, m > 16 runs on the CPU"
     {
         echo "# demo packed checkpoint $(basename "$m"), eval on README.md, seqlen 512, 8 windows"
         for dev in cuda cpu; do
