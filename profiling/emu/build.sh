@@ -41,7 +41,7 @@ else
     link=()
 fi
 objs=() pids=()
-for f in "$out"/gen/*.emu.cpp "$emu/runtime.cpp" "$emu/streams.cpp" "$emu/driver.cpp"; do
+for f in "$out"/gen/*.emu.cpp "$emu/runtime.cpp" "$emu/streams.cpp" "$emu/resources.cpp" "$emu/driver.cpp"; do
     o="$out/gen/$(basename "${f%.cpp}").o"
     extra=()
     [[ "$f" == */driver.cpp || "$f" == */streams.cpp ]] && extra=(-I "$inc")  # only the driver sees the real CUDA headers
@@ -53,9 +53,11 @@ for p in "${pids[@]}"; do wait "$p" || { echo "build.sh: a compile failed (messa
 "$cxx" -std=c++20 -O2 -fPIC -shared "${link[@]}" -o "$out/libcublas.so" "$emu/cublas.cpp" -lpthread
 "$cxx" -std=c++20 -O2 -fPIC -shared "${link[@]}" -o "$out/libcusolver.so" "$emu/cusolver.cpp" -lpthread
 # The emulator's own tests (check.sh runs them): device semantics on toy kernels, the lazy stream schedule,
-# and the two libraries.
+# the launch limits with a ptxas report, and the two libraries.
 "$cxx" "${flags[@]}" "${link[@]}" -o "$out/test_emu" "$emu/test_emu.cpp" "$emu/runtime.cpp"
-"$cxx" "${flags[@]}" -I "$inc" "${link[@]}" -o "$out/test_streams" "$emu/test_streams.cpp" "$emu/driver.cpp" \
-    "$emu/streams.cpp" "$emu/runtime.cpp" -lpthread
+for t in test_streams test_launch; do
+    "$cxx" "${flags[@]}" -I "$inc" "${link[@]}" -o "$out/$t" "$emu/$t.cpp" "$emu/driver.cpp" "$emu/streams.cpp" \
+        "$emu/resources.cpp" "$emu/runtime.cpp" -lpthread
+done
 "$cxx" -std=c++20 -O2 "${link[@]}" -o "$out/test_blas" "$emu/test_blas.cpp" -ldl
 echo "$out"

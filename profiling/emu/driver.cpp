@@ -15,7 +15,9 @@
 //     when the copy runs).
 //   - The device claims to be an H200-like sm_90 part (132 SMs, 227 KiB opt-in shared memory) with
 //     EMU_MEM_GIB (default 16) of memory, and enforces the launch limits the real one would: threads per
-//     block, grid dimensions, and dynamic shared memory above 48 KiB only after the kernel opted in.
+//     block, grid dimensions, and dynamic shared memory above 48 KiB only after the kernel opted in. With
+//     ptxas's report of the real build (EMU_PTXAS_REPORT; resources.h) it also counts each kernel's static
+//     shared memory against those limits and its registers against the 64 K of a block.
 // Kernels come from the registry filled by the generated kernel files (gen_kernels.py); the module images
 // cudarc passes (the embedded fatbins) are not read.
 
@@ -32,6 +34,7 @@
 #include <vector>
 
 #include "cuda_emu.h"
+#include "resources.h"
 #include "runtime.h"
 #include "streams.h"
 
@@ -61,6 +64,21 @@ size_t total_bytes() {
 }
 
 int g_pool_tag, g_module_tag, g_ctx_tag;
+
+// A kernel's registers and static shared memory from ptxas's report; 32 registers and none when there is no
+// report (resources.h).
+emu::resources::Usage usage(const emu::Kernel& k) {
+    const emu::resources::Usage* u = emu::resources::find(k.name);
+    return u ? *u : emu::resources::Usage{32, 0};
+}
+
+// The most dynamic shared memory a launch of `k` may ask for: its opt-in, else what 48 KiB leaves beside its
+// static shared memory.
+int dynamic_limit(const emu::Kernel& k) {
+    std::lock_guard<std::mutex> l(g_mu);
+    auto it = g_optin.find(&k);
+    return it != g_optin.end() ? it->second : kDefaultSmem - usage(k).static_smem;
+}
 
 CUresult report(CUresult r, const std::string& what) {
     std::fprintf(stderr, "emu: %s\n", what.c_str());
@@ -228,7 +246,8 @@ EMU_API CUresult cuDeviceGet(CUdevice* d, int ordinal) {
 }
 EMU_API CUresult cuDeviceGetName(char* name, int len, CUdevice) {
     // The schedule is in the name, so a log shows which one ran (check.sh relies on it).
-    std::snprintf(name, (size_t)len, "CPU emulator (profiling/emu%s)", streams::lazy() ? ", lazy streams" : "");
+    std::snprintf(name, (size_t)len, "CPU emulator (profiling/emu%s%s)", streams::lazy() ? ", lazy streams" : "",
+                  emu::resources::loaded() ? ", ptxas limits" : "");
     return CUDA_SUCCESS;
 }
 EMU_API CUresult cuDeviceTotalMem(size_t* bytes, CUdevice) {
@@ -451,19 +470,29 @@ EMU_API CUresult cuModuleGetFunction(CUfunction* f, CUmodule, const char* name) 
 }
 EMU_API CUresult cuFuncSetAttribute(CUfunction f, CUfunction_attribute a, int v) {
     if (a == CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES) {
-        if (v < 0 || v > kOptinSmem) return report(CUDA_ERROR_INVALID_VALUE, "dynamic shared memory opt-in above 227 KiB");
+        const auto* k = (const emu::Kernel*)f;
+        const int room = kOptinSmem - usage(*k).static_smem;
+        if (v < 0 || v > room) {
+            char buf[200];
+            std::snprintf(buf, sizeof buf, "%s: dynamic shared memory opt-in of %d bytes; at most %d beside its %d static",
+                          k->name.c_str(), v, room, usage(*k).static_smem);
+            return report(CUDA_ERROR_INVALID_VALUE, buf);
+        }
         std::lock_guard<std::mutex> l(g_mu);
-        g_optin[(const emu::Kernel*)f] = v;
+        g_optin[k] = v;
     }
     return CUDA_SUCCESS;
 }
-EMU_API CUresult cuFuncGetAttribute(int* pi, CUfunction_attribute a, CUfunction) {
+EMU_API CUresult cuFuncGetAttribute(int* pi, CUfunction_attribute a, CUfunction f) {
+    const auto* k = (const emu::Kernel*)f;
+    const emu::resources::Usage u = usage(*k);
     switch (a) {
-        case CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK: *pi = 1024; break;
-        case CU_FUNC_ATTRIBUTE_NUM_REGS: *pi = 32; break;
+        case CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK: *pi = (int)std::min(k->max_threads, 1024u); break;
+        case CU_FUNC_ATTRIBUTE_NUM_REGS: *pi = u.registers; break;
+        case CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES: *pi = u.static_smem; break;
         case CU_FUNC_ATTRIBUTE_PTX_VERSION:
         case CU_FUNC_ATTRIBUTE_BINARY_VERSION: *pi = 90; break;
-        case CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: *pi = kDefaultSmem; break;
+        case CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: *pi = dynamic_limit(*k); break;
         default: *pi = 0; break;
     }
     return CUDA_SUCCESS;
@@ -495,16 +524,24 @@ EMU_API CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, 
         std::snprintf(buf, sizeof buf, "%s: invalid block %u×%u×%u", k->name.c_str(), bx, by, bz);
         return report(CUDA_ERROR_INVALID_VALUE, buf);
     }
-    int limit = kDefaultSmem;
-    {
-        std::lock_guard<std::mutex> l(g_mu);
-        auto it = g_optin.find(k);
-        if (it != g_optin.end()) limit = std::max(limit, it->second);
-    }
-    if ((int)smem > limit) {
-        std::snprintf(buf, sizeof buf, "%s: %u bytes of dynamic shared memory, limit %d (opt in above 48 KiB)",
-                      k->name.c_str(), smem, limit);
+    if (emu::resources::loaded() && !emu::resources::find(k->name)) {
+        std::snprintf(buf, sizeof buf, "%s is not in %s: a stale report? (rebuild with the kernels)",
+                      k->name.c_str(), emu::resources::source().c_str());
         return report(CUDA_ERROR_INVALID_VALUE, buf);
+    }
+    const emu::resources::Usage u = usage(*k);
+    if (const int limit = dynamic_limit(*k); (int)smem > limit) {
+        std::snprintf(buf, sizeof buf,
+                      "%s: %u bytes of dynamic shared memory beside %d static, limit %d (opt in above 48 KiB in all)",
+                      k->name.c_str(), smem, u.static_smem, limit);
+        return report(CUDA_ERROR_INVALID_VALUE, buf);
+    }
+    // Registers are given to whole warps, in units of 256 per warp.
+    const unsigned warps = (bx * by * bz + 31) / 32, per_warp = (u.registers * 32 + 255) / 256 * 256;
+    if (warps * per_warp > 65536) {
+        std::snprintf(buf, sizeof buf, "%s: %u threads × %d registers need %u of the block's 65536",
+                      k->name.c_str(), bx * by * bz, u.registers, warps * per_warp);
+        return report(CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES, buf);
     }
     auto args = std::make_shared<Args>(*k, params);
     const uint3 grid{gx, gy, gz}, block{bx, by, bz};

@@ -16,4 +16,11 @@ else
 fi
 [[ -f "$out/libcuda.so" ]] || { echo "run.sh: $out/libcuda.so missing: run profiling/emu/build.sh" >&2; exit 1; }
 export LD_LIBRARY_PATH="$out${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# The kernels' registers and static shared memory as ptxas gave them in the real build (resources.h): the
+# newest report cargo's build.rs wrote, unless EMU_PTXAS_REPORT is set (empty: launch limits without them).
+if [[ -z "${EMU_PTXAS_REPORT+set}" ]]; then
+    report="$(ls -t "${CARGO_TARGET_DIR:-$root/target}"/release/build/boa-cuda-*/out/ptxas_report.txt 2>/dev/null \
+        | head -n1 || true)"
+    [[ -n "$report" ]] && export EMU_PTXAS_REPORT="$report"
+fi
 exec "$@"
