@@ -22,8 +22,9 @@ use rand_chacha::ChaCha8Rng;
 const RMS_NORM_TOL: f64 = 2e-5;
 
 /// Row lengths: Llama hidden sizes (576 SmolLM-135M, 4096 7B), a small one, d % 4 == 0 without being a power
-/// of two (1000), and lengths that force the scalar path of the vectorized variant (1001, 1).
-const RMS_NORM_D: [usize; 6] = [576, 64, 4096, 1000, 1001, 1];
+/// of two (1000), and lengths that force the scalar path of the vectorized variant (1001, 1; 1002, even, whose
+/// rows past the first start 8 bytes off a 16-byte boundary).
+const RMS_NORM_D: [usize; 7] = [576, 64, 4096, 1000, 1001, 1002, 1];
 /// Row counts: one row, a partial block of every variant (7), many blocks (512).
 const RMS_NORM_ROWS: [usize; 3] = [1, 7, 512];
 

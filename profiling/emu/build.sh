@@ -40,6 +40,10 @@ if [[ "${EMU_ASAN:-0}" == 1 ]]; then
 else
     link=()
 fi
+# A vector load or store (float4, uint2, bf16x2, …) at an address its type's alignment does not divide is a
+# fault on a GPU ("misaligned address") but works on x86: UBSan's alignment check makes it an error here too.
+flags+=(-fsanitize=alignment -fno-sanitize-recover=alignment)
+link+=(-fsanitize=alignment)
 objs=() pids=()
 for f in "$out"/gen/*.emu.cpp "$emu/runtime.cpp" "$emu/streams.cpp" "$emu/resources.cpp" "$emu/driver.cpp"; do
     o="$out/gen/$(basename "${f%.cpp}").o"
