@@ -249,7 +249,8 @@ device_half() {
             grep -e 'panicked' -e 'FAILED' -A4 "$log" | head -n 40
         fi
     done
-    # Kernel speed: every QuantOps method on real layer shapes (src/bench/gpu.rs states the method).
+    # Kernel speed: every QuantOps method on real layer shapes (src/bench/gpu.rs states the method). Rows are
+    # printed as they are measured, 7B's first, so bench.md keeps what a run cut off by its timeout finished.
     local bench_rc=0
     chmod +x "$carry/bin/boa-cuda"
     if wanted bench; then

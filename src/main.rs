@@ -480,9 +480,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     .map(|s| gpu::shape_by_name(s))
                     .collect::<anyhow::Result<_>>()?
             };
-            let report =
-                gpu::bench_quant_ops(&mut b, &shapes, tokens.unwrap_or(default_tokens), reps)?;
-            print!("{report}");
+            // Rows are printed as they are measured (a run cut off by a timeout keeps them).
+            gpu::bench_quant_ops(
+                &mut b,
+                &shapes,
+                tokens.unwrap_or(default_tokens),
+                reps,
+                &mut std::io::stdout(),
+            )?;
         }
         Cmd::BenchQgemm {
             repeats,

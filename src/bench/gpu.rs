@@ -20,6 +20,7 @@ use crate::quant::quantizer::{
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::fmt;
+use std::io::Write;
 use std::time::Instant;
 
 /// One transformer layer's shapes.
@@ -336,6 +337,7 @@ pub fn bench_quant_ops(
     shapes: &[LayerShape],
     tokens: usize,
     reps: usize,
+    out: &mut dyn Write,
 ) -> anyhow::Result<BenchReport> {
     let (copy_gbs, compute_tflops, ceiling_note) = match b {
         BenchBackend::Cpu(_) => {
@@ -353,8 +355,19 @@ pub fn bench_quant_ops(
             )
         }
     };
+    let mut sink = Sink {
+        report: BenchReport {
+            backend: b.name(),
+            copy_gbs,
+            compute_tflops,
+            ceiling_note,
+            tokens,
+            rows: Vec::new(),
+        },
+        out,
+    };
+    sink.out.write_all(sink.report.header().as_bytes())?;
     let mut rng = ChaCha8Rng::seed_from_u64(0x5eed);
-    let mut rows = Vec::new();
     let m = tokens;
     for s in shapes {
         let tag = |what: String| format!("{} {what}", s.name);
@@ -365,7 +378,7 @@ pub fn bench_quant_ops(
             let xs = [randn(&mut rng, m * d), randn(&mut rng, m * d)];
             let mut h = vec![0f32; d * d];
             let (wall, kern) = time(b, reps, |i| ops.xxt_accumulate(&mut h, &xs[i % 2], m, d));
-            rows.push(BenchRow {
+            sink.push(BenchRow {
                 method: "xxt_accumulate",
                 shape: tag(format!("m={m} d={d}")),
                 wall_ms: wall,
@@ -373,7 +386,7 @@ pub fn bench_quant_ops(
                 work: 2.0 * m as f64 * (d * d) as f64,
                 ceiling: Ceiling::Compute,
                 layer_scale: 1.0,
-            });
+            })?;
         }
 
         // Per-head covariance of post-RoPE queries.
@@ -383,7 +396,7 @@ pub fn bench_quant_ops(
             let (wall, kern) = time(b, reps, |i| {
                 std::hint::black_box(ops.head_covariance(&xs[i % 2], m, s.h, s.d_h));
             });
-            rows.push(BenchRow {
+            sink.push(BenchRow {
                 method: "head_covariance",
                 shape: tag(format!("m={m} heads={} d_h={}", s.h, s.d_h)),
                 wall_ms: wall,
@@ -391,7 +404,7 @@ pub fn bench_quant_ops(
                 work: 2.0 * m as f64 * (s.h * s.d_h * s.d_h) as f64,
                 ceiling: Ceiling::Compute,
                 layer_scale: 1.0,
-            });
+            })?;
         }
 
         // V column statistics on V_HEADS query heads (GQA ratio kept).
@@ -412,7 +425,7 @@ pub fn bench_quant_ops(
                 std::hint::black_box(ops.v_col_covariance(&x, &q, &k, a));
             });
             let (t, d) = (m as f64, s.d as f64);
-            rows.push(BenchRow {
+            sink.push(BenchRow {
                 method: "v_col_covariance",
                 shape: tag(format!("t={m} heads={h}/{} d={}", s.h, s.d)),
                 wall_ms: wall,
@@ -421,7 +434,7 @@ pub fn bench_quant_ops(
                 work: h as f64 * (t * t * s.d_h as f64 + t * t * d + 2.0 * t * d * d),
                 ceiling: Ceiling::Compute,
                 layer_scale: s.h as f64 / h as f64,
-            });
+            })?;
         }
 
         // Batched Cholesky of every head's H_row.
@@ -430,7 +443,7 @@ pub fn bench_quant_ops(
             let (wall, kern) = time(b, reps, |i| {
                 std::hint::black_box(ops.cholesky_upper_inverse_batched(&hs[i % 2], s.d_h, s.h));
             });
-            rows.push(BenchRow {
+            sink.push(BenchRow {
                 method: "cholesky_batched",
                 shape: tag(format!("n={} count={}", s.d_h, s.h)),
                 wall_ms: wall,
@@ -438,7 +451,7 @@ pub fn bench_quant_ops(
                 work: s.h as f64 * 2.0 / 3.0 * (s.d_h as f64).powi(3),
                 ceiling: Ceiling::Compute,
                 layer_scale: 1.0,
-            });
+            })?;
         }
 
         // U of the d_in-sized H_col of q/k/v, o, gate/up (d) and down (d_ff): the large-n route.
@@ -447,7 +460,7 @@ pub fn bench_quant_ops(
             let (wall, kern) = time(b, reps.min(3), |_| {
                 std::hint::black_box(ops.cholesky_upper_inverse_batched(&h, n, 1));
             });
-            rows.push(BenchRow {
+            sink.push(BenchRow {
                 method: "cholesky_large",
                 shape: tag(format!("n={n}")),
                 wall_ms: wall,
@@ -456,7 +469,7 @@ pub fn bench_quant_ops(
                 work: 2.0 / 3.0 * (n as f64).powi(3),
                 ceiling: Ceiling::Compute,
                 layer_scale: 1.0,
-            });
+            })?;
         }
 
         // GPTQ sweep of q_proj-sized (d × d) and down_proj-sized (d × d_ff) weights, 3-bit per channel, with
@@ -478,7 +491,7 @@ pub fn bench_quant_ops(
                 let (wall, kern) = time(b, reps, |_| {
                     std::hint::black_box(ops.gptq_sweep(&w, &u, rows_w, n, 128, sg, maxq));
                 });
-                rows.push(BenchRow {
+                sink.push(BenchRow {
                     method,
                     shape: tag(format!("{rows_w}×{n}")),
                     wall_ms: wall,
@@ -487,7 +500,7 @@ pub fn bench_quant_ops(
                     work: rows_w as f64 * (n as f64).powi(2),
                     ceiling: Ceiling::Compute,
                     layer_scale: 1.0,
-                });
+                })?;
             }
         }
         let ops = b.ops();
@@ -514,7 +527,7 @@ pub fn bench_quant_ops(
                 let (wall, kern) = time(b, reps.min(1), |i| {
                     std::hint::black_box(ops.search_grids(&ws[i % 2], rows_w, n, &h, &spec));
                 });
-                rows.push(BenchRow {
+                sink.push(BenchRow {
                     // The work column counts the GEMM form's flops, which the CPU's incremental search
                     // skips: its "of ceiling" can pass 100%.
                     method: "search_grids (CPU incremental; GEMM-form flops)",
@@ -524,7 +537,7 @@ pub fn bench_quant_ops(
                     work: (slots + 1) as f64 * gemm,
                     ceiling: Ceiling::Compute,
                     layer_scale: 1.0,
-                });
+                })?;
                 continue;
             };
             let mut chosen = Vec::new();
@@ -554,7 +567,7 @@ pub fn bench_quant_ops(
                         )
                     }
                 };
-                rows.push(BenchRow {
+                sink.push(BenchRow {
                     method,
                     shape: tag(format!("{rows_w}×{n}{note}")),
                     wall_ms: wall,
@@ -562,7 +575,7 @@ pub fn bench_quant_ops(
                     work: (slots + extra) as f64 * gemm,
                     ceiling: Ceiling::Compute,
                     layer_scale: 1.0,
-                });
+                })?;
                 chosen = last;
             }
         }
@@ -603,7 +616,7 @@ pub fn bench_quant_ops(
                         maxq,
                     ));
                 });
-                rows.push(BenchRow {
+                sink.push(BenchRow {
                     method,
                     shape: tag(format!("{heads}×{}×{n}", s.d_h)),
                     wall_ms: wall,
@@ -613,24 +626,38 @@ pub fn bench_quant_ops(
                         + heads as f64 * (s.d_h as f64).powi(2) / 2.0 * n as f64 * 2.0,
                     ceiling: Ceiling::Compute,
                     layer_scale: 1.0,
-                });
+                })?;
             }
             // Back to the defaults for anything timed after this.
             b.set_boa(Some(BoaBlockVariant::W32), Some(TrailingVariant::Cublas));
         }
     }
     if let BenchBackend::Cuda(cb) = b {
-        rows.extend(attn_x_rows(cb, shapes, tokens, reps)?);
-        rows.extend(packed_gemm_rows(cb, reps)?);
+        for r in attn_x_rows(cb, shapes, tokens, reps)? {
+            sink.push(r)?;
+        }
+        for r in packed_gemm_rows(cb, reps)? {
+            sink.push(r)?;
+        }
     }
-    Ok(BenchReport {
-        backend: b.name(),
-        copy_gbs,
-        compute_tflops,
-        ceiling_note,
-        tokens,
-        rows,
-    })
+    writeln!(sink.out, "{GOALS}")?;
+    Ok(sink.report)
+}
+
+/// The rows as they are measured: kept for the report and written out at once, so a run cut off by a
+/// timeout (gpu_check.sh caps the bench) still shows every row it finished.
+struct Sink<'a> {
+    report: BenchReport,
+    out: &'a mut dyn Write,
+}
+
+impl Sink<'_> {
+    fn push(&mut self, r: BenchRow) -> std::io::Result<()> {
+        writeln!(self.out, "{}", self.report.row_line(&r))?;
+        self.out.flush()?;
+        self.report.rows.push(r);
+        Ok(())
+    }
 }
 
 /// Y = A_h X (cuda/hessian.cu attn_x, the bulk of v_col_covariance's attention work) for every variant side
@@ -780,51 +807,55 @@ fn packed_gemm_rows(cb: &CudaBackend, reps: usize) -> anyhow::Result<Vec<BenchRo
     Ok(rows)
 }
 
+const GOALS: &str = "goals (design.md §6, H200 kernel time): gptq_sweep 4096×4096 ≤ 5 ms; boa_sweep 32×128×4096 ≤ 10 ms";
+
+impl BenchReport {
+    /// The backend, the ceilings and the table's head.
+    fn header(&self) -> String {
+        format!(
+            "backend: {}\nceilings ({}): copy {:.0} GB/s, compute {:.3} TFLOP/s; tokens per call {}\n\
+             | method | shape | wall ms | kernel ms | per layer ms | achieved | of ceiling |\n\
+             |---|---|---|---|---|---|---|\n",
+            self.backend, self.ceiling_note, self.copy_gbs, self.compute_tflops, self.tokens
+        )
+    }
+
+    /// One row of the table, with its rate against this report's ceilings.
+    fn row_line(&self, r: &BenchRow) -> String {
+        let t = r.kernel_ms.unwrap_or(r.wall_ms);
+        let (achieved, frac) = match r.ceiling {
+            Ceiling::Compute => {
+                let tf = r.work / (t * 1e-3) / 1e12;
+                (format!("{tf:.3} TFLOP/s"), tf / self.compute_tflops)
+            }
+            Ceiling::Bandwidth => {
+                let gb = r.work / (t * 1e-3) / 1e9;
+                (format!("{gb:.0} GB/s"), gb / self.copy_gbs)
+            }
+        };
+        let kern = r
+            .kernel_ms
+            .map_or_else(|| "-".to_string(), |k| format!("{k:.3}"));
+        format!(
+            "| {} | {} | {:.3} | {} | {:.3} | {} | {:.1}% |",
+            r.method,
+            r.shape,
+            r.wall_ms,
+            kern,
+            t * r.layer_scale,
+            achieved,
+            100.0 * frac
+        )
+    }
+}
+
 impl fmt::Display for BenchReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(f, "backend: {}", self.backend)?;
-        writeln!(
-            f,
-            "ceilings ({}): copy {:.0} GB/s, compute {:.3} TFLOP/s; tokens per call {}",
-            self.ceiling_note, self.copy_gbs, self.compute_tflops, self.tokens
-        )?;
-        writeln!(
-            f,
-            "| method | shape | wall ms | kernel ms | per layer ms | achieved | of ceiling |"
-        )?;
-        writeln!(f, "|---|---|---|---|---|---|---|")?;
+        f.write_str(&self.header())?;
         for r in &self.rows {
-            let t = r.kernel_ms.unwrap_or(r.wall_ms);
-            let (achieved, frac) = match r.ceiling {
-                Ceiling::Compute => {
-                    let tf = r.work / (t * 1e-3) / 1e12;
-                    (format!("{tf:.3} TFLOP/s"), tf / self.compute_tflops)
-                }
-                Ceiling::Bandwidth => {
-                    let gb = r.work / (t * 1e-3) / 1e9;
-                    (format!("{gb:.0} GB/s"), gb / self.copy_gbs)
-                }
-            };
-            let kern = r
-                .kernel_ms
-                .map_or_else(|| "-".to_string(), |k| format!("{k:.3}"));
-            writeln!(
-                f,
-                "| {} | {} | {:.3} | {} | {:.3} | {} | {:.1}% |",
-                r.method,
-                r.shape,
-                r.wall_ms,
-                kern,
-                t * r.layer_scale,
-                achieved,
-                100.0 * frac
-            )?;
+            writeln!(f, "{}", self.row_line(r))?;
         }
-        writeln!(
-            f,
-            "goals (design.md §6, H200 kernel time): gptq_sweep 4096×4096 ≤ 5 ms; boa_sweep 32×128×4096 ≤ 10 ms"
-        )?;
-        Ok(())
+        writeln!(f, "{GOALS}")
     }
 }
 
