@@ -2,7 +2,8 @@
 # Builds the CPU emulator of the CUDA stack (profiling/emu/README.md) into $EMU_DIR (default
 # target/cuda-emu): libcuda.so (the fake driver, the fiber runtime and every kernel of cuda/*.cu, compiled by
 # g++ from the unchanged sources), libcublas.so and libcusolver.so.
-# EMU_ASAN=1 builds the AddressSanitizer variant into target/cuda-emu-asan (run.sh with EMU_ASAN=1 uses it).
+# EMU_ASAN=1 builds the AddressSanitizer variant into target/cuda-emu-asan (run.sh with EMU_ASAN=1 uses it);
+# EMU_RACECHECK=1 the shared-memory race check of racecheck.h into target/cuda-emu-race (likewise).
 #
 #   profiling/emu/build.sh            then   profiling/emu/run.sh cargo test --release --test parity_ops
 #
@@ -13,6 +14,7 @@ cd "$(dirname "$0")/../.."
 emu=profiling/emu
 out="${EMU_DIR:-target/cuda-emu}"
 [[ "${EMU_ASAN:-0}" == 1 && -z "${EMU_DIR:-}" ]] && out=target/cuda-emu-asan
+[[ "${EMU_RACECHECK:-0}" == 1 && -z "${EMU_DIR:-}" ]] && out=target/cuda-emu-race
 cxx="${CXX:-g++}"
 mkdir -p "$out/gen"
 
@@ -44,11 +46,21 @@ fi
 # fault on a GPU ("misaligned address") but works on x86: UBSan's alignment check makes it an error here too.
 flags+=(-fsanitize=alignment -fno-sanitize-recover=alignment)
 link+=(-fsanitize=alignment)
+# Race check: the kernels (and test_emu's) call racecheck.cpp's hooks on every load and store; no
+# ThreadSanitizer runtime is linked.
+race_src=() tsan=()
+if [[ "${EMU_RACECHECK:-0}" == 1 ]]; then
+    flags+=(-DEMU_RACECHECK)
+    tsan=(-fsanitize=thread)
+    race_src=("$emu/racecheck.cpp")
+fi
 objs=() pids=()
-for f in "$out"/gen/*.emu.cpp "$emu/runtime.cpp" "$emu/streams.cpp" "$emu/resources.cpp" "$emu/driver.cpp"; do
+for f in "$out"/gen/*.emu.cpp "$emu/runtime.cpp" "$emu/streams.cpp" "$emu/resources.cpp" "$emu/driver.cpp" \
+    "${race_src[@]}"; do
     o="$out/gen/$(basename "${f%.cpp}").o"
     extra=()
     [[ "$f" == */driver.cpp || "$f" == */streams.cpp ]] && extra=(-I "$inc")  # only the driver sees the real CUDA headers
+    [[ "$f" == *.emu.cpp ]] && extra=("${tsan[@]}")
     "$cxx" "${flags[@]}" "${extra[@]}" -c "$f" -o "$o" &
     objs+=("$o") pids+=($!)
 done
@@ -58,10 +70,11 @@ for p in "${pids[@]}"; do wait "$p" || { echo "build.sh: a compile failed (messa
 "$cxx" -std=c++20 -O2 -fPIC -shared "${link[@]}" -o "$out/libcusolver.so" "$emu/cusolver.cpp" -lpthread
 # The emulator's own tests (check.sh runs them): device semantics on toy kernels, the lazy stream schedule,
 # the launch limits with a ptxas report, and the two libraries.
-"$cxx" "${flags[@]}" "${link[@]}" -o "$out/test_emu" "$emu/test_emu.cpp" "$emu/runtime.cpp"
+"$cxx" "${flags[@]}" "${tsan[@]}" -c "$emu/test_emu.cpp" -o "$out/gen/test_emu.o"  # its kernels, as the real ones
+"$cxx" "${flags[@]}" "${link[@]}" -o "$out/test_emu" "$out/gen/test_emu.o" "$emu/runtime.cpp" "${race_src[@]}"
 for t in test_streams test_launch; do
     "$cxx" "${flags[@]}" -I "$inc" "${link[@]}" -o "$out/$t" "$emu/$t.cpp" "$emu/driver.cpp" "$emu/streams.cpp" \
-        "$emu/resources.cpp" "$emu/runtime.cpp" -lpthread
+        "$emu/resources.cpp" "$emu/runtime.cpp" "${race_src[@]}" -lpthread
 done
 "$cxx" -std=c++20 -O2 "${link[@]}" -o "$out/test_blas" "$emu/test_blas.cpp" -ldl
 echo "$out"

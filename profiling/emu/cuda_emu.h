@@ -22,6 +22,10 @@
 #include <cstring>
 #include <type_traits>
 
+#ifdef EMU_RACECHECK
+#include "racecheck.h"
+#endif
+
 #if !defined(__x86_64__)
 #error "the CUDA emulator's fiber switch is written for x86-64"
 #endif
@@ -158,33 +162,46 @@ inline unsigned __ballot_sync(unsigned mask, int p) {
 inline int __any_sync(unsigned mask, int p) { return __ballot_sync(mask, p) != 0; }
 inline int __all_sync(unsigned mask, int p) { return !__any_sync(mask, !p); }  // exited lanes vote for neither
 
-// Blocks run one at a time and launches are serialised, so plain read-modify-writes are atomic here.
+// Blocks run one at a time and launches are serialised, so plain read-modify-writes are atomic here. Under
+// EMU_RACECHECK they are not checked: atomics do not race.
+#ifdef EMU_RACECHECK
+#define EMU_ATOMIC emu::race::Quiet emu_quiet_
+#define EMU_WARP_WIDE emu::race::WarpWide emu_warp_wide_
+#else
+#define EMU_ATOMIC
+#define EMU_WARP_WIDE
+#endif
 template <class T>
 T atomicAdd(T* p, T v) {
+    EMU_ATOMIC;
     T old = *p;
     *p = old + v;
     return old;
 }
 template <class T>
 T atomicMax(T* p, T v) {
+    EMU_ATOMIC;
     T old = *p;
     *p = old > v ? old : v;
     return old;
 }
 template <class T>
 T atomicMin(T* p, T v) {
+    EMU_ATOMIC;
     T old = *p;
     *p = old < v ? old : v;
     return old;
 }
 template <class T>
 T atomicExch(T* p, T v) {
+    EMU_ATOMIC;
     T old = *p;
     *p = v;
     return old;
 }
 template <class T>
 T atomicCAS(T* p, T cmp, T v) {
+    EMU_ATOMIC;
     T old = *p;
     if (old == cmp) *p = v;
     return old;
@@ -370,6 +387,7 @@ void load_matrix_sync(fragment<Use, M, N, K, T, L>& f, const P* p, unsigned ldm)
     static_assert(!std::is_same_v<Use, accumulator>, "accumulator loads are not emulated");
     static_assert(std::is_same_v<std::remove_cv_t<P>, T>, "pointer type must match the fragment's");
     detail::check(p, ldm, "wmma::load_matrix_sync: base not 32-byte aligned or ldm not a multiple of 16 bytes");
+    EMU_WARP_WIDE;  // every lane reads the whole tile: one access of the warp (racecheck.h)
     using F = fragment<Use, M, N, K, T, L>;
     for (int r = 0; r < F::rows; ++r)
         for (int c = 0; c < F::cols; ++c)
@@ -378,6 +396,7 @@ void load_matrix_sync(fragment<Use, M, N, K, T, L>& f, const P* p, unsigned ldm)
 template <int M, int N, int K, class T>
 void store_matrix_sync(float* p, const fragment<accumulator, M, N, K, T>& f, unsigned ldm, layout_t layout) {
     detail::check(p, ldm, "wmma::store_matrix_sync: base not 32-byte aligned or ldm not a multiple of 16 bytes");
+    EMU_WARP_WIDE;  // every lane writes the whole tile: one access of the warp (racecheck.h)
     for (int r = 0; r < M; ++r)
         for (int c = 0; c < N; ++c) (layout == mem_row_major ? p[(size_t)r * ldm + c] : p[r + (size_t)c * ldm]) = f.x[r * N + c];
 }

@@ -246,8 +246,13 @@ EMU_API CUresult cuDeviceGet(CUdevice* d, int ordinal) {
 }
 EMU_API CUresult cuDeviceGetName(char* name, int len, CUdevice) {
     // The schedule is in the name, so a log shows which one ran (check.sh relies on it).
-    std::snprintf(name, (size_t)len, "CPU emulator (profiling/emu%s%s)", streams::lazy() ? ", lazy streams" : "",
-                  emu::resources::loaded() ? ", ptxas limits" : "");
+#ifdef EMU_RACECHECK
+    const char* race = ", racecheck";
+#else
+    const char* race = "";
+#endif
+    std::snprintf(name, (size_t)len, "CPU emulator (profiling/emu%s%s%s)", streams::lazy() ? ", lazy streams" : "",
+                  emu::resources::loaded() ? ", ptxas limits" : "", race);
     return CUDA_SUCCESS;
 }
 EMU_API CUresult cuDeviceTotalMem(size_t* bytes, CUdevice) {

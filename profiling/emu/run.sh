@@ -11,6 +11,8 @@ if [[ "${EMU_ASAN:-0}" == 1 ]]; then
     # off (the test harness and cudarc keep handles for the process's life); the first error ends the run.
     export LD_PRELOAD="$("${CXX:-g++}" -print-file-name=libasan.so)${LD_PRELOAD:+:$LD_PRELOAD}"
     export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=0:abort_on_error=1}"
+elif [[ "${EMU_RACECHECK:-0}" == 1 ]]; then
+    out="$root/${EMU_DIR:-target/cuda-emu-race}"
 else
     out="$root/${EMU_DIR:-target/cuda-emu}"
 fi

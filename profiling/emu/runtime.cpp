@@ -28,6 +28,9 @@
 #include <vector>
 
 #include "cuda_emu.h"
+#ifdef EMU_RACECHECK
+#include "racecheck.h"
+#endif
 
 // emu_switch(save, to): pushes the callee-saved registers on the current stack, stores the stack pointer in
 // *save, and resumes the context whose stack pointer is `to`. MXCSR and the x87 control word are not
@@ -167,6 +170,10 @@ void run_fiber(Block& b, Fiber& f) {
 }
 
 void complete(Barrier& b, unsigned first, unsigned count) {
+#ifdef EMU_RACECHECK
+    if (&b == &g_block->block) race::block_barrier();
+    else race::warp_barrier(first / 32);
+#endif
     b.res_or = b.acc_or;
     b.res_and = b.acc_and;
     b.res_count = b.acc_count;
@@ -301,6 +308,12 @@ std::string launch(const Kernel& k, uint3 grid, uint3 block, size_t smem_bytes, 
     if (&__stop_emu_shared > &__start_emu_shared)
         std::memset(__start_emu_shared, 0xff, (size_t)(__stop_emu_shared - __start_emu_shared));
     g_block = &b;
+#ifdef EMU_RACECHECK
+    race::launch_begin(smem_base, smem_bytes, nwarps);
+    struct End {
+        ~End() { race::launch_end(); }
+    } end_race;
+#endif
     // Reverse order also runs the blocks last to first: a kernel whose blocks communicate (qgemm's split-K
     // "last block sums") must not depend on which block finishes first.
     for (unsigned zi = 0; zi < grid.z; ++zi)
@@ -309,6 +322,9 @@ std::string launch(const Kernel& k, uint3 grid, uint3 block, size_t smem_bytes, 
                 const unsigned x = reverse ? grid.x - 1 - xi : xi, y = reverse ? grid.y - 1 - yi : yi,
                                z = reverse ? grid.z - 1 - zi : zi;
                 b.bid = {x, y, z};
+#ifdef EMU_RACECHECK
+                race::block_begin();
+#endif
                 b.block = Barrier{};
                 b.block.live = nthreads;
                 for (unsigned w = 0; w < nwarps; ++w) {

@@ -58,6 +58,41 @@ extern "C" __global__ void __launch_bounds__(32) vector_load_kernel(const float*
     out[threadIdx.x] = v.x + v.y + v.z + v.w;
 }
 
+// Race-check cases (EMU_RACECHECK builds; racecheck.h). `mode` picks one; out[0] gets a result.
+//   0: every thread adds 1 to a shared counter without an atomic (a lost update on a GPU)
+//   1: a tree reduction with a barrier per level (no race)
+//   2: lanes publish, __syncwarp, read a neighbour's (no race)   3: the same without __syncwarp
+//   4: warp 0 reads a word that warp 1 then writes, no barrier   5: atomicAdd on a shared counter (no race)
+extern "C" __global__ void __launch_bounds__(64) race_kernel(int* out, int mode) {
+    __shared__ int sh[64];
+    const int t = (int)threadIdx.x;
+    sh[t] = t;
+    __syncthreads();
+    int r = 0;
+    if (mode == 0 || mode == 5) {
+        if (t == 0) sh[0] = 0;
+        __syncthreads();
+        if (mode == 0) sh[0] += 1;
+        else atomicAdd(&sh[0], 1);
+        __syncthreads();
+        r = sh[0];
+    } else if (mode == 1) {
+        for (int s = 32; s > 0; s /= 2) {
+            if (t < s) sh[t] += sh[t + s];
+            __syncthreads();
+        }
+        r = sh[0];
+    } else if (mode == 2 || mode == 3) {
+        sh[t] = 100 + t;
+        if (mode == 2) __syncwarp();
+        r = sh[(t / 32) * 32 + (t + 1) % 32];
+    } else if (mode == 4) {
+        if (t == 0) r = sh[40];
+        if (t == 32) sh[40] = -1;
+    }
+    if (t == 0) *out = r;
+}
+
 // One 16×16×16 bf16 wmma product with f32 accumulation, row-major A, col-major B.
 extern "C" __global__ void __launch_bounds__(32) wmma_kernel(const __nv_bfloat16* a, const __nv_bfloat16* b, float* c) {
     wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa;
@@ -89,6 +124,7 @@ EMU_REGISTER(unwritten_smem_kernel, 32)
 EMU_REGISTER(wmma_kernel, 32)
 EMU_REGISTER(wmma_divergent_kernel, 32)
 EMU_REGISTER(vector_load_kernel, 32)
+EMU_REGISTER(race_kernel, 64)
 
 template <class... A>
 static std::string run(const char* name, uint3 grid, uint3 block, A*... args) {
@@ -197,10 +233,32 @@ int main() {
         CHECK(!(WIFEXITED(status) && WEXITSTATUS(status) == 0) && msg.find("misaligned address") != std::string::npos,
               "a misaligned float4 load was not reported (exit status %d): '%s'", status, msg.c_str());
     }
+#ifdef EMU_RACECHECK
+    {
+        // mode, whether it races, out[0] when it does not (2016 = 0 + 1 + … + 63; lane 0 reads lane 1's 101)
+        const struct {
+            int mode;
+            bool races;
+            int want;
+        } cases[] = {{0, true, 0}, {1, false, 2016}, {2, false, 101}, {3, true, 0}, {4, true, 0}, {5, false, 64}};
+        for (const auto& c : cases) {
+            int out = -7;
+            int* po = &out;
+            int mode = c.mode;
+            const std::string err = run("race_kernel", {2, 1, 1}, {64, 1, 1}, &po, &mode);
+            const bool raced = err.find("race on byte") != std::string::npos;
+            CHECK(raced == c.races, "race_kernel mode %d: %s", c.mode, err.empty() ? "no race reported" : err.c_str());
+            if (!c.races) CHECK(err.empty() && out == c.want, "race_kernel mode %d: out %d, want %d (%s)", c.mode, out, c.want, err.c_str());
+        }
+    }
+    const char* race_note = "; the race check finds shared-memory races (and only those)";
+#else
+    const char* race_note = "";
+#endif
     if (g_failures) {
         std::fprintf(stderr, "test_emu: %d failures\n", g_failures);
         return 1;
     }
-    std::printf("test_emu: barriers, shuffles, votes, shared memory, wmma, deadlock, launch-bound and warp-uniform checks pass; misaligned vector loads are caught\n");
+    std::printf("test_emu: barriers, shuffles, votes, shared memory, wmma, deadlock, launch-bound and warp-uniform checks pass; misaligned vector loads are caught%s\n", race_note);
     return 0;
 }
