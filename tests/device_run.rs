@@ -16,7 +16,7 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use boa_cuda::model::config::Config;
 use boa_cuda::model::synth::{SynthSpec, write_model};
@@ -42,7 +42,7 @@ fn mean_errors(report: &Path) -> BTreeMap<String, f64> {
         .collect()
 }
 
-fn synth_model(dir: &Path) -> std::path::PathBuf {
+fn synth_model(dir: &Path) -> PathBuf {
     let model = dir.join("synth");
     let spec = SynthSpec {
         d: 256,
@@ -112,14 +112,22 @@ fn compare_devices(tmp: &Path, model: &Path, calib: (usize, usize), cfg: &[&str]
     cuda_stderr
 }
 
-#[test]
-fn run_on_cuda_matches_run_on_the_cpu() {
+/// A temporary folder holding the synthesized model, or None (after printing why) without a CUDA device.
+fn cuda_and_model() -> Option<(tempfile::TempDir, PathBuf)> {
     if let Err(why) = boa_cuda::backend::cuda::CudaBackend::new(0) {
         println!("skipped: {why}");
-        return;
+        return None;
     }
     let tmp = tempfile::tempdir().unwrap();
     let model = synth_model(tmp.path());
+    Some((tmp, model))
+}
+
+#[test]
+fn run_on_cuda_matches_run_on_the_cpu() {
+    let Some((tmp, model)) = cuda_and_model() else {
+        return;
+    };
     let configs: [&[&str]; 2] = [
         &[
             "--method",
@@ -171,12 +179,9 @@ fn parking_budget_gib(model: &Path, calib: Calibration) -> f64 {
 
 #[test]
 fn run_with_parked_activations_matches_the_cpu() {
-    if let Err(why) = boa_cuda::backend::cuda::CudaBackend::new(0) {
-        println!("skipped: {why}");
+    let Some((tmp, model)) = cuda_and_model() else {
         return;
-    }
-    let tmp = tempfile::tempdir().unwrap();
-    let model = synth_model(tmp.path());
+    };
     let calib = Calibration {
         nsamples: 16,
         seqlen: 128,

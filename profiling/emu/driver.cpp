@@ -73,11 +73,11 @@ emu::resources::Usage usage(const emu::Kernel& k) {
 }
 
 // The most dynamic shared memory a launch of `k` may ask for: its opt-in, else what 48 KiB leaves beside its
-// static shared memory.
-int dynamic_limit(const emu::Kernel& k) {
+// `static_smem` bytes of static shared memory.
+int dynamic_limit(const emu::Kernel& k, int static_smem) {
     std::lock_guard<std::mutex> l(g_mu);
     auto it = g_optin.find(&k);
-    return it != g_optin.end() ? it->second : kDefaultSmem - usage(k).static_smem;
+    return it != g_optin.end() ? it->second : kDefaultSmem - static_smem;
 }
 
 CUresult report(CUresult r, const std::string& what) {
@@ -476,11 +476,11 @@ EMU_API CUresult cuModuleGetFunction(CUfunction* f, CUmodule, const char* name) 
 EMU_API CUresult cuFuncSetAttribute(CUfunction f, CUfunction_attribute a, int v) {
     if (a == CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES) {
         const auto* k = (const emu::Kernel*)f;
-        const int room = kOptinSmem - usage(*k).static_smem;
+        const int static_smem = usage(*k).static_smem, room = kOptinSmem - static_smem;
         if (v < 0 || v > room) {
             char buf[200];
             std::snprintf(buf, sizeof buf, "%s: dynamic shared memory opt-in of %d bytes; at most %d beside its %d static",
-                          k->name.c_str(), v, room, usage(*k).static_smem);
+                          k->name.c_str(), v, room, static_smem);
             return report(CUDA_ERROR_INVALID_VALUE, buf);
         }
         std::lock_guard<std::mutex> l(g_mu);
@@ -497,7 +497,7 @@ EMU_API CUresult cuFuncGetAttribute(int* pi, CUfunction_attribute a, CUfunction 
         case CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES: *pi = u.static_smem; break;
         case CU_FUNC_ATTRIBUTE_PTX_VERSION:
         case CU_FUNC_ATTRIBUTE_BINARY_VERSION: *pi = 90; break;
-        case CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: *pi = dynamic_limit(*k); break;
+        case CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: *pi = dynamic_limit(*k, u.static_smem); break;
         default: *pi = 0; break;
     }
     return CUDA_SUCCESS;
@@ -535,7 +535,7 @@ EMU_API CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, 
         return report(CUDA_ERROR_INVALID_VALUE, buf);
     }
     const emu::resources::Usage u = usage(*k);
-    if (const int limit = dynamic_limit(*k); (int)smem > limit) {
+    if (const int limit = dynamic_limit(*k, u.static_smem); (int)smem > limit) {
         std::snprintf(buf, sizeof buf,
                       "%s: %u bytes of dynamic shared memory beside %d static, limit %d (opt in above 48 KiB in all)",
                       k->name.c_str(), smem, u.static_smem, limit);
