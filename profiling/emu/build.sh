@@ -3,7 +3,7 @@
 # target/cuda-emu): libcuda.so (the fake driver, the fiber runtime and every kernel of cuda/*.cu, compiled by
 # g++ from the unchanged sources), libcublas.so and libcusolver.so.
 # EMU_ASAN=1 builds the AddressSanitizer variant into target/cuda-emu-asan (run.sh with EMU_ASAN=1 uses it);
-# EMU_RACECHECK=1 the shared-memory race check of racecheck.h into target/cuda-emu-race (likewise).
+# EMU_RACECHECK=1 the race check of racecheck.h (shared and device memory) into target/cuda-emu-race (likewise).
 #
 #   profiling/emu/build.sh            then   profiling/emu/run.sh cargo test --release --test parity_ops
 #

@@ -2,13 +2,14 @@
 # Runs the GPU halves of the tests on the CPU emulator (README.md here), three times: with threads in order
 # between barriers and every stream operation run when issued; with threads in reverse (EMU_SCHEDULE=reverse)
 # and stream operations queued until something forces them (EMU_STREAMS=lazy); and, without device_run,
-# under the shared-memory race check (EMU_RACECHECK=1, its own build; racecheck.h). A missing barrier, stream
-# wait or host synchronization shows as a failure in one of them. All count each kernel's registers and
-# static shared memory from the build's ptxas report (resources.h). Builds the emulator first. Extra
+# under the race check of shared and device memory (EMU_RACECHECK=1, its own build; racecheck.h). A missing
+# barrier, fence, stream wait or host synchronization shows as a failure in one of them. All count each
+# kernel's registers and static shared memory from the build's ptxas report (resources.h). Builds the
+# emulator first. Extra
 # arguments go to cargo (the same as scripts/test.sh's, so nothing is rebuilt: the test binaries must have
 # the kernels embedded, BOA_REQUIRE_KERNELS=1).
 #
-#   profiling/emu/check.sh              # about 9 min on 2 cores (2026-12-01)
+#   profiling/emu/check.sh              # about 10 min on 2 cores (2026-12-01)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out="$(profiling/emu/build.sh | tail -n1)"
@@ -52,9 +53,9 @@ cargo_args=("$@")
 EMU_SCHEDULE=forward EMU_STREAMS=eager pass "threads in forward order, eager streams" "ptxas limits" "${tests[@]}"
 EMU_SCHEDULE=reverse EMU_STREAMS=lazy pass "threads in reverse order, lazy streams" "lazy streams, ptxas limits" \
     "${tests[@]}"
-# The shared-memory race check (racecheck.h): its own build of the emulator; device_run adds only host code
+# The race check (racecheck.h): its own build of the emulator; device_run adds only host code
 # and cuBLAS calls to what the others run, so it is left out (its launches are the parity tests' kernels).
 race_out="$(EMU_RACECHECK=1 profiling/emu/build.sh | tail -n1)"
 "$race_out/test_emu"
-EMU_RACECHECK=1 pass "shared-memory race check" "racecheck" --test parity_ops --test parity_quant --test parity_qgemm \
-    --test resident_forward
+EMU_RACECHECK=1 pass "race check, shared and device memory" "racecheck" --test parity_ops --test parity_quant \
+    --test parity_qgemm --test resident_forward

@@ -163,13 +163,15 @@ inline int __any_sync(unsigned mask, int p) { return __ballot_sync(mask, p) != 0
 inline int __all_sync(unsigned mask, int p) { return !__any_sync(mask, !p); }  // exited lanes vote for neither
 
 // Blocks run one at a time and launches are serialised, so plain read-modify-writes are atomic here. Under
-// EMU_RACECHECK they are not checked: atomics do not race.
+// EMU_RACECHECK they are not checked (atomics do not race), and one on device memory is an acquire.
 #ifdef EMU_RACECHECK
-#define EMU_ATOMIC emu::race::Quiet emu_quiet_
+#define EMU_ATOMIC emu::race::Quiet emu_quiet_(p)
 #define EMU_WARP_WIDE emu::race::WarpWide emu_warp_wide_
+#define EMU_FENCE emu::race::fence()
 #else
 #define EMU_ATOMIC
 #define EMU_WARP_WIDE
+#define EMU_FENCE
 #endif
 template <class T>
 T atomicAdd(T* p, T v) {
@@ -206,7 +208,7 @@ T atomicCAS(T* p, T cmp, T v) {
     if (old == cmp) *p = v;
     return old;
 }
-inline void __threadfence() {}
+inline void __threadfence() { EMU_FENCE; }
 inline void __threadfence_block() {}
 
 // ---- loads with cache hints ------------------------------------------------------------------------------

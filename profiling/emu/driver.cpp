@@ -115,6 +115,9 @@ CUresult alloc_device(CUdeviceptr* p, size_t n) {
     std::lock_guard<std::mutex> l(g_mu);
     g_device[(uintptr_t)m] = n;
     g_device_bytes += n;
+#ifdef EMU_RACECHECK
+    emu::race::track(m, n);
+#endif
     *p = (CUdeviceptr)m;
     return CUDA_SUCCESS;
 }
@@ -137,7 +140,12 @@ CUresult release(std::map<uintptr_t, size_t>& table, void* p, const char* what) 
         return report(CUDA_ERROR_ILLEGAL_ADDRESS, buf + user + " uses them: a stream wait is missing before the free");
     }
     std::lock_guard<std::mutex> l(g_mu);
-    if (&table == &g_device) g_device_bytes -= n;
+    if (&table == &g_device) {
+        g_device_bytes -= n;
+#ifdef EMU_RACECHECK
+        emu::race::untrack(p);
+#endif
+    }
     table.erase((uintptr_t)p);
     std::free(p);
     return CUDA_SUCCESS;

@@ -5,11 +5,17 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "cuda_emu.h"
@@ -40,6 +46,19 @@ struct Cell {
     bool read_multi = false;
 };
 
+// Per byte of device memory written in this launch: the last write. 24 bytes a byte, in pages made on the
+// first write and dropped at the end of the launch.
+struct GCell {
+    uint32_t epoch = 0;  // block epoch, counted from the launch's (0: not written in this launch)
+    uint32_t block = 0;  // the block, in the order the launch ran them
+    uint32_t wepoch = 0;
+    uint16_t actor = 0;  // thread index in the block, or kGWarp | warp
+    uint16_t published = 0;
+    const void* pc = nullptr;
+};
+constexpr uint16_t kGWarp = 1u << 15;
+constexpr size_t kPageBits = 12, kPage = size_t(1) << kPageBits;
+
 struct State {
     bool active = false;
     uint64_t bepoch = 0;  // never reset: stamps of earlier launches and blocks never match
@@ -48,6 +67,23 @@ struct State {
     size_t dyn_bytes = 0;
     std::vector<Cell> dyn_cells, static_cells;
     std::string failure;
+    // Device memory. Live allocations, base → bytes: other host threads (cargo's test threads) allocate and
+    // free while a launch runs, so the table has a lock, and a change of it empties device_memory's caches.
+    std::mutex tracked_mu;
+    std::map<uintptr_t, size_t> tracked;
+    std::atomic<uint64_t> tracked_gen{0};
+    uint64_t hit_gen = ~uint64_t(0);
+    uintptr_t hit_lo = 0, hit_hi = 0, miss_lo = 0, miss_hi = 0;  // device_memory's caches
+    uint64_t launch_epoch = 0;           // bepoch at launch_begin
+    uint32_t block = 0;                  // this block's index in the launch (blocks run one at a time)
+    std::vector<uint3> block_coords;     // blockIdx of each block run so far
+    std::vector<uint32_t> fence_epoch;   // per block: the newest epoch in which one of its threads fenced
+    uint32_t atomic_epoch = UINT32_MAX;  // this block's first epoch with an atomic on device memory
+    std::vector<uint8_t> acquired;       // per thread of this block: ran an atomic on device memory
+    std::vector<std::vector<std::pair<uintptr_t, size_t>>> unfenced;  // per thread: its writes since its fence
+    std::unordered_map<uintptr_t, std::unique_ptr<GCell[]>> pages;
+    uintptr_t last_page = ~uintptr_t(0);
+    GCell* last_cells = nullptr;
 } g;
 
 thread_local int t_quiet = 0, t_warp_wide = 0;
@@ -85,6 +121,100 @@ std::string who(const Stamp& s) {
     std::abort();  // fail() does not return
 }
 
+// Whether a is in a live allocation. [hit_lo, hit_hi) caches the allocation found last, and
+// [miss_lo, miss_hi) the gap between allocations found last (the fibers' stacks are in one), so that most
+// lookups take neither the lock nor the map.
+bool device_memory(uintptr_t a) {
+    const uint64_t gen = g.tracked_gen.load(std::memory_order_acquire);
+    if (gen == g.hit_gen) {
+        if (a >= g.hit_lo && a < g.hit_hi) return true;
+        if (a >= g.miss_lo && a < g.miss_hi) return false;
+    } else {
+        g.hit_gen = gen;
+        g.hit_lo = g.hit_hi = g.miss_lo = g.miss_hi = 0;
+    }
+    std::lock_guard<std::mutex> l(g.tracked_mu);
+    auto next = g.tracked.upper_bound(a);
+    uintptr_t gap_lo = 0;
+    if (next != g.tracked.begin()) {
+        auto it = std::prev(next);
+        if (a < it->first + it->second) {
+            g.hit_lo = it->first;
+            g.hit_hi = it->first + it->second;
+            return true;
+        }
+        gap_lo = it->first + it->second;
+    }
+    g.miss_lo = gap_lo;
+    g.miss_hi = next == g.tracked.end() ? UINTPTR_MAX : next->first;
+    return false;
+}
+
+GCell& gcell(uintptr_t a) {
+    const uintptr_t page = a >> kPageBits;
+    if (page != g.last_page) {
+        auto& cells = g.pages[page];
+        if (!cells) cells.reset(new GCell[kPage]);
+        g.last_page = page;
+        g.last_cells = cells.get();
+    }
+    return g.last_cells[a & (kPage - 1)];
+}
+
+std::string gwho(const GCell& c) {
+    const uint3 b = g.block_coords[c.block];
+    const std::string t = (c.actor & kGWarp) ? "warp " + std::to_string(c.actor & ~kGWarp) + " (wmma)"
+                                             : "thread " + std::to_string(c.actor);
+    return t + " of block (" + std::to_string(b.x) + "," + std::to_string(b.y) + "," + std::to_string(b.z) + ")";
+}
+
+// Whether `then`, a write of this launch, is ordered before an access by `now` (in this block).
+bool gordered(const GCell& then, const GCell& now) {
+    if (then.epoch == 0) return true;
+    if (then.block == now.block)
+        return then.actor == now.actor || then.epoch != now.epoch ||
+               ((then.actor & kGWarp ? then.actor & ~kGWarp : then.actor / 32u) ==
+                    (now.actor & kGWarp ? now.actor & ~kGWarp : now.actor / 32u) &&
+                then.wepoch != now.wepoch);
+    const bool published = then.published || g.fence_epoch[then.block] > then.epoch;
+    const bool acquired = g.atomic_epoch < now.epoch || (!(now.actor & kGWarp) && g.acquired[now.actor]);
+    return published && acquired;
+}
+
+void gcheck(uintptr_t a, size_t n, bool write, const void* pc, uint32_t tid, uint32_t warp) {
+    n = std::min(n, (size_t)(g.hit_hi - a));
+    GCell now;
+    now.epoch = (uint32_t)(g.bepoch - g.launch_epoch);
+    now.block = g.block;
+    now.wepoch = g.wepoch[warp];
+    now.actor = t_warp_wide ? (uint16_t)(kGWarp | warp) : (uint16_t)tid;
+    now.pc = pc;
+    for (size_t i = 0; i < n; ++i) {
+        GCell& cell = gcell(a + i);
+        if (!gordered(cell, now)) {
+            char buf[200];
+            std::snprintf(buf, sizeof buf, "%s race on byte %zu of the device allocation at 0x%zx (%zu bytes): ",
+                          write ? "write-after-write" : "read-after-write", (size_t)(a + i - g.hit_lo),
+                          (size_t)g.hit_lo, (size_t)(g.hit_hi - g.hit_lo));
+            const char* why = ", with no barrier between them";
+            if (cell.block != now.block)
+                why = cell.published || g.fence_epoch[cell.block] > cell.epoch
+                          ? ", with no atomic on device memory before the access (an acquire)"
+                          : ", with no __threadfence() after the write (no release)";
+            g.failure = buf + gwho(now) + " at " + where(now.pc) + " and " + gwho(cell) + " wrote it at " +
+                        where(cell.pc) + why + " (addr2line -f -i -e <library> <offset>)";
+            fail(g.failure.c_str());
+            std::abort();
+        }
+        if (write) cell = now;
+    }
+    if (write && !(now.actor & kGWarp)) {
+        auto& mine = g.unfenced[tid];
+        if (!mine.empty() && mine.back().first + mine.back().second == a) mine.back().second += n;
+        else mine.emplace_back(a, n);
+    }
+}
+
 void check(const void* p, size_t n, bool write, const void* pc) {
     if (!g.active || t_quiet) return;
     const char* c = static_cast<const char*>(p);
@@ -101,11 +231,14 @@ void check(const void* p, size_t n, bool write, const void* pc) {
         region = "the static shared memory section (every kernel's __shared__ variables)";
         off = (size_t)(c - __start_emu_shared);
         n = std::min(n, (size_t)(__stop_emu_shared - c));
+    } else if (device_memory((uintptr_t)p)) {
+        cells = nullptr;
     } else {
-        return;
+        return;  // the fiber's stack, host memory
     }
     const uint3 t = thread_idx(), d = block_dim();
     const uint32_t tid = t.x + d.x * (t.y + d.y * t.z), warp = tid / 32;
+    if (!cells) return gcheck((uintptr_t)p, n, write, pc, tid, warp);
     Stamp now{g.bepoch, g.wepoch[warp], t_warp_wide ? (kWarpActor | warp) : tid, warp, pc};
     for (size_t i = off; i < off + n; ++i) {
         Cell& cell = cells[i];
@@ -143,27 +276,75 @@ void check(const void* p, size_t n, bool write, const void* pc) {
 
 }  // namespace
 
-void launch_begin(void* dyn_smem, size_t bytes, unsigned nwarps) {
+void launch_begin(void* dyn_smem, size_t bytes, unsigned nthreads, size_t nblocks) {
     g.active = true;
     g.dyn = static_cast<char*>(dyn_smem);
     g.dyn_bytes = bytes;
     if (g.dyn_cells.size() < bytes) g.dyn_cells.resize(bytes);
     const size_t s = (size_t)(__stop_emu_shared - __start_emu_shared);
     if (g.static_cells.size() < s) g.static_cells.resize(s);
-    g.wepoch.assign(nwarps, 0);
+    g.wepoch.assign((nthreads + 31) / 32, 0);
+    g.launch_epoch = g.bepoch;
+    g.block = UINT32_MAX;  // block_begin makes it 0
+    g.block_coords.clear();
+    g.block_coords.reserve(nblocks);
+    g.fence_epoch.assign(nblocks, 0);
+    g.acquired.assign(nthreads, 0);
+    g.unfenced.assign(nthreads, {});
     t_quiet = t_warp_wide = 0;  // a launch that failed inside a guarded region never left it
 }
 
 void launch_end() {
     g.active = false;
     g.dyn = nullptr;
+    g.pages.clear();  // device memory is checked within one launch
+    g.last_page = ~uintptr_t(0);
+    g.last_cells = nullptr;
 }
 
-void block_begin() { ++g.bepoch; }
+void block_begin() {
+    ++g.bepoch;
+    ++g.block;
+    g.block_coords.push_back(block_idx());
+    g.atomic_epoch = UINT32_MAX;
+    std::fill(g.acquired.begin(), g.acquired.end(), 0);
+    for (auto& u : g.unfenced) u.clear();
+}
 void block_barrier() { ++g.bepoch; }
 void warp_barrier(unsigned w) { ++g.wepoch[w]; }
 
-Quiet::Quiet() { ++t_quiet; }
+void track(const void* p, size_t bytes) {
+    std::lock_guard<std::mutex> l(g.tracked_mu);
+    g.tracked[(uintptr_t)p] = bytes;
+    g.tracked_gen.fetch_add(1, std::memory_order_release);
+}
+void untrack(const void* p) {
+    std::lock_guard<std::mutex> l(g.tracked_mu);
+    g.tracked.erase((uintptr_t)p);
+    g.tracked_gen.fetch_add(1, std::memory_order_release);
+}
+
+void fence() {
+    if (!g.active) return;
+    const uint3 t = thread_idx(), d = block_dim();
+    const uint32_t tid = t.x + d.x * (t.y + d.y * t.z);
+    g.fence_epoch[g.block] = (uint32_t)(g.bepoch - g.launch_epoch);  // publishes the block's earlier epochs
+    for (const auto& [a, n] : g.unfenced[tid])  // and this thread's writes of this one
+        for (size_t i = 0; i < n; ++i) {
+            GCell& c = gcell(a + i);
+            if (c.block == g.block && c.actor == tid) c.published = 1;
+        }
+    g.unfenced[tid].clear();
+}
+
+Quiet::Quiet(const void* atomic_target) {
+    ++t_quiet;
+    if (g.active && atomic_target && device_memory((uintptr_t)atomic_target)) {
+        const uint3 t = thread_idx(), d = block_dim();
+        g.acquired[t.x + d.x * (t.y + d.y * t.z)] = 1;
+        g.atomic_epoch = std::min(g.atomic_epoch, (uint32_t)(g.bepoch - g.launch_epoch));
+    }
+}
 Quiet::~Quiet() { --t_quiet; }
 WarpWide::WarpWide() { ++t_warp_wide; }
 WarpWide::~WarpWide() { --t_warp_wide; }

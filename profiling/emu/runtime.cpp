@@ -309,7 +309,7 @@ std::string launch(const Kernel& k, uint3 grid, uint3 block, size_t smem_bytes, 
         std::memset(__start_emu_shared, 0xff, (size_t)(__stop_emu_shared - __start_emu_shared));
     g_block = &b;
 #ifdef EMU_RACECHECK
-    race::launch_begin(smem_base, smem_bytes, nwarps);
+    race::launch_begin(smem_base, smem_bytes, nthreads, (size_t)grid.x * grid.y * grid.z);
     struct End {
         ~End() { race::launch_end(); }
     } end_race;

@@ -93,6 +93,46 @@ extern "C" __global__ void __launch_bounds__(64) race_kernel(int* out, int mode)
     if (t == 0) *out = r;
 }
 
+// Device-memory race cases (EMU_RACECHECK builds). g: 64 ints of tracked device memory, zeroed; g[63] counts
+// blocks. The split-K pattern: block b leaves b + 1 in g[b], and the last block to count itself sums them.
+//   0: thread 0 of every block adds 1 to g[0] without an atomic (a lost update between blocks)
+//   1: the pattern, each writer fences (no race)     2: the same without the fence (the sum may miss a write)
+//   3: thread 5 writes, a barrier, thread 0 fences for the block (no race: the fence is cumulative)
+//   4: the pattern, but "last" is the block with the highest index, not the last counted (no acquire)
+//   5: thread 0 writes g[5] and thread 1 reads it, no barrier   6: the same with a barrier (no race)
+extern "C" __global__ void __launch_bounds__(64) global_race_kernel(int* g, int* out, int mode) {
+    const int t = (int)threadIdx.x, b = (int)blockIdx.x, nb = (int)gridDim.x;
+    if (mode == 0) {
+        if (t == 0) g[0] += 1;
+        return;
+    }
+    if (mode >= 5) {
+        if (b != 0) return;
+        if (t == 0) g[5] = 42;
+        if (mode == 6) __syncthreads();
+        if (t == 1) *out = g[5];
+        return;
+    }
+    if (t == (mode == 3 ? 5 : 0)) {
+        g[b] = b + 1;
+        if (mode == 1) __threadfence();
+    }
+    __syncthreads();
+    if (mode == 3 && t == 0) __threadfence();
+    int last;
+    if (mode == 4) {
+        if (t == 0) __threadfence();
+        last = b == nb - 1;
+    } else {
+        last = __syncthreads_or(t == 0 && atomicAdd(&g[63], 1) == nb - 1);
+    }
+    if (last && t == 0) {
+        int sum = 0;
+        for (int i = 0; i < nb; ++i) sum += g[i];
+        *out = sum;
+    }
+}
+
 // One 16×16×16 bf16 wmma product with f32 accumulation, row-major A, col-major B.
 extern "C" __global__ void __launch_bounds__(32) wmma_kernel(const __nv_bfloat16* a, const __nv_bfloat16* b, float* c) {
     wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa;
@@ -125,6 +165,7 @@ EMU_REGISTER(wmma_kernel, 32)
 EMU_REGISTER(wmma_divergent_kernel, 32)
 EMU_REGISTER(vector_load_kernel, 32)
 EMU_REGISTER(race_kernel, 64)
+EMU_REGISTER(global_race_kernel, 64)
 
 template <class... A>
 static std::string run(const char* name, uint3 grid, uint3 block, A*... args) {
@@ -250,8 +291,27 @@ int main() {
             CHECK(raced == c.races, "race_kernel mode %d: %s", c.mode, err.empty() ? "no race reported" : err.c_str());
             if (!c.races) CHECK(err.empty() && out == c.want, "race_kernel mode %d: out %d, want %d (%s)", c.mode, out, c.want, err.c_str());
         }
+        // Device memory: mode, whether it races, out when it does not (1 + 2 + 3 from three blocks; 42).
+        const struct {
+            int mode;
+            bool races;
+            int want;
+        } gcases[] = {{0, true, 0}, {1, false, 6}, {2, true, 0}, {3, false, 6}, {4, true, 0}, {5, true, 0}, {6, false, 42}};
+        std::vector<int> g(64);
+        emu::race::track(g.data(), g.size() * sizeof(int));
+        for (const auto& c : gcases) {
+            std::fill(g.begin(), g.end(), 0);
+            int out = -7;
+            int *pg = g.data(), *po = &out;
+            int mode = c.mode;
+            const std::string err = run("global_race_kernel", {3, 1, 1}, {64, 1, 1}, &pg, &po, &mode);
+            const bool raced = err.find("race on byte") != std::string::npos && err.find("device allocation") != std::string::npos;
+            CHECK(raced == c.races, "global_race_kernel mode %d: %s", c.mode, err.empty() ? "no race reported" : err.c_str());
+            if (!c.races) CHECK(err.empty() && out == c.want, "global_race_kernel mode %d: out %d, want %d (%s)", c.mode, out, c.want, err.c_str());
+        }
+        emu::race::untrack(g.data());
     }
-    const char* race_note = "; the race check finds shared-memory races (and only those)";
+    const char* race_note = "; the race check finds races in shared and device memory (and only those)";
 #else
     const char* race_note = "";
 #endif
