@@ -293,13 +293,22 @@ fn resident_forward_and_statistics_on_cuda() {
     assert_eq!(parked.host().unwrap(), reversed.as_slice());
 
     // Weight uploads: a length's first upload is pageable, later ones pass through its page-locked staging
-    // buffer, which the next upload may only overwrite once the previous copy has read it.
-    let uploads: Vec<Vec<f32>> = (0..4)
-        .map(|k| (0..300_000).map(|i| (i * 4 + k) as f32).collect())
+    // buffer, which the next upload may only overwrite once the previous copy has read it, whichever stream
+    // each copy is on (upload_weight: the copy stream; upload_weight_now: the main one).
+    let uploads: Vec<Vec<f32>> = (0..6)
+        .map(|k| (0..300_000).map(|i| (i * 6 + k) as f32).collect())
         .collect();
     let on_device: Vec<Tensor> = uploads
         .iter()
-        .map(|u| be.upload_weight(u).expect("a device copy"))
+        .enumerate()
+        .map(|(k, u)| {
+            if k % 2 == 0 {
+                be.upload_weight(u)
+            } else {
+                be.upload_weight_now(u)
+            }
+            .expect("a device copy")
+        })
         .collect();
     for (u, d) in uploads.iter().zip(&on_device) {
         assert!(d.on_device());
@@ -310,8 +319,9 @@ fn resident_forward_and_statistics_on_cuda() {
         );
     }
 
-    // One block forward with resident weights against the CPU (f32 SGEMM and f32 kernels).
-    let resident = ResidentWeights::upload(&be, &w);
+    // One block forward with resident weights against the CPU (f32 SGEMM and f32 kernels), uploaded as the
+    // pipeline does for the forward right after a block's quantization.
+    let resident = ResidentWeights::upload_now(&be, &w);
     let mut xd = be.to_device(Tensor::Host(chunks[0].clone()));
     block_forward(&be, &w, Some(&resident), cfg, &rope, &mut xd, 2, None);
     assert!(xd.on_device(), "the forward left the device");

@@ -141,6 +141,12 @@ pub trait Backend: QuantOps + Send + Sync {
         None
     }
 
+    /// As `upload_weight`, for a weight that the next work reads at once: nothing is left to overlap the copy
+    /// with, so it goes in the compute queue rather than behind prefetched copies.
+    fn upload_weight_now(&self, w: &[f32]) -> Option<Tensor> {
+        self.upload_weight(w)
+    }
+
     /// Rows `ids` of an embedding table [vocab × d] (this backend's copy, from `upload_weight`, or a host
     /// tensor) → [ids.len() × d], where this backend computes. The caller checks every id < vocab.
     fn embed_t(&self, table: &Tensor, ids: &[u32], d: usize) -> Tensor {

@@ -139,17 +139,23 @@ pub struct ResidentWeights {
 }
 
 impl ResidentWeights {
+    /// For a forward that comes later (a prefetch): the copies may overlap other work.
     pub fn upload(be: &dyn Backend, w: &BlockWeights) -> ResidentWeights {
+        Self::upload_with(w, |x| be.upload_weight(x))
+    }
+
+    /// For a forward that comes next (`Backend::upload_weight_now`).
+    pub fn upload_now(be: &dyn Backend, w: &BlockWeights) -> ResidentWeights {
+        Self::upload_with(w, |x| be.upload_weight_now(x))
+    }
+
+    fn upload_with(w: &BlockWeights, up: impl Fn(&[f32]) -> Option<Tensor>) -> ResidentWeights {
         ResidentWeights {
             w: LINEAR_NAMES
                 .iter()
                 .map(|n| {
                     let l = w.linear(n);
-                    if l.packed.is_some() {
-                        None
-                    } else {
-                        be.upload_weight(&l.w)
-                    }
+                    if l.packed.is_some() { None } else { up(&l.w) }
                 })
                 .collect(),
         }

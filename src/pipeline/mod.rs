@@ -383,7 +383,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                     if needs_calib && l < last_needed {
                         let t = Instant::now();
                         ranged(c"forward", || {
-                            let resident = ResidentWeights::upload(be, &w);
+                            let resident = ResidentWeights::upload_now(be, &w);
                             forward_all(be, &w, &resident, cfg, &rope, &mut x)
                         });
                         timings.forward += t.elapsed().as_secs_f64();

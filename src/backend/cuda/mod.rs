@@ -669,8 +669,16 @@ impl Backend for CudaBackend {
 
     fn upload_weight(&self, w: &[f32]) -> Option<Tensor> {
         Some(
-            self.try_upload_weight(w)
+            self.try_upload_weight(w, &self.copy_stream)
                 .unwrap_or_else(|e| panic!("{} upload_weight ({} f32): {e}", self.name, w.len())),
+        )
+    }
+
+    fn upload_weight_now(&self, w: &[f32]) -> Option<Tensor> {
+        Some(
+            self.try_upload_weight(w, &self.stream).unwrap_or_else(|e| {
+                panic!("{} upload_weight_now ({} f32): {e}", self.name, w.len())
+            }),
         )
     }
 

@@ -14,9 +14,10 @@ use super::hessian::{ATTN_MAX_DH, launch_attn_x, launch_hessian_xxt, launch_soft
 use super::{CudaBackend, CudaError, driver, ops};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{AttnShape, Backend, Tensor, Weight};
-use cudarc::driver::{CudaSlice, CudaView, PinnedHostSlice};
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, PinnedHostSlice};
 use std::borrow::Cow;
 use std::ops::Deref;
+use std::sync::Arc;
 
 /// Per-sequence scratch of V's statistics (`CudaBackend::queue_v_col_sequence`).
 pub(super) struct VColScratch {
@@ -221,19 +222,22 @@ impl CudaBackend {
         }
     }
 
-    /// A weight copied into device memory on the copy stream, so a block's weights can be uploaded from the
-    /// prefetch thread while the main stream computes the previous block (cudarc's event tracking makes the
-    /// main stream wait for the copy before a kernel reads it). The copy's source is page-locked
-    /// (`WeightStaging`), so the DMA engine reads it directly at full PCIe rate.
-    pub fn try_upload_weight(&self, w: &[f32]) -> Result<Tensor, CudaError> {
+    /// A weight copied into device memory on `stream`. On the copy stream, a block's weights are uploaded
+    /// from the prefetch thread while the main stream computes the previous block (cudarc's event tracking
+    /// makes the main stream wait for the copy before a kernel reads it). On the main stream, a weight needed
+    /// at once does not queue behind the prefetch's copies, and its drop does not make them wait for the
+    /// main stream. The copy's source is page-locked (`WeightStaging`), so the DMA engine reads it directly
+    /// at full PCIe rate.
+    pub fn try_upload_weight(
+        &self,
+        w: &[f32],
+        stream: &Arc<CudaStream>,
+    ) -> Result<Tensor, CudaError> {
         let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
         let Some(buf) = staging.buffer(&self.ctx, w.len()) else {
             // A first upload of this length, over the cap, or page-locking refused: the driver stages the
             // pageable copy itself.
-            let d = self
-                .copy_stream
-                .clone_htod(w)
-                .map_err(driver("upload weight"))?;
+            let d = stream.clone_htod(w).map_err(driver("upload weight"))?;
             return Ok(Tensor::Device(d));
         };
         // as_mut_slice waits for this buffer's previous copy (the last weight of this length). The host copy
@@ -245,9 +249,8 @@ impl CudaBackend {
             .zip(w.par_chunks(1 << 20))
             .for_each(|(d, s)| d.copy_from_slice(s));
         // SAFETY: the copy below writes all w.len() elements before any kernel reads them (stream order).
-        let mut d =
-            unsafe { self.copy_stream.alloc::<f32>(w.len()) }.map_err(driver("alloc weight"))?;
-        self.copy_stream
+        let mut d = unsafe { stream.alloc::<f32>(w.len()) }.map_err(driver("alloc weight"))?;
+        stream
             .memcpy_htod(buf, &mut d)
             .map_err(driver("upload weight"))?;
         Ok(Tensor::Device(d))
