@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
-# Runs the GPU halves of the tests on the CPU emulator (README.md here), three times: with threads in order
+# Runs the GPU halves of the tests on the CPU emulator (README.md here), four times: with threads in order
 # between barriers and every stream operation run when issued; with threads in reverse (EMU_SCHEDULE=reverse)
 # and stream operations queued until something forces them (EMU_STREAMS=lazy); and, without device_run,
-# under the race check of shared and device memory (EMU_RACECHECK=1, its own build; racecheck.h). A missing
-# barrier, fence, stream wait or host synchronization shows as a failure in one of them. All count each
-# kernel's registers and static shared memory from the build's ptxas report (resources.h). Builds the
-# emulator first. Extra
-# arguments go to cargo (the same as scripts/test.sh's, so nothing is rebuilt: the test binaries must have
-# the kernels embedded, BOA_REQUIRE_KERNELS=1).
+# under the race check of shared and device memory (EMU_RACECHECK=1, its own build; racecheck.h) in each
+# order of threads. A missing barrier, fence, stream wait or host synchronization shows as a failure in one
+# of them. All count each kernel's registers and static shared memory from the build's ptxas report
+# (resources.h). Builds the emulator first. Extra arguments go to cargo (the same as scripts/test.sh's, so
+# nothing is rebuilt: the test binaries must have the kernels embedded, BOA_REQUIRE_KERNELS=1).
 #
-#   profiling/emu/check.sh              # about 10 min on 2 cores (2026-12-01)
+#   profiling/emu/check.sh              # about 17 min on 2 cores (2026-12-01)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out="$(profiling/emu/build.sh | tail -n1)"
@@ -55,7 +54,11 @@ EMU_SCHEDULE=reverse EMU_STREAMS=lazy pass "threads in reverse order, lazy strea
     "${tests[@]}"
 # The race check (racecheck.h): its own build of the emulator; device_run adds only host code
 # and cuBLAS calls to what the others run, so it is left out (its launches are the parity tests' kernels).
+# Both orders: device memory keeps no reads, so a race seen as a write after a read in one order is a read
+# after a write in the other.
 race_out="$(EMU_RACECHECK=1 profiling/emu/build.sh | tail -n1)"
 "$race_out/test_emu"
-EMU_RACECHECK=1 pass "race check, shared and device memory" "racecheck" --test parity_ops --test parity_quant \
-    --test parity_qgemm --test resident_forward
+EMU_SCHEDULE=reverse "$race_out/test_emu"
+race_tests=(--test parity_ops --test parity_quant --test parity_qgemm --test resident_forward)
+EMU_RACECHECK=1 EMU_SCHEDULE=forward pass "race check, threads in forward order" "racecheck" "${race_tests[@]}"
+EMU_RACECHECK=1 EMU_SCHEDULE=reverse pass "race check, threads in reverse order" "racecheck" "${race_tests[@]}"

@@ -208,7 +208,7 @@ void gcheck(uintptr_t a, size_t n, bool write, const void* pc, uint32_t tid, uin
         }
         if (write) cell = now;
     }
-    if (write && !(now.actor & kGWarp)) {
+    if (write) {  // a wmma store goes on the list of every lane that runs it: any of them may fence for it
         auto& mine = g.unfenced[tid];
         if (!mine.empty() && mine.back().first + mine.back().second == a) mine.back().second += n;
         else mine.emplace_back(a, n);
@@ -328,11 +328,12 @@ void fence() {
     if (!g.active) return;
     const uint3 t = thread_idx(), d = block_dim();
     const uint32_t tid = t.x + d.x * (t.y + d.y * t.z);
+    const uint16_t warp_actor = (uint16_t)(kGWarp | (tid / 32));
     g.fence_epoch[g.block] = (uint32_t)(g.bepoch - g.launch_epoch);  // publishes the block's earlier epochs
     for (const auto& [a, n] : g.unfenced[tid])  // and this thread's writes of this one
         for (size_t i = 0; i < n; ++i) {
             GCell& c = gcell(a + i);
-            if (c.block == g.block && c.actor == tid) c.published = 1;
+            if (c.block == g.block && (c.actor == tid || c.actor == warp_actor)) c.published = 1;
         }
     g.unfenced[tid].clear();
 }

@@ -12,8 +12,10 @@
 //     __syncthreads* completed between them, and, for two lanes of one warp, no warp-level
 //     synchronization (__syncwarp, a shuffle, a vote) either;
 //   - device memory (the driver's live allocations, track/untrack): each access against the last write of
-//     this launch (read-after-write and write-after-write; a read followed by another thread's write is not
-//     checked there). Within a block the rules are shared memory's. Between blocks, which have no barrier,
+//     this launch (read-after-write and write-after-write). Reads are not kept there (inputs are large), so
+//     a read followed by another thread's write goes unseen in that order; run in the other order of
+//     threads and blocks (EMU_SCHEDULE=reverse, as check.sh does), the same pair is a read after a write.
+//     Within a block the rules are shared memory's. Between blocks, which have no barrier,
 //     the write must have been published and the access must come after an acquire, the pattern of a
 //     split-K "last block sums": the writer, or a thread of its block at a later barrier epoch, ran
 //     __threadfence() after the write; the accessing thread, or a thread of its block at an earlier epoch,

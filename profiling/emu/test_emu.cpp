@@ -133,6 +133,23 @@ extern "C" __global__ void __launch_bounds__(64) global_race_kernel(int* g, int*
     }
 }
 
+// The split-K pattern with a wmma store for the partial: block b stores a 16×16 tile of b + 1 at tiles[256·b],
+// fences (fence = 1) or not, and the last block counted sums element 0 of every tile. tiles: 3 tiles, then
+// the counter.
+extern "C" __global__ void __launch_bounds__(32) global_wmma_race_kernel(float* tiles, float* out, int fence) {
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+    wmma::fill_fragment(acc, (float)(blockIdx.x + 1));
+    wmma::store_matrix_sync(tiles + 256 * blockIdx.x, acc, 16, wmma::mem_row_major);
+    if (fence) __threadfence();
+    unsigned* counter = reinterpret_cast<unsigned*>(tiles + 256 * gridDim.x);
+    const int last = __syncthreads_or(threadIdx.x == 0 && atomicAdd(counter, 1u) == gridDim.x - 1);
+    if (last && threadIdx.x == 0) {
+        float sum = 0.f;
+        for (unsigned b = 0; b < gridDim.x; ++b) sum += tiles[256 * b];
+        *out = sum;
+    }
+}
+
 // One 16×16×16 bf16 wmma product with f32 accumulation, row-major A, col-major B.
 extern "C" __global__ void __launch_bounds__(32) wmma_kernel(const __nv_bfloat16* a, const __nv_bfloat16* b, float* c) {
     wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa;
@@ -166,6 +183,7 @@ EMU_REGISTER(wmma_divergent_kernel, 32)
 EMU_REGISTER(vector_load_kernel, 32)
 EMU_REGISTER(race_kernel, 64)
 EMU_REGISTER(global_race_kernel, 64)
+EMU_REGISTER(global_wmma_race_kernel, 32)
 
 template <class... A>
 static std::string run(const char* name, uint3 grid, uint3 block, A*... args) {
@@ -291,12 +309,20 @@ int main() {
             CHECK(raced == c.races, "race_kernel mode %d: %s", c.mode, err.empty() ? "no race reported" : err.c_str());
             if (!c.races) CHECK(err.empty() && out == c.want, "race_kernel mode %d: out %d, want %d (%s)", c.mode, out, c.want, err.c_str());
         }
-        // Device memory: mode, whether it races, out when it does not (1 + 2 + 3 from three blocks; 42).
+        // Device memory: mode, whether the race check reports it with threads and blocks in forward order and
+        // in reverse order, and out when the kernel is race-free (1 + 2 + 3 from three blocks; 42). Device
+        // memory keeps no reads, so a race whose read comes first in the order run (a write after a read) is
+        // seen only in the other order: check.sh runs the race check in both.
+        const bool reverse = [] {
+            const char* s = std::getenv("EMU_SCHEDULE");
+            return s && std::string(s) == "reverse";
+        }();
         const struct {
             int mode;
-            bool races;
+            bool forward, reverse;
             int want;
-        } gcases[] = {{0, true, 0}, {1, false, 6}, {2, true, 0}, {3, false, 6}, {4, true, 0}, {5, true, 0}, {6, false, 42}};
+        } gcases[] = {{0, true, true, 0},   {1, false, false, 6}, {2, true, true, 0},   {3, false, false, 6},
+                      {4, true, false, 0},  {5, true, false, 0},  {6, false, false, 42}};
         std::vector<int> g(64);
         emu::race::track(g.data(), g.size() * sizeof(int));
         for (const auto& c : gcases) {
@@ -306,10 +332,26 @@ int main() {
             int mode = c.mode;
             const std::string err = run("global_race_kernel", {3, 1, 1}, {64, 1, 1}, &pg, &po, &mode);
             const bool raced = err.find("race on byte") != std::string::npos && err.find("device allocation") != std::string::npos;
-            CHECK(raced == c.races, "global_race_kernel mode %d: %s", c.mode, err.empty() ? "no race reported" : err.c_str());
-            if (!c.races) CHECK(err.empty() && out == c.want, "global_race_kernel mode %d: out %d, want %d (%s)", c.mode, out, c.want, err.c_str());
+            const bool races = reverse ? c.reverse : c.forward, race_free = !c.forward && !c.reverse;
+            CHECK(raced == races, "global_race_kernel mode %d: %s", c.mode, err.empty() ? "no race reported" : err.c_str());
+            if (race_free) CHECK(err.empty() && out == c.want, "global_race_kernel mode %d: out %d, want %d (%s)", c.mode, out, c.want, err.c_str());
         }
         emu::race::untrack(g.data());
+        // A wmma store is the warp's write: a fence by its lanes publishes it (no race), no fence does not.
+        struct alignas(32) Tiles {  // wmma needs 32-byte aligned tiles
+            float v[3 * 256 + 1];
+        } tiles{};
+        emu::race::track(tiles.v, sizeof tiles.v);
+        for (int fence : {1, 0}) {
+            std::fill(std::begin(tiles.v), std::end(tiles.v), 0.f);
+            float out = -7.f;
+            float *pt = tiles.v, *po = &out;
+            const std::string err = run("global_wmma_race_kernel", {3, 1, 1}, {32, 1, 1}, &pt, &po, &fence);
+            const bool raced = err.find("race on byte") != std::string::npos && err.find("(wmma)") != std::string::npos;
+            CHECK(raced == !fence, "global_wmma_race_kernel fence=%d: %s", fence, err.empty() ? "no race reported" : err.c_str());
+            if (fence) CHECK(err.empty() && out == 6.f, "global_wmma_race_kernel: out %g, want 6 (%s)", out, err.c_str());
+        }
+        emu::race::untrack(tiles.v);
     }
     const char* race_note = "; the race check finds races in shared and device memory (and only those)";
 #else
