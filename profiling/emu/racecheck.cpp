@@ -1,4 +1,4 @@
-// racecheck.cpp — the shared-memory race check of racecheck.h, behind the __tsan_* hooks that
+// racecheck.cpp — the race check of racecheck.h (shared and device memory), behind the __tsan_* hooks that
 // -fsanitize=thread makes the kernels call (no ThreadSanitizer runtime is linked).
 #include "racecheck.h"
 
@@ -88,6 +88,15 @@ struct State {
 
 thread_local int t_quiet = 0, t_warp_wide = 0;
 
+// The running thread's index in its block.
+uint32_t linear_tid() {
+    const uint3 t = thread_idx(), d = block_dim();
+    return t.x + d.x * (t.y + d.y * t.z);
+}
+
+// The current block epoch, counted from the launch's (GCell::epoch).
+uint32_t launch_relative_epoch() { return (uint32_t)(g.bepoch - g.launch_epoch); }
+
 // The two accesses are ordered: same thread, a block barrier between them, or, for one warp, a warp barrier.
 bool ordered(const Stamp& a, const Stamp& b) {
     return a.actor == b.actor || a.bepoch != b.bepoch || (a.warp == b.warp && a.wepoch != b.wepoch);
@@ -168,23 +177,25 @@ std::string gwho(const GCell& c) {
     return t + " of block (" + std::to_string(b.x) + "," + std::to_string(b.y) + "," + std::to_string(b.z) + ")";
 }
 
+uint32_t actor_warp(uint16_t actor) { return actor & kGWarp ? actor & ~kGWarp : actor / 32u; }
+
+// A write released to other blocks: its thread fenced after it, or its block did at a later epoch.
+bool published(const GCell& w) { return w.published || g.fence_epoch[w.block] > w.epoch; }
+
 // Whether `then`, a write of this launch, is ordered before an access by `now` (in this block).
 bool gordered(const GCell& then, const GCell& now) {
     if (then.epoch == 0) return true;
     if (then.block == now.block)
         return then.actor == now.actor || then.epoch != now.epoch ||
-               ((then.actor & kGWarp ? then.actor & ~kGWarp : then.actor / 32u) ==
-                    (now.actor & kGWarp ? now.actor & ~kGWarp : now.actor / 32u) &&
-                then.wepoch != now.wepoch);
-    const bool published = then.published || g.fence_epoch[then.block] > then.epoch;
+               (actor_warp(then.actor) == actor_warp(now.actor) && then.wepoch != now.wepoch);
     const bool acquired = g.atomic_epoch < now.epoch || (!(now.actor & kGWarp) && g.acquired[now.actor]);
-    return published && acquired;
+    return published(then) && acquired;
 }
 
 void gcheck(uintptr_t a, size_t n, bool write, const void* pc, uint32_t tid, uint32_t warp) {
     n = std::min(n, (size_t)(g.hit_hi - a));
     GCell now;
-    now.epoch = (uint32_t)(g.bepoch - g.launch_epoch);
+    now.epoch = launch_relative_epoch();
     now.block = g.block;
     now.wepoch = g.wepoch[warp];
     now.actor = t_warp_wide ? (uint16_t)(kGWarp | warp) : (uint16_t)tid;
@@ -198,8 +209,7 @@ void gcheck(uintptr_t a, size_t n, bool write, const void* pc, uint32_t tid, uin
                           (size_t)g.hit_lo, (size_t)(g.hit_hi - g.hit_lo));
             const char* why = ", with no barrier between them";
             if (cell.block != now.block)
-                why = cell.published || g.fence_epoch[cell.block] > cell.epoch
-                          ? ", with no atomic on device memory before the access (an acquire)"
+                why = published(cell) ? ", with no atomic on device memory before the access (an acquire)"
                           : ", with no __threadfence() after the write (no release)";
             g.failure = buf + gwho(now) + " at " + where(now.pc) + " and " + gwho(cell) + " wrote it at " +
                         where(cell.pc) + why + " (addr2line -f -i -e <library> <offset>)";
@@ -236,8 +246,7 @@ void check(const void* p, size_t n, bool write, const void* pc) {
     } else {
         return;  // the fiber's stack, host memory
     }
-    const uint3 t = thread_idx(), d = block_dim();
-    const uint32_t tid = t.x + d.x * (t.y + d.y * t.z), warp = tid / 32;
+    const uint32_t tid = linear_tid(), warp = tid / 32;
     if (!cells) return gcheck((uintptr_t)p, n, write, pc, tid, warp);
     Stamp now{g.bepoch, g.wepoch[warp], t_warp_wide ? (kWarpActor | warp) : tid, warp, pc};
     for (size_t i = off; i < off + n; ++i) {
@@ -326,10 +335,9 @@ void untrack(const void* p) {
 
 void fence() {
     if (!g.active) return;
-    const uint3 t = thread_idx(), d = block_dim();
-    const uint32_t tid = t.x + d.x * (t.y + d.y * t.z);
+    const uint32_t tid = linear_tid();
     const uint16_t warp_actor = (uint16_t)(kGWarp | (tid / 32));
-    g.fence_epoch[g.block] = (uint32_t)(g.bepoch - g.launch_epoch);  // publishes the block's earlier epochs
+    g.fence_epoch[g.block] = launch_relative_epoch();  // publishes the block's earlier epochs
     for (const auto& [a, n] : g.unfenced[tid])  // and this thread's writes of this one
         for (size_t i = 0; i < n; ++i) {
             GCell& c = gcell(a + i);
@@ -341,9 +349,8 @@ void fence() {
 Quiet::Quiet(const void* atomic_target) {
     ++t_quiet;
     if (g.active && atomic_target && device_memory((uintptr_t)atomic_target)) {
-        const uint3 t = thread_idx(), d = block_dim();
-        g.acquired[t.x + d.x * (t.y + d.y * t.z)] = 1;
-        g.atomic_epoch = std::min(g.atomic_epoch, (uint32_t)(g.bepoch - g.launch_epoch));
+        g.acquired[linear_tid()] = 1;
+        g.atomic_epoch = std::min(g.atomic_epoch, launch_relative_epoch());
     }
 }
 Quiet::~Quiet() { --t_quiet; }

@@ -27,10 +27,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda_emu.h"
-#ifdef EMU_RACECHECK
-#include "racecheck.h"
-#endif
+#include "cuda_emu.h"  // and racecheck.h, in an EMU_RACECHECK build
 
 // emu_switch(save, to): pushes the callee-saved registers on the current stack, stores the stack pointer in
 // *save, and resumes the context whose stack pointer is `to`. MXCSR and the x87 control word are not
