@@ -4,11 +4,13 @@
 # and stream operations queued until something forces them (EMU_STREAMS=lazy); and, without device_run,
 # under the race check of shared and device memory (EMU_RACECHECK=1, its own build; racecheck.h) in each
 # order of threads. A missing barrier, fence, stream wait or host synchronization shows as a failure in one
-# of them. All count each kernel's registers and static shared memory from the build's ptxas report
-# (resources.h). Builds the emulator first. Extra arguments go to cargo (the same as scripts/test.sh's, so
-# nothing is rebuilt: the test binaries must have the kernels embedded, BOA_REQUIRE_KERNELS=1).
+# of them; the stream-order check (streamorder.h), on in all four, refuses any two operations on different
+# streams that share bytes with nothing ordering them. All count each kernel's registers and static shared
+# memory from the build's ptxas report (resources.h). Builds the emulator first. Extra arguments go to cargo
+# (the same as scripts/test.sh's, so nothing is rebuilt: the test binaries must have the kernels embedded,
+# BOA_REQUIRE_KERNELS=1).
 #
-#   profiling/emu/check.sh              # about 17 min on 2 cores (2026-12-01)
+#   profiling/emu/check.sh              # 12 to 18 min on 2 cores (2026-12-01)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out="$(profiling/emu/build.sh | tail -n1)"
@@ -16,6 +18,8 @@ echo "== the emulator's own tests"
 "$out/test_emu"
 EMU_SCHEDULE=reverse "$out/test_emu"
 "$out/test_streams" 2>/dev/null  # stderr: the report its use-after-free case provokes
+"$out/test_order"  # its children's stderr is checked by the test itself
+EMU_STREAMS=lazy "$out/test_order"
 "$out/test_launch" 2>/dev/null   # stderr: the refusals its over-limit launches provoke
 "$out/test_blas" "$out" 2>/dev/null | tail -n1  # stderr: the refusals its bad-argument cases provoke
 tests=(--test parity_ops --test parity_quant --test parity_qgemm --test resident_forward --test device_run)
@@ -49,9 +53,10 @@ pass() {
     rm -f "$log"
 }
 cargo_args=("$@")
-EMU_SCHEDULE=forward EMU_STREAMS=eager pass "threads in forward order, eager streams" "ptxas limits" "${tests[@]}"
-EMU_SCHEDULE=reverse EMU_STREAMS=lazy pass "threads in reverse order, lazy streams" "lazy streams, ptxas limits" \
+EMU_SCHEDULE=forward EMU_STREAMS=eager pass "threads in forward order, eager streams" "stream order, ptxas limits" \
     "${tests[@]}"
+EMU_SCHEDULE=reverse EMU_STREAMS=lazy pass "threads in reverse order, lazy streams" \
+    "stream order, lazy streams, ptxas limits" "${tests[@]}"
 # The race check (racecheck.h): its own build of the emulator; device_run adds only host code
 # and cuBLAS calls to what the others run, so it is left out (its launches are the parity tests' kernels).
 # Both orders: device memory keeps no reads, so a race seen as a write after a read in one order is a read

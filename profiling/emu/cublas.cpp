@@ -298,6 +298,16 @@ void gemm_run(const GemmCall& g) {
         });
 }
 
+// Elements a column-major operand of rows × cols (leading dimension ld) spans over `batch` matrices
+// `stride` apart: what the stream-order check is told the call touches.
+size_t extent(int64_t rows, int64_t cols, int64_t ld, int64_t stride, int64_t batch) {
+    if (rows == 0 || cols == 0 || batch == 0) return 0;
+    return (size_t)((batch - 1) * stride + (cols - 1) * ld + rows);
+}
+
+// A touch of `bytes` at p; none when bytes is 0 (to the driver, 0 bytes means "to the end of the allocation").
+Touch span(const void* p, size_t bytes, int write) { return {bytes ? p : nullptr, bytes, write}; }
+
 // Checks shared by every GEMM entry point (cuBLAS's documented CUBLAS_STATUS_INVALID_VALUE cases), then runs.
 template <class TAB, class TC>
 int gemm_checked(const char* fn, cublasHandle_t h, GemmCall g) {
@@ -330,7 +340,11 @@ int gemm_checked(const char* fn, cublasHandle_t h, GemmCall g) {
         complain(fn, "null matrix pointer (A=%p B=%p C=%p)", g.a, g.b, g.c);
         return ST_INVALID_VALUE;
     }
-    return on_stream(h->stream, fn, {g.a, g.b, g.c}, [g] {
+    const size_t ab = sizeof(typename TAB::storage), cb = sizeof(typename TC::storage);
+    const Touch a = span(g.a, extent(rows_a, g.opa == OP_N ? g.k : g.m, g.lda, g.stride_a, g.batch) * ab, 0),
+                b = span(g.b, extent(rows_b, g.opb == OP_N ? g.n : g.k, g.ldb, g.stride_b, g.batch) * ab, 0),
+                c = span(g.c, extent(g.m, g.n, g.ldc, g.stride_c, g.batch) * cb, 1);
+    return on_stream(h->stream, fn, {a, b, c}, [g] {
         gemm_run<TAB, TC>(g);
         return ST_SUCCESS;
     });

@@ -48,7 +48,7 @@ namespace {
 
 // cusolverStatus_t
 constexpr int ST_SUCCESS = 0, ST_NOT_INITIALIZED = 1, ST_ALLOC_FAILED = 2, ST_INVALID_VALUE = 3,
-              ST_INTERNAL_ERROR = 7, ST_NOT_SUPPORTED = 9;
+              ST_EXECUTION_FAILED = 6, ST_INTERNAL_ERROR = 7, ST_NOT_SUPPORTED = 9;
 // cublasFillMode_t, cublasDiagType_t
 constexpr int FILL_LOWER = 0, FILL_UPPER = 1;
 constexpr int DIAG_NON_UNIT = 0, DIAG_UNIT = 1;
@@ -327,7 +327,8 @@ int run(const char* fn, cusolverDnHandle_t handle, int* info, const void* A, F b
         complain(fn, "info is null");
         return ST_INVALID_VALUE;
     }
-    return on_stream(handle->stream, fn, {A, info}, [info, body] {
+    // A is factored in place (to the end of its allocation: the driver's bound, as for a kernel argument).
+    return on_stream(handle->stream, fn, {{A, 0, 1}, {info, sizeof(int), 1}}, [info, body] {
         *info = body();
         return ST_SUCCESS;
     });

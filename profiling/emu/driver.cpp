@@ -12,7 +12,8 @@
 //     with EMU_STREAMS=lazy operations wait in their stream's queue until something forces them, which
 //     reveals a missing stream wait or host synchronization. Copies follow CUDA's rules for pageable host
 //     memory (staged at the call; a copy into it returns when done) and page-locked memory (read and written
-//     when the copy runs).
+//     when the copy runs). In both schedules each operation names the memory it touches (touch_of) for the
+//     stream-order check of streamorder.h, which refuses one that nothing orders with an earlier user.
 //   - The device claims to be an H200-like sm_90 part (132 SMs, 227 KiB opt-in shared memory) with
 //     EMU_MEM_GIB (default 16) of memory, and enforces the launch limits the real one would: threads per
 //     block, grid dimensions, and dynamic shared memory above 48 KiB only after the kernel opted in. With
@@ -85,6 +86,27 @@ CUresult report(CUresult r, const std::string& what) {
     return r;
 }
 
+// The live allocation holding address p, in any of the three tables, as {base, bytes}; {0, 0} if none.
+std::pair<uintptr_t, size_t> holder(uintptr_t p) {
+    std::lock_guard<std::mutex> l(g_mu);
+    for (const auto* table : {&g_device, &g_host, &g_registered}) {
+        auto it = table->upper_bound(p);
+        if (it == table->begin()) continue;
+        --it;
+        if (p < it->first + it->second) return *it;
+    }
+    return {0, 0};
+}
+
+// [p, p + bytes) as a touch for the stream-order check, or p to the end of its allocation when bytes is 0
+// (a kernel argument: the driver does not know how far the kernel goes). Pageable memory is not checked.
+void touch_of(std::vector<emu::order::Touch>& out, const void* p, size_t bytes, bool write) {
+    const auto [base, n] = holder((uintptr_t)p);
+    if (n == 0) return;
+    const uintptr_t end = base + n, lo = (uintptr_t)p;
+    out.push_back({lo, bytes ? std::min(lo + bytes, end) : end, write, base});
+}
+
 // The allocation containing [p, p + n), in either table; false when the range is not wholly inside one.
 bool inside(const std::map<uintptr_t, size_t>& m, uintptr_t p, size_t n) {
     auto it = m.upper_bound(p);
@@ -115,6 +137,7 @@ CUresult alloc_device(CUdeviceptr* p, size_t n) {
     std::lock_guard<std::mutex> l(g_mu);
     g_device[(uintptr_t)m] = n;
     g_device_bytes += n;
+    emu::order::forget((uintptr_t)m, (uintptr_t)m + n);
 #ifdef EMU_RACECHECK
     emu::race::track(m, n);
 #endif
@@ -179,29 +202,41 @@ CUresult copy_async(void* dst, const void* src, size_t n, bool dst_dev, bool src
     if (src_dev)
         if (CUresult r = check_device((uintptr_t)src, n, what)) return r;
     if (n == 0) return CUDA_SUCCESS;
-    const std::vector<uintptr_t> refs{(uintptr_t)dst, (uintptr_t)src};
+    std::vector<emu::order::Touch> touches;
+    touch_of(touches, src, n, false);
+    touch_of(touches, dst, n, true);
     if (!dst_dev && kind(dst, n) == Mem::Pageable) {
-        if (CUresult r = streams::synchronize(s)) return r;
-        std::memmove(dst, src, n);
-        return CUDA_SUCCESS;
+        if (CUresult r = streams::submit(s, {what, touches, [=] { return copy(dst, src, n, false, src_dev, what); }}))
+            return r;
+        return streams::synchronize(s);
     }
     if (!src_dev && kind(src, n) == Mem::Pageable) {
         auto staged = std::make_shared<std::vector<unsigned char>>((const unsigned char*)src, (const unsigned char*)src + n);
-        return streams::submit(s, {what, {(uintptr_t)dst}, [=] { return copy(dst, staged->data(), n, dst_dev, false, what); }});
+        return streams::submit(s, {what, touches, [=] { return copy(dst, staged->data(), n, dst_dev, false, what); }});
     }
-    return streams::submit(s, {what, refs, [=] { return copy(dst, src, n, dst_dev, src_dev, what); }});
+    return streams::submit(s, {what, touches, [=] { return copy(dst, src, n, dst_dev, src_dev, what); }});
 }
 
 // The synchronous copies and memsets run on the legacy stream and return when done.
 CUresult copy_sync(void* dst, const void* src, size_t n, bool dst_dev, bool src_dev, const char* what) {
-    if (CUresult r = streams::synchronize(nullptr)) return r;
-    return copy(dst, src, n, dst_dev, src_dev, what);
+    if (dst_dev)
+        if (CUresult r = check_device((uintptr_t)dst, n, what)) return r;
+    if (src_dev)
+        if (CUresult r = check_device((uintptr_t)src, n, what)) return r;
+    std::vector<emu::order::Touch> touches;
+    touch_of(touches, src, n, false);
+    touch_of(touches, dst, n, true);
+    if (CUresult r = streams::submit(nullptr, {what, touches, [=] { return copy(dst, src, n, dst_dev, src_dev, what); }}))
+        return r;
+    return streams::synchronize(nullptr);
 }
 
 template <class T>
 CUresult memset_async(CUdeviceptr d, T v, size_t count, CUstream s, const char* what) {
     if (CUresult r = check_device((uintptr_t)d, count * sizeof(T), what)) return r;
-    return streams::submit(s, {what, {(uintptr_t)d}, [=] {
+    std::vector<emu::order::Touch> touches;
+    touch_of(touches, (const void*)d, count * sizeof(T), true);
+    return streams::submit(s, {what, touches, [=] {
                                    for (size_t i = 0; i < count; ++i) ((T*)d)[i] = v;
                                    return CUDA_SUCCESS;
                                }});
@@ -215,7 +250,7 @@ struct Args {
     };
     std::vector<Slot> storage;     // every argument at a 16-byte aligned offset
     std::vector<void*> ptrs;
-    std::vector<uintptr_t> words;  // every 8-byte word of the arguments: the pointers among them are its refs
+    std::vector<emu::order::Touch> touches;  // its pointer arguments' memory, read or written by their constness
     Args(const emu::Kernel& k, void** params) {
         std::vector<size_t> at;
         size_t slots = 0;
@@ -226,10 +261,10 @@ struct Args {
             unsigned char* dst = base + 16 * at[i];
             std::memcpy(dst, params[i], k.arg_sizes[i]);
             ptrs.push_back(dst);
-            for (size_t o = 0; o + 8 <= k.arg_sizes[i]; o += 8) {
-                uintptr_t w;
-                std::memcpy(&w, dst + o, 8);
-                words.push_back(w);
+            if (k.arg_roles[i] != emu::ArgRole::Value) {
+                const void* p;
+                std::memcpy(&p, dst, sizeof p);
+                touch_of(touches, p, 0, k.arg_roles[i] == emu::ArgRole::Writes);
             }
         }
     }
@@ -259,7 +294,8 @@ EMU_API CUresult cuDeviceGetName(char* name, int len, CUdevice) {
 #else
     const char* race = "";
 #endif
-    std::snprintf(name, (size_t)len, "CPU emulator (profiling/emu%s%s%s)", streams::lazy() ? ", lazy streams" : "",
+    std::snprintf(name, (size_t)len, "CPU emulator (profiling/emu%s%s%s%s)",
+                  streams::order_checked() ? ", stream order" : "", streams::lazy() ? ", lazy streams" : "",
                   emu::resources::loaded() ? ", ptxas limits" : "", race);
     return CUDA_SUCCESS;
 }
@@ -360,7 +396,9 @@ EMU_API CUresult cuMemAllocAsync(CUdeviceptr* p, size_t n, CUstream) { return al
 EMU_API CUresult cuMemAllocFromPoolAsync(CUdeviceptr* p, size_t n, CUmemoryPool, CUstream) { return alloc_device(p, n); }
 EMU_API CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) {
     if (CUresult r = check_device((uintptr_t)p, 1, "cuMemFreeAsync")) return r;
-    return streams::submit(s, {"cuMemFreeAsync", {}, [p] { return release(g_device, (void*)p, "cuMemFreeAsync"); }});
+    std::vector<emu::order::Touch> touches;  // a free is a write of it all: after every use
+    touch_of(touches, (const void*)p, 0, true);
+    return streams::submit(s, {"cuMemFreeAsync", touches, [p] { return release(g_device, (void*)p, "cuMemFreeAsync"); }});
 }
 EMU_API CUresult cuMemGetInfo(size_t* free_b, size_t* total) {
     std::lock_guard<std::mutex> l(g_mu);
@@ -373,14 +411,23 @@ EMU_API CUresult cuMemHostAlloc(void** pp, size_t n, unsigned int) {
     if (!m) return CUDA_ERROR_OUT_OF_MEMORY;
     std::lock_guard<std::mutex> l(g_mu);
     g_host[(uintptr_t)m] = n;
+    emu::order::forget((uintptr_t)m, (uintptr_t)m + n);
     *pp = m;
     return CUDA_SUCCESS;
 }
 EMU_API CUresult cuMemAllocHost(void** pp, size_t n) { return cuMemHostAlloc(pp, n, 0); }
-EMU_API CUresult cuMemFreeHost(void* p) { return release(g_host, p, "cuMemFreeHost"); }
+EMU_API CUresult cuMemFreeHost(void* p) {
+    // The host frees it, so every stream's use of it must be done, by a synchronization the host waited on.
+    std::vector<emu::order::Touch> touches;
+    touch_of(touches, p, 0, true);
+    if (!touches.empty() && (void*)touches[0].base == p)
+        if (CUresult r = streams::host_touch("cuMemFreeHost", touches)) return r;
+    return release(g_host, p, "cuMemFreeHost");
+}
 EMU_API CUresult cuMemHostRegister(void* p, size_t n, unsigned int) {
     std::lock_guard<std::mutex> l(g_mu);
     g_registered[(uintptr_t)p] = n;
+    emu::order::forget((uintptr_t)p, (uintptr_t)p + n);
     return CUDA_SUCCESS;
 }
 EMU_API CUresult cuMemHostUnregister(void* p) {
@@ -558,8 +605,23 @@ EMU_API CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, 
     }
     auto args = std::make_shared<Args>(*k, params);
     const uint3 grid{gx, gy, gz}, block{bx, by, bz};
-    return streams::submit(s, {"kernel " + k->name, args->words, [k, args, grid, block, smem] {
+    return streams::submit(s, {"kernel " + k->name, args->touches, [k, args, grid, block, smem] {
                                    const std::string err = emu::launch(*k, grid, block, smem, args->ptrs.data());
                                    return err.empty() ? CUDA_SUCCESS : report(CUDA_ERROR_LAUNCH_FAILED, err);
                                }});
+}
+
+// ---- the emulated libraries' stream operations (streams.h) ------------------------------------------------
+EMU_API int emu_stream_defer(void* stream, const char* what, const EmuTouch* touches, size_t ntouches,
+                             int (*run)(void*), void (*drop)(void*), void* arg) {
+    std::shared_ptr<void> box(arg, drop);
+    std::vector<emu::order::Touch> t;
+    for (size_t i = 0; i < ntouches; ++i) touch_of(t, touches[i].p, touches[i].bytes, touches[i].write != 0);
+    auto status = std::make_shared<int>(0);  // eager: the library's own status goes back to its caller
+    const CUresult r = streams::submit(static_cast<CUstream>(stream), {what, std::move(t), [run, box, status] {
+                                           *status = run(box.get());
+                                           return *status == 0 ? CUDA_SUCCESS : CUDA_ERROR_LAUNCH_FAILED;
+                                       }});
+    if (r == CUDA_ERROR_ILLEGAL_ADDRESS) return -1;
+    return streams::lazy() ? 0 : *status;
 }

@@ -144,7 +144,15 @@ int get_field(const Ctx* h, T* out, T Ctx::*field) {
     return ST_SUCCESS;
 }
 
-using Defer = int (*)(void*, const char*, const uintptr_t*, size_t, int (*)(void*), void (*)(void*), void*);
+// Memory a call reads or writes: bytes from p (0: to the end of its allocation). The layout of the fake
+// driver's EmuTouch (streams.h), which these libraries do not include.
+struct Touch {
+    const void* p;
+    size_t bytes;
+    int write;
+};
+
+using Defer = int (*)(void*, const char*, const Touch*, size_t, int (*)(void*), void (*)(void*), void*);
 
 // The fake driver's emu_stream_defer, when the fake driver is loaded (cudarc loads it before these).
 Defer find_defer() {
@@ -159,11 +167,12 @@ Defer find_defer() {
 
 // Runs `body` (returning a library status, 0 = success) as one operation on `stream`, through the fake
 // driver's emu_stream_defer (streams.h): under EMU_STREAMS=lazy it waits in the stream's queue like a
-// kernel, so a missing stream wait shows here too. `refs` are the device addresses it touches. Without the
-// fake driver loaded (test_blas dlopens the library alone) the body runs at once. Exceptions become
-// statuses: nothing may unwind into C.
+// kernel, so a missing stream wait shows here too. `touches` are the memory it reads and writes, for the
+// driver's stream-order check (streamorder.h), which refuses a call that nothing orders with an earlier user
+// of that memory (ST_EXECUTION_FAILED; the driver prints why). Without the fake driver loaded (test_blas
+// dlopens the library alone) the body runs at once. Exceptions become statuses: nothing may unwind into C.
 template <class B>
-int on_stream(void* stream, const char* what, std::initializer_list<const void*> refs, B run) {
+int on_stream(void* stream, const char* what, std::initializer_list<Touch> touches, B run) {
     auto body = [what, run] {
         try {
             return run();
@@ -178,12 +187,12 @@ int on_stream(void* stream, const char* what, std::initializer_list<const void*>
     using F = decltype(body);
     const Defer defer = find_defer();
     if (defer == nullptr) return body();
-    std::vector<uintptr_t> r;
-    for (const void* p : refs) r.push_back(reinterpret_cast<uintptr_t>(p));
+    const std::vector<Touch> t(touches);
     auto* box = new F(std::move(body));
-    return defer(
-        stream, what, r.data(), r.size(), [](void* b) { return (*static_cast<F*>(b))(); },
+    const int r = defer(
+        stream, what, t.data(), t.size(), [](void* b) { return (*static_cast<F*>(b))(); },
         [](void* b) { delete static_cast<F*>(b); }, box);
+    return r < 0 ? ST_EXECUTION_FAILED : r;
 }
 
 }  // namespace

@@ -254,8 +254,9 @@ std::string describe_deadlock(const Block& b) {
 
 }  // namespace
 
-Registrar::Registrar(const char* name, void (*invoke)(void**), unsigned max_threads, std::vector<size_t> arg_sizes) {
-    registry()[name] = Kernel{name, invoke, max_threads, std::move(arg_sizes)};
+Registrar::Registrar(const char* name, void (*invoke)(void**), unsigned max_threads, std::vector<size_t> arg_sizes,
+                     std::vector<ArgRole> arg_roles) {
+    registry()[name] = Kernel{name, invoke, max_threads, std::move(arg_sizes), std::move(arg_roles)};
 }
 
 const Kernel* find_kernel(const char* name) {

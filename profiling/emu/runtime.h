@@ -13,15 +13,21 @@ struct uint3;
 
 namespace emu {
 
+// A kernel argument as the stream-order check of streams.h sees it: a pointer to const memory is read, any
+// other pointer may be written (the signature is all the driver knows of a launch's accesses).
+enum class ArgRole : unsigned char { Value, Reads, Writes };
+
 struct Kernel {
     std::string name;
     void (*invoke)(void** params);  // calls the kernel with cuLaunchKernel's argument array
     unsigned max_threads;           // its __launch_bounds__: a larger block fails to launch on a GPU
     std::vector<size_t> arg_sizes;  // bytes of each argument: a queued launch copies them (streams.h)
+    std::vector<ArgRole> arg_roles; // what each argument lets it do to memory (the stream-order check)
 };
 
 struct Registrar {
-    Registrar(const char* name, void (*invoke)(void**), unsigned max_threads, std::vector<size_t> arg_sizes);
+    Registrar(const char* name, void (*invoke)(void**), unsigned max_threads, std::vector<size_t> arg_sizes,
+              std::vector<ArgRole> arg_roles);
 };
 
 const Kernel* find_kernel(const char* name);
@@ -42,9 +48,19 @@ template <class... A>
 std::vector<size_t> arg_sizes(void (*)(A...)) {
     return {sizeof(std::remove_cv_t<std::remove_reference_t<A>>)...};
 }
+template <class A>
+constexpr ArgRole arg_role() {
+    using T = std::remove_cv_t<std::remove_reference_t<A>>;
+    if constexpr (!std::is_pointer_v<T>) return ArgRole::Value;
+    else return std::is_const_v<std::remove_pointer_t<T>> ? ArgRole::Reads : ArgRole::Writes;
+}
+template <class... A>
+std::vector<ArgRole> arg_roles(void (*)(A...)) {
+    return {arg_role<A>()...};
+}
 
 }  // namespace emu
 
 #define EMU_REGISTER(name, max_threads) \
     static emu::Registrar emu_registrar_##name(#name, [](void** p) { emu::invoke(&name, p); }, (max_threads), \
-                                               emu::arg_sizes(&name));
+                                               emu::arg_sizes(&name), emu::arg_roles(&name));

@@ -3,6 +3,9 @@
 // One recursive lock serializes queueing and running: an operation runs under it, and running a stream wait
 // runs the other stream's queue up to the waited-on position under the same lock. Positions are captured
 // when a wait or record is issued, so the waits form no cycle: a wait only names work issued before it.
+// The clocks of the stream-order check (streamorder.h) move at issue, in both schedules: each operation ticks
+// its stream's, a record copies it into the event, a wait joins the event's into the stream's, and a
+// synchronization joins what it waited for into the host's.
 
 #include "streams.h"
 
@@ -24,6 +27,7 @@ struct EventState {
     Stream* stream = nullptr;  // where it was last recorded; null: never recorded (complete, as in CUDA)
     uint64_t seq = 0;          // complete once that stream has run this many entries
     Clock::time_point at{};    // when the record ran
+    order::Clock clock;        // what the record follows (stream-order check)
 };
 
 struct Event {
@@ -42,10 +46,14 @@ struct Stream {
     bool blocking = false;  // ordered with the legacy stream (created without CU_STREAM_NON_BLOCKING)
     std::deque<Entry> queue;
     uint64_t issued = 0, ran = 0;
+    unsigned actor = 0;  // its index in the stream-order clocks
+    order::Clock clock;
 };
 
 std::recursive_mutex g_lock;
-Stream g_legacy{"the legacy default stream", false, {}, 0, 0};
+constexpr unsigned kHost = 0, kLegacy = 1;
+Stream g_legacy{"the legacy default stream", false, {}, 0, 0, kLegacy, {}};
+order::Clock g_host;  // what the host has seen complete
 std::deque<Stream> g_streams;  // created streams, never erased (waits may still name a destroyed one)
 CUresult g_sticky = CUDA_SUCCESS;
 
@@ -106,24 +114,73 @@ void push(Stream* s, Entry e) {
 
 bool complete(const EventState& st) { return st.stream == nullptr || st.stream->ran >= st.seq; }
 
+// The next operation on s, in the clocks: after its stream's earlier ones, whatever the host has seen
+// complete, and (CUDA's implicit order) the legacy stream's work for a blocking stream and the other way round.
+const order::Clock& issue(Stream* s) {
+    s->clock.join(g_host);
+    if (s == &g_legacy) {
+        for (const Stream& b : g_streams)
+            if (b.blocking) s->clock.join(b.clock);
+    } else if (s->blocking) {
+        s->clock.join(g_legacy.clock);
+    }
+    s->clock.tick(s->actor);
+    return s->clock;
+}
+
+// The host has seen everything s was issued complete (a synchronize, a query that found it idle).
+void host_saw(const Stream* s) {
+    g_host.join(s->clock);
+    if (s == &g_legacy)
+        for (const Stream& b : g_streams)
+            if (b.blocking) g_host.join(b.clock);
+}
+
+// Checks op's touches in the clocks as `actor` at `now`; a conflict is reported and made sticky.
+CUresult check_order(unsigned actor, const order::Clock& now, const std::string& who,
+                     const std::vector<order::Touch>& touches) {
+    if (touches.empty() || !order_checked()) return CUDA_SUCCESS;
+    const std::string why = order::touch(actor, now, std::make_shared<const std::string>(who), touches);
+    if (why.empty()) return CUDA_SUCCESS;
+    std::fprintf(stderr, "emu: stream race: %s\n", why.c_str());
+    if (g_sticky == CUDA_SUCCESS) g_sticky = CUDA_ERROR_ILLEGAL_ADDRESS;
+    return CUDA_ERROR_ILLEGAL_ADDRESS;
+}
+
+// An environment switch between two words: false for `no` (the default, also when unset), true for `yes`.
+bool env_choice(const char* var, const char* no, const char* yes) {
+    const char* s = std::getenv(var);
+    if (s == nullptr || std::string(s) == no) return false;
+    if (std::string(s) == yes) return true;
+    std::fprintf(stderr, "emu: %s=%s is neither %s nor %s; using %s\n", var, s, no, yes, no);
+    return false;
+}
+
 }  // namespace
 
 bool lazy() {
-    static const bool v = [] {
-        const char* s = std::getenv("EMU_STREAMS");
-        if (s == nullptr || std::string(s) == "eager") return false;
-        if (std::string(s) == "lazy") return true;
-        std::fprintf(stderr, "emu: EMU_STREAMS=%s is neither eager nor lazy; using eager\n", s);
-        return false;
-    }();
+    static const bool v = env_choice("EMU_STREAMS", "eager", "lazy");
+    return v;
+}
+
+bool order_checked() {
+    static const bool v = !env_choice("EMU_STREAM_ORDER", "on", "off");
     return v;
 }
 
 CUresult submit(CUstream s, Op op) {
     std::lock_guard<std::recursive_mutex> l(g_lock);
+    Stream* st = of(s);
+    if (CUresult r = check_order(st->actor, issue(st), "`" + op.what + "` on " + st->name, op.touches)) return r;
     if (!lazy()) return op.run();
-    push(of(s), Entry{std::move(op), nullptr, 0, {}});
+    push(st, Entry{std::move(op), nullptr, 0, {}});
     return CUDA_SUCCESS;
+}
+
+CUresult host_touch(const char* what, std::vector<order::Touch> touches) {
+    std::lock_guard<std::recursive_mutex> l(g_lock);
+    g_host.tick(kHost);
+    return check_order(kHost, g_host, "`" + std::string(what) + "` on the host", touches);
 }
 
 CUresult synchronize(CUstream s) {
@@ -131,13 +188,15 @@ CUresult synchronize(CUstream s) {
     Stream* st = of(s);
     order_with_legacy(st);
     run_until(st, st->issued);
+    host_saw(st);
     return g_sticky;
 }
 
 CUresult create(CUstream* s, unsigned flags) {
     std::lock_guard<std::recursive_mutex> l(g_lock);
     g_streams.push_back(Stream{"stream " + std::to_string(g_streams.size() + 1),
-                               (flags & CU_STREAM_NON_BLOCKING) == 0, {}, 0, 0});
+                               (flags & CU_STREAM_NON_BLOCKING) == 0, {}, 0, 0,
+                               (unsigned)(kLegacy + 1 + g_streams.size()), {}});
     *s = reinterpret_cast<CUstream>(&g_streams.back());
     return CUDA_SUCCESS;
 }
@@ -153,6 +212,8 @@ CUresult destroy(CUstream s) {
 CUresult synchronize_all() {
     std::lock_guard<std::recursive_mutex> l(g_lock);
     run_all();
+    host_saw(&g_legacy);
+    for (const Stream& s : g_streams) host_saw(&s);
     return g_sticky;
 }
 
@@ -160,7 +221,10 @@ CUresult query(CUstream s) {
     // Lazy: "not ready" while work is queued, and the work then runs, so a polling loop ends.
     std::lock_guard<std::recursive_mutex> l(g_lock);
     Stream* st = of(s);
-    if (st->ran >= st->issued) return g_sticky;
+    if (st->ran >= st->issued) {
+        host_saw(st);
+        return g_sticky;
+    }
     run_until(st, st->issued);
     return g_sticky != CUDA_SUCCESS ? g_sticky : CUDA_ERROR_NOT_READY;
 }
@@ -168,6 +232,7 @@ CUresult query(CUstream s) {
 CUresult wait_event(CUstream s, CUevent e) {
     std::lock_guard<std::recursive_mutex> l(g_lock);
     const EventState& st = *reinterpret_cast<Event*>(e)->st;
+    of(s)->clock.join(st.clock);
     if (lazy() && !complete(st)) push(of(s), Entry{{}, st.stream, st.seq, {}});
     return CUDA_SUCCESS;
 }
@@ -186,12 +251,13 @@ CUresult event_destroy(CUevent e) {
 CUresult event_record(CUevent e, CUstream s) {
     std::lock_guard<std::recursive_mutex> l(g_lock);
     auto& st = reinterpret_cast<Event*>(e)->st;
+    Stream* str = of(s);
+    st->clock = issue(str);
     if (!lazy()) {
         st->stream = nullptr;
         st->at = Clock::now();
         return CUDA_SUCCESS;
     }
-    Stream* str = of(s);
     push(str, Entry{{}, nullptr, 0, st});
     st->stream = str;
     st->seq = str->issued;
@@ -202,13 +268,17 @@ CUresult event_synchronize(CUevent e) {
     std::lock_guard<std::recursive_mutex> l(g_lock);
     const EventState& st = *reinterpret_cast<Event*>(e)->st;
     if (st.stream) run_until(st.stream, st.seq);
+    g_host.join(st.clock);
     return g_sticky;
 }
 
 CUresult event_query(CUevent e) {
     std::lock_guard<std::recursive_mutex> l(g_lock);
     const EventState& st = *reinterpret_cast<Event*>(e)->st;
-    if (complete(st)) return g_sticky;
+    if (complete(st)) {
+        g_host.join(st.clock);
+        return g_sticky;
+    }
     run_until(st.stream, st.seq);
     return g_sticky != CUDA_SUCCESS ? g_sticky : CUDA_ERROR_NOT_READY;
 }
@@ -226,8 +296,8 @@ std::string pending_user(uintptr_t base, size_t bytes) {
     std::lock_guard<std::recursive_mutex> l(g_lock);
     auto scan = [&](const Stream& s) -> std::string {
         for (const Entry& e : s.queue)
-            for (uintptr_t r : e.op.refs)
-                if (r >= base && r < base + bytes) return "`" + e.op.what + "` queued on " + s.name;
+            for (const order::Touch& t : e.op.touches)
+                if (t.lo < base + bytes && base < t.hi) return "`" + e.op.what + "` queued on " + s.name;
         return {};
     };
     if (std::string u = scan(g_legacy); !u.empty()) return u;
@@ -237,18 +307,3 @@ std::string pending_user(uintptr_t base, size_t bytes) {
 }
 
 }  // namespace emu::streams
-
-extern "C" __attribute__((visibility("default"))) int emu_stream_defer(void* stream, const char* what,
-                                                                        const uintptr_t* refs, size_t nrefs,
-                                                                        int (*run)(void*), void (*drop)(void*),
-                                                                        void* arg) {
-    std::shared_ptr<void> box(arg, drop);
-    if (!emu::streams::lazy()) {
-        std::lock_guard<std::recursive_mutex> l(emu::streams::g_lock);
-        return run(arg);
-    }
-    emu::streams::Op op{what, std::vector<uintptr_t>(refs, refs + nrefs),
-                        [run, box] { return run(box.get()) == 0 ? CUDA_SUCCESS : CUDA_ERROR_LAUNCH_FAILED; }};
-    emu::streams::submit(static_cast<CUstream>(stream), std::move(op));
-    return 0;
-}

@@ -9,8 +9,6 @@
 #include <string>
 #include <vector>
 
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include "runtime.h"
 #include "test_check.h"
@@ -273,24 +271,13 @@ int main() {
         const std::string err = run("vector_load_kernel", {1, 1, 1}, {32, 1, 1}, &px, &po, &aligned);
         CHECK(err.empty() && out[0] == 26.0f, "aligned float4 load: '%s', %g", err.c_str(), out[0]);
         // Misaligned by one float: UBSan ends the process, so the launch runs in a child whose stderr is read.
-        int fds[2];
-        CHECK(pipe(fds) == 0, "pipe");
-        const pid_t pid = fork();
-        if (pid == 0) {
-            dup2(fds[1], 2);
+        const ChildResult c = in_child([&] {
             int misaligned = 1;
             run("vector_load_kernel", {1, 1, 1}, {32, 1, 1}, &px, &po, &misaligned);
-            _exit(0);
-        }
-        close(fds[1]);
-        std::string msg;
-        char buf[512];
-        for (ssize_t n; (n = read(fds[0], buf, sizeof buf)) > 0;) msg.append(buf, (size_t)n);
-        close(fds[0]);
-        int status = 0;
-        waitpid(pid, &status, 0);
-        CHECK(!(WIFEXITED(status) && WEXITSTATUS(status) == 0) && msg.find("misaligned address") != std::string::npos,
-              "a misaligned float4 load was not reported (exit status %d): '%s'", status, msg.c_str());
+            return 0;
+        });
+        CHECK(c.code != 0 && c.err.find("misaligned address") != std::string::npos,
+              "a misaligned float4 load was not reported (exit code %d): '%s'", c.code, c.err.c_str());
     }
 #ifdef EMU_RACECHECK
     {
