@@ -13,7 +13,7 @@ struct uint3;
 
 namespace emu {
 
-// A kernel argument as the stream-order check of streams.h sees it: a pointer to const memory is read, any
+// A kernel argument as the stream-order check (streamorder.h) sees it: a pointer to const memory is read, any
 // other pointer may be written (the signature is all the driver knows of a launch's accesses).
 enum class ArgRole : unsigned char { Value, Reads, Writes };
 

@@ -9,7 +9,6 @@
 #include <string>
 #include <vector>
 
-
 #include "runtime.h"
 #include "test_check.h"
 #include <mma.h>
