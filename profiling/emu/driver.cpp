@@ -219,15 +219,7 @@ CUresult copy_async(void* dst, const void* src, size_t n, bool dst_dev, bool src
 
 // The synchronous copies and memsets run on the legacy stream and return when done.
 CUresult copy_sync(void* dst, const void* src, size_t n, bool dst_dev, bool src_dev, const char* what) {
-    if (dst_dev)
-        if (CUresult r = check_device((uintptr_t)dst, n, what)) return r;
-    if (src_dev)
-        if (CUresult r = check_device((uintptr_t)src, n, what)) return r;
-    std::vector<emu::order::Touch> touches;
-    touch_of(touches, src, n, false);
-    touch_of(touches, dst, n, true);
-    if (CUresult r = streams::submit(nullptr, {what, touches, [=] { return copy(dst, src, n, dst_dev, src_dev, what); }}))
-        return r;
+    if (CUresult r = copy_async(dst, src, n, dst_dev, src_dev, nullptr, what)) return r;
     return streams::synchronize(nullptr);
 }
 

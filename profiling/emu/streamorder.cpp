@@ -89,10 +89,9 @@ std::string conflict(const Touch& t, uintptr_t lo, uintptr_t hi, const std::stri
 
 }  // namespace
 
-uint64_t& Clock::tick(unsigned a) {
+void Clock::tick(unsigned a) {
     if (at.size() <= a) at.resize(a + 1, 0);
     ++at[a];
-    return at[a];
 }
 
 void Clock::join(const Clock& o) {

@@ -39,7 +39,7 @@ struct Touch {
 struct Clock {
     std::vector<uint64_t> at;
     uint64_t operator[](unsigned a) const { return a < at.size() ? at[a] : 0; }
-    uint64_t& tick(unsigned a);
+    void tick(unsigned a);  // one more operation of actor a
     void join(const Clock& o);
 };
 

@@ -136,11 +136,13 @@ void host_saw(const Stream* s) {
             if (b.blocking) g_host.join(b.clock);
 }
 
-// Checks op's touches in the clocks as `actor` at `now`; a conflict is reported and made sticky.
-CUresult check_order(unsigned actor, const order::Clock& now, const std::string& who,
+// Checks the touches of `what`, issued on `where`, in the clocks as `actor` at `now`; a conflict is reported
+// and made sticky. The operation's name is built only when there is something to check.
+CUresult check_order(unsigned actor, const order::Clock& now, const std::string& what, const std::string& where,
                      const std::vector<order::Touch>& touches) {
     if (touches.empty() || !order_checked()) return CUDA_SUCCESS;
-    const std::string why = order::touch(actor, now, std::make_shared<const std::string>(who), touches);
+    auto who = std::make_shared<const std::string>("`" + what + "` on " + where);
+    const std::string why = order::touch(actor, now, who, touches);
     if (why.empty()) return CUDA_SUCCESS;
     std::fprintf(stderr, "emu: stream race: %s\n", why.c_str());
     if (g_sticky == CUDA_SUCCESS) g_sticky = CUDA_ERROR_ILLEGAL_ADDRESS;
@@ -171,7 +173,7 @@ bool order_checked() {
 CUresult submit(CUstream s, Op op) {
     std::lock_guard<std::recursive_mutex> l(g_lock);
     Stream* st = of(s);
-    if (CUresult r = check_order(st->actor, issue(st), "`" + op.what + "` on " + st->name, op.touches)) return r;
+    if (CUresult r = check_order(st->actor, issue(st), op.what, st->name, op.touches)) return r;
     if (!lazy()) return op.run();
     push(st, Entry{std::move(op), nullptr, 0, {}});
     return CUDA_SUCCESS;
@@ -180,7 +182,7 @@ CUresult submit(CUstream s, Op op) {
 CUresult host_touch(const char* what, std::vector<order::Touch> touches) {
     std::lock_guard<std::recursive_mutex> l(g_lock);
     g_host.tick(kHost);
-    return check_order(kHost, g_host, "`" + std::string(what) + "` on the host", touches);
+    return check_order(kHost, g_host, what, "the host", touches);
 }
 
 CUresult synchronize(CUstream s) {
