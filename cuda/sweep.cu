@@ -131,6 +131,7 @@ gptq_block_kernel(float* __restrict__ w,               // [rows × n] in: W (aft
                   const float* __restrict__ scales,    // [rows × n_groups]
                   const float* __restrict__ zeros,     // [rows × n_groups]
                   const uint32_t* __restrict__ col_group,  // [n] group of each sweep column
+                  float* __restrict__ loss,            // [rows] in/out: += Σ e² over the block's columns
                   const uint32_t rows, const uint32_t n, const uint32_t n_groups, const uint32_t i1,
                   const uint32_t i2, const float maxq) {
     __shared__ float w_sh[kGptqMaxBw][kGptqRows + 1];
@@ -143,6 +144,7 @@ gptq_block_kernel(float* __restrict__ w,               // [rows × n] in: W (aft
     __syncwarp();
     const uint32_t r = r0 + lane;
     if (r < rows) {
+        float loss_r = 0.0f;  // the report's tr(ΔW H ΔWᵀ) is Σ e² (src/ops/mat.rs `Swept::loss`)
         for (uint32_t c = 0; c < bw; ++c) {
             const uint32_t col = i1 + c;
             const uint32_t g = col_group[col];
@@ -157,7 +159,9 @@ gptq_block_kernel(float* __restrict__ w,               // [rows × n] in: W (aft
                 w_sh[c2][lane] = sub_prod(w_sh[c2][lane], err, u_row[i1 + c2]);
             w_sh[c][lane] = qv;
             c_sh[c][lane] = (uint8_t)qc;
+            loss_r += err * err;
         }
+        loss[r] += loss_r;
     }
     __syncwarp();
     for (uint32_t rr = 0; rr < kGptqRows && r0 + rr < rows; ++rr)

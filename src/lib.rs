@@ -9,6 +9,7 @@ pub mod eval;
 pub mod export;
 pub mod model;
 pub mod nvtx;
+pub mod ops;
 pub mod pipeline;
 pub mod progress;
 pub mod quant;

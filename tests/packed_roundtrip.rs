@@ -4,14 +4,17 @@
 //! without act-order, random shapes); the packed GEMM matches the dense GEMM on the dequantized weights and
 //! does not depend on the thread count.
 
+#[path = "quant_common/mod.rs"]
+mod common;
+
 use boa_cuda::backend::cpu::{linear_f32, packed_linear_f32};
-use boa_cuda::quant::gptq::{GptqOptions, Quantized, gptq_quantize};
+use boa_cuda::quant::gptq::{GptqOptions, Quantized};
 use boa_cuda::quant::pack::{
     GptqVersion, PackedTensors, dequantize_c, dequantize_f16_scales, pack_stream, pack_words,
     quantize_c, unpack_stream,
 };
 use boa_cuda::quant::quantizer::{QuantSpec, ScaleSearch, dequantize, quantize};
-use boa_cuda::quant::rtn::rtn_quantize;
+use common::{gptq_host, rtn_host};
 use half::f16;
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -158,7 +161,7 @@ fn packed_round_trip_rtn_and_gptq_act_order() {
             for (d_out, d_in) in [(24usize, 200usize), (16, 576), (40, 256)] {
                 let w = randn(&mut rng, d_out * d_in);
                 let spec = QuantSpec::new(bits, group, bits % 2 == 1, ScaleSearch::MinMax);
-                let q = rtn_quantize(&w, d_out, d_in, None, &spec).unwrap();
+                let q = rtn_host(&w, d_out, d_in, None, &spec).unwrap();
                 check_round_trip(&q, &format!("rtn {bits}-bit g{group:?} {d_out}×{d_in}"));
                 // GPTQ with act-order: g_idx is a permuted group map.
                 // H = XᵀX/m + a varying diagonal (positive definite; distinct diag(H) for act-order).
@@ -179,7 +182,7 @@ fn packed_round_trip_rtn_and_gptq_act_order() {
                 let mut o = GptqOptions::new(QuantSpec::new(bits, group, false, ScaleSearch::Mse));
                 o.act_order = true;
                 o.static_groups = group.is_some() && d_in == 200;
-                let q = gptq_quantize(&w, d_out, d_in, &h, &o).unwrap();
+                let q = gptq_host(&w, d_out, d_in, &h, &o).unwrap();
                 // Static groups keep the original-order groups (gptq.py); dynamic ones follow the sweep.
                 if let (Some(g), false) = (group, o.static_groups) {
                     assert!(
@@ -212,7 +215,7 @@ fn packed_round_trip_random_shapes() {
         };
         let w = randn(&mut rng, d_out * d_in);
         let spec = QuantSpec::new(bits, group, rng.random::<bool>(), ScaleSearch::Mse);
-        let q = rtn_quantize(&w, d_out, d_in, None, &spec).unwrap();
+        let q = rtn_host(&w, d_out, d_in, None, &spec).unwrap();
         check_round_trip(
             &q,
             &format!("case {case}: {bits}-bit g{group:?} {d_out}×{d_in}"),
@@ -224,7 +227,7 @@ fn packed_round_trip_random_shapes() {
 fn packed_v1_refuses_zero_zero_point() {
     // All weights ≥ 0: the asymmetric min-max grid has zero point 0, which v1 (zero − 1) cannot store.
     let w: Vec<f32> = (0..8 * 64).map(|i| (i % 13) as f32 * 0.1).collect();
-    let q = rtn_quantize(
+    let q = rtn_host(
         &w,
         8,
         64,
@@ -265,7 +268,7 @@ fn packed_gemm_matches_dense_and_is_thread_count_independent() {
                 }
             })
             .collect();
-        let q = gptq_quantize(&w, d_out, d_in, &h, &o).unwrap();
+        let q = gptq_host(&w, d_out, d_in, &h, &o).unwrap();
         let lin = PackedTensors::pack(&q, GptqVersion::V2)
             .unwrap()
             .into_linear(GptqVersion::V2);

@@ -6,8 +6,8 @@
 #[path = "quant_common/mod.rs"]
 mod common;
 
-use boa_cuda::quant::boa::{BoaOptions, ColHessian, boa_quantize};
-use boa_cuda::quant::gptq::{GptqOptions, gptq_quantize};
+use boa_cuda::quant::boa::BoaOptions;
+use boa_cuda::quant::gptq::GptqOptions;
 use boa_cuda::quant::linalg::cholesky_upper_inverse;
 use boa_cuda::quant::quantizer::{h_block_f32, search_grids_rows};
 use boa_cuda::quant::{QuantSpec, ScaleSearch};
@@ -66,11 +66,11 @@ fn bench_quant_shapes() {
             });
             let o = GptqOptions::new(spec);
             let t_gptq = median_ms(|| {
-                gptq_quantize(&w, d_out, d_in, &h, &o).unwrap();
+                gptq_host(&w, d_out, d_in, &h, &o).unwrap();
             });
             let bo = BoaOptions::new(o.clone());
             let t_boa = median_ms(|| {
-                boa_quantize(&w, nh, dh, d_in, ColHessian::Shared(&h), &hr, &bo).unwrap();
+                boa_host(&w, nh, dh, d_in, HostCol::Shared(&h), &hr, &bo).unwrap();
             });
             let label = match spec.group_size {
                 None => "3-bit per-channel".to_string(),
@@ -114,7 +114,7 @@ fn bench_gptq_576x1536() {
     let w = to_f32(&randn_vec(&mut r, d_out * d_in));
     let o = GptqOptions::new(QuantSpec::new(3, None, false, ScaleSearch::Hessian));
     let t = median_ms(|| {
-        gptq_quantize(&w, d_out, d_in, &h, &o).unwrap();
+        gptq_host(&w, d_out, d_in, &h, &o).unwrap();
     });
     eprintln!(
         "GPTQ 576x1536 3-bit per-channel: {t:.1} ms on {} threads",

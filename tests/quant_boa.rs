@@ -7,8 +7,8 @@
 #[path = "quant_common/mod.rs"]
 mod common;
 
-use boa_cuda::quant::boa::{BoaOptions, ColHessian, boa_quantize};
-use boa_cuda::quant::gptq::{DynamicGroups, GptqOptions, gptq_block_sweep, gptq_quantize};
+use boa_cuda::quant::boa::BoaOptions;
+use boa_cuda::quant::gptq::{DynamicGroups, GptqOptions, gptq_block_sweep};
 use boa_cuda::quant::hessian::identity_row_hessians;
 use boa_cuda::quant::linalg::{act_order_perm, cholesky_upper_inverse};
 use boa_cuda::quant::quantizer::{Grid, h_block_f32};
@@ -130,20 +130,19 @@ fn boa_equals_gptq_over_kronecker_hessian() {
         o.act_order_row = act;
         let hc_flat: Vec<f64> = hcs.concat();
         let hcol = if per_head {
-            ColHessian::PerHead(&hc_flat)
+            HostCol::PerHead(&hc_flat)
         } else {
-            ColHessian::Shared(&hc_flat)
+            HostCol::Shared(&hc_flat)
         };
         if per_head && act && group.is_some() {
             // No single g_idx exists then; the library refuses, test the sweep without act-order on columns.
-            assert!(boa_quantize(&w, NH, DH, DIN, hcol, &hrs.concat(), &o).is_err());
+            assert!(boa_host(&w, NH, DH, DIN, hcol, &hrs.concat(), &o).is_err());
             o.act_order_col = false;
         }
-        let q = boa_quantize(&w, NH, DH, DIN, hcol, &hrs.concat(), &o).unwrap();
+        let q = boa_host(&w, NH, DH, DIN, hcol, &hrs.concat(), &o).unwrap();
         assert_eq!(q.dequantize_from_codes(), q.w_hat);
         // Not vacuous: the cross-row updates change codes relative to BoA with H_row = I (= GPTQ).
-        let plain =
-            boa_quantize(&w, NH, DH, DIN, hcol, &identity_row_hessians(NH, DH), &o).unwrap();
+        let plain = boa_host(&w, NH, DH, DIN, hcol, &identity_row_hessians(NH, DH), &o).unwrap();
         differs_from_gptq += plain
             .codes
             .iter()
@@ -207,13 +206,13 @@ fn boa_with_identity_row_hessian_is_gptq() {
         QuantSpec::new(4, Some(64), true, ScaleSearch::Mse),
     ] {
         let g = GptqOptions::new(spec);
-        let a = gptq_quantize(&w, nh * dh, din, &hc, &g).unwrap();
-        let b = boa_quantize(
+        let a = gptq_host(&w, nh * dh, din, &hc, &g).unwrap();
+        let b = boa_host(
             &w,
             nh,
             dh,
             din,
-            ColHessian::Shared(&hc),
+            HostCol::Shared(&hc),
             &identity_row_hessians(nh, dh),
             &BoaOptions::new(g),
         )

@@ -5,10 +5,9 @@
 #[path = "quant_common/mod.rs"]
 mod common;
 
-use boa_cuda::quant::gptq::{GptqOptions, gptq_quantize};
+use boa_cuda::quant::gptq::GptqOptions;
 use boa_cuda::quant::linalg::{act_order_perm, cholesky_upper_inverse};
 use boa_cuda::quant::quantizer::{Grid, dequantize, h_block_f32, quantize, search_grid};
-use boa_cuda::quant::rtn::rtn_quantize;
 use boa_cuda::quant::{QuantSpec, ScaleSearch};
 use common::*;
 
@@ -155,7 +154,7 @@ fn lazy_batching_equals_column_at_a_time() {
         let mut o = GptqOptions::new(QuantSpec::new(cs.bits, cs.g, cs.sym, cs.search));
         o.act_order = cs.act_order;
         o.static_groups = cs.static_groups;
-        let got = gptq_quantize(&w, cs.rows, cs.n, &h, &o).unwrap();
+        let got = gptq_host(&w, cs.rows, cs.n, &h, &o).unwrap();
         let (codes, what) = reference_gptq(&w, cs.rows, cs.n, &h, &o);
         assert_eq!(got.codes, codes, "case {ci}: codes differ");
         for (a, b) in got.w_hat.iter().zip(&what) {
@@ -175,7 +174,7 @@ fn lazy_batching_equals_column_at_a_time() {
         }
         // f32 path agrees with the f64 path on almost all codes (sanity of the generic sweep)
         let w32 = to_f32(&w);
-        let got32 = gptq_quantize(&w32, cs.rows, cs.n, &h, &o).unwrap();
+        let got32 = gptq_host(&w32, cs.rows, cs.n, &h, &o).unwrap();
         let same = got32
             .codes
             .iter()
@@ -202,7 +201,7 @@ fn act_order_g_idx_and_dequant_reproduce() {
         let mut o = GptqOptions::new(QuantSpec::new(cs.bits, cs.g, cs.sym, cs.search));
         o.act_order = cs.act_order;
         o.static_groups = cs.static_groups;
-        let q = gptq_quantize(&w, cs.rows, cs.n, &h, &o).unwrap();
+        let q = gptq_host(&w, cs.rows, cs.n, &h, &o).unwrap();
         assert_eq!(q.dequantize_from_codes(), q.w_hat, "case {ci}");
         assert!(q.codes.iter().all(|&c| (c as u32) <= o.spec.maxq()));
         let g = cs.g.unwrap_or(cs.n).min(cs.n);
@@ -221,7 +220,7 @@ fn act_order_g_idx_and_dequant_reproduce() {
             };
             assert_eq!(q.g_idx[c] as usize, expect, "case {ci}: column {c}");
         }
-        let rt = rtn_quantize(&w, cs.rows, cs.n, Some(&h), &o.spec).unwrap();
+        let rt = rtn_host(&w, cs.rows, cs.n, Some(&h), &o.spec).unwrap();
         assert_eq!(rt.dequantize_from_codes(), rt.w_hat);
     }
 }
@@ -232,7 +231,7 @@ fn singular_hessian_error_is_clear() {
     let w = vec![0.1f32; 2 * n];
     let h = vec![f64::NAN; n * n];
     let o = GptqOptions::new(QuantSpec::new(3, None, false, ScaleSearch::MinMax));
-    let err = gptq_quantize(&w, 2, n, &h, &o).unwrap_err();
+    let err = gptq_host(&w, 2, n, &h, &o).unwrap_err();
     assert!(err.to_string().contains("singular"), "{err}");
 }
 
@@ -260,7 +259,7 @@ fn lazy_equals_column_sweep_random_shapes() {
         let x = correlated_inputs(&mut r, 2 * n + 4, n);
         let h = xtx(&x, 2 * n + 4, n);
         let w = randn_vec(&mut r, rows * n);
-        let got = gptq_quantize(&w, rows, n, &h, &o).unwrap();
+        let got = gptq_host(&w, rows, n, &h, &o).unwrap();
         let (codes, _) = reference_gptq(&w, rows, n, &h, &o);
         assert_eq!(
             got.codes, codes,

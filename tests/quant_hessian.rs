@@ -6,12 +6,18 @@
 #[path = "quant_common/mod.rs"]
 mod common;
 
-use boa_cuda::backend::cpu::{causal_softmax_probs, gather_head, rope_head};
+use boa_cuda::backend::cpu::{CpuBackend, causal_softmax_probs, gather_head, rope_head};
+use boa_cuda::ops::{AttnShape, QuantOps, Tensor};
 use boa_cuda::quant::hessian::{
-    HeadCovAccumulator, RopeAverage, VColAccumulator, XxtAccumulator, k_row_hessians,
-    q_row_hessians, v_row_hessians_from_wout,
+    Accumulator, RopeAverage, group_means, k_row_hessians, q_row_hessians, v_row_hessians_from_wout,
 };
 use common::*;
+
+/// A finished accumulator's values.
+fn values(acc: Accumulator) -> Vec<f64> {
+    let m = acc.finish(&CpuBackend).unwrap();
+    CpuBackend.read_f64(&m).unwrap()
+}
 
 fn close(a: &[f64], b: &[f64], rtol: f64, what: &str) {
     assert_eq!(a.len(), b.len(), "{what}: lengths");
@@ -27,16 +33,19 @@ fn xxt_running_mean_any_batching() {
     let mut r = rng(1);
     let x = to_f32(&correlated_inputs(&mut r, n, d));
     let brute = xtx(&x.iter().map(|&v| v as f64).collect::<Vec<_>>(), n, d);
-    let mut a = XxtAccumulator::new(d);
-    a.add_batch(&x, n);
-    let mut b = XxtAccumulator::new(d);
+    let ops = CpuBackend;
+    let mut a = Accumulator::xxt(&ops, d).unwrap();
+    a.add_xxt(&ops, &Tensor::Host(x.clone()), n).unwrap();
+    let mut b = Accumulator::xxt(&ops, d).unwrap();
     for (t0, t1) in [(700, 1100), (0, 3), (3, 700)] {
-        b.add_batch(&x[t0 * d..t1 * d], t1 - t0);
+        b.add_xxt(&ops, &Tensor::Host(x[t0 * d..t1 * d].to_vec()), t1 - t0)
+            .unwrap();
     }
     assert_eq!(b.n_tokens(), n);
-    close(&a.hessian(), &brute, 1e-5, "one batch");
-    close(&b.hessian(), &a.hessian(), 1e-5, "three batches");
-    let h = a.hessian();
+    let (a, b) = (values(a), values(b));
+    close(&a, &brute, 1e-5, "one batch");
+    close(&b, &a, 1e-5, "three batches");
+    let h = a;
     for i in 0..d {
         for j in 0..d {
             assert_eq!(h[i * d + j], h[j * d + i]);
@@ -107,9 +116,10 @@ fn gqa_grouping_of_query_key_statistics() {
             }
         }
     }
-    let mut acc = HeadCovAccumulator::new(n_heads, d_h);
-    acc.add_batch(&qv, m);
-    let per_head = acc.covariances();
+    let mut acc = Accumulator::heads(&CpuBackend, n_heads, d_h).unwrap();
+    acc.add_heads(&CpuBackend, &Tensor::Host(qv.clone()), m)
+        .unwrap();
+    let per_head = values(acc);
     let dd = d_h * d_h;
     for h in 0..n_heads {
         let xh: Vec<f64> = gather_head(&qv, m, n_heads, d_h, h)
@@ -124,7 +134,7 @@ fn gqa_grouping_of_query_key_statistics() {
         );
     }
     // query heads 0,1,2 share KV head 0; 3,4,5 share KV head 1
-    let gm = acc.group_means(n_kv);
+    let gm = group_means(&per_head, n_heads, d_h, n_kv);
     for kv in 0..n_kv {
         let expect: Vec<f64> = (0..dd)
             .map(|i| (0..3).map(|k| per_head[(kv * 3 + k) * dd + i]).sum::<f64>() / 3.0)
@@ -175,7 +185,14 @@ fn gqa_grouping_of_query_key_statistics() {
 fn v_column_statistic_matches_brute_force() {
     let (n_heads, n_kv, d_h, d, t) = (4, 2, 4, 6, 9);
     let mut r = rng(4);
-    let mut acc = VColAccumulator::new(d, n_heads, n_kv);
+    let mut acc = Accumulator::v_col(&CpuBackend, d, n_heads, n_kv).unwrap();
+    let shape = AttnShape {
+        t,
+        h: n_heads,
+        h_kv: n_kv,
+        d_h,
+        d,
+    };
     let mut brute = vec![0.0; n_kv * d * d];
     let n_seq = 2;
     for _ in 0..n_seq {
@@ -188,7 +205,9 @@ fn v_column_statistic_matches_brute_force() {
             let kh = gather_head(&k, t, n_kv, d_h, h / 2);
             probs.extend(causal_softmax_probs(&qh, &kh, t, d_h));
         }
-        acc.add_sequence(&x, &probs, t);
+        let host = |v: &[f32]| Tensor::Host(v.to_vec());
+        acc.add_v_col(&CpuBackend, &host(&x), &host(&q), &host(&k), shape, 1)
+            .unwrap();
         for h in 0..n_heads {
             let a = &probs[h * t * t..(h + 1) * t * t];
             let mut y = vec![0.0; t * d]; // A_h X
@@ -210,5 +229,5 @@ fn v_column_statistic_matches_brute_force() {
             }
         }
     }
-    close(&acc.hessians(), &brute, 1e-5, "V H_col");
+    close(&values(acc), &brute, 1e-5, "V H_col");
 }

@@ -5,9 +5,8 @@
 #[path = "quant_common/mod.rs"]
 mod common;
 
-use boa_cuda::quant::boa::{BoaOptions, ColHessian, boa_quantize};
-use boa_cuda::quant::gptq::{GptqOptions, gptq_quantize};
-use boa_cuda::quant::rtn::rtn_quantize;
+use boa_cuda::quant::boa::BoaOptions;
+use boa_cuda::quant::gptq::GptqOptions;
 use boa_cuda::quant::{QuantSpec, ScaleSearch};
 use common::*;
 
@@ -70,8 +69,8 @@ fn gptq_beats_rtn_on_correlated_inputs() {
         QuantSpec::new(2, Some(32), false, ScaleSearch::Hessian),
         QuantSpec::new(4, None, true, ScaleSearch::Mse),
     ] {
-        let gq = gptq_quantize(&w, rows, n, &h, &GptqOptions::new(spec)).unwrap();
-        let rt_mm = rtn_quantize(
+        let gq = gptq_host(&w, rows, n, &h, &GptqOptions::new(spec)).unwrap();
+        let rt_mm = rtn_host(
             &w,
             rows,
             n,
@@ -82,7 +81,7 @@ fn gptq_beats_rtn_on_correlated_inputs() {
             },
         )
         .unwrap();
-        let rt_same = rtn_quantize(&w, rows, n, Some(&h), &spec).unwrap();
+        let rt_same = rtn_host(&w, rows, n, Some(&h), &spec).unwrap();
         let (eg, er, es) = (
             layer_loss(&w, &gq.w_hat, rows, n, &h),
             layer_loss(&w, &rt_mm.w_hat, rows, n, &h),
@@ -114,11 +113,11 @@ fn boa_attention_loss_at_most_gptq() {
         (QuantSpec::new(3, None, false, ScaleSearch::Hessian), true),
     ] {
         let g = GptqOptions::new(spec);
-        let gq = gptq_quantize(&w, nh * dh, n, &hc, &g).unwrap();
+        let gq = gptq_host(&w, nh * dh, n, &hc, &g).unwrap();
         let mut o = BoaOptions::new(g);
         o.act_order_row = act;
         o.act_order_col = act;
-        let bq = boa_quantize(&w, nh, dh, n, ColHessian::Shared(&hc), &hr, &o).unwrap();
+        let bq = boa_host(&w, nh, dh, n, HostCol::Shared(&hc), &hr, &o).unwrap();
         let (lg, lb) = (
             attention_loss(&w, &gq.w_hat, nh, dh, n, &hc, &hr),
             attention_loss(&w, &bq.w_hat, nh, dh, n, &hc, &hr),

@@ -1,260 +1,935 @@
-//! `QuantOps` on the CPU: thin calls into the algorithm free functions of `quant::` (hessian_xxt,
-//! cholesky_upper_inverse, gptq_block_sweep, boa_sweep), which are the oracles of the CUDA kernels.
+//! `QuantOps` on the CPU: host vectors, f64 statistics, Hessians and factors, and the sweeps of `quant::` in
+//! the precision of the weights they are given (f32 in production; f64 for the exactness tests of design.md
+//! §4.4). This is the engine's reference: the arithmetic is the one the CPU engine has always done (the
+//! accumulators' f64-chunked sums, faer's f64 Cholesky, `search_grids_rows`, `gptq_block_sweep`, `boa_sweep`),
+//! and every CUDA kernel is checked against it.
 
-use super::cpu::{CpuBackend, causal_softmax_probs};
-use super::quant_ops::{AttnShape, QuantOps, StaticGrids, SweepResult, UCol};
+use super::Backend;
+use super::cpu::CpuBackend;
+use crate::ops::{
+    AttnShape, Codes, Grid, GridMode, Grids, Mat, MatData, Packed, QuantOps, QuantSpec,
+    QuantizedLinear, Result, ScaleSearch, Swept, Tensor,
+};
+use crate::quant::Real;
 use crate::quant::boa::{ColFactor, boa_sweep};
 use crate::quant::gptq::{DynamicGroups, gptq_block_sweep};
-use crate::quant::hessian::hessian_xxt;
-use crate::quant::linalg::cholesky_upper_inverse;
-use crate::quant::quantizer::Grid;
-use faer::{Accum, MatMut, MatRef, Par, linalg::matmul::matmul};
+use crate::quant::hessian::{add_v_col_sequence, add_xxt_f64, finish, v_row_hessians_from_wout};
+use crate::quant::linalg::{cholesky_upper_inverse, permute_sym};
+use crate::quant::quantizer::{dequantize, h_block_f32, quantize, search_grids_rows};
+use anyhow::{anyhow, bail};
 use rayon::prelude::*;
+use std::borrow::Cow;
 
-/// Columns [c0, c0 + w) of the row-major [rows × ld] matrix `x`, contiguous.
-fn gather_cols(x: &[f32], rows: usize, ld: usize, c0: usize, w: usize) -> Vec<f32> {
-    let mut out = Vec::with_capacity(rows * w);
-    for r in 0..rows {
-        out.extend_from_slice(&x[r * ld + c0..r * ld + c0 + w]);
+/// The host values of a tensor (the CPU never holds device memory).
+fn host<'a>(t: &'a Tensor, what: &str) -> Result<&'a [f32]> {
+    t.host()
+        .ok_or_else(|| anyhow!("cpu: {what} is in device memory"))
+}
+
+fn f64_mut<'a>(m: &'a mut Mat, what: &str) -> Result<&'a mut Vec<f64>> {
+    match &mut m.data {
+        MatData::F64(v) => Ok(v),
+        MatData::F32(_) => bail!("cpu: {what} is not an f64 accumulator"),
+    }
+}
+
+/// The values of `m` as f64 (borrowed when they are f64).
+fn as_f64<'a>(m: &'a Mat, what: &str) -> Result<Cow<'a, [f64]>> {
+    match &m.data {
+        MatData::F64(v) => Ok(Cow::Borrowed(v)),
+        MatData::F32(t) => Ok(Cow::Owned(
+            host(t, what)?.iter().map(|&x| x as f64).collect(),
+        )),
+    }
+}
+
+/// A weight-precision buffer: the sweeps run in the precision of the weights they are given.
+enum Vals {
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+}
+
+fn vals(m: &Mat, what: &str) -> Result<Vals> {
+    Ok(match &m.data {
+        MatData::F64(v) => Vals::F64(v.clone()),
+        MatData::F32(t) => Vals::F32(host(t, what)?.to_vec()),
+    })
+}
+
+/// `vals` of a Mat the caller gives up (no copy).
+fn into_vals(m: Mat, what: &str) -> Result<Vals> {
+    Ok(match m.data {
+        MatData::F64(v) => Vals::F64(v),
+        MatData::F32(Tensor::Host(v)) => Vals::F32(v),
+        MatData::F32(t) => Vals::F32(host(&t, what)?.to_vec()),
+    })
+}
+
+/// `m`'s values converted to T (f64 → f32 rounds, as `T::from_f64` always did for the CPU's U).
+fn conv<T: Real>(m: &Mat, what: &str) -> Result<Vec<T>> {
+    Ok(match &m.data {
+        MatData::F64(v) => v.iter().map(|&x| T::from_f64(x)).collect(),
+        MatData::F32(t) => host(t, what)?
+            .iter()
+            .map(|&x| T::from_f64(x as f64))
+            .collect(),
+    })
+}
+
+/// A [batch × rows × cols] Mat of T's values (f64 stays f64, f32 goes into a host tensor).
+trait IntoMat: Real {
+    fn into_mat(v: Vec<Self>, batch: usize, rows: usize, cols: usize) -> Mat;
+}
+impl IntoMat for f32 {
+    fn into_mat(v: Vec<f32>, batch: usize, rows: usize, cols: usize) -> Mat {
+        Mat::f32(v, batch, rows, cols)
+    }
+}
+impl IntoMat for f64 {
+    fn into_mat(v: Vec<f64>, batch: usize, rows: usize, cols: usize) -> Mat {
+        Mat::f64(v, batch, rows, cols)
+    }
+}
+
+fn grids_mat<T: IntoMat>(g: &[Grid<T>], rows: usize, n_groups: usize) -> Grids {
+    Grids {
+        scale: T::into_mat(g.iter().map(|x| x.scale).collect(), 1, rows, n_groups),
+        zero: T::into_mat(g.iter().map(|x| x.zero).collect(), 1, rows, n_groups),
+    }
+}
+
+fn grids_vec<T: Real>(g: &Grids) -> Result<Vec<Grid<T>>> {
+    let s = conv::<T>(&g.scale, "scales")?;
+    let z = conv::<T>(&g.zero, "zeros")?;
+    Ok(s.into_iter()
+        .zip(z)
+        .map(|(scale, zero)| Grid { scale, zero })
+        .collect())
+}
+
+fn codes_host<'a>(c: &'a Codes) -> Result<&'a [u8]> {
+    match c {
+        Codes::Host(v) => Ok(v),
+        Codes::Device(_) => bail!("cpu: codes are in device memory"),
+    }
+}
+
+/// Rows per part of a weight split into `parts` equal parts.
+fn part_rows(rows: usize, parts: usize, op: &str) -> Result<usize> {
+    if parts == 0 || !rows.is_multiple_of(parts) {
+        bail!("{op}: {rows} rows do not split into {parts} equal parts");
+    }
+    Ok(rows / parts)
+}
+
+/// The [len × len] block H[idx[a], idx[b]] for the columns a, b of c0..c0+len, f32 (the scale search's H).
+fn index_block_f32(h: &[f64], n: usize, idx: &[usize], c0: usize, len: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(len * len);
+    for a in c0..c0 + len {
+        for b in c0..c0 + len {
+            out.push(h[idx[a] * n + idx[b]] as f32);
+        }
     }
     out
 }
 
-fn check_grids(g: &StaticGrids, rows: usize, n: usize) {
-    assert_eq!(
-        g.grids.len(),
-        rows * g.n_groups,
-        "grids not [{rows} × {}]",
-        g.n_groups
+/// The H blocks of each group of a dynamic sweep, in sweep order (empty unless the Hessian search).
+fn dynamic_blocks(h: Option<&[f64]>, n: usize, g: usize, spec: &QuantSpec) -> Vec<Vec<f32>> {
+    let n_groups = n.div_ceil(g);
+    match (spec.search, h) {
+        (ScaleSearch::Hessian, Some(h)) => (0..n_groups)
+            .map(|k| h_block_f32(h, n, k * g, g.min(n - k * g)))
+            .collect(),
+        _ => vec![Vec::new(); n_groups],
+    }
+}
+
+fn search_all<T: Real + IntoMat>(
+    w: &[T],
+    rows: usize,
+    n: usize,
+    h: Option<&[f64]>,
+    idx: &[Vec<usize>],
+    h_of_part: &[usize],
+    g: usize,
+    spec: &QuantSpec,
+) -> Result<Grids> {
+    let n_groups = n.div_ceil(g);
+    let rp = part_rows(rows, h_of_part.len(), "search_grids")?;
+    let hessian = spec.search == ScaleSearch::Hessian;
+    if hessian && h.is_none() {
+        bail!("search_grids: the Hessian search needs H");
+    }
+    let mut grids = vec![Grid::default(); rows * n_groups];
+    for (p, &f) in h_of_part.iter().enumerate() {
+        let wp = &w[p * rp * n..(p + 1) * rp * n];
+        for k in 0..n_groups {
+            let len = g.min(n - k * g);
+            let hb = match h.filter(|_| hessian) {
+                Some(h) => {
+                    let ix = idx
+                        .get(f)
+                        .ok_or_else(|| anyhow!("search_grids: no index for matrix {f}"))?;
+                    Some(index_block_f32(
+                        &h[f * n * n..(f + 1) * n * n],
+                        n,
+                        ix,
+                        k * g,
+                        len,
+                    ))
+                }
+                None => None,
+            };
+            let gk = search_grids_rows(wp, rp, n, k * g, len, hb.as_deref(), spec);
+            for (r, gr) in gk.into_iter().enumerate() {
+                grids[(p * rp + r) * n_groups + k] = gr;
+            }
+        }
+    }
+    Ok(grids_mat(&grids, rows, n_groups))
+}
+
+/// Rows by `row_perm`, then the columns of part p gathered (`gather`) or scattered back (`!gather`) by
+/// `col_perms[p]`.
+fn permute<T: Copy + Default>(
+    w: &[T],
+    rows: usize,
+    n: usize,
+    row_perm: &[usize],
+    col_perms: &[Vec<usize>],
+    gather: bool,
+) -> Vec<T> {
+    let rp = rows / col_perms.len().max(1);
+    let mut out = vec![T::default(); rows * n];
+    for i in 0..rows {
+        let perm = &col_perms[i / rp.max(1)];
+        if gather {
+            let src = &w[row_perm[i] * n..(row_perm[i] + 1) * n];
+            let dst = &mut out[i * n..(i + 1) * n];
+            for (k, &c) in perm.iter().enumerate() {
+                dst[k] = src[c];
+            }
+        } else {
+            let src = &w[i * n..(i + 1) * n];
+            let dst = &mut out[row_perm[i] * n..(row_perm[i] + 1) * n];
+            for (k, &c) in perm.iter().enumerate() {
+                dst[c] = src[k];
+            }
+        }
+    }
+    out
+}
+
+fn permute_rows<T: Copy + Default>(
+    g: &[T],
+    cols: usize,
+    row_perm: &[usize],
+    gather: bool,
+) -> Vec<T> {
+    let mut out = vec![T::default(); g.len()];
+    for (i, &r) in row_perm.iter().enumerate() {
+        let (src, dst) = if gather { (r, i) } else { (i, r) };
+        out[dst * cols..(dst + 1) * cols].copy_from_slice(&g[src * cols..(src + 1) * cols]);
+    }
+    out
+}
+
+fn check_perms(rows: usize, n: usize, row_perm: &[usize], col_perms: &[Vec<usize>]) -> Result<()> {
+    if row_perm.len() != rows
+        || col_perms.is_empty()
+        || !rows.is_multiple_of(col_perms.len())
+        || col_perms.iter().any(|p| p.len() != n)
+    {
+        bail!(
+            "reorder: a row permutation of {} and {} column permutations do not fit [{rows} × {n}]",
+            row_perm.len(),
+            col_perms.len()
+        );
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gptq_sweep_t<T: Real + IntoMat>(
+    w: Vec<T>,
+    u: &Mat,
+    grids: GridMode,
+    rows: usize,
+    n: usize,
+    block: usize,
+    maxq: u32,
+) -> Result<Swept> {
+    if u.rows != n || u.cols != n || u.batch != 1 {
+        bail!("gptq_sweep: U {} for W [{rows} × {n}]", u.describe());
+    }
+    let u_t = conv::<T>(u, "U")?;
+    let (mut g, n_groups, col_group, h_blocks, dyn_g) = match &grids {
+        GridMode::Static { grids, col_group } => {
+            let cg = col_group
+                .first()
+                .ok_or_else(|| anyhow!("gptq_sweep: no col_group"))?;
+            (
+                grids_vec::<T>(grids)?,
+                grids.n_groups(),
+                cg.clone(),
+                None,
+                0,
+            )
+        }
+        GridMode::Dynamic { g, h, spec } => {
+            let h = h.map(|h| as_f64(h, "H")).transpose()?;
+            let ng = n.div_ceil(*g);
+            (
+                vec![Grid::default(); rows * ng],
+                ng,
+                (0..n).map(|c| (c / g) as u32).collect(),
+                Some((dynamic_blocks(h.as_deref(), n, *g, spec), **spec)),
+                *g,
+            )
+        }
+    };
+    if g.len() != rows * n_groups || col_group.len() != n {
+        bail!("gptq_sweep: grids or col_group do not fit [{rows} × {n}]");
+    }
+    let dynamic = h_blocks.as_ref().map(|(b, spec)| DynamicGroups {
+        g: dyn_g,
+        h_blocks: b,
+        spec,
+    });
+    let w0 = w.clone();
+    let mut wv = w;
+    let mut q = vec![T::ZERO; rows * n];
+    let mut codes = vec![0u8; rows * n];
+    gptq_block_sweep(
+        &mut wv,
+        &mut q,
+        &mut codes,
+        &u_t,
+        rows,
+        n,
+        block,
+        &mut g,
+        n_groups,
+        &col_group,
+        dynamic.as_ref(),
+        maxq,
     );
-    assert_eq!(g.col_group.len(), n, "col_group not [{n}]");
-    assert!(
-        g.col_group.iter().all(|&k| (k as usize) < g.n_groups),
-        "col_group names a group ≥ n_groups = {}",
-        g.n_groups
+    // The sweep leaves each column at its value when it was quantized, so e = (w − q) / U_cc is its error.
+    let (mut loss, mut delta_sq) = (0f64, 0f64);
+    for r in 0..rows {
+        for c in 0..n {
+            let i = r * n + c;
+            let e = ((wv[i] - q[i]) / u_t[c * n + c]).to_f64();
+            loss += e * e;
+            let d = (q[i] - w0[i]).to_f64();
+            delta_sq += d * d;
+        }
+    }
+    Ok(Swept {
+        q: T::into_mat(q, 1, rows, n),
+        codes: Codes::Host(codes),
+        grids: grids_mat(&g, rows, n_groups),
+        loss,
+        delta_sq,
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn boa_sweep_t<T: Real + IntoMat>(
+    w: Vec<T>,
+    u_col: &Mat,
+    u_row: &Mat,
+    rows: usize,
+    n: usize,
+    d_h: usize,
+    block: usize,
+    grids: GridMode,
+    maxq: u32,
+) -> Result<Swept> {
+    let n_heads = rows / d_h.max(1);
+    if d_h == 0
+        || n_heads * d_h != rows
+        || u_col.rows != n
+        || u_col.cols != n
+        || !(u_col.batch == 1 || u_col.batch == n_heads)
+        || u_row.batch != n_heads
+        || u_row.rows != d_h
+        || u_row.cols != d_h
+    {
+        bail!(
+            "boa_sweep: U_col {} and U_row {} for W [{rows} × {n}] in heads of {d_h}",
+            u_col.describe(),
+            u_row.describe()
+        );
+    }
+    let per_head = u_col.batch == n_heads && n_heads > 1;
+    let head_col: Vec<usize> = (0..n_heads).map(|h| if per_head { h } else { 0 }).collect();
+    let n_cols = if per_head { n_heads } else { 1 };
+    let u_t = conv::<T>(u_col, "U_col")?;
+    let ur_t = conv::<T>(u_row, "U_row")?;
+    let (mut g, n_groups, col_group, blocks, dyn_g, spec) = match &grids {
+        GridMode::Static { grids, col_group } => {
+            if col_group.len() < n_cols {
+                bail!(
+                    "boa_sweep: {} col_group maps for {n_cols} column factors",
+                    col_group.len()
+                );
+            }
+            (
+                grids_vec::<T>(grids)?,
+                grids.n_groups(),
+                col_group[..n_cols].to_vec(),
+                None,
+                0,
+                None,
+            )
+        }
+        GridMode::Dynamic { g, h, spec } => {
+            let h = h.map(|h| as_f64(h, "H_col")).transpose()?;
+            let ng = n.div_ceil(*g);
+            let blocks: Vec<Vec<Vec<f32>>> = (0..n_cols)
+                .map(|f| {
+                    dynamic_blocks(
+                        h.as_deref().map(|h| &h[f * n * n..(f + 1) * n * n]),
+                        n,
+                        *g,
+                        spec,
+                    )
+                })
+                .collect();
+            (
+                vec![Grid::default(); rows * ng],
+                ng,
+                vec![(0..n).map(|c| (c / g) as u32).collect(); n_cols],
+                Some(blocks),
+                *g,
+                Some(**spec),
+            )
+        }
+    };
+    if g.len() != rows * n_groups {
+        bail!("boa_sweep: grids do not fit [{rows} × {n_groups}]");
+    }
+    let cols: Vec<ColFactor<T>> = (0..n_cols)
+        .map(|f| ColFactor {
+            u: &u_t[f * n * n..(f + 1) * n * n],
+            col_group: &col_group[f],
+            dynamic: blocks.as_ref().map(|b| DynamicGroups {
+                g: dyn_g,
+                h_blocks: &b[f],
+                spec: spec.as_ref().expect("dynamic"),
+            }),
+        })
+        .collect();
+    let mut wv = w;
+    let mut q = vec![T::ZERO; rows * n];
+    let mut codes = vec![0u8; rows * n];
+    boa_sweep(
+        &mut wv, &mut q, &mut codes, &cols, &head_col, &ur_t, n_heads, d_h, n, block, &mut g,
+        n_groups, maxq,
     );
+    Ok(Swept {
+        q: T::into_mat(q, 1, rows, n),
+        codes: Codes::Host(codes),
+        grids: grids_mat(&g, rows, n_groups),
+        // BoA's sweep leaves rows before their own GPTQ updates; its report comes from `quad_forms`.
+        loss: f64::NAN,
+        delta_sq: f64::NAN,
+    })
+}
+
+fn rtn_t<T: Real + IntoMat>(
+    w: &[T],
+    rows: usize,
+    n: usize,
+    grids: &Grids,
+    col_group: &[u32],
+    maxq: u32,
+) -> Result<(Mat, Codes)> {
+    let g = grids_vec::<T>(grids)?;
+    let ng = grids.n_groups();
+    if g.len() != rows * ng || col_group.len() != n || col_group.iter().any(|&k| k as usize >= ng) {
+        bail!(
+            "rtn: grids [{} × {ng}] or col_group do not fit [{rows} × {n}]",
+            grids.rows()
+        );
+    }
+    let maxq = T::from_f64(maxq as f64);
+    let mut codes = vec![0u8; rows * n];
+    let mut q = vec![T::ZERO; rows * n];
+    for r in 0..rows {
+        for c in 0..n {
+            let gr = g[r * ng + col_group[c] as usize];
+            let v = quantize(w[r * n + c], gr.scale, gr.zero, maxq);
+            codes[r * n + c] = v.to_f64() as u8;
+            q[r * n + c] = dequantize(v, gr.scale, gr.zero);
+        }
+    }
+    Ok((T::into_mat(q, 1, rows, n), Codes::Host(codes)))
+}
+
+fn check_sym(h: &Mat, op: &str) -> Result<()> {
+    if h.rows != h.cols {
+        bail!("{op}: {} is not square", h.describe());
+    }
+    Ok(())
 }
 
 impl QuantOps for CpuBackend {
-    fn xxt_accumulate(&self, h: &mut [f32], x: &[f32], m: usize, d: usize) {
-        assert_eq!(h.len(), d * d, "H is not [{d} × {d}]");
-        assert_eq!(x.len(), m * d, "X is not [{m} × {d}]");
-        if m == 0 {
-            return;
-        }
-        let mut s = vec![0f32; d * d];
-        hessian_xxt(&mut s, x, m, d, d);
-        h.iter_mut().zip(&s).for_each(|(a, &b)| *a += b);
+    fn stat_acc(&self, batch: usize, n: usize) -> Result<Mat> {
+        Ok(Mat::f64(vec![0.0; batch * n * n], batch, n, n))
     }
 
-    fn head_covariance(&self, x: &[f32], m: usize, n_heads: usize, d_h: usize) -> Vec<f32> {
-        assert_eq!(
-            x.len(),
-            m * n_heads * d_h,
-            "X is not [{m} × {n_heads}·{d_h}]"
-        );
-        let dd = d_h * d_h;
-        let mut out = vec![0f32; n_heads * dd];
-        if m == 0 {
-            return out;
-        }
-        for (h, c) in out.chunks_mut(dd).enumerate() {
-            hessian_xxt(c, &x[h * d_h..], m, d_h, n_heads * d_h);
-        }
-        out
-    }
-
-    fn v_col_covariance(&self, x: &[f32], q: &[f32], k: &[f32], s: AttnShape) -> Vec<f32> {
-        let AttnShape { t, h, h_kv, d_h, d } = s;
-        assert!(
-            h_kv > 0 && h.is_multiple_of(h_kv),
-            "h={h} not a multiple of h_kv={h_kv}"
-        );
-        assert_eq!(x.len(), t * d, "X is not [{t} × {d}]");
-        assert_eq!(q.len(), t * h * d_h, "Q is not [{t} × {h}·{d_h}]");
-        assert_eq!(k.len(), t * h_kv * d_h, "K is not [{t} × {h_kv}·{d_h}]");
-        let mut out = vec![0f32; h * d * d];
-        if t == 0 {
-            return out;
-        }
-        let gs = h / h_kv;
-        let xr = MatRef::from_row_major_slice(x, t, d);
-        // One head at a time: A_h [t × t] is the largest temporary.
-        for (head, g) in out.chunks_mut(d * d).enumerate() {
-            let qh = gather_cols(q, t, h * d_h, head * d_h, d_h);
-            let kh = gather_cols(k, t, h_kv * d_h, (head / gs) * d_h, d_h);
-            let a = causal_softmax_probs(&qh, &kh, t, d_h);
-            let mut y = vec![0f32; t * d];
-            matmul(
-                MatMut::from_row_major_slice_mut(&mut y, t, d),
-                Accum::Replace,
-                MatRef::from_row_major_slice(&a, t, t),
-                xr,
-                1.0f32,
-                Par::rayon(0),
+    fn stat_xxt(&self, acc: &mut Mat, x: &Tensor, m: usize) -> Result<()> {
+        let d = acc.rows;
+        let x = host(x, "X")?;
+        if acc.batch != 1 || x.len() != m * d {
+            bail!(
+                "stat_xxt: X of {} values for {m} tokens into {}",
+                x.len(),
+                acc.describe()
             );
-            hessian_xxt(g, &y, t, d, d);
         }
-        out
+        let mut s = Vec::new();
+        add_xxt_f64(f64_mut(acc, "stat_xxt")?, x, m, d, d, &mut s);
+        Ok(())
     }
 
-    fn cholesky_upper_inverse_batched(
-        &self,
-        h: &[f32],
-        n: usize,
-        count: usize,
-    ) -> Vec<Option<Vec<f32>>> {
-        assert_eq!(h.len(), count * n * n, "H is not [{count} × {n} × {n}]");
-        if n == 0 {
-            return vec![Some(Vec::new()); count];
+    fn stat_head_cov(&self, acc: &mut Mat, x: &Tensor, m: usize) -> Result<()> {
+        let (nh, dh) = (acc.batch, acc.rows);
+        let x = host(x, "X")?;
+        if x.len() != m * nh * dh {
+            bail!(
+                "stat_head_cov: X of {} values is not [{m} × {nh}·{dh}]",
+                x.len()
+            );
         }
-        h.par_chunks(n * n)
-            .map(|hb| {
-                let h64: Vec<f64> = hb.iter().map(|&v| v as f64).collect();
-                cholesky_upper_inverse(&h64, n).map(|u| u.iter().map(|&v| v as f32).collect())
-            })
-            .collect()
+        let mut s = Vec::new();
+        let sums = f64_mut(acc, "stat_head_cov")?;
+        for (h, sum) in sums.chunks_mut(dh * dh).enumerate() {
+            if m > 0 {
+                add_xxt_f64(sum, &x[h * dh..], m, dh, nh * dh, &mut s);
+            }
+        }
+        Ok(())
+    }
+
+    fn stat_v_col(
+        &self,
+        acc: &mut Mat,
+        x: &Tensor,
+        q: &Tensor,
+        k: &Tensor,
+        s: AttnShape,
+        n_seq: usize,
+    ) -> Result<()> {
+        let AttnShape { t, h, h_kv, d_h, d } = s;
+        let (x, q, k) = (host(x, "X")?, host(q, "Q")?, host(k, "K")?);
+        if acc.batch != h_kv
+            || acc.rows != d
+            || x.len() != n_seq * t * d
+            || q.len() != n_seq * t * h * d_h
+            || k.len() != n_seq * t * h_kv * d_h
+            || h_kv == 0
+            || !h.is_multiple_of(h_kv)
+        {
+            bail!(
+                "stat_v_col: {s:?} × {n_seq} sequences do not fit {}",
+                acc.describe()
+            );
+        }
+        let sums = f64_mut(acc, "stat_v_col")?;
+        for i in 0..n_seq {
+            let qs = &q[i * t * h * d_h..(i + 1) * t * h * d_h];
+            let ks = &k[i * t * h_kv * d_h..(i + 1) * t * h_kv * d_h];
+            let probs = self.attention_probs(qs, ks, t, h, h_kv, d_h);
+            add_v_col_sequence(sums, &x[i * t * d..(i + 1) * t * d], &probs, t, d, h, h_kv);
+        }
+        Ok(())
+    }
+
+    fn stat_finish(&self, acc: Mat, tokens: usize, div: f64) -> Result<Mat> {
+        check_sym(&acc, "stat_finish")?;
+        let (batch, n) = (acc.batch, acc.rows);
+        let sums = as_f64(&acc, "stat_finish")?;
+        let v = sums
+            .chunks(n * n)
+            .flat_map(|s| finish(s, n, tokens, div))
+            .collect();
+        Ok(Mat::f64(v, batch, n, n))
+    }
+
+    fn wout_row_hessians(&self, w_o: &Mat, n_heads: usize, n_kv: usize, d_h: usize) -> Result<Mat> {
+        let w = conv::<f32>(w_o, "W_o")?;
+        if w_o.cols != n_heads * d_h || n_kv == 0 || !n_heads.is_multiple_of(n_kv) {
+            bail!(
+                "wout_row_hessians: W_o {} for {n_heads} heads of {d_h}",
+                w_o.describe()
+            );
+        }
+        let v = v_row_hessians_from_wout(&w, w_o.rows, n_heads, n_kv, d_h);
+        Ok(Mat::f64(v, n_kv, d_h, d_h))
+    }
+
+    fn read_f64(&self, m: &Mat) -> Result<Vec<f64>> {
+        Ok(as_f64(m, "read_f64")?.into_owned())
+    }
+
+    fn read_f32(&self, m: &Mat) -> Result<Vec<f32>> {
+        conv::<f32>(m, "read_f32")
+    }
+
+    fn read_codes(&self, c: &Codes) -> Result<Vec<u8>> {
+        Ok(codes_host(c)?.to_vec())
+    }
+
+    fn hessian(&self, v: Vec<f64>, batch: usize, n: usize) -> Result<Mat> {
+        if v.len() != batch * n * n {
+            bail!("hessian: {} values are not [{batch} × {n} × {n}]", v.len());
+        }
+        Ok(Mat::f64(v, batch, n, n))
+    }
+
+    fn diag(&self, h: &Mat) -> Result<Vec<f64>> {
+        check_sym(h, "diag")?;
+        let n = h.rows;
+        let v = as_f64(h, "diag")?;
+        Ok(v.chunks(n * n)
+            .flat_map(|m| (0..n).map(move |i| m[i * n + i]))
+            .collect())
+    }
+
+    fn permute_sym(&self, h: &Mat, perms: &[Vec<usize>]) -> Result<Mat> {
+        check_sym(h, "permute_sym")?;
+        let n = h.rows;
+        if perms.len() != h.batch || perms.iter().any(|p| p.len() != n) {
+            bail!(
+                "permute_sym: {} permutations for {}",
+                perms.len(),
+                h.describe()
+            );
+        }
+        let v = as_f64(h, "permute_sym")?;
+        let out = v
+            .chunks(n * n)
+            .zip(perms)
+            .flat_map(|(m, p)| permute_sym(m, n, p))
+            .collect();
+        Ok(Mat::f64(out, h.batch, n, n))
+    }
+
+    fn set_diag(&self, h: &mut Mat, entries: &[(usize, usize, f64)]) -> Result<()> {
+        let (b, n) = (h.batch, h.rows);
+        let v = f64_mut(h, "set_diag")?;
+        for &(m, i, x) in entries {
+            if m >= b || i >= n {
+                bail!("set_diag: entry ({m}, {i}) outside [{b} × {n} × {n}]");
+            }
+            v[m * n * n + i * n + i] = x;
+        }
+        Ok(())
+    }
+
+    fn add_diag(&self, h: &mut Mat, amounts: &[(usize, f64)]) -> Result<()> {
+        let (b, n) = (h.batch, h.rows);
+        let v = f64_mut(h, "add_diag")?;
+        for &(m, a) in amounts {
+            if m >= b {
+                bail!("add_diag: matrix {m} of {b}");
+            }
+            for i in 0..n {
+                v[m * n * n + i * n + i] += a;
+            }
+        }
+        Ok(())
+    }
+
+    fn factor(&self, h: &Mat, u: Option<Mat>, which: &[usize]) -> Result<(Mat, Vec<bool>)> {
+        check_sym(h, "factor")?;
+        let (batch, n) = (h.batch, h.rows);
+        let hv = as_f64(h, "factor")?;
+        let mut u = match u {
+            Some(u) if u.batch == batch && u.rows == n && u.cols == n => u,
+            Some(u) => bail!("factor: U {} for H {}", u.describe(), h.describe()),
+            None => Mat::f64(vec![0.0; batch * n * n], batch, n, n),
+        };
+        if which.iter().any(|&b| b >= batch) {
+            bail!("factor: a matrix index ≥ {batch}");
+        }
+        // Each factor is sequential code (faer parallelizes inside for n ≥ 512), so the batch may go in
+        // parallel without changing a bit.
+        let factors: Vec<Option<Vec<f64>>> = which
+            .par_iter()
+            .map(|&b| cholesky_upper_inverse(&hv[b * n * n..(b + 1) * n * n], n))
+            .collect();
+        let uv = f64_mut(&mut u, "factor")?;
+        let mut ok = Vec::with_capacity(which.len());
+        for (&b, f) in which.iter().zip(factors) {
+            ok.push(f.is_some());
+            if let Some(f) = f {
+                uv[b * n * n..(b + 1) * n * n].copy_from_slice(&f);
+            }
+        }
+        Ok((u, ok))
+    }
+
+    fn zero_cols(&self, w: &Mat, cols: &[Vec<usize>]) -> Result<Mat> {
+        let (rows, n) = (w.rows, w.cols);
+        let rp = part_rows(rows, cols.len(), "zero_cols")?;
+        if cols.iter().flatten().any(|&c| c >= n) {
+            bail!("zero_cols: a column ≥ {n}");
+        }
+        fn zero<T: Real>(v: &mut [T], n: usize, rp: usize, cols: &[Vec<usize>]) {
+            for (r, row) in v.chunks_mut(n).enumerate() {
+                for &c in &cols[r / rp.max(1)] {
+                    row[c] = T::ZERO;
+                }
+            }
+        }
+        Ok(match vals(w, "W")? {
+            Vals::F32(mut v) => {
+                zero(&mut v, n, rp, cols);
+                Mat::f32(v, 1, rows, n)
+            }
+            Vals::F64(mut v) => {
+                zero(&mut v, n, rp, cols);
+                Mat::f64(v, 1, rows, n)
+            }
+        })
+    }
+
+    fn search_grids(
+        &self,
+        w: &Mat,
+        h: Option<&Mat>,
+        idx: &[Vec<usize>],
+        h_of_part: &[usize],
+        g: usize,
+        spec: &QuantSpec,
+    ) -> Result<Grids> {
+        let (rows, n) = (w.rows, w.cols);
+        if g == 0 {
+            bail!("search_grids: group width 0");
+        }
+        let hv = match h {
+            Some(h) if spec.search == ScaleSearch::Hessian => {
+                if h.rows != n || h.cols != n || h_of_part.iter().any(|&f| f >= h.batch) {
+                    bail!("search_grids: H {} for W [{rows} × {n}]", h.describe());
+                }
+                Some(as_f64(h, "H")?)
+            }
+            _ => None,
+        };
+        match vals(w, "W")? {
+            Vals::F32(v) => search_all(&v, rows, n, hv.as_deref(), idx, h_of_part, g, spec),
+            Vals::F64(v) => search_all(&v, rows, n, hv.as_deref(), idx, h_of_part, g, spec),
+        }
+    }
+
+    fn reorder(
+        &self,
+        w: &Mat,
+        grids: Option<&Grids>,
+        row_perm: &[usize],
+        col_perms: &[Vec<usize>],
+    ) -> Result<(Mat, Option<Grids>)> {
+        let (rows, n) = (w.rows, w.cols);
+        check_perms(rows, n, row_perm, col_perms)?;
+        let wp = match vals(w, "W")? {
+            Vals::F32(v) => Mat::f32(permute(&v, rows, n, row_perm, col_perms, true), 1, rows, n),
+            Vals::F64(v) => Mat::f64(permute(&v, rows, n, row_perm, col_perms, true), 1, rows, n),
+        };
+        let gp = grids
+            .map(|g| reorder_grids(g, row_perm, true))
+            .transpose()?;
+        Ok((wp, gp))
+    }
+
+    fn unorder(
+        &self,
+        s: Swept,
+        row_perm: &[usize],
+        col_perms: &[Vec<usize>],
+    ) -> Result<(Mat, Codes, Grids)> {
+        let (rows, n) = (s.q.rows, s.q.cols);
+        check_perms(rows, n, row_perm, col_perms)?;
+        let w_hat = match vals(&s.q, "Q")? {
+            Vals::F32(v) => Mat::f32(permute(&v, rows, n, row_perm, col_perms, false), 1, rows, n),
+            Vals::F64(v) => Mat::f64(permute(&v, rows, n, row_perm, col_perms, false), 1, rows, n),
+        };
+        let codes = permute(codes_host(&s.codes)?, rows, n, row_perm, col_perms, false);
+        let grids = reorder_grids(&s.grids, row_perm, false)?;
+        Ok((w_hat, Codes::Host(codes), grids))
+    }
+
+    fn rtn(&self, w: &Mat, grids: &Grids, col_group: &[u32], maxq: u32) -> Result<(Mat, Codes)> {
+        let (rows, n) = (w.rows, w.cols);
+        match vals(w, "W")? {
+            Vals::F32(v) => rtn_t(&v, rows, n, grids, col_group, maxq),
+            Vals::F64(v) => rtn_t(&v, rows, n, grids, col_group, maxq),
+        }
     }
 
     fn gptq_sweep(
         &self,
-        w: &[f32],
-        u: &[f32],
-        rows: usize,
-        n: usize,
-        block_size: usize,
-        grids: StaticGrids,
+        w: Mat,
+        u: &Mat,
+        grids: GridMode,
+        block: usize,
         maxq: u32,
-    ) -> SweepResult {
-        check_grids(&grids, rows, n);
-        let mut w = w.to_vec();
-        let mut g = grids.grids.to_vec();
-        let mut out = SweepResult {
-            q: vec![0.0; rows * n],
-            codes: vec![0; rows * n],
-        };
-        gptq_block_sweep(
-            &mut w,
-            &mut out.q,
-            &mut out.codes,
-            u,
-            rows,
-            n,
-            block_size,
-            &mut g,
-            grids.n_groups,
-            grids.col_group,
-            None,
-            maxq,
-        );
-        out
-    }
-
-    fn gptq_sweep_dynamic(
-        &self,
-        w: &[f32],
-        u: &[f32],
-        rows: usize,
-        n: usize,
-        block_size: usize,
-        groups: &DynamicGroups,
-        maxq: u32,
-    ) -> (SweepResult, Vec<Grid<f32>>) {
-        assert!(groups.g > 0, "group width 0");
-        let n_groups = n.div_ceil(groups.g);
-        let col_group: Vec<u32> = (0..n).map(|c| (c / groups.g) as u32).collect();
-        let mut w = w.to_vec();
-        let mut g = vec![Grid::default(); rows * n_groups];
-        let mut out = SweepResult {
-            q: vec![0.0; rows * n],
-            codes: vec![0; rows * n],
-        };
-        gptq_block_sweep(
-            &mut w,
-            &mut out.q,
-            &mut out.codes,
-            u,
-            rows,
-            n,
-            block_size,
-            &mut g,
-            n_groups,
-            &col_group,
-            Some(groups),
-            maxq,
-        );
-        (out, g)
+    ) -> Result<Swept> {
+        let (rows, n) = (w.rows, w.cols);
+        if block == 0 {
+            bail!("gptq_sweep: block size 0");
+        }
+        match into_vals(w, "W")? {
+            Vals::F32(v) => gptq_sweep_t(v, u, grids, rows, n, block, maxq),
+            Vals::F64(v) => gptq_sweep_t(v, u, grids, rows, n, block, maxq),
+        }
     }
 
     fn boa_sweep(
         &self,
-        w: &[f32],
-        u_col: UCol,
-        u_row: &[f32],
-        n_heads: usize,
+        w: Mat,
+        u_col: &Mat,
+        u_row: &Mat,
         d_h: usize,
-        n: usize,
-        block_size: usize,
-        grids: StaticGrids,
+        block: usize,
+        grids: GridMode,
         maxq: u32,
-    ) -> SweepResult {
-        let rows = n_heads * d_h;
-        check_grids(&grids, rows, n);
-        assert_eq!(w.len(), rows * n, "W is not [{n_heads}·{d_h} × {n}]");
-        if rows == 0 || n == 0 {
-            return SweepResult::default();
+    ) -> Result<Swept> {
+        let (rows, n) = (w.rows, w.cols);
+        if block == 0 {
+            bail!("boa_sweep: block size 0");
         }
-        let (cols, head_col): (Vec<ColFactor<f32>>, Vec<usize>) = match u_col {
-            UCol::Shared(u) => {
-                assert_eq!(u.len(), n * n, "U_col is not [{n} × {n}]");
-                (
-                    vec![ColFactor {
-                        u,
-                        col_group: grids.col_group,
-                        dynamic: None,
-                    }],
-                    vec![0; n_heads],
+        match into_vals(w, "W")? {
+            Vals::F32(v) => boa_sweep_t(v, u_col, u_row, rows, n, d_h, block, grids, maxq),
+            Vals::F64(v) => boa_sweep_t(v, u_col, u_row, rows, n, d_h, block, grids, maxq),
+        }
+    }
+
+    fn quad_forms(&self, h: &Mat, a: &[&Mat]) -> Result<Vec<f64>> {
+        check_sym(h, "quad_forms")?;
+        let n = h.rows;
+        if a.iter().any(|m| m.cols != n || m.batch != 1) {
+            bail!("quad_forms: a matrix does not have {n} columns");
+        }
+        let rows: usize = a.iter().map(|m| m.rows).sum();
+        let exact = a.iter().any(|m| m.host_f64().is_some());
+        let hv = as_f64(h, "H")?;
+        // All A stacked: one GEMM A·H. f64 when an A is f64 (the exactness tests), else f32 with f64 sums: the
+        // report's relative errors need a few digits, and f32 halves the time of the CPU's error report.
+        Ok(if exact {
+            let stacked: Vec<f64> = a
+                .iter()
+                .map(|m| conv::<f64>(m, "A"))
+                .collect::<Result<Vec<_>>>()?
+                .concat();
+            quad_forms_f64(&stacked, &hv, rows, n, a)
+        } else {
+            let stacked: Vec<f32> = a
+                .iter()
+                .map(|m| conv::<f32>(m, "A"))
+                .collect::<Result<Vec<_>>>()?
+                .concat();
+            let h32: Vec<f32> = hv.iter().map(|&x| x as f32).collect();
+            quad_forms_f32(&stacked, &h32, rows, n, a)
+        })
+    }
+
+    fn sub(&self, a: &Mat, b: &Mat) -> Result<Mat> {
+        if a.len() != b.len() {
+            bail!("sub: {} − {}", a.describe(), b.describe());
+        }
+        Ok(match (vals(a, "a")?, vals(b, "b")?) {
+            (Vals::F32(x), Vals::F32(y)) => Mat::f32(
+                x.iter().zip(&y).map(|(p, q)| p - q).collect(),
+                a.batch,
+                a.rows,
+                a.cols,
+            ),
+            _ => {
+                let (x, y) = (conv::<f64>(a, "a")?, conv::<f64>(b, "b")?);
+                Mat::f64(
+                    x.iter().zip(&y).map(|(p, q)| p - q).collect(),
+                    a.batch,
+                    a.rows,
+                    a.cols,
                 )
             }
-            UCol::PerHead(u) => {
-                assert_eq!(
-                    u.len(),
-                    n_heads * n * n,
-                    "U_col is not [{n_heads} × {n} × {n}]"
-                );
-                (
-                    u.chunks(n * n)
-                        .map(|u| ColFactor {
-                            u,
-                            col_group: grids.col_group,
-                            dynamic: None,
-                        })
-                        .collect(),
-                    (0..n_heads).collect(),
-                )
-            }
-        };
-        let mut w = w.to_vec();
-        let mut g = grids.grids.to_vec();
-        let mut out = SweepResult {
-            q: vec![0.0; rows * n],
-            codes: vec![0; rows * n],
-        };
-        boa_sweep(
-            &mut w,
-            &mut out.q,
-            &mut out.codes,
-            &cols,
-            &head_col,
-            u_row,
-            n_heads,
-            d_h,
-            n,
-            block_size,
-            &mut g,
-            grids.n_groups,
-            maxq,
-        );
-        out
+        })
+    }
+
+    fn pack(&self, q: &QuantizedLinear) -> Result<Packed> {
+        let scales = conv::<f32>(&q.grids.scale, "scales")?;
+        let zeros = conv::<f32>(&q.grids.zero, "zeros")?;
+        crate::quant::pack::pack_codes(
+            codes_host(&q.codes)?,
+            &scales,
+            &zeros,
+            &q.g_idx,
+            q.d_out,
+            q.d_in,
+            q.bits,
+            q.n_groups(),
+        )
+        .map_err(|m| anyhow!("pack: {m}"))
     }
 }
+
+fn reorder_grids(g: &Grids, row_perm: &[usize], gather: bool) -> Result<Grids> {
+    let (rows, ng) = (g.rows(), g.n_groups());
+    if row_perm.len() != rows {
+        bail!(
+            "reorder: {} grid rows for a permutation of {}",
+            rows,
+            row_perm.len()
+        );
+    }
+    let one = |m: &Mat| -> Result<Mat> {
+        Ok(match vals(m, "grids")? {
+            Vals::F32(v) => Mat::f32(permute_rows(&v, ng, row_perm, gather), 1, rows, ng),
+            Vals::F64(v) => Mat::f64(permute_rows(&v, ng, row_perm, gather), 1, rows, ng),
+        })
+    };
+    Ok(Grids {
+        scale: one(&g.scale)?,
+        zero: one(&g.zero)?,
+    })
+}
+
+macro_rules! quad_forms_impl {
+    ($name:ident, $t:ty) => {
+        /// tr(A_i H A_iᵀ) of the matrices stacked in `a` [rows × n] (their row counts from `parts`): one
+        /// parallel GEMM A·H, then f64 sums.
+        fn $name(a: &[$t], h: &[$t], rows: usize, n: usize, parts: &[&Mat]) -> Vec<f64> {
+            use faer::{Accum, Mat as FMat, MatRef, Par, linalg::matmul::matmul};
+            let am = MatRef::from_row_major_slice(a, rows, n);
+            let hm = MatRef::from_row_major_slice(h, n, n);
+            let mut ah = FMat::<$t>::zeros(rows, n);
+            matmul(
+                ah.as_mut(),
+                Accum::Replace,
+                am,
+                hm,
+                1.0 as $t,
+                Par::rayon(0),
+            );
+            let mut out = Vec::with_capacity(parts.len());
+            let mut r0 = 0;
+            for m in parts {
+                let mut total = 0f64;
+                for r in r0..r0 + m.rows {
+                    for c in 0..n {
+                        total += a[r * n + c] as f64 * ah[(r, c)] as f64;
+                    }
+                }
+                out.push(total);
+                r0 += m.rows;
+            }
+            out
+        }
+    };
+}
+quad_forms_impl!(quad_forms_f32, f32);
+quad_forms_impl!(quad_forms_f64, f64);

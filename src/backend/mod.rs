@@ -11,17 +11,16 @@
 pub mod cpu;
 mod cpu_quant;
 pub mod cuda;
-pub mod quant_ops;
 mod select;
-pub mod tensor;
+mod weight;
 
-pub use quant_ops::{AttnShape, QuantOps};
+pub use crate::ops::{AttnShape, QuantOps, Tensor};
 pub use select::{Device, GemmPrecision, select_backend, select_backend_with};
-pub use tensor::{Tensor, Weight};
+pub use weight::Weight;
 
 use std::borrow::Cow;
 
-/// Every backend also provides the quantization core (`QuantOps`, quant_ops.rs).
+/// Every backend also provides the quantization core (`QuantOps`, crate::ops).
 pub trait Backend: QuantOps + Send + Sync {
     /// Short name for reports ("cpu", "cuda:0 NVIDIA H200").
     fn name(&self) -> String;
@@ -247,59 +246,6 @@ pub trait Backend: QuantOps + Send + Sync {
         update_on_host(self, x, |v| {
             v.iter_mut().zip(y.iter()).for_each(|(a, b)| *a += b)
         });
-    }
-
-    /// acc [d × d] += Xᵀ X of X [m × d] (`xxt_accumulate` on tensors; acc from `zeros`).
-    fn xxt_accumulate_t(&self, acc: &mut Tensor, x: &Tensor, m: usize, d: usize) {
-        let x = self.read(x);
-        update_on_host(self, acc, |a| self.xxt_accumulate(a, &x, m, d));
-    }
-
-    /// acc [n_heads × d_h × d_h] += the per-head sums of `head_covariance` of X [m × n_heads·d_h].
-    fn head_covariance_t(
-        &self,
-        acc: &mut Tensor,
-        x: &Tensor,
-        m: usize,
-        n_heads: usize,
-        d_h: usize,
-    ) {
-        let sums = self.head_covariance(&self.read(x), m, n_heads, d_h);
-        self.add_t(acc, &Tensor::Host(sums));
-    }
-
-    /// acc [h_kv × d × d] += Σ over `n_seq` sequences and over each KV head's query heads of
-    /// `v_col_covariance` (X [n_seq·t × d], Q [n_seq·t × h·d_h], K [n_seq·t × h_kv·d_h]).
-    #[allow(clippy::too_many_arguments)]
-    fn v_col_covariance_t(
-        &self,
-        acc: &mut Tensor,
-        x: &Tensor,
-        q: &Tensor,
-        k: &Tensor,
-        s: AttnShape,
-        n_seq: usize,
-    ) {
-        let (x, q, k) = (self.read(x), self.read(q), self.read(k));
-        let AttnShape { t, h, h_kv, d_h, d } = s;
-        let (dd, gs) = (d * d, h / h_kv.max(1));
-        let mut folded = vec![0f32; h_kv * dd];
-        for i in 0..n_seq {
-            let sums = self.v_col_covariance(
-                &x[i * t * d..(i + 1) * t * d],
-                &q[i * t * h * d_h..(i + 1) * t * h * d_h],
-                &k[i * t * h_kv * d_h..(i + 1) * t * h_kv * d_h],
-                s,
-            );
-            for (head, g) in sums.chunks(dd).enumerate() {
-                let kv = head / gs;
-                folded[kv * dd..(kv + 1) * dd]
-                    .iter_mut()
-                    .zip(g)
-                    .for_each(|(a, b)| *a += b);
-            }
-        }
-        self.add_t(acc, &Tensor::Host(folded));
     }
 }
 

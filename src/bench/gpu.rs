@@ -1,11 +1,13 @@
-//! `boa-cuda bench`: every `QuantOps` method on random inputs of real layer shapes, on the CPU or CUDA, each
+//! `boa-cuda bench`: the `QuantOps` methods on random inputs of real layer shapes, on the CPU or CUDA, each
 //! reported against the device's measured ceilings (METHOD.md "Two numbers first", style.md rule 13).
 //!
-//! Method: inputs are drawn once per (method, shape) as two independent sets that alternate between runs
-//! (never zeros; two sets so a repeated run does not find its inputs in L2); one warm-up call, then `reps`
-//! timed calls, median. CUDA rows give the device time of the kernels (events around the launches) next to
-//! the wall time of the call, which also moves the host slices over PCIe; the fraction of the ceiling uses
-//! the kernel time. Work counts the useful arithmetic (a symmetric Gram counts the full d² output, as a
+//! Method: inputs are drawn once per (method, shape) and placed where the backend computes (device memory on
+//! CUDA, as the pipeline holds them), as two independent sets that alternate between runs where a method's
+//! cost could depend on caching (never zeros); one warm-up call, then `reps` timed calls, median. A quant-core
+//! row's time is the wall time of the call followed by a synchronization (so on CUDA: the kernels, their
+//! launches and the host logic between them, nothing over PCIe but what the method itself moves); the
+//! attn_x and packed-GEMM rows add the device time of their kernels from events. A sweep consumes its W, so
+//! its timed call includes one device copy of W (~W's bytes at copy bandwidth: 30 µs for 4096², noise). Work counts the useful arithmetic (a symmetric Gram counts the full d² output, as a
 //! GEMM would: the triangle kernel halves the work, so its fraction can exceed what a GEMM reaches).
 //! Ceilings: CUDA measures a 1 GiB copy and a register-only bf16 mma.sync loop (cuda/ceiling.cu); the CPU a
 //! 256 MiB memcpy and a 1024³ f32 faer GEMM.
@@ -13,7 +15,7 @@
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::search::{SEARCH_TOP, SearchVariant};
 use crate::backend::cuda::{BoaBlockVariant, CudaBackend, TrailingVariant};
-use crate::backend::quant_ops::{AttnShape, QuantOps, StaticGrids, UCol};
+use crate::ops::{AttnShape, GridMode, Grids, Mat, QuantOps, Tensor};
 use crate::quant::quantizer::{
     Grid, QuantSpec, SHRINK_STEPS, ScaleSearch, candidate_slots, minmax_grid,
 };
@@ -143,17 +145,28 @@ impl BenchBackend {
         }
     }
 
-    /// The device time of the last call; None on the CPU and when the call ran no kernel (a fallback).
-    fn kernel_ms(&self) -> Option<f64> {
+    /// A host matrix where this backend computes.
+    fn place(&self, m: Mat) -> anyhow::Result<Mat> {
         match self {
-            BenchBackend::Cpu(_) => None,
-            BenchBackend::Cuda(b) => Some(b.last_kernel_ms() as f64).filter(|k| k.is_finite()),
+            BenchBackend::Cpu(_) => Ok(m),
+            BenchBackend::Cuda(b) => b.upload_mat(m),
         }
     }
 
-    fn reset_kernel_ms(&self) {
-        if let BenchBackend::Cuda(b) = self {
-            b.reset_kernel_ms();
+    /// A host tensor where this backend computes.
+    fn place_t(&self, v: Vec<f32>) -> Tensor {
+        use crate::backend::Backend;
+        match self {
+            BenchBackend::Cpu(_) => Tensor::Host(v),
+            BenchBackend::Cuda(b) => b.to_device(Tensor::Host(v)),
+        }
+    }
+
+    /// Waits for queued device work (a timed call ends with it).
+    fn sync(&self) -> anyhow::Result<()> {
+        match self {
+            BenchBackend::Cpu(_) => Ok(()),
+            BenchBackend::Cuda(b) => Ok(b.synchronize()?),
         }
     }
 
@@ -279,21 +292,31 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Times `f(i)` (i = run index, so inputs can alternate): one warm-up, then `reps` runs; medians of wall and
-/// kernel time.
-fn time(b: &BenchBackend, reps: usize, mut f: impl FnMut(usize)) -> (f64, Option<f64>) {
-    f(1);
-    let (mut wall, mut kern) = (Vec::new(), Vec::new());
+/// Times `f(i)` then a synchronization (i = run index, so inputs can alternate): one warm-up, then `reps`
+/// runs; the median wall time. The first error stops the timing and is returned.
+fn time(
+    b: &BenchBackend,
+    reps: usize,
+    mut f: impl FnMut(usize) -> anyhow::Result<()>,
+) -> anyhow::Result<(f64, Option<f64>)> {
+    f(1)?;
+    b.sync()?;
+    let mut wall = Vec::new();
     for i in 0..reps.max(1) {
-        b.reset_kernel_ms();
         let t0 = Instant::now();
-        f(i);
+        f(i)?;
+        b.sync()?;
         wall.push(t0.elapsed().as_secs_f64() * 1e3);
-        if let Some(k) = b.kernel_ms() {
-            kern.push(k);
-        }
     }
-    (median(wall), (!kern.is_empty()).then(|| median(kern)))
+    Ok((median(wall), None))
+}
+
+/// Static per-row grids as the backend holds them.
+fn grids_of(b: &BenchBackend, g: &[Grid<f32>], rows: usize) -> anyhow::Result<Grids> {
+    Ok(Grids {
+        scale: b.place(Mat::f32(g.iter().map(|x| x.scale).collect(), 1, rows, 1))?,
+        zero: b.place(Mat::f32(g.iter().map(|x| x.zero).collect(), 1, rows, 1))?,
+    })
 }
 
 /// CPU ceilings: a 256 MiB copy (bytes read + written) and a 1024³ f32 GEMM through faer.
@@ -330,7 +353,12 @@ fn cpu_ceilings() -> (f64, f64) {
     )
 }
 
-/// Runs every QuantOps method on each shape. `tokens`: calibration tokens per call (one sequence for the V
+/// A zero matrix of `m`'s shape where the backend computes (W − 0 is a fresh copy of W for a sweep to consume).
+fn zeros_like(b: &BenchBackend, m: &Mat) -> anyhow::Result<Mat> {
+    b.place(Mat::f32(vec![0.0; m.len()], m.batch, m.rows, m.cols))
+}
+
+/// Runs the QuantOps methods on each shape. `tokens`: calibration tokens per call (one sequence for the V
 /// statistics).
 pub fn bench_quant_ops(
     b: &mut BenchBackend,
@@ -375,11 +403,14 @@ pub fn bench_quant_ops(
 
         // XᵀX of the attention/MLP input (d) and of the down_proj input (d_ff).
         for d in [s.d, s.d_ff] {
-            let xs = [randn(&mut rng, m * d), randn(&mut rng, m * d)];
-            let mut h = vec![0f32; d * d];
-            let (wall, kern) = time(b, reps, |i| ops.xxt_accumulate(&mut h, &xs[i % 2], m, d));
+            let xs = [
+                b.place_t(randn(&mut rng, m * d)),
+                b.place_t(randn(&mut rng, m * d)),
+            ];
+            let mut acc = ops.stat_acc(1, d)?;
+            let (wall, kern) = time(b, reps, |i| ops.stat_xxt(&mut acc, &xs[i % 2], m))?;
             sink.push(BenchRow {
-                method: "xxt_accumulate",
+                method: "stat_xxt",
                 shape: tag(format!("m={m} d={d}")),
                 wall_ms: wall,
                 kernel_ms: kern,
@@ -392,12 +423,14 @@ pub fn bench_quant_ops(
         // Per-head covariance of post-RoPE queries.
         {
             let w = s.h * s.d_h;
-            let xs = [randn(&mut rng, m * w), randn(&mut rng, m * w)];
-            let (wall, kern) = time(b, reps, |i| {
-                std::hint::black_box(ops.head_covariance(&xs[i % 2], m, s.h, s.d_h));
-            });
+            let xs = [
+                b.place_t(randn(&mut rng, m * w)),
+                b.place_t(randn(&mut rng, m * w)),
+            ];
+            let mut acc = ops.stat_acc(s.h, s.d_h)?;
+            let (wall, kern) = time(b, reps, |i| ops.stat_head_cov(&mut acc, &xs[i % 2], m))?;
             sink.push(BenchRow {
-                method: "head_covariance",
+                method: "stat_head_cov",
                 shape: tag(format!("m={m} heads={} d_h={}", s.h, s.d_h)),
                 wall_ms: wall,
                 kernel_ms: kern,
@@ -407,7 +440,7 @@ pub fn bench_quant_ops(
             })?;
         }
 
-        // V column statistics on V_HEADS query heads (GQA ratio kept).
+        // V column statistics on V_HEADS query heads (GQA ratio kept), one sequence.
         {
             let gs = s.h / s.h_kv;
             let h = V_HEADS.max(gs).min(s.h);
@@ -418,15 +451,14 @@ pub fn bench_quant_ops(
                 d_h: s.d_h,
                 d: s.d,
             };
-            let x = randn(&mut rng, m * s.d);
-            let q = randn(&mut rng, m * a.h * s.d_h);
-            let k = randn(&mut rng, m * a.h_kv * s.d_h);
-            let (wall, kern) = time(b, reps, |_| {
-                std::hint::black_box(ops.v_col_covariance(&x, &q, &k, a));
-            });
+            let x = b.place_t(randn(&mut rng, m * s.d));
+            let q = b.place_t(randn(&mut rng, m * a.h * s.d_h));
+            let k = b.place_t(randn(&mut rng, m * a.h_kv * s.d_h));
+            let mut acc = ops.stat_acc(a.h_kv, s.d)?;
+            let (wall, kern) = time(b, reps, |_| ops.stat_v_col(&mut acc, &x, &q, &k, a, 1))?;
             let (t, d) = (m as f64, s.d as f64);
             sink.push(BenchRow {
-                method: "v_col_covariance",
+                method: "stat_v_col",
                 shape: tag(format!("t={m} heads={h}/{} d={}", s.h, s.d)),
                 wall_ms: wall,
                 kernel_ms: kern,
@@ -437,14 +469,20 @@ pub fn bench_quant_ops(
             })?;
         }
 
-        // Batched Cholesky of every head's H_row.
+        // Batched factor of every head's H_row.
         {
-            let hs = [spd(&mut rng, s.d_h, s.h), spd(&mut rng, s.d_h, s.h)];
+            let hs = [
+                b.place(Mat::f32(spd(&mut rng, s.d_h, s.h), s.h, s.d_h, s.d_h))?,
+                b.place(Mat::f32(spd(&mut rng, s.d_h, s.h), s.h, s.d_h, s.d_h))?,
+            ];
+            let all: Vec<usize> = (0..s.h).collect();
             let (wall, kern) = time(b, reps, |i| {
-                std::hint::black_box(ops.cholesky_upper_inverse_batched(&hs[i % 2], s.d_h, s.h));
-            });
+                let (_, ok) = ops.factor(&hs[i % 2], None, &all)?;
+                anyhow::ensure!(ok.iter().all(|&o| o), "an SPD H_row did not factor");
+                Ok(())
+            })?;
             sink.push(BenchRow {
-                method: "cholesky_batched",
+                method: "factor (batched H_row)",
                 shape: tag(format!("n={} count={}", s.d_h, s.h)),
                 wall_ms: wall,
                 kernel_ms: kern,
@@ -456,12 +494,14 @@ pub fn bench_quant_ops(
 
         // U of the d_in-sized H_col of q/k/v, o, gate/up (d) and down (d_ff): the large-n route.
         for n in [s.d, s.d_ff] {
-            let h = spd_cheap(&mut rng, n);
+            let h = b.place(Mat::f32(spd_cheap(&mut rng, n), 1, n, n))?;
             let (wall, kern) = time(b, reps.min(3), |_| {
-                std::hint::black_box(ops.cholesky_upper_inverse_batched(&h, n, 1));
-            });
+                let (_, ok) = ops.factor(&h, None, &[0])?;
+                anyhow::ensure!(ok[0], "an SPD H_col did not factor");
+                Ok(())
+            })?;
             sink.push(BenchRow {
-                method: "cholesky_large",
+                method: "factor (H_col)",
                 shape: tag(format!("n={n}")),
                 wall_ms: wall,
                 kernel_ms: kern,
@@ -476,21 +516,22 @@ pub fn bench_quant_ops(
         // each trailing-update variant on the same inputs.
         let maxq = 7;
         for (rows_w, n) in [(s.d, s.d), (s.d, s.d_ff)] {
-            let w = randn(&mut rng, rows_w * n);
-            let u = upper(&mut rng, n);
-            let grids = row_grids(&w, rows_w, n, maxq);
-            let col_group = vec![0u32; n];
-            let sg = StaticGrids {
-                grids: &grids,
-                n_groups: 1,
-                col_group: &col_group,
-            };
+            let wv = randn(&mut rng, rows_w * n);
+            let grids = row_grids(&wv, rows_w, n, maxq);
+            let w = b.place(Mat::f32(wv, 1, rows_w, n))?;
+            let u = b.place(Mat::f32(upper(&mut rng, n), 1, n, n))?;
+            let col_group = vec![vec![0u32; n]];
             for v in b.trailing_variants() {
                 let method = b.set_trailing(v, "gptq_sweep");
                 let ops = b.ops();
                 let (wall, kern) = time(b, reps, |_| {
-                    std::hint::black_box(ops.gptq_sweep(&w, &u, rows_w, n, 128, sg, maxq));
-                });
+                    let mode = GridMode::Static {
+                        grids: grids_of(b, &grids, rows_w)?,
+                        col_group: &col_group,
+                    };
+                    let wc = ops.sub(&w, &zeros_like(b, &w)?)?;
+                    ops.gptq_sweep(wc, &u, mode, 128, maxq).map(|_| ())
+                })?;
                 sink.push(BenchRow {
                     method,
                     shape: tag(format!("{rows_w}×{n}")),
@@ -506,31 +547,39 @@ pub fn bench_quant_ops(
         let ops = b.ops();
 
         // Hessian scale search (3-bit asymmetric per channel: 200 candidate slots per row) of a q_proj-sized
-        // (d × d), a gate/up-sized (d_ff × d) and a down_proj-sized (d × d_ff) weight. Work counts the GEMM
-        // formulation of the CUDA backend: v1 (F32) slots · 2·rows·n² for V·H plus W·H in f32 SGEMM, against
+        // (d × d), a gate/up-sized (d_ff × d) and a down_proj-sized (d × d_ff) weight, through QuantOps (what
+        // the pipeline calls) and, on CUDA, the device kernels' two variants side by side. Work counts the GEMM
+        // formulation of the CUDA kernels: v1 (F32) slots · 2·rows·n² for V·H plus W·H in f32 SGEMM, against
         // the bf16 mma ceiling its fraction is low by design; v2 (Bf16Rescore) slots · 2·rows·n² in bf16 plus
-        // SEARCH_TOP · 2·rows·n² of f32 re-score. CUDA times both variants side by side (v2's row names how
-        // many rows chose another grid than v1: near-ties, see tests/parity_quant.rs); the CPU's incremental
-        // search does far fewer flops for the same result. Matrices over 48M weights (8B d×d_ff, 70B: 5–45 s
-        // a call on an H200 at f32) are left out so the bench stays inside profiling/gpu_check.sh's limit.
+        // SEARCH_TOP · 2·rows·n² of f32 re-score (v2's row names how many rows chose another grid than v1:
+        // near-ties, see tests/parity_quant.rs); the CPU's incremental search does far fewer flops for the same
+        // result. Matrices over 48M weights (8B d×d_ff, 70B: 5–45 s a call on an H200 at f32) are left out so
+        // the bench stays inside profiling/gpu_check.sh's limit.
         for (rows_w, n) in [(s.d, s.d), (s.d_ff, s.d), (s.d, s.d_ff)] {
             if rows_w * n > 48 << 20 {
                 continue;
             }
             let spec = QuantSpec::new(3, None, false, ScaleSearch::Hessian);
-            let ws = [randn(&mut rng, rows_w * n), randn(&mut rng, rows_w * n)];
-            let h = spd_cheap(&mut rng, n);
+            let wv = [randn(&mut rng, rows_w * n), randn(&mut rng, rows_w * n)];
+            let hv = spd_cheap(&mut rng, n);
             let slots = SHRINK_STEPS * candidate_slots(&spec);
             let gemm = 2.0 * rows_w as f64 * (n as f64).powi(2);
-            let BenchBackend::Cuda(cb) = &*b else {
+            {
+                let ws = [
+                    b.place(Mat::f32(wv[0].clone(), 1, rows_w, n))?,
+                    b.place(Mat::f32(wv[1].clone(), 1, rows_w, n))?,
+                ];
+                let h = b.place(Mat::f32(hv.clone(), 1, n, n))?;
+                let idx = vec![(0..n).collect::<Vec<usize>>()];
                 // Up to seconds per call: one timed call after the warm-up.
                 let (wall, kern) = time(b, reps.min(1), |i| {
-                    std::hint::black_box(ops.search_grids(&ws[i % 2], rows_w, n, &h, &spec));
-                });
+                    ops.search_grids(&ws[i % 2], Some(&h), &idx, &[0], n, &spec)
+                        .map(|_| ())
+                })?;
                 sink.push(BenchRow {
                     // The work column counts the GEMM form's flops, which the CPU's incremental search
                     // skips: its "of ceiling" can pass 100%.
-                    method: "search_grids (CPU incremental; GEMM-form flops)",
+                    method: "search_grids (QuantOps; GEMM-form flops)",
                     shape: tag(format!("{rows_w}×{n}")),
                     wall_ms: wall,
                     kernel_ms: kern,
@@ -538,30 +587,27 @@ pub fn bench_quant_ops(
                     ceiling: Ceiling::Compute,
                     layer_scale: 1.0,
                 })?;
+            }
+            let BenchBackend::Cuda(cb) = &*b else {
                 continue;
             };
             let mut chosen = Vec::new();
             for v in SearchVariant::ALL {
-                let mut err = None;
                 let mut last = Vec::new();
                 // Up to seconds per call on an H200 (v1): one timed call after the warm-up.
                 let (wall, kern) = time(b, reps.min(1), |i| {
-                    match cb.try_search_grids_with(v, &ws[i % 2], rows_w, n, &h, &spec) {
-                        Ok(g) => last = g,
-                        Err(e) => {
-                            err.get_or_insert(e);
-                        }
-                    }
-                });
-                if let Some(e) = err {
-                    anyhow::bail!("search_grids {v:?} {rows_w}×{n}: {e}");
-                }
+                    last = cb
+                        .try_search_grids_with(v, &wv[i % 2], rows_w, n, &hv, &spec)
+                        .map_err(|e| anyhow::anyhow!("search_grids {v:?} {rows_w}×{n}: {e}"))?;
+                    Ok(())
+                })?;
+                let kern = kern.or(Some(cb.last_kernel_ms() as f64).filter(|k| k.is_finite()));
                 let (method, extra, note) = match v {
-                    SearchVariant::F32 => ("search_grids v1 f32", 1, String::new()),
+                    SearchVariant::F32 => ("search_grids kernels v1 f32", 1, String::new()),
                     SearchVariant::Bf16Rescore => {
                         let differ = last.iter().zip(&chosen).filter(|(a, b)| a != b).count();
                         (
-                            "search_grids v2 bf16",
+                            "search_grids kernels v2 bf16",
                             SEARCH_TOP,
                             format!(", {differ} rows ≠ v1"),
                         )
@@ -584,16 +630,13 @@ pub fn bench_quant_ops(
         {
             let (heads, n) = (s.h, s.d);
             let rows_w = heads * s.d_h;
-            let w = randn(&mut rng, rows_w * n);
-            let u = upper(&mut rng, n);
+            let wv = randn(&mut rng, rows_w * n);
+            let grids = row_grids(&wv, rows_w, n, maxq);
+            let w = b.place(Mat::f32(wv, 1, rows_w, n))?;
+            let u = b.place(Mat::f32(upper(&mut rng, n), 1, n, n))?;
             let u_row: Vec<f32> = (0..heads).flat_map(|_| upper(&mut rng, s.d_h)).collect();
-            let grids = row_grids(&w, rows_w, n, maxq);
-            let col_group = vec![0u32; n];
-            let sg = StaticGrids {
-                grids: &grids,
-                n_groups: 1,
-                col_group: &col_group,
-            };
+            let u_row = b.place(Mat::f32(u_row, heads, s.d_h, s.d_h))?;
+            let col_group = vec![vec![0u32; n]];
             // Block variants side by side with each trailing variant: the same inputs for all four rows.
             let combos: Vec<_> = b
                 .boa_block_variants()
@@ -604,18 +647,14 @@ pub fn bench_quant_ops(
                 let method = b.set_boa(bv, v);
                 let ops = b.ops();
                 let (wall, kern) = time(b, reps, |_| {
-                    std::hint::black_box(ops.boa_sweep(
-                        &w,
-                        UCol::Shared(&u),
-                        &u_row,
-                        heads,
-                        s.d_h,
-                        n,
-                        128,
-                        sg,
-                        maxq,
-                    ));
-                });
+                    let mode = GridMode::Static {
+                        grids: grids_of(b, &grids, rows_w)?,
+                        col_group: &col_group,
+                    };
+                    let wc = ops.sub(&w, &zeros_like(b, &w)?)?;
+                    ops.boa_sweep(wc, &u, &u_row, s.d_h, 128, mode, maxq)
+                        .map(|_| ())
+                })?;
                 sink.push(BenchRow {
                     method,
                     shape: tag(format!("{heads}×{}×{n}", s.d_h)),
@@ -630,6 +669,27 @@ pub fn bench_quant_ops(
             }
             // Back to the defaults for anything timed after this.
             b.set_boa(Some(BoaBlockVariant::W32), Some(TrailingVariant::Cublas));
+        }
+
+        // The error report's products of a down_proj (the widest H): tr(A H Aᵀ) of [W; ΔW_rtn; ΔW] in one call.
+        {
+            let ops = b.ops();
+            let (rows_w, n) = (s.d, s.d_ff);
+            let mats: Vec<Mat> = (0..3)
+                .map(|_| b.place(Mat::f32(randn(&mut rng, rows_w * n), 1, rows_w, n)))
+                .collect::<anyhow::Result<_>>()?;
+            let h = b.place(Mat::f32(spd_cheap(&mut rng, n), 1, n, n))?;
+            let refs: Vec<&Mat> = mats.iter().collect();
+            let (wall, kern) = time(b, reps.min(3), |_| ops.quad_forms(&h, &refs).map(|_| ()))?;
+            sink.push(BenchRow {
+                method: "quad_forms (report)",
+                shape: tag(format!("3×{rows_w}×{n}")),
+                wall_ms: wall,
+                kernel_ms: kern,
+                work: 2.0 * 3.0 * rows_w as f64 * (n as f64).powi(2),
+                ceiling: Ceiling::Compute,
+                layer_scale: 1.0,
+            })?;
         }
     }
     if let BenchBackend::Cuda(cb) = b {

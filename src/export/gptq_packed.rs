@@ -8,8 +8,8 @@
 
 use super::hf_folder::f32_to_bytes;
 use super::safetensors_out::TensorEntry;
-use crate::quant::gptq::Quantized;
-use crate::quant::pack::{GptqVersion, PackedTensors, dequantize_f16_scales};
+use crate::ops::Packed;
+use crate::quant::pack::{GptqVersion, PackedTensors, dequantize_packed};
 use safetensors::Dtype;
 
 /// What `boa-cuda run --format` writes.
@@ -55,7 +55,7 @@ fn i32_bytes(v: impl IntoIterator<Item = u32>) -> Vec<u8> {
 /// Errors name the tensor when v1 cannot store a zero point.
 pub fn linear_entries(
     prefix: &str,
-    q: &Quantized<f32>,
+    q: &Packed,
     format: OutFormat,
     dtype: Dtype,
 ) -> anyhow::Result<Vec<TensorEntry<'static>>> {
@@ -64,10 +64,11 @@ pub fn linear_entries(
             format!("{prefix}.weight"),
             dtype,
             vec![q.d_out, q.d_in],
-            f32_to_bytes(dtype, &dequantize_f16_scales(q)),
+            f32_to_bytes(dtype, &dequantize_packed(q)),
         )]);
     };
-    let p = PackedTensors::pack(q, version).map_err(|m| crate::input_err!("{prefix}: {m}"))?;
+    let p =
+        PackedTensors::from_packed(q, version).map_err(|m| crate::input_err!("{prefix}: {m}"))?;
     let kw = p.qweight.len() / p.d_out;
     let zw = p.qzeros.len() / p.n_groups;
     Ok(vec![

@@ -161,6 +161,17 @@ impl ResidentWeights {
         }
     }
 
+    /// Weights already in the backend's memory (LINEAR_NAMES order; None where the forward reads the host
+    /// values): the quantized block's Ŵ, which the quantizer left there.
+    pub fn from_tensors(w: Vec<Option<Tensor>>) -> ResidentWeights {
+        ResidentWeights { w }
+    }
+
+    /// Takes linear i's copy out (the quantizer reads W where the forward did).
+    pub fn take(&mut self, i: usize) -> Option<Tensor> {
+        self.w.get_mut(i).and_then(Option::take)
+    }
+
     fn get(&self, i: usize) -> Option<&Tensor> {
         self.w.get(i).and_then(Option::as_ref)
     }

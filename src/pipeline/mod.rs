@@ -22,6 +22,7 @@ use crate::model::Model;
 use crate::model::llama::{BlockWeights, LINEAR_NAMES, ResidentWeights, block_forward};
 use crate::nvtx::ranged;
 use crate::progress::Progress;
+use anyhow::Context;
 use options::{LayerSet, Method, RunOptions, ScaleSearchArg};
 use report::{LayerReport, RunReport, Timings};
 use std::time::Instant;
@@ -132,18 +133,6 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
     let (be, note) = select_backend_with(opts.device, opts.gemm)?;
     if let Some(n) = note {
         progress.line(&n);
-    }
-    let ops: Option<&dyn crate::backend::quant_ops::QuantOps> =
-        be.accelerates_quantization().then_some(be.as_ref() as _);
-    if ops.is_some()
-        && opts.method == Method::Boa
-        && opts.group_size.is_some()
-        && !opts.static_groups
-    {
-        progress.line(&format!(
-            "{}: BoA's dynamic groups are searched inside its sweep, so q/k/v sweep on the CPU; pass --static-groups to sweep them on the device",
-            be.name()
-        ));
     }
     let model = Model::open(&opts.model)?;
     if model.gptq.is_some() {
@@ -348,10 +337,10 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                     timings.write += t.elapsed().as_secs_f64();
                 } else {
                     bar.set_message(format!("layer {l}"));
-                    let (mut w, resident) = w.expect("a selected block's weights are read");
+                    let (mut w, mut resident) = w.expect("a selected block's weights are read");
                     check_finite(&w, l)?;
-                    let stats = needs_calib.then(|| {
-                        stats::collect(
+                    let stats = match needs_calib {
+                        true => Some(stats::collect(
                             be,
                             &w,
                             Some(&resident),
@@ -359,19 +348,29 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                             &rope,
                             &x,
                             opts.method == Method::Boa,
-                        )
-                    });
-                    // The FP copy on the device is not needed past the statistics.
-                    drop(resident);
+                        )?),
+                        false => None,
+                    };
                     if let Some(s) = &stats {
                         timings.forward += s.forward_time.as_secs_f64();
                         timings.statistics += s.stats_time.as_secs_f64();
                     }
                     let t = Instant::now();
                     crate::quant::profile::take();
+                    // W is quantized where the FP forward read it (the device copy on a GPU).
+                    let weights = quantize_block::weight_mats(&w, &mut resident);
                     let quantized = ranged(c"quantize block", || {
-                        quantize_block::quantize_block(&mut w, stats.as_ref(), cfg, opts, l, ops)
+                        quantize_block::quantize_block(be, &weights, stats.as_ref(), cfg, opts, l)
                     })?;
+                    drop(weights);
+                    let packed = quantized
+                        .iter()
+                        .zip(LINEAR_NAMES)
+                        .map(|((q, _), name)| {
+                            be.pack(q)
+                                .with_context(|| format!("layer {l} {name}: packing"))
+                        })
+                        .collect::<anyhow::Result<Vec<_>>>()?;
                     timings.quantize += t.elapsed().as_secs_f64();
                     let [factor, search, sweep] = crate::quant::profile::take();
                     (timings.factor, timings.search, timings.sweep) = (
@@ -380,27 +379,29 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                         timings.sweep + sweep,
                     );
                     drop(stats);
-                    if needs_calib && l < last_needed {
-                        let t = Instant::now();
-                        ranged(c"forward", || {
-                            let resident = ResidentWeights::upload_now(be, &w);
-                            forward_all(be, &w, &resident, cfg, &rope, &mut x)
-                        });
-                        timings.forward += t.elapsed().as_secs_f64();
-                    }
                     reports.push(LayerReport {
                         layer: l,
                         linears: quantized.iter().map(|(_, r)| r.clone()).collect(),
                     });
-                    // Packed and written on another thread while the next block works; one write in flight.
+                    // The quantized block makes the next block's inputs from the Ŵ the quantizer left in the
+                    // backend's memory.
+                    let resident = install_quantized(&mut w, quantized)?;
+                    if needs_calib && l < last_needed {
+                        let t = Instant::now();
+                        ranged(c"forward", || {
+                            forward_all(be, &w, &resident, cfg, &rope, &mut x)
+                        });
+                        timings.forward += t.elapsed().as_secs_f64();
+                    }
+                    drop(resident);
+                    // Written on another thread while the next block works; one write in flight.
                     let t = Instant::now();
                     finish_write(&mut writing, &mut folder)?;
                     timings.write += t.elapsed().as_secs_f64();
                     let (path, model, format) = (folder.shard_path(l), &model, opts.format);
                     writing = Some(scope.spawn(move || {
                         ranged(c"write", || {
-                            let entries =
-                                quantized_entries(model, l, &quantized, format, out_dtype)?;
+                            let entries = quantized_entries(model, l, &packed, format, out_dtype)?;
                             write_shard_file(&path, &entries)?;
                             Ok((l, shard_contents(&entries)))
                         })
@@ -571,15 +572,33 @@ fn stored_entries(model: &Model, l: usize) -> anyhow::Result<Vec<TensorEntry<'_>
         .collect()
 }
 
+/// The quantized block's weights for the forward that makes the next block's inputs: Ŵ of each linear
+/// where the quantizer left it (device memory: resident copies; host values: into `w`).
+fn install_quantized(
+    w: &mut BlockWeights,
+    quantized: Vec<(crate::ops::QuantizedLinear, quantize_block::LinearReport)>,
+) -> anyhow::Result<ResidentWeights> {
+    use crate::ops::MatData;
+    let mut resident = Vec::with_capacity(quantized.len());
+    for ((q, _), name) in quantized.into_iter().zip(LINEAR_NAMES) {
+        match q.w_hat.data {
+            MatData::F32(Tensor::Host(v)) => {
+                w.linear_mut(name).w = v;
+                resident.push(None);
+            }
+            MatData::F32(t) => resident.push(Some(t)),
+            MatData::F64(_) => anyhow::bail!("{name}: Ŵ came back in f64"),
+        }
+    }
+    Ok(ResidentWeights::from_tensors(resident))
+}
+
 /// Block l with each linear's weight replaced by its quantized form (`quantized`, in LINEAR_NAMES order):
 /// dequantized in `dtype` for the fake format, packed tensors otherwise.
 fn quantized_entries<'a>(
     model: &'a Model,
     l: usize,
-    quantized: &[(
-        crate::quant::gptq::Quantized<f32>,
-        quantize_block::LinearReport,
-    )],
+    quantized: &[crate::ops::Packed],
     format: OutFormat,
     dtype: safetensors::Dtype,
 ) -> anyhow::Result<Vec<TensorEntry<'a>>> {
@@ -595,7 +614,7 @@ fn quantized_entries<'a>(
         {
             Some(i) => out.extend(linear_entries(
                 &format!("model.layers.{l}.{}", LINEAR_NAMES[i]),
-                &quantized[i].0,
+                &quantized[i],
                 format,
                 dtype,
             )?),

@@ -1,28 +1,32 @@
 //! Statistics of one FP block forward on the (quantized) calibration inputs — every Hessian of design.md
-//! §4.2–4.3, accumulated window chunk by window chunk so memory holds one chunk's intermediates. On the CPU
-//! every sum is f64 (the accumulators' own path); a device backend keeps f32 running sums in its memory for
-//! the whole block and they are folded into the f64 totals once.
+//! §4.2–4.3, accumulated window chunk by window chunk where the backend computes (`QuantOps`: f64 sums on the
+//! CPU, f32 in device memory on a GPU), so memory holds one chunk's intermediates and nothing crosses PCIe.
 
 use crate::backend::{AttnShape, Backend, Tensor};
 use crate::model::Config;
 use crate::model::llama::{BlockTrace, BlockWeights, ResidentWeights, RopeTable, block_forward};
-use crate::quant::hessian::{HeadCovAccumulator, VColAccumulator, XxtAccumulator};
+use crate::ops::{Mat, Result};
+use crate::quant::hessian::Accumulator;
 use std::time::{Duration, Instant};
 
 pub struct BlockStats {
     /// 2/N Σ x xᵀ of the q/k/v input [d × d].
-    pub h_attn: XxtAccumulator,
-    /// Post-RoPE key covariances per KV head, query covariances per query head.
-    pub c_k: HeadCovAccumulator,
-    pub c_q: HeadCovAccumulator,
-    /// V's attention-weighted H_col per KV head (BoA only).
-    pub v_col: Option<VColAccumulator>,
-    pub h_o: XxtAccumulator,
-    pub h_mlp: XxtAccumulator,
-    pub h_down: XxtAccumulator,
+    pub h_attn: Mat,
+    pub h_o: Mat,
+    pub h_mlp: Mat,
+    pub h_down: Mat,
+    /// BoA only: post-RoPE key covariances per KV head, query covariances per query head [heads × d_h × d_h],
+    /// and V's attention-weighted H_col per KV head [h_kv × d × d].
+    pub attn: Option<AttnStats>,
     /// Time in the block forward vs. in accumulating statistics.
     pub forward_time: Duration,
     pub stats_time: Duration,
+}
+
+pub struct AttnStats {
+    pub c_k: Mat,
+    pub c_q: Mat,
+    pub v_col: Mat,
 }
 
 /// Chunk i of X staged on the device when it is parked in pinned host memory, else None. The forward loops
@@ -32,6 +36,15 @@ pub(crate) fn stage_if_parked(be: &dyn Backend, x: &[Tensor], i: usize) -> Optio
     x.get(i)
         .filter(|c| matches!(c, Tensor::Pinned(_)))
         .map(|c| be.stage(c))
+}
+
+/// The accumulators of one block.
+struct Sums {
+    h_attn: Accumulator,
+    h_o: Accumulator,
+    h_mlp: Accumulator,
+    h_down: Accumulator,
+    attn: Option<(Accumulator, Accumulator, Accumulator)>,
 }
 
 /// Forwards the FP block over the chunks of `x` (each [n·t × d] for its n sequences; not modified) and
@@ -46,23 +59,24 @@ pub fn collect(
     rope: &RopeTable,
     x: &[Tensor],
     attention_aware: bool,
-) -> BlockStats {
+) -> Result<BlockStats> {
     let (d, t) = (cfg.d, rope.t);
     let (h, h_kv, d_h) = (cfg.n_heads, cfg.n_kv_heads, cfg.d_h);
-    let mut s = BlockStats {
-        h_attn: XxtAccumulator::new(d),
-        c_k: HeadCovAccumulator::new(h_kv, d_h),
-        c_q: HeadCovAccumulator::new(h, d_h),
-        v_col: attention_aware.then(|| VColAccumulator::new(d, h, h_kv)),
-        h_o: XxtAccumulator::new(h * d_h),
-        h_mlp: XxtAccumulator::new(d),
-        h_down: XxtAccumulator::new(cfg.d_ff),
-        forward_time: Duration::ZERO,
-        stats_time: Duration::ZERO,
+    let mut s = Sums {
+        h_attn: Accumulator::xxt(be, d)?,
+        h_o: Accumulator::xxt(be, h * d_h)?,
+        h_mlp: Accumulator::xxt(be, d)?,
+        h_down: Accumulator::xxt(be, cfg.d_ff)?,
+        attn: match attention_aware {
+            true => Some((
+                Accumulator::heads(be, h_kv, d_h)?,
+                Accumulator::heads(be, h, d_h)?,
+                Accumulator::v_col(be, d, h, h_kv)?,
+            )),
+            false => None,
+        },
     };
-    let mut sums = be
-        .accelerates_statistics()
-        .then(|| DeviceSums::new(be, cfg, attention_aware));
+    let (mut forward_time, mut stats_time) = (Duration::ZERO, Duration::ZERO);
     // A chunk already on the device is copied when its turn comes.
     let mut next = stage_if_parked(be, x, 0);
     for (i, chunk) in x.iter().enumerate() {
@@ -78,112 +92,36 @@ pub fn collect(
         drop(xc);
         let t1 = Instant::now();
         let _r = crate::nvtx::range(c"statistics");
-        match &mut sums {
-            Some(sums) => sums.add(be, &tr, cfg, t, ns),
-            None => add_on_host(be, &mut s, &tr, cfg, t, ns, attention_aware),
-        }
-        s.forward_time += t1 - t0;
-        s.stats_time += t1.elapsed();
-    }
-    if let Some(sums) = sums {
-        let t1 = Instant::now();
-        sums.fold_into(be, &mut s);
-        s.stats_time += t1.elapsed();
-    }
-    s
-}
-
-/// The CPU's own path: every sum in f64 (the accumulators' add_batch), bit for bit as before tensors.
-fn add_on_host(
-    be: &dyn Backend,
-    s: &mut BlockStats,
-    tr: &BlockTrace,
-    cfg: &Config,
-    t: usize,
-    ns: usize,
-    attention_aware: bool,
-) {
-    let (d, m) = (cfg.d, ns * t);
-    let (h, h_kv, d_h) = (cfg.n_heads, cfg.n_kv_heads, cfg.d_h);
-    let (x_attn, q_all, k_all) = (be.read(&tr.x_attn), be.read(&tr.q), be.read(&tr.k));
-    s.h_attn.add_batch(&x_attn, m);
-    s.h_o.add_batch(&be.read(&tr.attn_out), m);
-    s.h_mlp.add_batch(&be.read(&tr.x_mlp), m);
-    s.h_down.add_batch(&be.read(&tr.act), m);
-    if attention_aware {
-        s.c_k.add_batch(&k_all, m);
-        s.c_q.add_batch(&q_all, m);
-        let v_col = s.v_col.as_mut().expect("attention-aware");
-        for i in 0..ns {
-            let (qs, ks) = (
-                &q_all[i * t * h * d_h..(i + 1) * t * h * d_h],
-                &k_all[i * t * h_kv * d_h..(i + 1) * t * h_kv * d_h],
-            );
-            let probs = be.attention_probs(qs, ks, t, h, h_kv, d_h);
-            v_col.add_sequence(&x_attn[i * t * d..(i + 1) * t * d], &probs, t);
-        }
-    }
-}
-
-/// The statistics summed where the backend computes (the CUDA kernels, f32): one running sum per statistic
-/// for the whole block, read back once and folded into the accumulators' f64 totals. V's attention
-/// probabilities are never materialized, and nothing crosses PCIe per chunk.
-struct DeviceSums {
-    h_attn: Tensor,
-    h_o: Tensor,
-    h_mlp: Tensor,
-    h_down: Tensor,
-    /// Per-head covariances and V's per-KV-head H_col (attention-aware runs only).
-    c_k: Option<Tensor>,
-    c_q: Option<Tensor>,
-    v_col: Option<Tensor>,
-    tokens: usize,
-}
-
-impl DeviceSums {
-    fn new(be: &dyn Backend, cfg: &Config, attention_aware: bool) -> DeviceSums {
-        let (d, hd) = (cfg.d, cfg.n_heads * cfg.d_h);
-        let dd_h = cfg.d_h * cfg.d_h;
-        DeviceSums {
-            h_attn: be.zeros(d * d),
-            h_o: be.zeros(hd * hd),
-            h_mlp: be.zeros(d * d),
-            h_down: be.zeros(cfg.d_ff * cfg.d_ff),
-            c_k: attention_aware.then(|| be.zeros(cfg.n_kv_heads * dd_h)),
-            c_q: attention_aware.then(|| be.zeros(cfg.n_heads * dd_h)),
-            v_col: attention_aware.then(|| be.zeros(cfg.n_kv_heads * d * d)),
-            tokens: 0,
-        }
-    }
-
-    fn add(&mut self, be: &dyn Backend, tr: &BlockTrace, cfg: &Config, t: usize, ns: usize) {
-        let (d, m) = (cfg.d, ns * t);
-        let (h, h_kv, d_h) = (cfg.n_heads, cfg.n_kv_heads, cfg.d_h);
-        be.xxt_accumulate_t(&mut self.h_attn, &tr.x_attn, m, d);
-        be.xxt_accumulate_t(&mut self.h_o, &tr.attn_out, m, h * d_h);
-        be.xxt_accumulate_t(&mut self.h_mlp, &tr.x_mlp, m, d);
-        be.xxt_accumulate_t(&mut self.h_down, &tr.act, m, cfg.d_ff);
-        if let (Some(c_k), Some(c_q), Some(v_col)) = (&mut self.c_k, &mut self.c_q, &mut self.v_col)
-        {
-            be.head_covariance_t(c_k, &tr.k, m, h_kv, d_h);
-            be.head_covariance_t(c_q, &tr.q, m, h, d_h);
+        let m = ns * t;
+        s.h_attn.add_xxt(be, &tr.x_attn, m)?;
+        s.h_o.add_xxt(be, &tr.attn_out, m)?;
+        s.h_mlp.add_xxt(be, &tr.x_mlp, m)?;
+        s.h_down.add_xxt(be, &tr.act, m)?;
+        if let Some((c_k, c_q, v_col)) = &mut s.attn {
+            c_k.add_heads(be, &tr.k, m)?;
+            c_q.add_heads(be, &tr.q, m)?;
             let shape = AttnShape { t, h, h_kv, d_h, d };
-            be.v_col_covariance_t(v_col, &tr.x_attn, &tr.q, &tr.k, shape, ns);
+            v_col.add_v_col(be, &tr.x_attn, &tr.q, &tr.k, shape, ns)?;
         }
-        self.tokens += m;
+        forward_time += t1 - t0;
+        stats_time += t1.elapsed();
     }
-
-    fn fold_into(self, be: &dyn Backend, s: &mut BlockStats) {
-        let n = self.tokens;
-        s.h_attn.add_sum(&be.read(&self.h_attn), n);
-        s.h_o.add_sum(&be.read(&self.h_o), n);
-        s.h_mlp.add_sum(&be.read(&self.h_mlp), n);
-        s.h_down.add_sum(&be.read(&self.h_down), n);
-        if let (Some(c_k), Some(c_q), Some(v_col)) = (&self.c_k, &self.c_q, &self.v_col) {
-            s.c_k.add_sums(&be.read(c_k), n);
-            s.c_q.add_sums(&be.read(c_q), n);
-            let acc = s.v_col.as_mut().expect("attention-aware");
-            acc.add_kv_sums(&be.read(v_col), n);
-        }
-    }
+    let t1 = Instant::now();
+    let stats = BlockStats {
+        h_attn: s.h_attn.finish(be)?,
+        h_o: s.h_o.finish(be)?,
+        h_mlp: s.h_mlp.finish(be)?,
+        h_down: s.h_down.finish(be)?,
+        attn: match s.attn {
+            Some((c_k, c_q, v_col)) => Some(AttnStats {
+                c_k: c_k.finish(be)?,
+                c_q: c_q.finish(be)?,
+                v_col: v_col.finish(be)?,
+            }),
+            None => None,
+        },
+        forward_time,
+        stats_time: stats_time + t1.elapsed(),
+    };
+    Ok(stats)
 }

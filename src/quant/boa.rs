@@ -13,22 +13,22 @@
 
 use super::Real;
 use super::gptq::{
-    DynamicGroups, FactorCache, GptqOptions, Quantized, from_f32, gptq_block_sweep, grids_f32,
-    permute_cols, plan_sweep, plan_sweeps, static_grids, to_f32,
+    DynamicGroups, GptqOptions, dynamic_groups, g_idx_of, gptq_block_sweep, static_col_group,
 };
-use super::linalg::{act_order_perm, damped_upper_inverse_batch, fix_dead_inputs, permute_sym};
+use super::plan::{FactorCache, Plan, plan};
 use super::profile::{Phase, timed};
 use super::quantizer::{Grid, ScaleSearch, dequantize, quantize, search_grid};
-use crate::backend::quant_ops::{QuantOps, StaticGrids, UCol};
+use crate::ops::{GridMode, Mat, QuantOps, QuantizedLinear, Result};
 use rayon::prelude::*;
+use std::sync::Arc;
 
 /// H_col of an attention projection.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy)]
 pub enum ColHessian<'a> {
     /// One [d_in × d_in] H_col for every head (W_Q, W_K: 2XXᵀ).
-    Shared(&'a [f64]),
+    Shared(&'a Mat),
     /// [n_heads × d_in × d_in], one per head (W_V: the attention-weighted input covariance).
-    PerHead(&'a [f64]),
+    PerHead(&'a Mat),
 }
 
 #[derive(Clone, Debug)]
@@ -362,261 +362,124 @@ fn sweep_heads<T: Real>(
     }
 }
 
-/// BoA-quantizes an attention projection W [n_heads·d_h × d_in] (head h owns rows h·d_h..(h+1)·d_h).
-/// `h_row` [n_heads × d_h × d_h] are the undamped H_row,h (identity for V by default).
-pub fn boa_quantize<T: Real>(
-    w: &[T],
-    n_heads: usize,
-    d_h: usize,
-    d_in: usize,
-    h_col: ColHessian,
-    h_row: &[f64],
-    opts: &BoaOptions,
-) -> anyhow::Result<Quantized<T>> {
-    boa_quantize_with(w, n_heads, d_h, d_in, h_col, h_row, opts, None)
-}
-
-/// [`boa_quantize`] with the U factors (all heads' U_row in one batch, V's per-head U_col in batches) and
-/// static-grid sweeps through a backend's `QuantOps` (f32) when `ops` is given. Dynamic groups keep this
-/// module's sweep: in the wavefront order a row reaches a group start mid-kernel, right after the row above
-/// it, so there is no point at which a host search could run.
+/// BoA-quantizes an attention projection W [n_heads·d_h × d_in] (head h owns rows h·d_h..(h+1)·d_h) through
+/// `ops`. `h_row` [n_heads × d_h × d_h] are the undamped H_row,h (identity for V by default). A shared H_col's
+/// plan comes from `cache` when another layer of the block made it (W_Q and W_K read the same H_col); per-head
+/// H_col (W_V) are V's own.
 #[allow(clippy::too_many_arguments)]
-pub fn boa_quantize_with<T: Real>(
-    w: &[T],
+pub fn boa_quantize<'h>(
+    ops: &dyn QuantOps,
+    w: &Mat,
     n_heads: usize,
     d_h: usize,
-    d_in: usize,
-    h_col: ColHessian,
-    h_row: &[f64],
-    opts: &BoaOptions,
-    ops: Option<&dyn QuantOps>,
-) -> anyhow::Result<Quantized<T>> {
-    boa_quantize_cached(w, n_heads, d_h, d_in, h_col, h_row, opts, ops, None)
-}
-
-/// [`boa_quantize_with`] taking the plan of a shared H_col from `cache` when another layer of the block
-/// planned it (W_Q and W_K read the same H_col; same result, one factorization fewer). Per-head H_col (W_V)
-/// are V's own and bypass the cache.
-#[allow(clippy::too_many_arguments)]
-pub fn boa_quantize_cached<'h, T: Real>(
-    w: &[T],
-    n_heads: usize,
-    d_h: usize,
-    d_in: usize,
     h_col: ColHessian<'h>,
-    h_row: &[f64],
+    h_row: &Mat,
     opts: &BoaOptions,
-    ops: Option<&dyn QuantOps>,
-    cache: Option<&FactorCache<'h, T>>,
-) -> anyhow::Result<Quantized<T>> {
+    cache: Option<&FactorCache<'h>>,
+) -> Result<QuantizedLinear> {
     let g = &opts.gptq;
     g.spec.validate()?;
-    let d_out = n_heads * d_h;
-    let n = d_in;
-    assert_eq!(w.len(), d_out * n, "W is not [{d_out} × {n}]");
-    assert_eq!(
-        h_row.len(),
-        n_heads * d_h * d_h,
-        "H_row is not [{n_heads} × {d_h} × {d_h}]"
-    );
+    let (d_out, n) = (n_heads * d_h, w.cols);
+    let (hc, per_head) = match h_col {
+        ColHessian::Shared(m) => (m, false),
+        ColHessian::PerHead(m) => (m, true),
+    };
+    if w.batch != 1
+        || w.rows != d_out
+        || hc.rows != n
+        || hc.cols != n
+        || hc.batch != if per_head { n_heads } else { 1 }
+        || h_row.batch != n_heads
+        || h_row.rows != d_h
+        || h_row.cols != d_h
+    {
+        return Err(anyhow::anyhow!(
+            "boa_quantize: W {}, H_col {} and H_row {} do not fit {n_heads} heads of {d_h} rows",
+            w.describe(),
+            hc.describe(),
+            h_row.describe()
+        ));
+    }
     // One g_idx per matrix: with per-head H_col (V) and act_order_col the heads' column orders differ, so
     // grouped grids would need a g_idx per head, which no checkpoint format has.
-    if matches!(h_col, ColHessian::PerHead(_)) && opts.act_order_col && g.spec.n_groups(n) > 1 {
+    if per_head && opts.act_order_col && g.spec.n_groups(n) > 1 {
         return Err(crate::input_err!(
             "BoA with per-head H_col, act_order_col and groups has no single g_idx; disable act_order_col for V"
         ));
     }
-    let mut w0 = w.to_vec();
-    let hs = d_h * n;
+    // Column factors (Alg. 1 l.5–6, H_col side): one shared plan, or one per head in one batch.
+    let cols: Arc<Plan> = timed(Phase::Factor, || match (cache, per_head) {
+        (Some(c), false) => c.plan(ops, hc, g, opts.act_order_col),
+        _ => plan(ops, hc, g, opts.act_order_col).map(Arc::new),
+    })
+    .map_err(|e| e.context("H_col"))?;
+    let head_col: Vec<usize> = (0..n_heads).map(|h| if per_head { h } else { 0 }).collect();
+    // Row factors (Alg. 1 l.5–6, H_row side), all heads in one batch; a dead row input gets H_ii = 1.
+    let mut row_opts = g.clone();
+    row_opts.dead_diag = 1.0;
+    let rows = timed(Phase::Factor, || {
+        plan(ops, h_row, &row_opts, opts.act_order_row)
+    })
+    .map_err(|e| e.context("H_row"))?;
 
-    // Column factors (Alg. 1 l.5–6, H_col side); dead inputs zeroed in the heads that use the H_col.
-    let t_factor = std::time::Instant::now();
-    let (plans, head_col) = match h_col {
-        ColHessian::Shared(hc) => (
-            vec![match cache {
-                Some(c) => c.plan(&mut w0, n, hc, g, opts.act_order_col, ops)?,
-                None => std::sync::Arc::new(plan_sweep::<T>(
-                    &mut w0,
-                    n,
-                    hc,
-                    g,
-                    opts.act_order_col,
-                    ops,
-                )?),
-            }],
-            vec![0; n_heads],
-        ),
-        ColHessian::PerHead(hc) => {
-            assert_eq!(
-                hc.len(),
-                n_heads * n * n,
-                "per-head H_col is not [{n_heads} × {n} × {n}]"
-            );
-            // All heads' factors in batches (one backend call per batch, not one per head).
-            let hcs: Vec<&[f64]> = hc.chunks(n * n).collect();
-            let mut plans = Vec::with_capacity(n_heads);
-            for (h, (p, wh)) in plan_sweeps::<T>(&hcs, n, g, opts.act_order_col, ops)
-                .into_iter()
-                .zip(w0.chunks_mut(hs))
-                .enumerate()
-            {
-                let p = p.map_err(|e| e.context(format!("H_col of head {h}")))?;
-                p.zero_dead_columns(wh, n);
-                plans.push(std::sync::Arc::new(p));
-            }
-            (plans, (0..n_heads).collect())
-        }
-    };
-    super::profile::add(Phase::Factor, t_factor);
-    let n_groups = plans[0].n_groups;
-
-    // Row factors (Alg. 1 l.5–6, H_row side), all heads in one batch.
-    let mut row_perm = Vec::with_capacity(n_heads);
-    let mut h_rows = Vec::with_capacity(n_heads);
-    for h in 0..n_heads {
-        let mut hr = h_row[h * d_h * d_h..(h + 1) * d_h * d_h].to_vec();
-        fix_dead_inputs(&mut hr, d_h, 1.0);
-        let perm: Vec<usize> = if opts.act_order_row {
-            act_order_perm(&hr, d_h)
-        } else {
-            (0..d_h).collect()
-        };
-        h_rows.push(permute_sym(&hr, d_h, &perm));
-        row_perm.push(perm);
-    }
-    let us = timed(Phase::Factor, || {
-        damped_upper_inverse_batch(&mut h_rows, d_h, g.damp, g.max_damp_tries, ops)
-    });
-    let mut u_row = Vec::with_capacity(n_heads * d_h * d_h);
-    for (h, u) in us.into_iter().enumerate() {
-        let u = u.map_err(|e| e.context(format!("H_row of head {h}")))?;
-        u_row.extend(u.iter().map(|&x| T::from_f64(x)));
-    }
-
-    // Grids: static ones from the original rows; dynamic ones are searched in the sweep.
-    let dynamic = plans[0].dyn_blocks.is_some();
-    let mut grids_orig = vec![Grid::default(); d_out * n_groups];
-    if !dynamic && ops.is_some() && plans.len() == 1 {
-        // One shared H_col: all heads' rows in one backend search (a device wants the tall matrix; the rows
-        // are searched independently, so this is the per-head result).
-        grids_orig = timed(Phase::Search, || {
-            static_grids(&w0, d_out, n, &plans[0], &g.spec, ops)
-        });
-    } else if !dynamic {
-        for h in 0..n_heads {
-            let p = &plans[head_col[h]];
-            let gh = timed(Phase::Search, || {
-                static_grids(&w0[h * hs..(h + 1) * hs], d_h, n, p, &g.spec, ops)
-            });
-            grids_orig[h * d_h * n_groups..(h + 1) * d_h * n_groups].copy_from_slice(&gh);
-        }
-    }
-
-    // Sweep order: rows by row_perm, columns by the head's column permutation.
-    let mut wp = Vec::with_capacity(d_out * n);
-    let mut grids = Vec::with_capacity(d_out * n_groups);
-    for h in 0..n_heads {
-        let wh = permute_cols(&w0[h * hs..(h + 1) * hs], n, &plans[head_col[h]].perm);
-        for &r in &row_perm[h] {
-            wp.extend_from_slice(&wh[r * n..(r + 1) * n]);
-            let g0 = (h * d_h + r) * n_groups;
-            grids.extend_from_slice(&grids_orig[g0..g0 + n_groups]);
-        }
-    }
+    let dead: Vec<Vec<usize>> = head_col.iter().map(|&f| cols.dead[f].clone()).collect();
+    let w0 = ops.zero_cols(w, &dead)?;
     let gl = g.spec.group_len(n);
-    let cols: Vec<ColFactor<T>> = plans
-        .iter()
-        .map(|p| ColFactor {
-            u: &p.u,
-            col_group: &p.col_group,
-            dynamic: p.dyn_blocks.as_ref().map(|b| DynamicGroups {
-                g: gl,
-                h_blocks: b,
-                spec: &g.spec,
-            }),
-        })
+    let dynamic = dynamic_groups(&g.spec, n, g.static_groups);
+    let hessian = g.spec.search == ScaleSearch::Hessian;
+    // Sweep order: rows of each head by its row permutation, columns by its column factor's permutation.
+    let row_perm: Vec<usize> = (0..n_heads)
+        .flat_map(|h| rows.perm[h].iter().map(move |&r| h * d_h + r))
         .collect();
-    let mut qp = vec![T::ZERO; d_out * n];
-    let mut cp = vec![0u8; d_out * n];
-    timed(Phase::Sweep, || match ops.filter(|_| !dynamic) {
-        Some(ops) => {
-            let grids32 = grids_f32(&grids);
-            let u_col = match h_col {
-                ColHessian::Shared(_) => to_f32(&plans[0].u),
-                ColHessian::PerHead(_) => plans.iter().flat_map(|p| to_f32(&p.u)).collect(),
-            };
-            let r = ops.boa_sweep(
-                &to_f32(&wp),
-                match h_col {
-                    ColHessian::Shared(_) => UCol::Shared(&u_col),
-                    ColHessian::PerHead(_) => UCol::PerHead(&u_col),
-                },
-                &to_f32(&u_row),
-                n_heads,
-                d_h,
-                n,
-                g.block_size,
-                StaticGrids {
-                    grids: &grids32,
-                    n_groups,
-                    col_group: &plans[0].col_group,
-                },
-                g.spec.maxq(),
-            );
-            qp = from_f32(&r.q);
-            cp = r.codes;
-        }
-        None => boa_sweep(
-            &mut wp,
-            &mut qp,
-            &mut cp,
-            &cols,
-            &head_col,
-            &u_row,
-            n_heads,
-            d_h,
-            n,
-            g.block_size,
-            &mut grids,
-            n_groups,
-            g.spec.maxq(),
-        ),
-    });
-
-    // Back to the original row and column order.
-    let mut w_hat = vec![T::ZERO; d_out * n];
-    let mut codes = vec![0u8; d_out * n];
-    let mut scales = vec![T::ZERO; d_out * n_groups];
-    let mut zeros = vec![T::ZERO; d_out * n_groups];
-    let mut g_idx = vec![0u32; n];
-    for h in 0..n_heads {
-        let p = &plans[head_col[h]];
-        for (i, &r) in row_perm[h].iter().enumerate() {
-            let (src, dst) = ((h * d_h + i) * n, (h * d_h + r) * n);
-            for (k, &c) in p.perm.iter().enumerate() {
-                w_hat[dst + c] = qp[src + k];
-                codes[dst + c] = cp[src + k];
-            }
-            for k in 0..n_groups {
-                let gr = grids[(h * d_h + i) * n_groups + k];
-                scales[(h * d_h + r) * n_groups + k] = gr.scale;
-                zeros[(h * d_h + r) * n_groups + k] = gr.zero;
-            }
-        }
-    }
-    let p0 = &plans[0];
-    for (k, &c) in p0.perm.iter().enumerate() {
-        g_idx[c] = p0.col_group[k];
-    }
-    Ok(Quantized {
+    let col_perms: Vec<Vec<usize>> = head_col.iter().map(|&f| cols.perm[f].clone()).collect();
+    let col_group: Vec<Vec<u32>> = if dynamic {
+        vec![(0..n).map(|c| (c / gl) as u32).collect(); cols.batch()]
+    } else {
+        cols.perm.iter().map(|p| static_col_group(p, gl)).collect()
+    };
+    let (wp, mode) = if dynamic {
+        let (wp, _) = ops.reorder(&w0, None, &row_perm, &col_perms)?;
+        let mode = GridMode::Dynamic {
+            g: gl,
+            h: hessian.then_some(&cols.h_p),
+            spec: &g.spec,
+        };
+        (wp, mode)
+    } else {
+        // Static grids from the original rows, head by head (each head scores with its H_col).
+        let grids = timed(Phase::Search, || {
+            ops.search_grids(
+                &w0,
+                hessian.then_some(&cols.h_p),
+                &cols.inv,
+                &head_col,
+                gl,
+                &g.spec,
+            )
+        })?;
+        let (wp, grids) = ops.reorder(&w0, Some(&grids), &row_perm, &col_perms)?;
+        let grids = grids.expect("reorder returns the grids it was given");
+        (
+            wp,
+            GridMode::Static {
+                grids,
+                col_group: &col_group,
+            },
+        )
+    };
+    drop(w0);
+    let swept = timed(Phase::Sweep, || {
+        ops.boa_sweep(wp, &cols.u, &rows.u, d_h, g.block_size, mode, g.spec.maxq())
+    })?;
+    let (w_hat, codes, grids) = ops.unorder(swept, &row_perm, &col_perms)?;
+    Ok(QuantizedLinear {
         d_out,
         d_in: n,
         bits: g.spec.bits,
         w_hat,
         codes,
-        scales,
-        zeros,
-        g_idx,
-        n_groups,
+        grids,
+        g_idx: g_idx_of(&cols.perm[0], &col_group[0]),
+        error: None,
     })
 }

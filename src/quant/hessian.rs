@@ -6,6 +6,7 @@
 //!
 //! Token batches are row-major [m × width] (one token per row), as the forward produces them.
 
+use crate::ops::{AttnShape, Mat, QuantOps, Result, Tensor};
 use faer::{Accum, MatMut, MatRef, Par, linalg::matmul::matmul};
 
 /// H [d × d] = Xᵀ X of one chunk X [m × d] (one token per row), f32 (the CPU twin of the CUDA SYRK).
@@ -36,7 +37,16 @@ pub fn hessian_xxt(h: &mut [f32], x: &[f32], m: usize, d: usize, ld: usize) {
 /// Tokens per f32 GEMM chunk before the sum is folded into f64 (bounds f32 accumulation error).
 const CHUNK_TOKENS: usize = 512;
 
-fn add_xxt_f64(sum: &mut [f64], x: &[f32], m: usize, d: usize, ld: usize, scratch: &mut Vec<f32>) {
+/// sum [d × d] (f64) += Xᵀ X of X [m × d] (row stride `ld`), in f32 GEMM chunks of CHUNK_TOKENS tokens folded
+/// into f64: the CPU's statistics (bounded f32 error, f64 totals).
+pub fn add_xxt_f64(
+    sum: &mut [f64],
+    x: &[f32],
+    m: usize,
+    d: usize,
+    ld: usize,
+    scratch: &mut Vec<f32>,
+) {
     scratch.resize(d * d, 0.0);
     let mut t0 = 0;
     while t0 < m {
@@ -49,7 +59,9 @@ fn add_xxt_f64(sum: &mut [f64], x: &[f32], m: usize, d: usize, ld: usize, scratc
     }
 }
 
-fn finish(sum: &[f64], d: usize, n: usize, extra_div: f64) -> Vec<f64> {
+/// (2 / (n · extra_div)) · sum [d × d], made exactly symmetric (the GEMM's two triangles may differ in the last
+/// bit).
+pub fn finish(sum: &[f64], d: usize, n: usize, extra_div: f64) -> Vec<f64> {
     let f = if n == 0 {
         0.0
     } else {
@@ -65,137 +77,6 @@ fn finish(sum: &[f64], d: usize, n: usize, extra_div: f64) -> Vec<f64> {
         }
     }
     h
-}
-
-/// H = (2/N) Σ_t x_t x_tᵀ over tokens (a linear layer's input covariance; W_Q/W_K's H_col, GPTQ's H).
-#[derive(Clone, Debug)]
-pub struct XxtAccumulator {
-    d: usize,
-    sum: Vec<f64>,
-    n: usize,
-}
-
-impl XxtAccumulator {
-    pub fn new(d: usize) -> Self {
-        Self {
-            d,
-            sum: vec![0.0; d * d],
-            n: 0,
-        }
-    }
-
-    /// Adds X [m × d] (one token per row).
-    pub fn add_batch(&mut self, x: &[f32], m: usize) {
-        assert_eq!(x.len(), m * self.d, "X is not [{m} × {}]", self.d);
-        let mut s = Vec::new();
-        add_xxt_f64(&mut self.sum, x, m, self.d, self.d, &mut s);
-        self.n += m;
-    }
-
-    pub fn n_tokens(&self) -> usize {
-        self.n
-    }
-
-    /// Adds Σ x xᵀ [d × d] of m tokens computed elsewhere (a backend's `QuantOps::xxt_accumulate`).
-    pub fn add_sum(&mut self, sum: &[f32], m: usize) {
-        assert_eq!(
-            sum.len(),
-            self.d * self.d,
-            "Σ x xᵀ is not [{0} × {0}]",
-            self.d
-        );
-        self.sum
-            .iter_mut()
-            .zip(sum)
-            .for_each(|(s, &v)| *s += v as f64);
-        self.n += m;
-    }
-
-    /// (2/N) Σ x xᵀ [d × d].
-    pub fn hessian(&self) -> Vec<f64> {
-        finish(&self.sum, self.d, self.n, 1.0)
-    }
-}
-
-/// Per-head covariances C_h = (2/N) Σ_t k_{t,h} k_{t,h}ᵀ [d_h × d_h] of post-RoPE keys or queries
-/// [m × n_heads·d_h].
-#[derive(Clone, Debug)]
-pub struct HeadCovAccumulator {
-    n_heads: usize,
-    d_h: usize,
-    sums: Vec<f64>,
-    n: usize,
-}
-
-impl HeadCovAccumulator {
-    pub fn new(n_heads: usize, d_h: usize) -> Self {
-        Self {
-            n_heads,
-            d_h,
-            sums: vec![0.0; n_heads * d_h * d_h],
-            n: 0,
-        }
-    }
-
-    /// Adds [m × n_heads·d_h] post-RoPE vectors.
-    pub fn add_batch(&mut self, x: &[f32], m: usize) {
-        let (nh, dh) = (self.n_heads, self.d_h);
-        assert_eq!(x.len(), m * nh * dh, "not [{m} × {nh}·{dh}]");
-        let mut s = Vec::new();
-        for (h, sum) in self.sums.chunks_mut(dh * dh).enumerate() {
-            if m > 0 {
-                add_xxt_f64(sum, &x[h * dh..], m, dh, nh * dh, &mut s);
-            }
-        }
-        self.n += m;
-    }
-
-    /// Adds per-head sums [n_heads × d_h × d_h] of m tokens computed elsewhere
-    /// (a backend's `QuantOps::head_covariance`).
-    pub fn add_sums(&mut self, sums: &[f32], m: usize) {
-        assert_eq!(
-            sums.len(),
-            self.sums.len(),
-            "per-head sums have the wrong shape"
-        );
-        self.sums
-            .iter_mut()
-            .zip(sums)
-            .for_each(|(s, &v)| *s += v as f64);
-        self.n += m;
-    }
-
-    /// [n_heads × d_h × d_h].
-    pub fn covariances(&self) -> Vec<f64> {
-        let dd = self.d_h * self.d_h;
-        self.sums
-            .chunks(dd)
-            .flat_map(|s| finish(s, self.d_h, self.n, 1.0))
-            .collect()
-    }
-
-    /// Averaged over the consecutive groups of `n_heads / n_groups` heads (GQA: query heads h·G..(h+1)·G share
-    /// KV head h, as the backend's attention maps query head i to KV head i / G): [n_groups × d_h × d_h].
-    pub fn group_means(&self, n_groups: usize) -> Vec<f64> {
-        assert!(
-            n_groups > 0 && self.n_heads.is_multiple_of(n_groups),
-            "{} heads not divisible into {n_groups} groups",
-            self.n_heads
-        );
-        let gs = self.n_heads / n_groups;
-        let dd = self.d_h * self.d_h;
-        let cov = self.covariances();
-        let mut out = vec![0.0; n_groups * dd];
-        for h in 0..self.n_heads {
-            for (o, &c) in out[(h / gs) * dd..(h / gs + 1) * dd]
-                .iter_mut()
-                .zip(&cov[h * dd..(h + 1) * dd])
-            {
-                *o += c / gs as f64;
-            }
-        }
-        out
-    }
 }
 
 /// The RoPE position average M = mean_{p=0..seqlen−1} R_pᵀ C R_p (design.md §4.3), for the rotate-half
@@ -343,112 +224,152 @@ pub fn identity_row_hessians(n: usize, d_h: usize) -> Vec<f64> {
     out
 }
 
-/// W_V's per-KV-head H_col = (2/N) Σ_seq (A_h X)ᵀ (A_h X), averaged over the query heads h sharing the KV head:
-/// the covariance of the attention-weighted block inputs (Table 1: 2 X A_hᵀ A_h Xᵀ).
-#[derive(Clone, Debug)]
-pub struct VColAccumulator {
+/// W_V's column sums of one sequence (the CPU's `QuantOps::stat_v_col`): for every query head h,
+/// sums[h / G] (f64, [n_kv × d × d]) += (A_h X)ᵀ (A_h X), with X [t × d] the block input (one token per row),
+/// `probs` [n_heads × t × t] the causal softmax probabilities (row i: query position i) and G = n_heads / n_kv.
+pub fn add_v_col_sequence(
+    sums: &mut [f64],
+    x: &[f32],
+    probs: &[f32],
+    t: usize,
     d: usize,
     n_heads: usize,
     n_kv: usize,
-    sums: Vec<f64>,
-    n: usize,
+) {
+    assert!(
+        n_kv > 0 && n_heads.is_multiple_of(n_kv),
+        "{n_heads} heads not divisible into {n_kv} KV heads"
+    );
+    assert_eq!(x.len(), t * d, "X is not [{t} × {d}]");
+    assert_eq!(
+        probs.len(),
+        n_heads * t * t,
+        "A is not [{n_heads} × {t} × {t}]"
+    );
+    assert_eq!(
+        sums.len(),
+        n_kv * d * d,
+        "sums are not [{n_kv} × {d} × {d}]"
+    );
+    let gs = n_heads / n_kv;
+    let mut y = vec![0f32; t * d];
+    let mut s = Vec::new();
+    let xr = MatRef::from_row_major_slice(x, t, d);
+    for h in 0..n_heads {
+        let a = MatRef::from_row_major_slice(&probs[h * t * t..(h + 1) * t * t], t, t);
+        matmul(
+            MatMut::from_row_major_slice_mut(&mut y, t, d),
+            Accum::Replace,
+            a,
+            xr,
+            1.0f32,
+            Par::rayon(0),
+        );
+        let kv = h / gs;
+        add_xxt_f64(&mut sums[kv * d * d..(kv + 1) * d * d], &y, t, d, d, &mut s);
+    }
 }
 
-impl VColAccumulator {
-    pub fn new(d: usize, n_heads: usize, n_kv: usize) -> Self {
-        assert!(
-            n_kv > 0 && n_heads.is_multiple_of(n_kv),
-            "{n_heads} heads not divisible into {n_kv} KV heads"
-        );
-        Self {
-            d,
-            n_heads,
-            n_kv,
-            sums: vec![0.0; n_kv * d * d],
-            n: 0,
-        }
-    }
-
-    /// One sequence: X [t × d] (block input, one token per row) and the causal softmax probabilities
-    /// `probs` [n_heads × t × t] (row i: query position i).
-    pub fn add_sequence(&mut self, x: &[f32], probs: &[f32], t: usize) {
-        let d = self.d;
-        assert_eq!(x.len(), t * d, "X is not [{t} × {d}]");
-        assert_eq!(
-            probs.len(),
-            self.n_heads * t * t,
-            "A is not [{} × {t} × {t}]",
-            self.n_heads
-        );
-        let gs = self.n_heads / self.n_kv;
-        let mut y = vec![0f32; t * d];
-        let mut s = Vec::new();
-        let xr = MatRef::from_row_major_slice(x, t, d);
-        for h in 0..self.n_heads {
-            let a = MatRef::from_row_major_slice(&probs[h * t * t..(h + 1) * t * t], t, t);
-            matmul(
-                MatMut::from_row_major_slice_mut(&mut y, t, d),
-                Accum::Replace,
-                a,
-                xr,
-                1.0f32,
-                Par::rayon(0),
-            );
-            let kv = h / gs;
-            add_xxt_f64(
-                &mut self.sums[kv * d * d..(kv + 1) * d * d],
-                &y,
-                t,
-                d,
-                d,
-                &mut s,
-            );
-        }
-        self.n += t;
-    }
-
-    /// One sequence of t tokens whose per-QUERY-head sums (A_h X)ᵀ(A_h X) [n_heads × d × d] were computed
-    /// elsewhere (a backend's `QuantOps::v_col_covariance`); folded into the KV heads as `add_sequence` does.
-    pub fn add_head_sums(&mut self, sums: &[f32], t: usize) {
-        let dd = self.d * self.d;
-        assert_eq!(
-            sums.len(),
-            self.n_heads * dd,
-            "per-head sums have the wrong shape"
-        );
-        let gs = self.n_heads / self.n_kv;
-        for (h, g) in sums.chunks(dd).enumerate() {
-            let kv = h / gs;
-            self.sums[kv * dd..(kv + 1) * dd]
-                .iter_mut()
-                .zip(g)
-                .for_each(|(s, &v)| *s += v as f64);
-        }
-        self.n += t;
-    }
-
-    /// Sums already folded into the KV heads [n_kv × d × d] (Σ over each KV head's query heads, as
-    /// `add_head_sums` folds them) of sequences with `tokens` tokens in all.
-    pub fn add_kv_sums(&mut self, sums: &[f32], tokens: usize) {
-        assert_eq!(
-            sums.len(),
-            self.sums.len(),
-            "per-KV-head sums have the wrong shape"
-        );
-        self.sums
+/// Per-head covariances [n_heads × d_h × d_h] averaged over consecutive groups of `n_heads / n_groups` heads
+/// (GQA: query heads h·G..(h+1)·G share KV head h, as the attention maps query head i to KV head i / G):
+/// [n_groups × d_h × d_h], f64.
+pub fn group_means(cov: &[f64], n_heads: usize, d_h: usize, n_groups: usize) -> Vec<f64> {
+    assert!(
+        n_groups > 0 && n_heads.is_multiple_of(n_groups),
+        "{n_heads} heads not divisible into {n_groups} groups"
+    );
+    let gs = n_heads / n_groups;
+    let dd = d_h * d_h;
+    let mut out = vec![0.0; n_groups * dd];
+    for h in 0..n_heads {
+        for (o, &c) in out[(h / gs) * dd..(h / gs + 1) * dd]
             .iter_mut()
-            .zip(sums)
-            .for_each(|(s, &v)| *s += v as f64);
-        self.n += tokens;
+            .zip(&cov[h * dd..(h + 1) * dd])
+        {
+            *o += c / gs as f64;
+        }
+    }
+    out
+}
+
+/// An input covariance H = (2/N) Σ_t x_t xᵀ_t (or a batch: per-head covariances, V's per-KV-head H_col),
+/// summed where the backend computes and finished once: a running mean, so chunks may come in any order.
+pub struct Accumulator {
+    acc: Mat,
+    tokens: usize,
+    /// Extra divisor of the mean (V: the query heads folded into each KV head's sum).
+    div: f64,
+}
+
+impl Accumulator {
+    /// Σ x xᵀ of one input [d × d].
+    pub fn xxt(ops: &dyn QuantOps, d: usize) -> Result<Self> {
+        Ok(Accumulator {
+            acc: ops.stat_acc(1, d)?,
+            tokens: 0,
+            div: 1.0,
+        })
     }
 
-    /// [n_kv × d × d]: (2/N) Σ, averaged over each KV head's query heads.
-    pub fn hessians(&self) -> Vec<f64> {
-        let gs = (self.n_heads / self.n_kv) as f64;
-        let dd = self.d * self.d;
-        self.sums
-            .chunks(dd)
-            .flat_map(|s| finish(s, self.d, self.n, gs))
-            .collect()
+    /// Per-head Σ x_h x_hᵀ [n_heads × d_h × d_h] of post-RoPE queries or keys.
+    pub fn heads(ops: &dyn QuantOps, n_heads: usize, d_h: usize) -> Result<Self> {
+        Ok(Accumulator {
+            acc: ops.stat_acc(n_heads, d_h)?,
+            tokens: 0,
+            div: 1.0,
+        })
+    }
+
+    /// W_V's H_col per KV head [n_kv × d × d], averaged over the n_heads / n_kv query heads of each.
+    pub fn v_col(ops: &dyn QuantOps, d: usize, n_heads: usize, n_kv: usize) -> Result<Self> {
+        if n_kv == 0 || !n_heads.is_multiple_of(n_kv) {
+            return Err(anyhow::anyhow!(
+                "{n_heads} heads are not divisible into {n_kv} KV heads"
+            ));
+        }
+        Ok(Accumulator {
+            acc: ops.stat_acc(n_kv, d)?,
+            tokens: 0,
+            div: (n_heads / n_kv) as f64,
+        })
+    }
+
+    /// Adds X [m × d] (one token per row).
+    pub fn add_xxt(&mut self, ops: &dyn QuantOps, x: &Tensor, m: usize) -> Result<()> {
+        ops.stat_xxt(&mut self.acc, x, m)?;
+        self.tokens += m;
+        Ok(())
+    }
+
+    /// Adds [m × n_heads·d_h] post-RoPE vectors.
+    pub fn add_heads(&mut self, ops: &dyn QuantOps, x: &Tensor, m: usize) -> Result<()> {
+        ops.stat_head_cov(&mut self.acc, x, m)?;
+        self.tokens += m;
+        Ok(())
+    }
+
+    /// Adds `n_seq` sequences of V's column statistics (`QuantOps::stat_v_col`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_v_col(
+        &mut self,
+        ops: &dyn QuantOps,
+        x: &Tensor,
+        q: &Tensor,
+        k: &Tensor,
+        s: AttnShape,
+        n_seq: usize,
+    ) -> Result<()> {
+        ops.stat_v_col(&mut self.acc, x, q, k, s, n_seq)?;
+        self.tokens += n_seq * s.t;
+        Ok(())
+    }
+
+    pub fn n_tokens(&self) -> usize {
+        self.tokens
+    }
+
+    /// (2/N) Σ (÷ the query heads per KV head for V), exactly symmetric.
+    pub fn finish(self, ops: &dyn QuantOps) -> Result<Mat> {
+        ops.stat_finish(self.acc, self.tokens, self.div)
     }
 }

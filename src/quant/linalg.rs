@@ -1,7 +1,6 @@
 //! Hessian preparation for the sweeps (design.md §4.2): dead inputs, damping with bounded retries, and
 //! U = chol(H⁻¹)ᵀ (the paper's Alg. 1 l.5–6; Alg. 2's U_col).
 
-use crate::backend::quant_ops::QuantOps;
 use faer::linalg::triangular_inverse::invert_lower_triangular;
 use faer::{Accum, Mat, Par, Side, linalg::matmul::matmul};
 
@@ -100,46 +99,6 @@ pub fn damped_upper_inverse(
         }
     }
     Err(singular(n, damp, amount, max_tries))
-}
-
-/// [`damped_upper_inverse`] of every H in `hs` (each [n × n]), with the factorizations done by `ops` when
-/// given (a backend's f32 kernels: one batched call per damping round, over the matrices still failing) and
-/// here in f64 otherwise. One result per matrix, so the caller can name the one that stays singular.
-pub fn damped_upper_inverse_batch(
-    hs: &mut [Vec<f64>],
-    n: usize,
-    damp: f64,
-    max_tries: usize,
-    ops: Option<&dyn QuantOps>,
-) -> Vec<anyhow::Result<Vec<f64>>> {
-    let Some(ops) = ops else {
-        return hs
-            .iter_mut()
-            .map(|h| damped_upper_inverse(h, n, damp, max_tries))
-            .collect();
-    };
-    let amounts: Vec<f64> = hs.iter().map(|h| damp * mean_diag(h, n)).collect();
-    let mut out: Vec<Option<Vec<f64>>> = vec![None; hs.len()];
-    let mut pending: Vec<usize> = (0..hs.len()).collect();
-    for _ in 0..max_tries.max(1) {
-        if pending.is_empty() {
-            break;
-        }
-        let mut batch = Vec::with_capacity(pending.len() * n * n);
-        for &i in &pending {
-            add_diag(&mut hs[i], n, amounts[i]);
-            batch.extend(hs[i].iter().map(|&v| v as f32));
-        }
-        let us = ops.cholesky_upper_inverse_batched(&batch, n, pending.len());
-        for (&i, u) in pending.iter().zip(us) {
-            out[i] = u.map(|u| u.iter().map(|&v| v as f64).collect());
-        }
-        pending.retain(|&i| out[i].is_none());
-    }
-    out.into_iter()
-        .zip(amounts)
-        .map(|(u, amount)| u.ok_or_else(|| singular(n, damp, amount, max_tries)))
-        .collect()
 }
 
 fn mean_diag(h: &[f64], n: usize) -> f64 {

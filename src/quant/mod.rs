@@ -2,11 +2,14 @@
 //! (§4.2, the paper's Algorithm 2), BoA (§4.3, Algorithm 1 and Proposition 3.1), RTN, and the Hessian
 //! statistics they consume.
 //!
-//! Conventions: row-major slices; a weight is W [d_out × d_in] (y = W x); Hessians are symmetric [n × n] f64
-//! (accumulation and factorization in f64). The sweeps are generic over [`Real`] (f32 for speed, f64 for the
-//! bit-exactness tests of §4.4). The inner loops that a later issue moves behind the Backend trait are free
-//! functions with slice interfaces, named by stem: `hessian_xxt`, `cholesky_upper_inverse`,
-//! `gptq_block_sweep`, `boa_sweep`.
+//! Every algorithm runs on any backend through `crate::ops::QuantOps` (design.md §12: one fallible interface,
+//! device buffers on a GPU); the inner loops themselves are also here as free functions on host slices, named by
+//! stem (`hessian_xxt`, `cholesky_upper_inverse`, `gptq_block_sweep`, `boa_sweep`): the CPU backend runs them and
+//! every device kernel is checked against them.
+//!
+//! Conventions: row-major; a weight is W [d_out × d_in] (y = W x); on the CPU, Hessians are symmetric [n × n]
+//! f64 (accumulation and factorization in f64). The sweeps are generic over [`Real`] (f32 for speed, f64 for
+//! the bit-exactness tests of §4.4).
 
 pub mod boa;
 pub mod boa_reference;
@@ -14,6 +17,7 @@ pub mod gptq;
 pub mod hessian;
 pub mod linalg;
 pub mod pack;
+pub mod plan;
 pub mod profile;
 pub mod quantizer;
 pub mod rtn;

@@ -11,6 +11,7 @@
 //! A checkpoint dequantizes with the f16-rounded scales: ŵ = f16(s)·(q − z).
 
 use super::gptq::Quantized;
+use crate::ops::Packed;
 use half::f16;
 
 /// How zero points are stored in qzeros.
@@ -228,34 +229,107 @@ pub struct PackedTensors {
     pub g_idx: Vec<u32>,
 }
 
-impl PackedTensors {
-    /// Packs a quantized matrix. Errors (a user error: the caller names the layer) when v1 cannot store a zero.
-    pub fn pack(q: &Quantized<f32>, version: GptqVersion) -> Result<PackedTensors, String> {
-        check_bits(q.bits);
-        let (d_out, d_in, b, ng) = (q.d_out, q.d_in, q.bits, q.n_groups);
-        let maxq = (1i64 << b) - 1;
-        let kw = pack_words(d_in, b);
-        let mut qweight = vec![0u32; kw * d_out];
-        for j in 0..d_out {
-            pack_stream(
-                &q.codes[j * d_in..(j + 1) * d_in],
-                b,
-                &mut qweight[j..],
-                d_out,
-            );
+/// Packs codes [d_out × d_in] (original column order) with their grids [d_out × n_groups] (f32 scales; true,
+/// integer zeros in 0..=maxq) into a checkpoint's layout: the CPU's `QuantOps::pack` and the oracle of the
+/// device's. An error (a zero point that is not a code) names the output and group.
+#[allow(clippy::too_many_arguments)]
+pub fn pack_codes(
+    codes: &[u8],
+    scales: &[f32],
+    zeros: &[f32],
+    g_idx: &[u32],
+    d_out: usize,
+    d_in: usize,
+    bits: u32,
+    n_groups: usize,
+) -> Result<Packed, String> {
+    check_bits(bits);
+    let maxq = (1u32 << bits) - 1;
+    assert!(
+        codes.len() == d_out * d_in
+            && scales.len() == d_out * n_groups
+            && zeros.len() == d_out * n_groups
+            && g_idx.len() == d_in,
+        "pack_codes: inconsistent sizes for [{d_out} × {d_in}], {n_groups} groups"
+    );
+    let kw = pack_words(d_in, bits);
+    let mut qweight = vec![0u32; kw * d_out];
+    for j in 0..d_out {
+        pack_stream(
+            &codes[j * d_in..(j + 1) * d_in],
+            bits,
+            &mut qweight[j..],
+            d_out,
+        );
+    }
+    let mut z = vec![0u8; n_groups * d_out];
+    for j in 0..d_out {
+        for g in 0..n_groups {
+            let v = zeros[j * n_groups + g];
+            if v.fract() != 0.0 || !(0.0..=maxq as f32).contains(&v) {
+                return Err(format!(
+                    "zero point {v} (output {j}, group {g}) is not a {bits}-bit code"
+                ));
+            }
+            z[g * d_out + j] = v as u8;
         }
+    }
+    let scales = (0..n_groups * d_out)
+        .map(|k| f16::from_f32(scales[(k % d_out) * n_groups + k / d_out]))
+        .collect();
+    Ok(Packed {
+        d_out,
+        d_in,
+        bits,
+        n_groups,
+        qweight,
+        scales,
+        zeros: z,
+        g_idx: g_idx.to_vec(),
+    })
+}
+
+/// Ŵ [d_out × d_in] as a checkpoint dequantizes it: f16(s)·(q − z). The fake-quant export writes this, so the
+/// fake and packed formats hold the same model.
+pub fn dequantize_packed(p: &Packed) -> Vec<f32> {
+    let mut out = vec![0f32; p.d_out * p.d_in];
+    for (j, row) in out.chunks_mut(p.d_in).enumerate() {
+        let codes = unpack_stream(&p.qweight[j..], p.d_out, p.bits, 0, p.d_in);
+        for (c, w) in row.iter_mut().enumerate() {
+            let k = p.g_idx[c] as usize * p.d_out + j;
+            let s = p.scales[k].to_f32();
+            *w = super::quantizer::dequantize(codes[c] as f32, s, p.zeros[k] as f32);
+        }
+    }
+    out
+}
+
+impl PackedTensors {
+    /// Packs a quantized matrix read back to the host (tests and tools; the pipeline packs through
+    /// `QuantOps::pack`). Errors (a user error: the caller names the layer) when v1 cannot store a zero.
+    pub fn pack(q: &Quantized<f32>, version: GptqVersion) -> Result<PackedTensors, String> {
+        let p = pack_codes(
+            &q.codes, &q.scales, &q.zeros, &q.g_idx, q.d_out, q.d_in, q.bits, q.n_groups,
+        )?;
+        Self::from_packed(&p, version)
+    }
+
+    /// The checkpoint tensors of format `version` (its zero-point convention). Errors when v1 cannot store a
+    /// zero (a zero of 0: v1 stores zero − 1).
+    pub fn from_packed(p: &Packed, version: GptqVersion) -> Result<PackedTensors, String> {
+        let (d_out, b, ng) = (p.d_out, p.bits, p.n_groups);
+        let maxq = (1i64 << b) - 1;
         let zw = pack_words(d_out, b);
         let mut qzeros = vec![0u32; ng * zw];
         let mut stored = vec![0u8; d_out];
         for g in 0..ng {
             for (j, s) in stored.iter_mut().enumerate() {
-                let z = q.zeros[j * ng + g];
+                let z = p.zeros[g * d_out + j];
                 let v = z as i64 + version.stored_offset();
-                if z.fract() != 0.0 || !(0..=maxq).contains(&v) {
+                if !(0..=maxq).contains(&v) {
                     return Err(format!(
-                        "zero point {} (output {j}, group {g}) cannot be stored in {b} bits as checkpoint \
+                        "zero point {z} (output {j}, group {g}) cannot be stored in {b} bits as checkpoint \
                          format {:?}{}",
-                        z + 0.0, // −0 (the min-max zero of an all-positive group) prints as 0
                         version.name(),
                         if version == GptqVersion::V1 && v == -1 {
                             " (it stores zero − 1); use --format gptq_v2 or --sym"
@@ -268,18 +342,15 @@ impl PackedTensors {
             }
             pack_stream(&stored, b, &mut qzeros[g * zw..(g + 1) * zw], 1);
         }
-        let scales = (0..ng * d_out)
-            .map(|k| f16::from_f32(q.scales[(k % d_out) * ng + k / d_out]))
-            .collect();
         Ok(PackedTensors {
             d_out,
-            d_in,
+            d_in: p.d_in,
             bits: b,
             n_groups: ng,
-            qweight,
+            qweight: p.qweight.clone(),
             qzeros,
-            scales,
-            g_idx: q.g_idx.clone(),
+            scales: p.scales.clone(),
+            g_idx: p.g_idx.clone(),
         })
     }
 

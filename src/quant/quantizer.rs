@@ -22,81 +22,13 @@
 //! H is scored in f32 (u, H block) with f64 accumulators a, b; the constant wᵀHw is dropped.
 
 use super::Real;
+pub use crate::ops::{Grid, QuantSpec, ScaleSearch};
 use rayon::prelude::*;
-
-/// How a grid's scale and zero are chosen.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ScaleSearch {
-    /// Shrink grid scored by the Hessian-weighted error Δ H Δᵀ (default for GPTQ and BoA).
-    Hessian,
-    /// Shrink grid scored by Σ |Δ|^2.4.
-    Mse,
-    /// No search: the min-max range.
-    MinMax,
-}
-
-/// What to quantize to (design.md §4.1).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct QuantSpec {
-    /// 2, 3, 4 or 8.
-    pub bits: u32,
-    /// Input columns per group; None = one grid per output channel (group size −1).
-    pub group_size: Option<usize>,
-    pub sym: bool,
-    pub search: ScaleSearch,
-}
 
 /// Number of shrink steps of the search grid (p = 1 − i/100, i = 0..99).
 pub const SHRINK_STEPS: usize = 100;
 /// Exponent of the `Mse` score (GPTQ's `norm=2.4`).
 pub const MSE_NORM: f64 = 2.4;
-
-impl QuantSpec {
-    pub fn new(bits: u32, group_size: Option<usize>, sym: bool, search: ScaleSearch) -> Self {
-        Self {
-            bits,
-            group_size,
-            sym,
-            search,
-        }
-    }
-
-    pub fn validate(&self) -> anyhow::Result<()> {
-        if ![2, 3, 4, 8].contains(&self.bits) {
-            return Err(crate::input_err!(
-                "unsupported bit width {} (expected 2, 3, 4 or 8)",
-                self.bits
-            ));
-        }
-        if self.group_size == Some(0) {
-            return Err(crate::input_err!(
-                "group size must be positive (or -1 for per channel)"
-            ));
-        }
-        Ok(())
-    }
-
-    pub fn maxq(&self) -> u32 {
-        (1u32 << self.bits) - 1
-    }
-
-    /// Group size in columns for a matrix with `d_in` inputs (d_in for per channel).
-    pub fn group_len(&self, d_in: usize) -> usize {
-        self.group_size.unwrap_or(d_in).min(d_in).max(1)
-    }
-
-    /// Number of groups along d_in (a trailing partial group counts).
-    pub fn n_groups(&self, d_in: usize) -> usize {
-        d_in.div_ceil(self.group_len(d_in))
-    }
-}
-
-/// One quantization grid: ŵ = scale·(q − zero); zero is integer-valued.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct Grid<T> {
-    pub scale: T,
-    pub zero: T,
-}
 
 /// q = clamp(round(w/s) + z, 0, maxq) (design.md §4.1). Returns the integer code as a float.
 #[inline(always)]
@@ -448,7 +380,7 @@ pub fn search_grids_rows<T: Real>(
                 }
             }
             let mut prod = vec![0f32; 2 * rc * len];
-            crate::backend::cpu::gemm_nn(&mut prod, &v, h, 2 * rc, len, len);
+            gemm_nn(&mut prod, &v, h, 2 * rc, len, len);
             (0..rc)
                 .map(|i| {
                     let b = 2 * i * len;
@@ -462,6 +394,15 @@ pub fn search_grids_rows<T: Real>(
         })
         .collect();
     chunks.concat()
+}
+
+/// C [m × n] = A [m × k] · B [k × n], row-major, sequential (faer): the search's batched p = 1 products.
+fn gemm_nn(c: &mut [f32], a: &[f32], b: &[f32], m: usize, k: usize, n: usize) {
+    use faer::{Accum, MatMut, MatRef, Par, linalg::matmul::matmul};
+    let a = MatRef::from_row_major_slice(a, m, k);
+    let b = MatRef::from_row_major_slice(b, k, n);
+    let c = MatMut::from_row_major_slice_mut(c, m, n);
+    matmul(c, Accum::Replace, a, b, 1.0f32, Par::Seq);
 }
 
 /// The [len × len] diagonal block of H [n × n] starting at c0, as f32 (for scoring).

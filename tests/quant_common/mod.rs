@@ -72,3 +72,103 @@ pub fn damped(h: &[f64], n: usize, lambda: f64) -> Vec<f64> {
 pub fn to_f32(v: &[f64]) -> Vec<f32> {
     v.iter().map(|&x| x as f32).collect()
 }
+
+// ---- The algorithms on the CPU backend with host slices in and out (the oracle, through `QuantOps`).
+
+use boa_cuda::backend::cpu::CpuBackend;
+use boa_cuda::ops::Mat;
+use boa_cuda::quant::QuantSpec;
+use boa_cuda::quant::Real;
+use boa_cuda::quant::boa::{BoaOptions, ColHessian};
+use boa_cuda::quant::gptq::{GptqOptions, Quantized, to_host};
+
+/// Host values of a weight as a CPU `Mat` in their own precision (f64 weights run the sweeps in f64).
+pub trait HostVal: Real {
+    fn mat(v: &[Self], rows: usize, cols: usize) -> Mat;
+}
+impl HostVal for f32 {
+    fn mat(v: &[f32], rows: usize, cols: usize) -> Mat {
+        Mat::f32(v.to_vec(), 1, rows, cols)
+    }
+}
+impl HostVal for f64 {
+    fn mat(v: &[f64], rows: usize, cols: usize) -> Mat {
+        Mat::f64(v.to_vec(), 1, rows, cols)
+    }
+}
+
+pub fn hmat(h: &[f64], n: usize) -> Mat {
+    Mat::f64(h.to_vec(), h.len() / (n * n).max(1), n, n)
+}
+
+/// `gptq_quantize` on the CPU backend, host slices in and out.
+pub fn gptq_host<T: HostVal>(
+    w: &[T],
+    d_out: usize,
+    d_in: usize,
+    h: &[f64],
+    opts: &GptqOptions,
+) -> anyhow::Result<Quantized<T>> {
+    let ops = CpuBackend;
+    let q = boa_cuda::quant::gptq::gptq_quantize(
+        &ops,
+        &T::mat(w, d_out, d_in),
+        &hmat(h, d_in),
+        opts,
+        None,
+    )?;
+    to_host(&ops, &q)
+}
+
+/// H_col of `boa_host`: one shared [d_in × d_in], or one per head.
+#[derive(Clone, Copy)]
+pub enum HostCol<'a> {
+    Shared(&'a [f64]),
+    PerHead(&'a [f64]),
+}
+
+/// `boa_quantize` on the CPU backend, host slices in and out.
+#[allow(clippy::too_many_arguments)]
+pub fn boa_host<T: HostVal>(
+    w: &[T],
+    n_heads: usize,
+    d_h: usize,
+    d_in: usize,
+    h_col: HostCol,
+    h_row: &[f64],
+    opts: &BoaOptions,
+) -> anyhow::Result<Quantized<T>> {
+    let ops = CpuBackend;
+    let hc = match h_col {
+        HostCol::Shared(h) | HostCol::PerHead(h) => hmat(h, d_in),
+    };
+    let col = match h_col {
+        HostCol::Shared(_) => ColHessian::Shared(&hc),
+        HostCol::PerHead(_) => ColHessian::PerHead(&hc),
+    };
+    let q = boa_cuda::quant::boa::boa_quantize(
+        &ops,
+        &T::mat(w, n_heads * d_h, d_in),
+        n_heads,
+        d_h,
+        col,
+        &hmat(h_row, d_h),
+        opts,
+        None,
+    )?;
+    to_host(&ops, &q)
+}
+
+/// `rtn_quantize` on the CPU backend, host slices in and out.
+pub fn rtn_host<T: HostVal>(
+    w: &[T],
+    d_out: usize,
+    d_in: usize,
+    h: Option<&[f64]>,
+    spec: &QuantSpec,
+) -> anyhow::Result<Quantized<T>> {
+    let ops = CpuBackend;
+    let hm = h.map(|h| hmat(h, d_in));
+    let q = boa_cuda::quant::rtn::rtn_quantize(&ops, &T::mat(w, d_out, d_in), hm.as_ref(), spec)?;
+    to_host(&ops, &q)
+}

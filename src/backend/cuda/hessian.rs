@@ -3,6 +3,7 @@
 
 use super::CudaError;
 use crate::nvtx::range;
+use crate::ops::AttnShape;
 use cudarc::driver::{
     CudaFunction, CudaModule, CudaStream, CudaView, CudaViewMut, LaunchConfig, PushKernelArg,
 };
@@ -326,4 +327,74 @@ pub fn launch_attn_x(
     // v2's dynamic shared memory is the size its layout needs and was opted into at load.
     unsafe { b.launch(cfg) }.map_err(launch_err("launch attn_x"))?;
     Ok(())
+}
+
+impl super::CudaBackend {
+    /// The bench's side-by-side of the attn_x variants: the stats of one sequence, one untimed launch for head
+    /// 0 (its Y is returned, to be checked), then `launches` back-to-back launches cycling over the heads
+    /// between events. Returns the mean device ms per launch (one head) and Y of head 0.
+    pub fn time_attn_x(
+        &self,
+        variant: AttnXVariant,
+        x: &[f32],
+        q: &[f32],
+        k: &[f32],
+        s: AttnShape,
+        launches: usize,
+    ) -> Result<(f64, Vec<f32>), CudaError> {
+        let AttnShape { t, h, h_kv, d_h, d } = s;
+        if h == 0 || t == 0 || d == 0 {
+            return Err(CudaError::Shape {
+                op: "time_attn_x",
+                msg: format!("{s:?}: empty"),
+            });
+        }
+        let x_d = self.upload(x, "upload x")?;
+        let q_d = self.upload(q, "upload q")?;
+        let k_d = self.upload(k, "upload k")?;
+        let mut stats = self
+            .stream
+            .alloc_zeros::<f32>(2 * h * t)
+            .map_err(super::driver("alloc stats"))?;
+        let mut y = self.output(t * d)?;
+        let hk = &self.quant.hessian;
+        launch_softmax_stats(
+            &self.stream,
+            hk,
+            &mut stats.slice_mut(..),
+            &q_d.slice(..),
+            &k_d.slice(..),
+            t,
+            h,
+            h_kv,
+            d_h,
+        )?;
+        let launch = |y: &mut cudarc::driver::CudaSlice<f32>, head: usize| {
+            launch_attn_x(
+                &self.stream,
+                hk,
+                variant,
+                &mut y.slice_mut(..),
+                &x_d.slice(..),
+                &q_d.slice(..),
+                &k_d.slice(..),
+                &stats.slice(..),
+                head,
+                t,
+                h,
+                h_kv,
+                d_h,
+                d,
+            )
+        };
+        launch(&mut y, 0)?;
+        let y0 = self
+            .stream
+            .clone_dtoh(&y)
+            .map_err(super::driver("download y"))?;
+        self.stream.synchronize().map_err(super::driver("attn_x"))?;
+        let n = launches.max(1);
+        self.timed(|| (0..n).try_for_each(|i| launch(&mut y, i % h)))?;
+        Ok((self.last_kernel_ms() as f64 / n as f64, y0))
+    }
 }

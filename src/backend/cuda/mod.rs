@@ -17,6 +17,7 @@
 pub mod abi;
 pub mod ceiling;
 pub mod cholesky;
+pub mod core;
 pub mod gemm;
 pub mod hessian;
 pub mod kernels;
@@ -37,7 +38,7 @@ pub use search::SearchVariant;
 pub use sweep::{BoaBlockVariant, TrailingVariant};
 
 use super::cpu::CpuBackend;
-use super::{AttnShape, Backend, Tensor, Weight};
+use super::{Backend, Tensor, Weight};
 use cudarc::driver::{CudaContext, CudaModule, CudaSlice, CudaStream, DriverError};
 use cudarc::nvrtc::Ptx;
 use std::borrow::Cow;
@@ -83,8 +84,10 @@ fn driver(what: &'static str) -> impl FnOnce(DriverError) -> CudaError {
     move |source| CudaError::Driver { what, source }
 }
 
-/// Function handles of the quantization-core modules (cuda/hessian.cu, cholesky.cu, sweep.cu, search.cu).
+/// Function handles of the quantization-core modules (cuda/hessian.cu, cholesky.cu, sweep.cu, search.cu,
+/// core.cu).
 struct QuantKernels {
+    core: core::CoreKernels,
     hessian: hessian::HessianKernels,
     cholesky: cholesky::CholeskyKernels,
     sweep: sweep::SweepKernels,
@@ -217,6 +220,8 @@ impl CudaBackend {
         let module = load_module(&ctx, ops::MODULE, &gpu, cc)?;
         let ops = ops::OpsKernels::load(&module).map_err(|e| e.to_string())?;
         let quant = QuantKernels {
+            core: core::CoreKernels::load(&load_module(&ctx, core::MODULE, &gpu, cc)?)
+                .map_err(|e| e.to_string())?,
             hessian: hessian::HessianKernels::load(&load_module(&ctx, hessian::MODULE, &gpu, cc)?)
                 .map_err(|e| e.to_string())?,
             cholesky: cholesky::CholeskyKernels::load(&load_module(
@@ -776,39 +781,5 @@ impl Backend for CudaBackend {
     fn add_t(&self, x: &mut Tensor, y: &Tensor) {
         self.try_add_t(x, y)
             .unwrap_or_else(|e| panic!("{} add (n={}): {e}", self.name, y.len()))
-    }
-
-    fn xxt_accumulate_t(&self, acc: &mut Tensor, x: &Tensor, m: usize, d: usize) {
-        self.try_xxt_accumulate_t(acc, x, m, d)
-            .unwrap_or_else(|e| panic!("{} xxt_accumulate (m={m}, d={d}): {e}", self.name))
-    }
-
-    fn head_covariance_t(
-        &self,
-        acc: &mut Tensor,
-        x: &Tensor,
-        m: usize,
-        n_heads: usize,
-        d_h: usize,
-    ) {
-        self.try_head_covariance_t(acc, x, m, n_heads, d_h)
-            .unwrap_or_else(|e| {
-                panic!(
-                    "{} head_covariance (m={m}, n_heads={n_heads}, d_h={d_h}): {e}",
-                    self.name
-                )
-            })
-    }
-
-    fn v_col_covariance_t(
-        &self,
-        acc: &mut Tensor,
-        x: &Tensor,
-        q: &Tensor,
-        k: &Tensor,
-        s: AttnShape,
-        n_seq: usize,
-    ) {
-        resident::v_col_covariance_t(self, acc, (x, q, k), s, n_seq)
     }
 }

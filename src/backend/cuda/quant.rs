@@ -1,57 +1,184 @@
-//! `QuantOps` on CUDA: upload, launch (hessian.rs, cholesky.rs, sweep.rs), download. Each method has a
-//! `try_*` twin returning `CudaError`; the trait methods panic with the op and shape named, as `rms_norm` does.
+//! `QuantOps` on CUDA: the quantization core on device buffers (design.md §12 "Device residency"). A
+//! block's accumulators, Hessians, factors, weights, grids and codes are `Mat`s in device memory from the
+//! statistics to the packed output; the host receives diagonals (O(n)), a few sums per linear, the per-head
+//! d_h × d_h statistics BoA's row Hessians are made from, and the packed tensors.
 //!
-//! Cholesky with n > 128 (the d_in-sized H_col) goes through cuSOLVER (solver.rs), or the CPU when the
-//! library is missing (said once on stderr). Attention and BoA with d_h > 128 fall back to the CPU.
+//! Kernels: statistics hessian.rs, factors cholesky.rs / solver.rs (cuSOLVER for n > 128), data movement and
+//! small passes core.rs, sweeps sweep.rs, the scale search search.rs, the report's products gemm.rs (cuBLAS).
+//! Every input must already be on the device (`CudaBackend::upload_mat`): a host `Mat` here is an error,
+//! never a silent copy.
+//!
+//! Still through the host, each saying so at its method (issue 19, to be moved): the scale search's candidate
+//! table, the dynamic-group scale searches of the GPTQ sweep and the whole dynamic-group BoA sweep, V's
+//! statistics with d_h > 128.
 
 use super::cholesky::{CHOLESKY_MAX_N, launch_cholesky};
-use super::hessian::{ATTN_MAX_DH, AttnXVariant, launch_attn_x, launch_softmax_stats};
+use super::core::{
+    DOT_CTAS, launch_add_diag, launch_diag, launch_dot_partials, launch_finish_sym, launch_gather,
+    launch_pack, launch_permute_sym, launch_rtn, launch_set_diag, launch_sub, launch_u_row_f,
+    launch_zero_cols,
+};
+use super::hessian::ATTN_MAX_DH;
 use super::sweep::{
     BOA_MAX_DH, BoaBlockVariant, BoaBuffers, GPTQ_MAX_BLOCK, GptqBuffers, GptqDynamicBuffers,
     Trailing, TrailingVariant, launch_boa_sweep, launch_gptq_sweep, launch_gptq_sweep_dynamic,
 };
 use super::{CudaBackend, CudaError, driver};
-use crate::backend::Tensor;
 use crate::backend::cpu::CpuBackend;
-use crate::backend::quant_ops::{AttnShape, QuantOps, StaticGrids, SweepResult, UCol};
-use crate::quant::ScaleSearch;
-use crate::quant::gptq::DynamicGroups;
-use crate::quant::quantizer::{Grid, QuantSpec, search_grid};
-use cudarc::driver::CudaSlice;
-use rayon::prelude::*;
+use crate::ops::{
+    AttnShape, Codes, GridMode, Grids, Mat, MatData, Packed, QuantOps, QuantSpec, QuantizedLinear,
+    Result, Swept, Tensor,
+};
+use anyhow::{anyhow, bail};
+use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 
-/// Static grids on the device: scales, zeros [rows × n_groups], col_group [n].
-type DeviceGrids = (CudaSlice<f32>, CudaSlice<f32>, CudaSlice<u32>);
-
-fn shape(op: &'static str, msg: String) -> CudaError {
-    CudaError::Shape { op, msg }
+/// The device buffer of a `Mat` (f32 in device memory), or an error naming what is elsewhere.
+fn dev<'a>(m: &'a Mat, what: &str) -> Result<&'a CudaSlice<f32>> {
+    match &m.data {
+        MatData::F32(Tensor::Device(d)) => Ok(d),
+        _ => bail!(
+            "cuda: {what} {} is not in device memory (upload it with upload_mat)",
+            m.describe()
+        ),
+    }
 }
 
-fn check_grids(op: &'static str, g: &StaticGrids, rows: usize, n: usize) -> Result<(), CudaError> {
-    if g.grids.len() != rows * g.n_groups
-        || g.col_group.len() != n
-        || g.col_group.iter().any(|&k| k as usize >= g.n_groups)
+fn dev_mut<'a>(m: &'a mut Mat, what: &str) -> Result<&'a mut CudaSlice<f32>> {
+    let desc = m.describe();
+    match &mut m.data {
+        MatData::F32(Tensor::Device(d)) => Ok(d),
+        _ => bail!("cuda: {what} {desc} is not in device memory"),
+    }
+}
+
+/// Runs a tensor-form statistic on an accumulator's device tensor (which must already be on the device: the
+/// tensor methods would otherwise upload it).
+fn with_acc(
+    acc: &mut Mat,
+    f: impl FnOnce(&mut Tensor) -> std::result::Result<(), CudaError>,
+) -> Result<()> {
+    dev(acc, "accumulator")?;
+    let MatData::F32(t) = &mut acc.data else {
+        unreachable!("checked by dev")
+    };
+    Ok(f(t)?)
+}
+
+fn into_dev(m: Mat, what: &str) -> Result<CudaSlice<f32>> {
+    let desc = m.describe();
+    match m.data {
+        MatData::F32(Tensor::Device(d)) => Ok(d),
+        _ => bail!("cuda: {what} {desc} is not in device memory"),
+    }
+}
+
+fn dmat(d: CudaSlice<f32>, batch: usize, rows: usize, cols: usize) -> Mat {
+    Mat::tensor(Tensor::Device(d), batch, rows, cols)
+}
+
+fn codes_dev<'a>(c: &'a Codes, what: &str) -> Result<&'a CudaSlice<u8>> {
+    match c {
+        Codes::Device(d) => Ok(d),
+        Codes::Host(_) => bail!("cuda: {what} are not in device memory"),
+    }
+}
+
+fn check_perm(p: &[usize], n: usize, what: &str) -> Result<()> {
+    let mut seen = vec![false; n];
+    if p.len() != n
+        || p.iter()
+            .any(|&i| i >= n || std::mem::replace(&mut seen[i], true))
     {
-        return Err(shape(
-            op,
-            format!(
-                "grids.len={} ≠ rows·n_groups = {rows}·{}, or col_group.len={} ≠ n={n}, or a group ≥ n_groups",
-                g.grids.len(),
-                g.n_groups,
-                g.col_group.len()
-            ),
-        ));
+        bail!("cuda: {what} is not a permutation of 0..{n}");
     }
     Ok(())
 }
 
 impl CudaBackend {
-    pub(super) fn upload<T: cudarc::driver::DeviceRepr>(
+    pub(super) fn upload<T: DeviceRepr>(
         &self,
         v: &[T],
         what: &'static str,
-    ) -> Result<CudaSlice<T>, CudaError> {
+    ) -> std::result::Result<CudaSlice<T>, CudaError> {
         self.stream.clone_htod(v).map_err(driver(what))
+    }
+
+    fn download<T: DeviceRepr + Default + Clone>(
+        &self,
+        d: &CudaSlice<T>,
+        what: &'static str,
+    ) -> std::result::Result<Vec<T>, CudaError> {
+        let v = self.stream.clone_dtoh(d).map_err(driver(what))?;
+        self.stream.synchronize().map_err(driver(what))?;
+        Ok(v)
+    }
+
+    fn zeros_of<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        n: usize,
+        what: &'static str,
+    ) -> std::result::Result<CudaSlice<T>, CudaError> {
+        self.stream.alloc_zeros::<T>(n.max(1)).map_err(driver(what))
+    }
+
+    /// An output every element of which the next kernel writes: NaN-filled (u8: 0xFF) when poisoning, so
+    /// the parity tests see an element a kernel forgets, else uninitialised.
+    fn out_f32(&self, n: usize) -> std::result::Result<CudaSlice<f32>, CudaError> {
+        self.output(n.max(1))
+    }
+
+    fn out_u8(&self, n: usize) -> std::result::Result<CudaSlice<u8>, CudaError> {
+        self.codes_output(n.max(1))
+    }
+
+    fn copy_of(&self, d: &CudaSlice<f32>) -> std::result::Result<CudaSlice<f32>, CudaError> {
+        self.stream.clone_dtod(d).map_err(driver("copy matrix"))
+    }
+
+    /// A host `Mat` copied into device memory (f32), the form every method here takes; a device one is
+    /// moved. Tests and tools use it; the pipeline's buffers are born on the device.
+    pub fn upload_mat(&self, m: Mat) -> Result<Mat> {
+        let (b, r, c) = (m.batch, m.rows, m.cols);
+        let d = match m.data {
+            MatData::F32(Tensor::Device(d)) => d,
+            MatData::F32(t) => self.upload(
+                t.host().ok_or_else(|| anyhow!("tensor unreadable"))?,
+                "upload matrix",
+            )?,
+            MatData::F64(v) => self.upload(
+                &v.iter().map(|&x| x as f32).collect::<Vec<_>>(),
+                "upload matrix",
+            )?,
+        };
+        Ok(dmat(d, b, r, c))
+    }
+
+    /// A device `Mat` read back as a host one: f32, or f64 when `as_f64` (for the CPU's oracle methods).
+    fn host_mat(&self, m: &Mat, as_f64: bool) -> Result<Mat> {
+        let v = self.download(dev(m, "matrix")?, "download matrix")?;
+        Ok(match as_f64 {
+            true => Mat::f64(
+                v.iter().map(|&x| x as f64).collect(),
+                m.batch,
+                m.rows,
+                m.cols,
+            ),
+            false => Mat::f32(v, m.batch, m.rows, m.cols),
+        })
+    }
+
+    fn host_grids(&self, g: &Grids) -> Result<Grids> {
+        Ok(Grids {
+            scale: self.host_mat(&g.scale, false)?,
+            zero: self.host_mat(&g.zero, false)?,
+        })
+    }
+
+    fn device_grids(&self, g: Grids) -> Result<Grids> {
+        Ok(Grids {
+            scale: self.upload_mat(g.scale)?,
+            zero: self.upload_mat(g.zero)?,
+        })
     }
 
     /// The trailing-update variant the sweeps run with: the selected one, or the FFMA kernel when cuBLAS is
@@ -76,297 +203,14 @@ impl CudaBackend {
         }
     }
 
-    /// Q and the codes of a finished sweep, after the stream has run everything queued (`what` names the op).
-    fn download_sweep(
-        &self,
-        q_d: &CudaSlice<f32>,
-        c_d: &CudaSlice<u8>,
-        what: &'static str,
-    ) -> Result<SweepResult, CudaError> {
-        let q = self.stream.clone_dtoh(q_d).map_err(driver("download Q"))?;
-        let codes = self
-            .stream
-            .clone_dtoh(c_d)
-            .map_err(driver("download codes"))?;
-        self.stream.synchronize().map_err(driver(what))?;
-        Ok(SweepResult { q, codes })
-    }
-
-    /// Scales and zeros of static grids as two device arrays, plus col_group.
-    fn upload_grids(&self, g: &StaticGrids) -> Result<DeviceGrids, CudaError> {
-        let s: Vec<f32> = g.grids.iter().map(|x| x.scale).collect();
-        let z: Vec<f32> = g.grids.iter().map(|x| x.zero).collect();
-        Ok((
-            self.upload(&s, "upload scales")?,
-            self.upload(&z, "upload zeros")?,
-            self.upload(g.col_group, "upload col_group")?,
-        ))
-    }
-
-    pub fn try_xxt_accumulate(
-        &self,
-        h: &mut [f32],
-        x: &[f32],
-        m: usize,
-        d: usize,
-    ) -> Result<(), CudaError> {
-        if h.len() != d * d || x.len() != m * d {
-            return Err(shape(
-                "xxt_accumulate",
-                format!("h.len={} x.len={} for m={m}, d={d}", h.len(), x.len()),
-            ));
-        }
-        if m == 0 || d == 0 {
-            return Ok(());
-        }
-        // The tensor form's launch, on device copies made before the timed region (kernel time only).
-        let x_t = Tensor::Device(self.upload(x, "upload x")?);
-        let mut acc = Tensor::Device(self.upload(h, "upload h")?);
-        self.timed(|| self.try_xxt_accumulate_t(&mut acc, &x_t, m, d))?;
-        let Tensor::Device(h_d) = acc else {
-            unreachable!("the accumulator was uploaded above")
-        };
-        self.stream
-            .memcpy_dtoh(&h_d, h)
-            .map_err(driver("download h"))?;
-        self.stream.synchronize().map_err(driver("xxt_accumulate"))
-    }
-
-    pub fn try_head_covariance(
-        &self,
-        x: &[f32],
-        m: usize,
-        n_heads: usize,
-        d_h: usize,
-    ) -> Result<Vec<f32>, CudaError> {
-        if x.len() != m * n_heads * d_h {
-            return Err(shape(
-                "head_covariance",
-                format!("x.len={} ≠ {m}·{n_heads}·{d_h}", x.len()),
-            ));
-        }
-        let n_out = n_heads * d_h * d_h;
-        if m == 0 || n_out == 0 {
-            return Ok(vec![0.0; n_out]);
-        }
-        // The tensor form's launch, as in try_xxt_accumulate.
-        let x_t = Tensor::Device(self.upload(x, "upload x")?);
-        let mut acc = Tensor::Device(
-            self.stream
-                .alloc_zeros::<f32>(n_out)
-                .map_err(driver("alloc covariances"))?,
-        );
-        self.timed(|| self.try_head_covariance_t(&mut acc, &x_t, m, n_heads, d_h))?;
-        self.finish(acc, "head_covariance")
-    }
-
-    pub fn try_v_col_covariance(
-        &self,
-        x: &[f32],
-        q: &[f32],
-        k: &[f32],
-        s: AttnShape,
-    ) -> Result<Vec<f32>, CudaError> {
-        let AttnShape { t, h, h_kv, d_h, d } = s;
-        if h_kv == 0
-            || !h.is_multiple_of(h_kv)
-            || d_h > ATTN_MAX_DH
-            || x.len() != t * d
-            || q.len() != t * h * d_h
-            || k.len() != t * h_kv * d_h
-        {
-            return Err(shape(
-                "v_col_covariance",
-                format!(
-                    "{s:?} (d_h ≤ {ATTN_MAX_DH}) with x.len={}, q.len={}, k.len={}",
-                    x.len(),
-                    q.len(),
-                    k.len()
-                ),
-            ));
-        }
-        let n_out = h * d * d;
-        if t == 0 || n_out == 0 {
-            return Ok(vec![0.0; n_out]);
-        }
-        let x_d = self.upload(x, "upload x")?;
-        let q_d = self.upload(q, "upload q")?;
-        let k_d = self.upload(k, "upload k")?;
-        let mut scratch = self.v_col_scratch(s)?;
-        let mut g = self
-            .stream
-            .alloc_zeros::<f32>(n_out)
-            .map_err(driver("alloc G"))?;
-        self.timed(|| {
-            self.queue_v_col_sequence(
-                &mut g,
-                |head| head,
-                &mut scratch,
-                (&x_d.slice(..), &q_d.slice(..), &k_d.slice(..)),
-                s,
-            )
-        })?;
-        let out = self.stream.clone_dtoh(&g).map_err(driver("download G"))?;
-        self.stream
-            .synchronize()
-            .map_err(driver("v_col_covariance"))?;
-        Ok(out)
-    }
-
-    /// The bench's side-by-side of the attn_x variants: the stats of one sequence, one untimed launch for head
-    /// 0 (its Y is returned, to be checked), then `launches` back-to-back launches cycling over the heads
-    /// between events. Returns the mean device ms per launch (one head) and Y of head 0.
-    pub fn time_attn_x(
-        &self,
-        variant: AttnXVariant,
-        x: &[f32],
-        q: &[f32],
-        k: &[f32],
-        s: AttnShape,
-        launches: usize,
-    ) -> Result<(f64, Vec<f32>), CudaError> {
-        let AttnShape { t, h, h_kv, d_h, d } = s;
-        if h == 0 || t == 0 || d == 0 {
-            return Err(shape("time_attn_x", format!("{s:?}: empty")));
-        }
-        let x_d = self.upload(x, "upload x")?;
-        let q_d = self.upload(q, "upload q")?;
-        let k_d = self.upload(k, "upload k")?;
-        let mut stats = self
-            .stream
-            .alloc_zeros::<f32>(2 * h * t)
-            .map_err(driver("alloc stats"))?;
-        let mut y = self.output(t * d)?;
-        let hk = &self.quant.hessian;
-        launch_softmax_stats(
-            &self.stream,
-            hk,
-            &mut stats.slice_mut(..),
-            &q_d.slice(..),
-            &k_d.slice(..),
-            t,
-            h,
-            h_kv,
-            d_h,
-        )?;
-        let launch = |y: &mut CudaSlice<f32>, head: usize| {
-            launch_attn_x(
-                &self.stream,
-                hk,
-                variant,
-                &mut y.slice_mut(..),
-                &x_d.slice(..),
-                &q_d.slice(..),
-                &k_d.slice(..),
-                &stats.slice(..),
-                head,
-                t,
-                h,
-                h_kv,
-                d_h,
-                d,
-            )
-        };
-        launch(&mut y, 0)?;
-        let y0 = self.stream.clone_dtoh(&y).map_err(driver("download y"))?;
-        self.stream.synchronize().map_err(driver("attn_x"))?;
-        let n = launches.max(1);
-        self.timed(|| (0..n).try_for_each(|i| launch(&mut y, i % h)))?;
-        Ok((self.last_kernel_ms() as f64 / n as f64, y0))
-    }
-
-    pub fn try_cholesky_upper_inverse_batched(
-        &self,
-        h: &[f32],
-        n: usize,
-        count: usize,
-    ) -> Result<Vec<Option<Vec<f32>>>, CudaError> {
-        if h.len() != count * n * n || n > CHOLESKY_MAX_N {
-            return Err(shape(
-                "cholesky_upper_inverse",
-                format!("h.len={} ≠ {count}·{n}², or n > {CHOLESKY_MAX_N}", h.len()),
-            ));
-        }
-        if n == 0 || count == 0 {
-            return Ok(vec![Some(Vec::new()); count]);
-        }
-        let h_d = self.upload(h, "upload H")?;
-        let mut u_d = self.output(count * n * n)?;
-        let mut st_d = self
-            .stream
-            .alloc_zeros::<i32>(count)
-            .map_err(driver("alloc status"))?;
-        self.timed(|| {
-            launch_cholesky(
-                &self.stream,
-                &self.quant.cholesky,
-                &mut u_d,
-                &mut st_d,
-                &h_d,
-                n,
-                count,
-            )
-        })?;
-        let u = self.stream.clone_dtoh(&u_d).map_err(driver("download U"))?;
-        let st = self
-            .stream
-            .clone_dtoh(&st_d)
-            .map_err(driver("download status"))?;
-        self.stream
-            .synchronize()
-            .map_err(driver("cholesky_upper_inverse"))?;
-        Ok(u.chunks(n * n)
-            .zip(&st)
-            .map(|(ub, &s)| (s == 0).then(|| ub.to_vec()))
-            .collect())
-    }
-
-    /// `cholesky_upper_inverse_batched` for n > CHOLESKY_MAX_N: cuSOLVER, the whole batch uploaded at once and
-    /// its factorizations queued back to back (solver.rs), then one download and one synchronization.
-    pub fn try_cholesky_upper_inverse_large(
-        &self,
-        solver: &super::solver::Solver,
-        h: &[f32],
-        n: usize,
-        count: usize,
-    ) -> Result<Vec<Option<Vec<f32>>>, CudaError> {
-        if h.len() != count * n * n {
-            return Err(shape(
-                "cholesky_upper_inverse",
-                format!("h.len={} ≠ {count}·{n}²", h.len()),
-            ));
-        }
-        if n == 0 || count == 0 {
-            return Ok(vec![Some(Vec::new()); count]);
-        }
-        let h_d = self.upload(h, "upload H")?;
-        let mut u_d = self.output(count * n * n)?;
-        let st_d = self.timed(|| {
-            solver.upper_inverse_batched(&self.quant.cholesky, &h_d, &mut u_d, n, count)
-        })?;
-        let u = self.stream.clone_dtoh(&u_d).map_err(driver("download U"))?;
-        let st = self
-            .stream
-            .clone_dtoh(&st_d)
-            .map_err(driver("download status"))?;
-        self.stream
-            .synchronize()
-            .map_err(driver("cholesky_upper_inverse"))?;
-        // Status per matrix: potrf info, trtri info, non-finite flag; all zero when it factored.
-        Ok(u.chunks(n * n)
-            .zip(st.chunks(3))
-            .map(|(ub, s)| s.iter().all(|&x| x == 0).then(|| ub.to_vec()))
-            .collect())
-    }
-
     /// cuSOLVER, opened on first use; the reason (printed once) when it cannot be.
-    fn solver(&self) -> Result<&super::solver::Solver, &str> {
+    pub(super) fn solver(&self) -> std::result::Result<&super::solver::Solver, &str> {
         self.solver
             .get_or_init(|| {
                 let s = super::solver::Solver::new(&self.stream);
                 if let Err(why) = &s {
                     eprintln!(
-                        "{}: {why}; Cholesky factors with n > {CHOLESKY_MAX_N} run on the CPU",
+                        "{}: {why}; Cholesky factors with n > {CHOLESKY_MAX_N} cannot run",
                         self.name
                     );
                 }
@@ -376,392 +220,887 @@ impl CudaBackend {
             .map_err(String::as_str)
     }
 
-    #[allow(clippy::too_many_arguments)]
-    pub fn try_gptq_sweep(
+    /// Factors H_b (n ≤ 128: the batched kernel; else cuSOLVER) of each b in `which` into u; true where H_b
+    /// factored. The status comes back in one download.
+    fn factor_subset(
         &self,
-        w: &[f32],
-        u: &[f32],
-        rows: usize,
+        h: &CudaSlice<f32>,
+        u: &mut CudaSlice<f32>,
         n: usize,
-        block_size: usize,
-        grids: StaticGrids,
-        maxq: u32,
-    ) -> Result<SweepResult, CudaError> {
-        check_grids("gptq_sweep", &grids, rows, n)?;
-        if w.len() != rows * n || u.len() != n * n || block_size == 0 {
-            return Err(shape(
-                "gptq_sweep",
-                format!(
-                    "w.len={} u.len={} block_size={block_size} for rows={rows}, n={n}",
-                    w.len(),
-                    u.len()
-                ),
-            ));
-        }
-        if rows == 0 || n == 0 {
-            return Ok(SweepResult {
-                q: vec![0.0; rows * n],
-                codes: vec![0; rows * n],
-            });
-        }
-        let bs = block_size.min(GPTQ_MAX_BLOCK);
-        let mut w_d = self.upload(w, "upload W")?;
-        let u_d = self.upload(u, "upload U")?;
-        let (s_d, z_d, cg_d) = self.upload_grids(&grids)?;
-        let mut q_d = self.output(rows * n)?;
-        let mut c_d = self.codes_output(rows * n)?;
-        let mut e_d = self
-            .stream
-            .alloc_zeros::<f32>(bs.min(n) * rows)
-            .map_err(driver("alloc E"))?;
-        let trailing = self.trailing();
-        self.timed(|| {
-            launch_gptq_sweep(
-                &self.stream,
-                &self.quant.sweep,
-                trailing,
-                GptqBuffers {
-                    w: &mut w_d,
-                    q: &mut q_d,
-                    codes: &mut c_d,
-                    e: &mut e_d,
-                    u: &u_d,
-                    scales: &s_d,
-                    zeros: &z_d,
-                    col_group: &cg_d,
-                },
-                rows,
-                n,
-                grids.n_groups,
-                bs,
-                maxq,
-            )
-        })?;
-        self.download_sweep(&q_d, &c_d, "gptq_sweep")
-    }
-
-    /// `gptq_sweep_dynamic`: the sweep on the device, each group's grids searched on the host (the CPU's own
-    /// `search_grid`, so the grids are the CPU's for the same weights) from the group's columns as the device
-    /// holds them when the sweep reaches the group.
-    #[allow(clippy::too_many_arguments)]
-    pub fn try_gptq_sweep_dynamic(
-        &self,
-        w: &[f32],
-        u: &[f32],
-        rows: usize,
-        n: usize,
-        block_size: usize,
-        groups: &DynamicGroups,
-        maxq: u32,
-    ) -> Result<(SweepResult, Vec<Grid<f32>>), CudaError> {
-        let g = groups.g;
-        if g == 0 || w.len() != rows * n || u.len() != n * n || block_size == 0 {
-            return Err(shape(
-                "gptq_sweep_dynamic",
-                format!(
-                    "g={g}, w.len={} u.len={} block_size={block_size} for rows={rows}, n={n}",
-                    w.len(),
-                    u.len()
-                ),
-            ));
-        }
-        let n_groups = n.div_ceil(g);
-        if groups.h_blocks.len() != n_groups {
-            return Err(shape(
-                "gptq_sweep_dynamic",
-                format!("{} H blocks for {n_groups} groups", groups.h_blocks.len()),
-            ));
-        }
-        if rows == 0 || n == 0 {
-            return Ok((
-                SweepResult {
-                    q: vec![0.0; rows * n],
-                    codes: vec![0; rows * n],
-                },
-                vec![Grid::default(); rows * n_groups],
-            ));
-        }
-        let bs = block_size.min(GPTQ_MAX_BLOCK);
-        let col_group: Vec<u32> = (0..n).map(|c| (c / g) as u32).collect();
-        let mut w_d = self.upload(w, "upload W")?;
-        let u_d = self.upload(u, "upload U")?;
-        let cg_d = self.upload(&col_group, "upload col_group")?;
-        let mut s_d = self.output(rows * n_groups)?;
-        let mut z_d = self.output(rows * n_groups)?;
-        let mut gathered = self.output(rows * g.min(n))?;
-        let mut q_d = self.output(rows * n)?;
-        let mut c_d = self.codes_output(rows * n)?;
-        let mut e_d = self
-            .stream
-            .alloc_zeros::<f32>(bs.min(n) * rows)
-            .map_err(driver("alloc E"))?;
-        let mut grids = vec![Grid::default(); rows * n_groups];
-        let mut search = |k: usize, cols: &[f32]| -> Vec<(f32, f32)> {
-            let len = cols.len() / rows;
-            let hb =
-                (groups.spec.search == ScaleSearch::Hessian).then(|| groups.h_blocks[k].as_slice());
-            let found: Vec<Grid<f32>> = cols
-                .par_chunks(len)
-                .map(|row| search_grid(row, hb, groups.spec))
-                .collect();
-            for (r, gr) in found.iter().enumerate() {
-                grids[r * n_groups + k] = *gr;
-            }
-            found.iter().map(|gr| (gr.scale, gr.zero)).collect()
-        };
-        let trailing = self.trailing();
-        self.timed(|| {
-            launch_gptq_sweep_dynamic(
-                &self.stream,
-                &self.quant.sweep,
-                trailing,
-                GptqDynamicBuffers {
-                    w: &mut w_d,
-                    q: &mut q_d,
-                    codes: &mut c_d,
-                    e: &mut e_d,
-                    u: &u_d,
-                    scales: &mut s_d,
-                    zeros: &mut z_d,
-                    col_group: &cg_d,
-                    gathered: &mut gathered,
-                },
-                rows,
-                n,
-                g,
-                bs,
-                maxq,
-                &mut search,
-            )
-        })?;
-        let result = self.download_sweep(&q_d, &c_d, "gptq_sweep_dynamic")?;
-        Ok((result, grids))
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    pub fn try_boa_sweep(
-        &self,
-        w: &[f32],
-        u_col: UCol,
-        u_row: &[f32],
-        n_heads: usize,
-        d_h: usize,
-        n: usize,
-        grids: StaticGrids,
-        maxq: u32,
-    ) -> Result<SweepResult, CudaError> {
-        let rows = n_heads * d_h;
-        check_grids("boa_sweep", &grids, rows, n)?;
-        let (u, per_head) = match u_col {
-            UCol::Shared(u) => (u, false),
-            UCol::PerHead(u) => (u, true),
-        };
-        let u_len = if per_head { n_heads * n * n } else { n * n };
-        if w.len() != rows * n
-            || u.len() != u_len
-            || u_row.len() != n_heads * d_h * d_h
-            || d_h > BOA_MAX_DH
-        {
-            return Err(shape(
-                "boa_sweep",
-                format!(
-                    "w.len={} u_col.len={} u_row.len={} for n_heads={n_heads}, d_h={d_h} (≤ {BOA_MAX_DH}), n={n}",
-                    w.len(),
-                    u.len(),
-                    u_row.len()
-                ),
-            ));
-        }
-        if rows == 0 || n == 0 {
-            return Ok(SweepResult {
-                q: vec![0.0; rows * n],
-                codes: vec![0; rows * n],
-            });
-        }
-        // F[j, i] = U_row[j, i] / U_row[j, j], the factor of Eq. (12), divided exactly as the CPU twin does.
-        let mut f = vec![0f32; n_heads * d_h * d_h];
-        for hd in 0..n_heads {
-            let ur = &u_row[hd * d_h * d_h..(hd + 1) * d_h * d_h];
-            for j in 0..d_h {
-                for i in j + 1..d_h {
-                    f[hd * d_h * d_h + j * d_h + i] = ur[j * d_h + i] / ur[j * d_h + j];
+        which: &[usize],
+    ) -> Result<Vec<bool>> {
+        let nn = n * n;
+        let all = which.len() * nn == h.len() && which.iter().enumerate().all(|(i, &b)| i == b);
+        if n <= CHOLESKY_MAX_N {
+            let mut st = self.zeros_of::<i32>(which.len(), "alloc status")?;
+            if all {
+                launch_cholesky(
+                    &self.stream,
+                    &self.quant.cholesky,
+                    u,
+                    &mut st,
+                    h,
+                    n,
+                    which.len(),
+                )?;
+            } else {
+                // A damping retry of a few matrices: each through a one-matrix scratch pair.
+                let mut hb = self.zeros_of::<f32>(nn, "alloc H")?;
+                let mut ub = self.zeros_of::<f32>(nn, "alloc U")?;
+                let mut s1 = self.zeros_of::<i32>(1, "alloc status")?;
+                for (i, &b) in which.iter().enumerate() {
+                    self.stream
+                        .memcpy_dtod(&h.slice(b * nn..(b + 1) * nn), &mut hb)
+                        .map_err(driver("stage H"))?;
+                    launch_cholesky(
+                        &self.stream,
+                        &self.quant.cholesky,
+                        &mut ub,
+                        &mut s1,
+                        &hb,
+                        n,
+                        1,
+                    )?;
+                    self.stream
+                        .memcpy_dtod(&ub, &mut u.slice_mut(b * nn..(b + 1) * nn))
+                        .map_err(driver("place U"))?;
+                    self.stream
+                        .memcpy_dtod(&s1, &mut st.slice_mut(i..i + 1))
+                        .map_err(driver("place status"))?;
                 }
             }
+            let st = self.download(&st, "download factor status")?;
+            return Ok(st[..which.len()].iter().map(|&s| s == 0).collect());
         }
-        let mut w_d = self.upload(w, "upload W")?;
-        let w0_d = self.upload(w, "upload W0")?;
-        let u_d = self.upload(u, "upload U_col")?;
-        let f_d = self.upload(&f, "upload F")?;
-        let (s_d, z_d, cg_d) = self.upload_grids(&grids)?;
-        let mut q_d = self.output(rows * n)?;
-        let mut c_d = self.codes_output(rows * n)?;
-        let variant = self.boa_block_variant_in_use();
-        let mut e_d = self
-            .stream
-            .alloc_zeros::<f32>(variant.block().min(n) * rows)
-            .map_err(driver("alloc E"))?;
-        let trailing = self.trailing();
-        self.timed(|| {
-            launch_boa_sweep(
-                &self.stream,
-                &self.quant.sweep,
-                trailing,
-                variant,
-                BoaBuffers {
-                    w: &mut w_d,
-                    w0: &w0_d,
-                    q: &mut q_d,
-                    codes: &mut c_d,
-                    e: &mut e_d,
-                    u_col: &u_d,
-                    f_row: &f_d,
-                    scales: &s_d,
-                    zeros: &z_d,
-                    col_group: &cg_d,
-                },
-                per_head,
-                n_heads,
-                d_h,
-                n,
-                grids.n_groups,
-                maxq,
-            )
+        let solver = self.solver().map_err(|why| {
+            anyhow!("cuSOLVER is needed for factors of n = {n} > {CHOLESKY_MAX_N}: {why}")
         })?;
-        self.download_sweep(&q_d, &c_d, "boa_sweep")
+        let st = solver.upper_inverse_subset(&self.quant.cholesky, h, u, n, which)?;
+        let st = self.download(&st, "download factor status")?;
+        // Per matrix: potrf info, trtri info, non-finite flag; all zero when it factored.
+        Ok(st
+            .chunks(3)
+            .take(which.len())
+            .map(|s| s.iter().all(|&x| x == 0))
+            .collect())
+    }
+
+    /// Σ over the DOT_CTAS partials of a·b (f64), one download.
+    fn dot(
+        &self,
+        a: &CudaSlice<f32>,
+        b: &CudaSlice<f32>,
+        range: std::ops::Range<usize>,
+    ) -> Result<f64> {
+        let mut part = self.zeros_of::<f64>(DOT_CTAS, "alloc partial sums")?;
+        launch_dot_partials(
+            &self.stream,
+            &self.quant.core,
+            &mut part.slice_mut(..),
+            &a.slice(range.clone()),
+            &b.slice(range),
+        )?;
+        Ok(self.download(&part, "download partial sums")?.iter().sum())
+    }
+
+    /// [rows × n] (grids: [rows × n_groups]) gathered or scattered by rows and per-part column permutations.
+    fn permute_dev<T: super::core::Gathered + ValidAsZeroBits>(
+        &self,
+        src: &CudaSlice<T>,
+        rows: usize,
+        n: usize,
+        row_perm: &[usize],
+        col_perms: &[Vec<usize>],
+        scatter: bool,
+    ) -> Result<CudaSlice<T>> {
+        let rp: Vec<u32> = row_perm.iter().map(|&r| r as u32).collect();
+        let cp: Vec<u32> = col_perms.iter().flatten().map(|&c| c as u32).collect();
+        let (rp_d, cp_d) = (
+            self.upload(&rp, "upload row permutation")?,
+            self.upload(&cp, "upload column permutation")?,
+        );
+        let mut out = self.zeros_of::<T>(rows * n, "alloc permuted")?;
+        let per_part = rows / col_perms.len().max(1);
+        launch_gather(
+            &self.stream,
+            &self.quant.core,
+            &mut out,
+            src,
+            &rp_d,
+            &cp_d,
+            rows,
+            n,
+            per_part.max(1),
+            scatter,
+        )?;
+        Ok(out)
+    }
+
+    fn permute_grids(&self, g: &Grids, row_perm: &[usize], scatter: bool) -> Result<Grids> {
+        let (rows, ng) = (g.rows(), g.n_groups());
+        let id = vec![(0..ng).collect::<Vec<usize>>()];
+        let one = |m: &Mat| -> Result<Mat> {
+            Ok(dmat(
+                self.permute_dev(dev(m, "grids")?, rows, ng, row_perm, &id, scatter)?,
+                1,
+                rows,
+                ng,
+            ))
+        };
+        Ok(Grids {
+            scale: one(&g.scale)?,
+            zero: one(&g.zero)?,
+        })
+    }
+
+    fn check_perms(
+        &self,
+        rows: usize,
+        n: usize,
+        row_perm: &[usize],
+        col_perms: &[Vec<usize>],
+    ) -> Result<()> {
+        check_perm(row_perm, rows, "row permutation")?;
+        if col_perms.is_empty() || !rows.is_multiple_of(col_perms.len()) {
+            bail!(
+                "cuda: {} column permutations for {rows} rows",
+                col_perms.len()
+            );
+        }
+        col_perms
+            .iter()
+            .try_for_each(|p| check_perm(p, n, "column permutation"))
     }
 }
 
 impl QuantOps for CudaBackend {
-    fn accelerates_statistics(&self) -> bool {
-        true
+    fn stat_acc(&self, batch: usize, n: usize) -> Result<Mat> {
+        Ok(dmat(
+            self.zeros_of::<f32>(batch * n * n, "alloc accumulator")?,
+            batch,
+            n,
+            n,
+        ))
     }
 
-    fn accelerates_quantization(&self) -> bool {
-        true
+    fn stat_xxt(&self, acc: &mut Mat, x: &Tensor, m: usize) -> Result<()> {
+        let d = acc.rows;
+        with_acc(acc, |t| self.try_xxt_accumulate_t(t, x, m, d))
     }
 
-    fn xxt_accumulate(&self, h: &mut [f32], x: &[f32], m: usize, d: usize) {
-        self.try_xxt_accumulate(h, x, m, d)
-            .unwrap_or_else(|e| panic!("{} xxt_accumulate (m={m}, d={d}): {e}", self.name));
+    fn stat_head_cov(&self, acc: &mut Mat, x: &Tensor, m: usize) -> Result<()> {
+        let (nh, dh) = (acc.batch, acc.rows);
+        with_acc(acc, |t| self.try_head_covariance_t(t, x, m, nh, dh))
     }
 
-    fn head_covariance(&self, x: &[f32], m: usize, n_heads: usize, d_h: usize) -> Vec<f32> {
-        self.try_head_covariance(x, m, n_heads, d_h)
-            .unwrap_or_else(|e| {
-                panic!(
-                    "{} head_covariance (m={m}, n_heads={n_heads}, d_h={d_h}): {e}",
-                    self.name
-                )
-            })
-    }
-
-    fn v_col_covariance(&self, x: &[f32], q: &[f32], k: &[f32], s: AttnShape) -> Vec<f32> {
-        if s.d_h > ATTN_MAX_DH {
-            // The attention tiles hold d_h ≤ 128 columns; wider heads (none in Llama-family models) use the CPU.
-            return CpuBackend.v_col_covariance(x, q, k, s);
-        }
-        self.try_v_col_covariance(x, q, k, s)
-            .unwrap_or_else(|e| panic!("{} v_col_covariance ({s:?}): {e}", self.name))
-    }
-
-    fn cholesky_upper_inverse_batched(
+    /// With d_h > 128 (none of the Llama family) the attention tiles do not fit: the CPU's sums of the same
+    /// sequences are added in (a host round trip of X, Q and K).
+    fn stat_v_col(
         &self,
-        h: &[f32],
-        n: usize,
-        count: usize,
-    ) -> Vec<Option<Vec<f32>>> {
-        if n > CHOLESKY_MAX_N {
-            // d_in-sized H_col: the one-CTA kernel holds n ≤ 128.
-            let Ok(solver) = self.solver() else {
-                return CpuBackend.cholesky_upper_inverse_batched(h, n, count);
+        acc: &mut Mat,
+        x: &Tensor,
+        q: &Tensor,
+        k: &Tensor,
+        s: AttnShape,
+        n_seq: usize,
+    ) -> Result<()> {
+        if s.d_h > ATTN_MAX_DH {
+            let host = |t: &Tensor| -> Result<Tensor> {
+                Ok(Tensor::Host(
+                    crate::backend::Backend::read(self, t).into_owned(),
+                ))
             };
-            return self
-                .try_cholesky_upper_inverse_large(solver, h, n, count)
-                .unwrap_or_else(|e| {
-                    panic!(
-                        "{} cholesky_upper_inverse (cuSOLVER, n={n}, count={count}): {e}",
-                        self.name
-                    )
-                });
+            let mut a = CpuBackend.stat_acc(acc.batch, acc.rows)?;
+            CpuBackend.stat_v_col(&mut a, &host(x)?, &host(q)?, &host(k)?, s, n_seq)?;
+            let mut sum = self.read_f32(acc)?;
+            sum.iter_mut()
+                .zip(a.host_f64().expect("CPU sums are f64"))
+                .for_each(|(x, &y)| *x += y as f32);
+            *dev_mut(acc, "accumulator")? = self.upload(&sum, "upload accumulator")?;
+            return Ok(());
         }
-        self.try_cholesky_upper_inverse_batched(h, n, count)
-            .unwrap_or_else(|e| {
-                panic!(
-                    "{} cholesky_upper_inverse (n={n}, count={count}): {e}",
-                    self.name
-                )
-            })
+        with_acc(acc, |t| self.try_v_col_covariance_t(t, x, q, k, s, n_seq))
     }
 
-    /// The Hessian search on the device (search.rs); MinMax / Mse, n = 0, or no cuBLAS: the CPU search.
+    fn stat_finish(&self, acc: Mat, tokens: usize, div: f64) -> Result<Mat> {
+        let (b, n) = (acc.batch, acc.rows);
+        let f = if tokens == 0 {
+            0.0
+        } else {
+            2.0 / (tokens as f64 * div)
+        };
+        let mut d = into_dev(acc, "accumulator")?;
+        launch_finish_sym(&self.stream, &self.quant.core, &mut d, n, b, f as f32)?;
+        Ok(dmat(d, b, n, n))
+    }
+
+    /// W_outᵀ W_out per query head on the device (the head-covariance kernel over o_proj's rows), folded into
+    /// the KV heads on the host: [n_heads × d_h × d_h] is small.
+    fn wout_row_hessians(&self, w_o: &Mat, n_heads: usize, n_kv: usize, d_h: usize) -> Result<Mat> {
+        if w_o.cols != n_heads * d_h || n_kv == 0 || !n_heads.is_multiple_of(n_kv) {
+            bail!(
+                "wout_row_hessians: W_o {} for {n_heads} heads of {d_h}",
+                w_o.describe()
+            );
+        }
+        let mut acc = self.stat_acc(n_heads, d_h)?;
+        self.stat_head_cov(
+            &mut acc,
+            &Tensor::Device(self.copy_of(dev(w_o, "W_o")?)?),
+            w_o.rows,
+        )?;
+        let per_head = self.read_f64(&acc)?;
+        let gs = n_heads / n_kv;
+        let dd = d_h * d_h;
+        let mut out = vec![0.0; n_kv * dd];
+        for h in 0..n_heads {
+            for (o, &v) in out[(h / gs) * dd..(h / gs + 1) * dd]
+                .iter_mut()
+                .zip(&per_head[h * dd..(h + 1) * dd])
+            {
+                *o += v / gs as f64;
+            }
+        }
+        self.hessian(out, n_kv, d_h)
+    }
+
+    fn read_f64(&self, m: &Mat) -> Result<Vec<f64>> {
+        Ok(self.read_f32(m)?.into_iter().map(|x| x as f64).collect())
+    }
+
+    fn read_f32(&self, m: &Mat) -> Result<Vec<f32>> {
+        Ok(self.download(dev(m, "matrix")?, "download matrix")?)
+    }
+
+    fn read_codes(&self, c: &Codes) -> Result<Vec<u8>> {
+        Ok(self.download(codes_dev(c, "codes")?, "download codes")?)
+    }
+
+    fn hessian(&self, v: Vec<f64>, batch: usize, n: usize) -> Result<Mat> {
+        if v.len() != batch * n * n {
+            bail!("hessian: {} values are not [{batch} × {n} × {n}]", v.len());
+        }
+        self.upload_mat(Mat::f64(v, batch, n, n))
+    }
+
+    fn diag(&self, h: &Mat) -> Result<Vec<f64>> {
+        let (b, n) = (h.batch, h.rows);
+        let mut d = self.out_f32(b * n)?;
+        launch_diag(&self.stream, &self.quant.core, &mut d, dev(h, "H")?, n, b)?;
+        Ok(self.download(&d, "download diagonal")?[..b * n]
+            .iter()
+            .map(|&x| x as f64)
+            .collect())
+    }
+
+    fn permute_sym(&self, h: &Mat, perms: &[Vec<usize>]) -> Result<Mat> {
+        let (b, n) = (h.batch, h.rows);
+        if perms.len() != b {
+            bail!(
+                "permute_sym: {} permutations for {}",
+                perms.len(),
+                h.describe()
+            );
+        }
+        perms
+            .iter()
+            .try_for_each(|p| check_perm(p, n, "permutation"))?;
+        let p: Vec<u32> = perms.iter().flatten().map(|&i| i as u32).collect();
+        let p_d = self.upload(&p, "upload permutation")?;
+        let mut out = self.out_f32(b * n * n)?;
+        launch_permute_sym(
+            &self.stream,
+            &self.quant.core,
+            &mut out,
+            dev(h, "H")?,
+            &p_d,
+            n,
+            b,
+        )?;
+        Ok(dmat(out, b, n, n))
+    }
+
+    fn set_diag(&self, h: &mut Mat, entries: &[(usize, usize, f64)]) -> Result<()> {
+        let (b, n) = (h.batch, h.rows);
+        if entries.is_empty() {
+            return Ok(());
+        }
+        if entries.iter().any(|&(m, i, _)| m >= b || i >= n) {
+            bail!("set_diag: an entry outside {}", h.describe());
+        }
+        let mat: Vec<u32> = entries.iter().map(|e| e.0 as u32).collect();
+        let idx: Vec<u32> = entries.iter().map(|e| e.1 as u32).collect();
+        let val: Vec<f32> = entries.iter().map(|e| e.2 as f32).collect();
+        let (m_d, i_d, v_d) = (
+            self.upload(&mat, "upload entries")?,
+            self.upload(&idx, "upload entries")?,
+            self.upload(&val, "upload entries")?,
+        );
+        launch_set_diag(
+            &self.stream,
+            &self.quant.core,
+            dev_mut(h, "H")?,
+            &m_d,
+            &i_d,
+            &v_d,
+            n,
+            entries.len(),
+        )?;
+        Ok(())
+    }
+
+    fn add_diag(&self, h: &mut Mat, amounts: &[(usize, f64)]) -> Result<()> {
+        let (b, n) = (h.batch, h.rows);
+        if amounts.is_empty() {
+            return Ok(());
+        }
+        if amounts.iter().any(|&(m, _)| m >= b) {
+            bail!("add_diag: a matrix outside {}", h.describe());
+        }
+        let mat: Vec<u32> = amounts.iter().map(|e| e.0 as u32).collect();
+        let val: Vec<f32> = amounts.iter().map(|e| e.1 as f32).collect();
+        let (m_d, v_d) = (
+            self.upload(&mat, "upload amounts")?,
+            self.upload(&val, "upload amounts")?,
+        );
+        launch_add_diag(
+            &self.stream,
+            &self.quant.core,
+            dev_mut(h, "H")?,
+            &m_d,
+            &v_d,
+            n,
+        )?;
+        Ok(())
+    }
+
+    fn factor(&self, h: &Mat, u: Option<Mat>, which: &[usize]) -> Result<(Mat, Vec<bool>)> {
+        let (b, n) = (h.batch, h.rows);
+        if which.iter().any(|&i| i >= b) {
+            bail!("factor: a matrix index ≥ {b}");
+        }
+        let mut ud = match u {
+            Some(u) if u.batch == b && u.rows == n && u.cols == n => into_dev(u, "U")?,
+            Some(u) => bail!("factor: U {} for H {}", u.describe(), h.describe()),
+            None => self.zeros_of::<f32>(b * n * n, "alloc U")?,
+        };
+        let ok = if which.is_empty() || n == 0 {
+            vec![true; which.len()]
+        } else {
+            self.factor_subset(dev(h, "H")?, &mut ud, n, which)?
+        };
+        Ok((dmat(ud, b, n, n), ok))
+    }
+
+    fn zero_cols(&self, w: &Mat, cols: &[Vec<usize>]) -> Result<Mat> {
+        let (rows, n) = (w.rows, w.cols);
+        if cols.is_empty()
+            || !rows.is_multiple_of(cols.len())
+            || cols.iter().flatten().any(|&c| c >= n)
+        {
+            bail!(
+                "zero_cols: {} parts of columns for {}",
+                cols.len(),
+                w.describe()
+            );
+        }
+        let mut out = self.copy_of(dev(w, "W")?)?;
+        if cols.iter().any(|c| !c.is_empty()) {
+            let mut mask = vec![0u8; cols.len() * n];
+            for (p, cs) in cols.iter().enumerate() {
+                for &c in cs {
+                    mask[p * n + c] = 1;
+                }
+            }
+            let m_d = self.upload(&mask, "upload dead-column mask")?;
+            launch_zero_cols(
+                &self.stream,
+                &self.quant.core,
+                &mut out,
+                &m_d,
+                rows,
+                n,
+                rows / cols.len(),
+            )?;
+        }
+        Ok(dmat(out, 1, rows, n))
+    }
+
+    /// TEMPORARY HOST ROUTE (issue 19): W and the H blocks go to the host and the CPU's search runs there;
+    /// the device search (search.rs) needs its candidate table built on the device first.
     fn search_grids(
         &self,
-        w: &[f32],
-        rows: usize,
-        n: usize,
-        h: &[f32],
+        w: &Mat,
+        h: Option<&Mat>,
+        idx: &[Vec<usize>],
+        h_of_part: &[usize],
+        g: usize,
         spec: &QuantSpec,
-    ) -> Vec<Grid<f32>> {
-        self.search_grids_routed(w, rows, n, h, spec)
+    ) -> Result<Grids> {
+        let wh = self.host_mat(w, false)?;
+        let hh = h
+            .filter(|_| spec.search == crate::ops::ScaleSearch::Hessian)
+            .map(|h| self.host_mat(h, true))
+            .transpose()?;
+        let grids = CpuBackend.search_grids(&wh, hh.as_ref(), idx, h_of_part, g, spec)?;
+        self.device_grids(grids)
     }
 
+    fn reorder(
+        &self,
+        w: &Mat,
+        grids: Option<&Grids>,
+        row_perm: &[usize],
+        col_perms: &[Vec<usize>],
+    ) -> Result<(Mat, Option<Grids>)> {
+        let (rows, n) = (w.rows, w.cols);
+        self.check_perms(rows, n, row_perm, col_perms)?;
+        let wp = dmat(
+            self.permute_dev(dev(w, "W")?, rows, n, row_perm, col_perms, false)?,
+            1,
+            rows,
+            n,
+        );
+        let gp = grids
+            .map(|g| self.permute_grids(g, row_perm, false))
+            .transpose()?;
+        Ok((wp, gp))
+    }
+
+    fn unorder(
+        &self,
+        s: Swept,
+        row_perm: &[usize],
+        col_perms: &[Vec<usize>],
+    ) -> Result<(Mat, Codes, Grids)> {
+        let (rows, n) = (s.q.rows, s.q.cols);
+        self.check_perms(rows, n, row_perm, col_perms)?;
+        let w_hat = dmat(
+            self.permute_dev(dev(&s.q, "Q")?, rows, n, row_perm, col_perms, true)?,
+            1,
+            rows,
+            n,
+        );
+        let codes = self.permute_dev(
+            codes_dev(&s.codes, "codes")?,
+            rows,
+            n,
+            row_perm,
+            col_perms,
+            true,
+        )?;
+        let grids = self.permute_grids(&s.grids, row_perm, true)?;
+        Ok((w_hat, Codes::Device(codes), grids))
+    }
+
+    fn rtn(&self, w: &Mat, grids: &Grids, col_group: &[u32], maxq: u32) -> Result<(Mat, Codes)> {
+        let (rows, n, ng) = (w.rows, w.cols, grids.n_groups());
+        if col_group.len() != n
+            || col_group.iter().any(|&k| k as usize >= ng)
+            || grids.rows() != rows
+        {
+            bail!(
+                "rtn: grids [{} × {ng}] or col_group do not fit {}",
+                grids.rows(),
+                w.describe()
+            );
+        }
+        let cg = self.upload(col_group, "upload col_group")?;
+        let mut q = self.out_f32(rows * n)?;
+        let mut codes = self.out_u8(rows * n)?;
+        launch_rtn(
+            &self.stream,
+            &self.quant.core,
+            &mut q,
+            &mut codes,
+            dev(w, "W")?,
+            dev(&grids.scale, "scales")?,
+            dev(&grids.zero, "zeros")?,
+            &cg,
+            rows,
+            n,
+            ng,
+            maxq,
+        )?;
+        Ok((dmat(q, 1, rows, n), Codes::Device(codes)))
+    }
+
+    /// Static grids and per-group searches both stay on the device but for the dynamic searches themselves,
+    /// which still go through the host (TEMPORARY, issue 19): the group's columns down, the CPU's search, the
+    /// grids up.
     fn gptq_sweep(
         &self,
-        w: &[f32],
-        u: &[f32],
-        rows: usize,
-        n: usize,
-        block_size: usize,
-        grids: StaticGrids,
+        w: Mat,
+        u: &Mat,
+        grids: GridMode,
+        block: usize,
         maxq: u32,
-    ) -> SweepResult {
-        self.try_gptq_sweep(w, u, rows, n, block_size, grids, maxq)
-            .unwrap_or_else(|e| panic!("{} gptq_sweep (rows={rows}, n={n}): {e}", self.name))
+    ) -> Result<Swept> {
+        let (rows, n) = (w.rows, w.cols);
+        if block == 0 || u.rows != n || u.cols != n || u.batch != 1 {
+            bail!(
+                "gptq_sweep: U {} for W [{rows} × {n}], block {block}",
+                u.describe()
+            );
+        }
+        let bs = block.min(GPTQ_MAX_BLOCK);
+        let mut w_d = into_dev(w, "W")?;
+        let w0 = self.copy_of(&w_d)?;
+        let mut q_d = self.out_f32(rows * n)?;
+        let mut c_d = self.out_u8(rows * n)?;
+        let mut e_d = self.zeros_of::<f32>(bs.min(n) * rows, "alloc E")?;
+        let mut loss = self.zeros_of::<f32>(rows, "alloc loss")?;
+        let u_d = dev(u, "U")?;
+        let trailing = self.trailing();
+        let grids = match grids {
+            GridMode::Static { grids, col_group } => {
+                let cg = col_group
+                    .first()
+                    .ok_or_else(|| anyhow!("gptq_sweep: no col_group"))?;
+                if cg.len() != n
+                    || cg.iter().any(|&k| k as usize >= grids.n_groups())
+                    || grids.rows() != rows
+                {
+                    bail!("gptq_sweep: grids or col_group do not fit [{rows} × {n}]");
+                }
+                let cg_d = self.upload(cg, "upload col_group")?;
+                launch_gptq_sweep(
+                    &self.stream,
+                    &self.quant.sweep,
+                    trailing,
+                    GptqBuffers {
+                        w: &mut w_d,
+                        q: &mut q_d,
+                        codes: &mut c_d,
+                        e: &mut e_d,
+                        u: u_d,
+                        scales: dev(&grids.scale, "scales")?,
+                        zeros: dev(&grids.zero, "zeros")?,
+                        col_group: &cg_d,
+                        loss: &mut loss,
+                    },
+                    rows,
+                    n,
+                    grids.n_groups(),
+                    bs,
+                    maxq,
+                )?;
+                grids
+            }
+            GridMode::Dynamic { g, h, spec } => {
+                let ng = n.div_ceil(g.max(1));
+                let cg: Vec<u32> = (0..n).map(|c| (c / g.max(1)) as u32).collect();
+                let cg_d = self.upload(&cg, "upload col_group")?;
+                let mut s_d = self.zeros_of::<f32>(rows * ng, "alloc scales")?;
+                let mut z_d = self.zeros_of::<f32>(rows * ng, "alloc zeros")?;
+                let mut gathered = self.zeros_of::<f32>(rows * g.min(n), "alloc group columns")?;
+                let hp = match (spec.search, h) {
+                    (crate::ops::ScaleSearch::Hessian, Some(h)) => Some(self.read_f64(h)?),
+                    _ => None,
+                };
+                let (mut hs, mut hz) = (vec![0f32; rows * ng], vec![0f32; rows * ng]);
+                let mut search = |k: usize,
+                                  cols: &CudaSlice<f32>,
+                                  len: usize,
+                                  sc: &mut CudaSlice<f32>,
+                                  ze: &mut CudaSlice<f32>|
+                 -> std::result::Result<(), CudaError> {
+                    let mut host = vec![0f32; rows * len];
+                    self.stream
+                        .memcpy_dtoh(&cols.slice(..rows * len), &mut host)
+                        .map_err(driver("download group weights"))?;
+                    self.stream
+                        .synchronize()
+                        .map_err(driver("gptq_sweep_dynamic group"))?;
+                    let hb = hp
+                        .as_deref()
+                        .map(|h| crate::quant::quantizer::h_block_f32(h, n, k * g, len));
+                    let found = crate::quant::quantizer::search_grids_rows(
+                        &host,
+                        rows,
+                        len,
+                        0,
+                        len,
+                        hb.as_deref(),
+                        spec,
+                    );
+                    for (r, gr) in found.iter().enumerate() {
+                        hs[r * ng + k] = gr.scale;
+                        hz[r * ng + k] = gr.zero;
+                    }
+                    self.stream
+                        .memcpy_htod(&hs, sc)
+                        .map_err(driver("upload group scales"))?;
+                    self.stream
+                        .memcpy_htod(&hz, ze)
+                        .map_err(driver("upload group zeros"))?;
+                    Ok(())
+                };
+                launch_gptq_sweep_dynamic(
+                    &self.stream,
+                    &self.quant.sweep,
+                    trailing,
+                    GptqDynamicBuffers {
+                        w: &mut w_d,
+                        q: &mut q_d,
+                        codes: &mut c_d,
+                        e: &mut e_d,
+                        u: u_d,
+                        scales: &mut s_d,
+                        zeros: &mut z_d,
+                        col_group: &cg_d,
+                        gathered: &mut gathered,
+                        loss: &mut loss,
+                    },
+                    rows,
+                    n,
+                    g,
+                    bs,
+                    maxq,
+                    &mut search,
+                )?;
+                Grids {
+                    scale: dmat(s_d, 1, rows, ng),
+                    zero: dmat(z_d, 1, rows, ng),
+                }
+            }
+        };
+        let loss = self.download(&loss, "download loss")?[..rows]
+            .iter()
+            .map(|&x| x as f64)
+            .sum();
+        let mut delta = self.out_f32(rows * n)?;
+        launch_sub(&self.stream, &self.quant.core, &mut delta, &q_d, &w0)?;
+        let delta_sq = self.dot(&delta, &delta, 0..rows * n)?;
+        Ok(Swept {
+            q: dmat(q_d, 1, rows, n),
+            codes: Codes::Device(c_d),
+            grids,
+            loss,
+            delta_sq,
+        })
     }
 
-    fn gptq_sweep_dynamic(
-        &self,
-        w: &[f32],
-        u: &[f32],
-        rows: usize,
-        n: usize,
-        block_size: usize,
-        groups: &DynamicGroups,
-        maxq: u32,
-    ) -> (SweepResult, Vec<Grid<f32>>) {
-        self.try_gptq_sweep_dynamic(w, u, rows, n, block_size, groups, maxq)
-            .unwrap_or_else(|e| {
-                panic!(
-                    "{} gptq_sweep_dynamic (rows={rows}, n={n}, g={}): {e}",
-                    self.name, groups.g
-                )
-            })
-    }
-
+    /// Static grids: the wavefront kernel (sweep.rs). Dynamic groups, or heads wider than 128: TEMPORARY HOST
+    /// ROUTE (issue 19), the CPU's sweep on the downloaded buffers.
     fn boa_sweep(
         &self,
-        w: &[f32],
-        u_col: UCol,
-        u_row: &[f32],
-        n_heads: usize,
+        w: Mat,
+        u_col: &Mat,
+        u_row: &Mat,
         d_h: usize,
-        n: usize,
-        block_size: usize,
-        grids: StaticGrids,
+        block: usize,
+        grids: GridMode,
         maxq: u32,
-    ) -> SweepResult {
-        if d_h > BOA_MAX_DH {
-            // One CTA per head holds ≤ 128 rows; wider heads use the CPU.
-            return CpuBackend.boa_sweep(w, u_col, u_row, n_heads, d_h, n, block_size, grids, maxq);
+    ) -> Result<Swept> {
+        let (rows, n) = (w.rows, w.cols);
+        let n_heads = rows / d_h.max(1);
+        let static_grids = matches!(grids, GridMode::Static { .. });
+        if !static_grids || d_h > BOA_MAX_DH {
+            let wh = self.host_mat(&w, false)?;
+            let (uc, ur) = (self.host_mat(u_col, true)?, self.host_mat(u_row, true)?);
+            let grids = match grids {
+                GridMode::Static { grids, col_group } => GridMode::Static {
+                    grids: self.host_grids(&grids)?,
+                    col_group,
+                },
+                GridMode::Dynamic { g, h, spec } => {
+                    let hh = h.map(|h| self.host_mat(h, true)).transpose()?;
+                    let s = CpuBackend.boa_sweep(
+                        wh,
+                        &uc,
+                        &ur,
+                        d_h,
+                        block,
+                        GridMode::Dynamic {
+                            g,
+                            h: hh.as_ref(),
+                            spec,
+                        },
+                        maxq,
+                    )?;
+                    return self.device_swept(s);
+                }
+            };
+            let s = CpuBackend.boa_sweep(wh, &uc, &ur, d_h, block, grids, maxq)?;
+            return self.device_swept(s);
         }
-        // The kernel's column block is the block variant's width whatever `block_size` says (sweep.rs): the
-        // block width only changes the rounding order of the trailing updates.
-        self.try_boa_sweep(w, u_col, u_row, n_heads, d_h, n, grids, maxq)
-            .unwrap_or_else(|e| {
-                panic!(
-                    "{} boa_sweep (n_heads={n_heads}, d_h={d_h}, n={n}): {e}",
-                    self.name
-                )
-            })
+        let GridMode::Static { grids, col_group } = grids else {
+            unreachable!("static checked above")
+        };
+        if d_h == 0
+            || n_heads * d_h != rows
+            || u_row.batch != n_heads
+            || !(u_col.batch == 1 || u_col.batch == n_heads)
+        {
+            bail!(
+                "boa_sweep: U_col {} and U_row {} for W [{rows} × {n}] in heads of {d_h}",
+                u_col.describe(),
+                u_row.describe()
+            );
+        }
+        // One col_group serves every head: with groups, the heads' column orders agree (boa_quantize refuses
+        // per-head act-order with groups); per channel every column is in group 0.
+        let cg = col_group
+            .first()
+            .ok_or_else(|| anyhow!("boa_sweep: no col_group"))?;
+        if col_group.iter().any(|c| c != cg) || cg.len() != n {
+            bail!("boa_sweep: the heads' column groups differ");
+        }
+        let cg_d = self.upload(cg, "upload col_group")?;
+        let mut f = self.out_f32(n_heads * d_h * d_h)?;
+        launch_u_row_f(
+            &self.stream,
+            &self.quant.core,
+            &mut f,
+            dev(u_row, "U_row")?,
+            d_h,
+            n_heads,
+        )?;
+        let mut w_d = into_dev(w, "W")?;
+        let w0 = self.copy_of(&w_d)?;
+        let mut q_d = self.out_f32(rows * n)?;
+        let mut c_d = self.out_u8(rows * n)?;
+        let variant = self.boa_block_variant_in_use();
+        let mut e_d = self.zeros_of::<f32>(variant.block().min(n) * rows, "alloc E")?;
+        launch_boa_sweep(
+            &self.stream,
+            &self.quant.sweep,
+            self.trailing(),
+            variant,
+            BoaBuffers {
+                w: &mut w_d,
+                w0: &w0,
+                q: &mut q_d,
+                codes: &mut c_d,
+                e: &mut e_d,
+                u_col: dev(u_col, "U_col")?,
+                f_row: &f,
+                scales: dev(&grids.scale, "scales")?,
+                zeros: dev(&grids.zero, "zeros")?,
+                col_group: &cg_d,
+            },
+            u_col.batch == n_heads && n_heads > 1,
+            n_heads,
+            d_h,
+            n,
+            grids.n_groups(),
+            maxq,
+        )?;
+        Ok(Swept {
+            q: dmat(q_d, 1, rows, n),
+            codes: Codes::Device(c_d),
+            grids,
+            loss: f64::NAN,
+            delta_sq: f64::NAN,
+        })
+    }
+
+    /// One cuBLAS SGEMM of all A stacked times H, then A∘(AH) summed per matrix on the device.
+    fn quad_forms(&self, h: &Mat, a: &[&Mat]) -> Result<Vec<f64>> {
+        let n = h.rows;
+        if h.batch != 1 || h.cols != n || a.iter().any(|m| m.cols != n || m.batch != 1) {
+            bail!("quad_forms: a matrix does not fit H {}", h.describe());
+        }
+        let blas = self
+            .blas()
+            .map_err(|why| anyhow!("the error report needs cuBLAS: {why}"))?;
+        let rows: usize = a.iter().map(|m| m.rows).sum();
+        let mut stacked = self.zeros_of::<f32>(rows * n, "alloc stacked A")?;
+        let mut r0 = 0;
+        for m in a {
+            let len = m.rows * n;
+            self.stream
+                .memcpy_dtod(dev(m, "A")?, &mut stacked.slice_mut(r0 * n..r0 * n + len))
+                .map_err(driver("stack A"))?;
+            r0 += m.rows;
+        }
+        let mut ah = self.out_f32(rows * n)?;
+        blas.rows_times_h(&mut ah, &stacked, dev(h, "H")?, rows, n)?;
+        let mut out = Vec::with_capacity(a.len());
+        let mut r0 = 0;
+        for m in a {
+            out.push(self.dot(&stacked, &ah, r0 * n..(r0 + m.rows) * n)?);
+            r0 += m.rows;
+        }
+        Ok(out)
+    }
+
+    fn sub(&self, a: &Mat, b: &Mat) -> Result<Mat> {
+        if a.len() != b.len() {
+            bail!("sub: {} − {}", a.describe(), b.describe());
+        }
+        let mut out = self.out_f32(a.len())?;
+        launch_sub(
+            &self.stream,
+            &self.quant.core,
+            &mut out,
+            dev(a, "a")?,
+            dev(b, "b")?,
+        )?;
+        Ok(dmat(out, a.batch, a.rows, a.cols))
+    }
+
+    /// qweight packed on the device (b/32 of W's f32 bytes come back); the grids [d_out × n_groups] come back
+    /// as they are and take their f16 / integer form here.
+    fn pack(&self, q: &QuantizedLinear) -> Result<Packed> {
+        let (d_out, d_in, ng) = (q.d_out, q.d_in, q.n_groups());
+        let kw = (d_in * q.bits as usize).div_ceil(32);
+        let mut qw = self.zeros_of::<u32>(kw * d_out, "alloc qweight")?;
+        launch_pack(
+            &self.stream,
+            &self.quant.core,
+            &mut qw,
+            codes_dev(&q.codes, "codes")?,
+            d_out,
+            d_in,
+            q.bits,
+        )?;
+        let qweight = self.download(&qw, "download qweight")?[..kw * d_out].to_vec();
+        let scales = self.read_f32(&q.grids.scale)?;
+        let zeros = self.read_f32(&q.grids.zero)?;
+        let maxq = (1u32 << q.bits) - 1;
+        let mut z = vec![0u8; ng * d_out];
+        let mut s = vec![half::f16::ZERO; ng * d_out];
+        for j in 0..d_out {
+            for g in 0..ng {
+                let v = zeros[j * ng + g];
+                if v.fract() != 0.0 || !(0.0..=maxq as f32).contains(&v) {
+                    bail!(
+                        "pack: zero point {v} (output {j}, group {g}) is not a {}-bit code",
+                        q.bits
+                    );
+                }
+                z[g * d_out + j] = v as u8;
+                s[g * d_out + j] = half::f16::from_f32(scales[j * ng + g]);
+            }
+        }
+        Ok(Packed {
+            d_out,
+            d_in,
+            bits: q.bits,
+            n_groups: ng,
+            qweight,
+            scales: s,
+            zeros: z,
+            g_idx: q.g_idx.clone(),
+        })
+    }
+}
+
+impl CudaBackend {
+    /// A host sweep's results moved to the device (the temporary host routes above).
+    fn device_swept(&self, s: Swept) -> Result<Swept> {
+        let codes = match s.codes {
+            Codes::Host(v) => Codes::Device(self.upload(&v, "upload codes")?),
+            c => c,
+        };
+        Ok(Swept {
+            q: self.upload_mat(s.q)?,
+            codes,
+            grids: self.device_grids(s.grids)?,
+            loss: s.loss,
+            delta_sq: s.delta_sq,
+        })
     }
 }

@@ -824,30 +824,3 @@ pub(super) fn linear_t(
     be.try_linear_t(x, w, bias, m, k, n)
         .unwrap_or_else(|e| panic!("{} linear (m={m}, k={k}, n={n}): {e}", be.name))
 }
-
-pub(super) fn v_col_covariance_t(
-    be: &CudaBackend,
-    acc: &mut Tensor,
-    (x, q, k): (&Tensor, &Tensor, &Tensor),
-    s: AttnShape,
-    n_seq: usize,
-) {
-    if s.d_h > ATTN_MAX_DH {
-        // Wider heads than the attention tiles hold (none in Llama-family models): the CPU twin, folded here.
-        let (x, q, k) = (read(be, x), read(be, q), read(be, k));
-        let mut host = Tensor::Host(read(be, acc).into_owned());
-        let cpu: &dyn Backend = &CpuBackend;
-        cpu.v_col_covariance_t(
-            &mut host,
-            &Tensor::Host(x.into_owned()),
-            &Tensor::Host(q.into_owned()),
-            &Tensor::Host(k.into_owned()),
-            s,
-            n_seq,
-        );
-        *acc = to_device(be, host);
-        return;
-    }
-    be.try_v_col_covariance_t(acc, x, q, k, s, n_seq)
-        .unwrap_or_else(|e| panic!("{} v_col_covariance ({s:?}, n_seq={n_seq}): {e}", be.name))
-}

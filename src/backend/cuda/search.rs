@@ -13,8 +13,6 @@
 
 use super::ops;
 use super::{CudaBackend, CudaError, driver};
-use crate::backend::cpu::CpuBackend;
-use crate::backend::quant_ops::QuantOps;
 use crate::nvtx::range;
 use crate::quant::quantizer::{Grid, QuantSpec, ScaleSearch, search_candidates};
 use cudarc::cublas::{GemmConfig, sys as blas_sys};
@@ -819,23 +817,6 @@ impl CudaBackend {
             Ok(())
         })?;
         Ok(slot_d)
-    }
-
-    /// `QuantOps::search_grids`: the Hessian search on the device, everything else (and a device without
-    /// cuBLAS) on the CPU.
-    pub(super) fn search_grids_routed(
-        &self,
-        w: &[f32],
-        rows: usize,
-        n: usize,
-        h: &[f32],
-        spec: &QuantSpec,
-    ) -> Vec<Grid<f32>> {
-        if spec.search != ScaleSearch::Hessian || n == 0 || self.blas().is_err() {
-            return CpuBackend.search_grids(w, rows, n, h, spec);
-        }
-        self.try_search_grids(w, rows, n, h, spec)
-            .unwrap_or_else(|e| panic!("{} search_grids (rows={rows}, n={n}): {e}", self.name))
     }
 }
 

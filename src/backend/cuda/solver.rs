@@ -61,21 +61,28 @@ impl Solver {
         .unwrap_or_else(|_| Err("libcusolver could not be used (missing symbol)".into()))
     }
 
-    /// U_b = chol(H_b⁻¹)ᵀ [n × n] of each of `count` SPD matrices H_b stacked in `h` [count × n × n], into
+    /// U_b = chol(H_b⁻¹)ᵀ [n × n] of the SPD matrices H_b, b ∈ `which`, of `h` [batch × n × n], into
     /// `u` (same shape), all queued on the handle's stream with no host synchronization: per matrix, the
     /// reversal J H_b J into one scratch matrix (reused: the stream orders the matrices), potrf, trtri, and
-    /// the reversal out into u_b. Returns the status [count × 3] (potrf info, trtri info, non-finite flag),
+    /// the reversal out into u_b. Returns the status [which.len() × 3] (potrf info, trtri info, non-finite flag),
     /// zero for a matrix that factored; the caller downloads it with U and synchronizes once.
-    pub fn upper_inverse_batched(
+    /// (A damping retry refactors only the ones that failed.)
+    pub fn upper_inverse_subset(
         &self,
         k: &CholeskyKernels,
         h: &CudaSlice<f32>,
         u: &mut CudaSlice<f32>,
         n: usize,
-        count: usize,
+        which: &[usize],
     ) -> Result<CudaSlice<i32>, CudaError> {
         let nn = n * n;
-        if n == 0 || h.len() != count * nn || u.len() != count * nn {
+        let count = which.len();
+        let batch = h.len() / nn.max(1);
+        if n == 0
+            || h.len() != batch * nn
+            || u.len() != h.len()
+            || which.iter().any(|&b| b >= batch)
+        {
             return Err(CudaError::Shape {
                 op: "cholesky_upper_inverse (cuSOLVER)",
                 msg: format!(
@@ -120,8 +127,8 @@ impl Solver {
             })?;
             (potrf, trtri)
         };
-        for b in 0..count {
-            let mut st = status.slice_mut(3 * b..3 * b + 3);
+        for (i, &b) in which.iter().enumerate() {
+            let mut st = status.slice_mut(3 * i..3 * i + 3);
             launch_reverse(
                 stream,
                 k,

@@ -357,7 +357,8 @@ fn launch_trailing_ffma(
 }
 
 /// Device buffers of a GPTQ sweep: W [rows × n] (modified), Q, codes out; E scratch [block × rows];
-/// U [n × n]; scales, zeros [rows × n_groups]; col_group [n].
+/// U [n × n]; scales, zeros [rows × n_groups]; col_group [n]; loss [rows] (+= each row's Σ e², zeroed by the
+/// caller).
 pub struct GptqBuffers<'a> {
     pub w: &'a mut CudaSlice<f32>,
     pub q: &'a mut CudaSlice<f32>,
@@ -367,6 +368,7 @@ pub struct GptqBuffers<'a> {
     pub scales: &'a CudaSlice<f32>,
     pub zeros: &'a CudaSlice<f32>,
     pub col_group: &'a CudaSlice<u32>,
+    pub loss: &'a mut CudaSlice<f32>,
 }
 
 /// The GPTQ sweep (static grids) over `rows` rows, lazy batches of `block_size` ≤ 128 columns.
@@ -392,6 +394,7 @@ pub fn launch_gptq_sweep(
         || buf.scales.len() != rows * n_groups
         || buf.zeros.len() != rows * n_groups
         || buf.col_group.len() != n
+        || buf.loss.len() != rows
         || u32::try_from(rows * n).is_err()
     {
         return Err(CudaError::Shape {
@@ -447,6 +450,7 @@ fn launch_gptq_block(
             .arg(buf.scales)
             .arg(buf.zeros)
             .arg(buf.col_group)
+            .arg(&mut *buf.loss)
             .arg(&rows32)
             .arg(&n32)
             .arg(&ng32)
@@ -454,7 +458,7 @@ fn launch_gptq_block(
             .arg(&i2_32)
             .arg(&maxq_f);
         // SAFETY: arguments match gptq_block_kernel(float* w, q, uint8* codes, float* e, const float* u,
-        // scales, zeros, const uint32* col_group, uint32 rows, n, n_groups, i1, i2, float maxq); all
+        // scales, zeros, const uint32* col_group, float* loss, uint32 rows, n, n_groups, i1, i2, float maxq); all
         // buffers have the shapes the callers check, i2 − i1 ≤ 128 = the kernel's smem block, e holds
         // (i2 − i1)·rows, and col_group entries are < n_groups (checked by the caller).
         unsafe { lb.launch(cfg) }.map_err(launch_err("launch gptq_block"))?;
@@ -468,10 +472,10 @@ fn launch_gptq_block(
 }
 
 /// The GPTQ sweep with dynamic group grids, group width `g`: blocks end at every group start, and at a block
-/// that starts group k, `search(k, W[:, k·g : k·g + len])` (the current weights, [rows × len]) returns the
-/// group's grids [rows], which go into the host `scales` / `zeros` [rows × n_groups] and are uploaded before
-/// the block runs. Lazy batching is exact whatever the block bounds, so this is the CPU sweep's arithmetic up
-/// to the summation order of the trailing updates.
+/// that starts group k, the group's current weights W[:, k·g : k·g + len] are gathered into `gathered`
+/// [rows × len] and `search(k, gathered, len, scales, zeros)` writes column k of the grids [rows × n_groups]
+/// on the device, before the block runs. Lazy batching is exact whatever the block bounds, so this is the CPU
+/// sweep's arithmetic up to the summation order of the trailing updates.
 #[allow(clippy::too_many_arguments)]
 pub fn launch_gptq_sweep_dynamic(
     stream: &Arc<CudaStream>,
@@ -491,10 +495,11 @@ pub fn launch_gptq_sweep_dynamic(
         codes,
         e,
         u,
-        scales: scales_d,
-        zeros: zeros_d,
+        scales,
+        zeros,
         col_group,
         gathered,
+        loss,
     } = d;
     let n_groups = n.div_ceil(g.max(1));
     if g == 0
@@ -505,10 +510,11 @@ pub fn launch_gptq_sweep_dynamic(
         || codes.len() != rows * n
         || e.len() < block_size.min(n) * rows
         || u.len() != n * n
-        || scales_d.len() != rows * n_groups
-        || zeros_d.len() != rows * n_groups
+        || scales.len() != rows * n_groups
+        || zeros.len() != rows * n_groups
         || col_group.len() != n
         || gathered.len() < rows * g.min(n)
+        || loss.len() != rows
         || u32::try_from(rows * n).is_err()
     {
         return Err(CudaError::Shape {
@@ -523,54 +529,14 @@ pub fn launch_gptq_sweep_dynamic(
         return Ok(());
     }
     let _r = range(c"gptq_sweep_dynamic");
-    let mut scales = vec![0f32; rows * n_groups];
-    let mut zeros = vec![0f32; rows * n_groups];
     let mut i1 = 0;
     while i1 < n {
         let next_group = (i1 / g + 1) * g;
         let i2 = (i1 + block_size).min(n).min(next_group);
         if i1.is_multiple_of(g) {
             let (kg, len) = (i1 / g, g.min(n - i1));
-            let (r32, n32, c0, l32) = (rows as u32, n as u32, i1 as u32, len as u32);
-            let cfg = LaunchConfig {
-                grid_dim: (l32.div_ceil(32), r32.div_ceil(8), 1),
-                block_dim: (32, 8, 1),
-                shared_mem_bytes: 0,
-            };
-            let mut lb = stream.launch_builder(&k.gather_cols);
-            lb.arg(&mut *gathered)
-                .arg(&*w)
-                .arg(&r32)
-                .arg(&n32)
-                .arg(&c0)
-                .arg(&l32);
-            // SAFETY: matches gather_cols_kernel(float* out, const float* w, uint32 rows, n, c0, len);
-            // gathered holds ≥ rows·len floats and w rows·n (checked above); the kernel guards its bounds.
-            unsafe { lb.launch(cfg) }.map_err(launch_err("launch gather_cols"))?;
-            let mut host = vec![0f32; rows * len];
-            stream
-                .memcpy_dtoh(&gathered.slice(..rows * len), &mut host)
-                .map_err(launch_err("download group weights"))?;
-            stream
-                .synchronize()
-                .map_err(launch_err("gptq_sweep_dynamic group"))?;
-            let grids = search(kg, &host);
-            if grids.len() != rows {
-                return Err(CudaError::Shape {
-                    op: "gptq_sweep_dynamic",
-                    msg: format!("search returned {} grids for {rows} rows", grids.len()),
-                });
-            }
-            for (r, (s, z)) in grids.into_iter().enumerate() {
-                scales[r * n_groups + kg] = s;
-                zeros[r * n_groups + kg] = z;
-            }
-            stream
-                .memcpy_htod(&scales, scales_d)
-                .map_err(launch_err("upload group scales"))?;
-            stream
-                .memcpy_htod(&zeros, zeros_d)
-                .map_err(launch_err("upload group zeros"))?;
+            launch_gather_cols(stream, k, gathered, w, rows, n, i1, len)?;
+            search(kg, &*gathered, len, &mut *scales, &mut *zeros)?;
         }
         let mut buf = GptqBuffers {
             w: &mut *w,
@@ -578,9 +544,10 @@ pub fn launch_gptq_sweep_dynamic(
             codes: &mut *codes,
             e: &mut *e,
             u,
-            scales: &*scales_d,
-            zeros: &*zeros_d,
+            scales: &*scales,
+            zeros: &*zeros,
             col_group,
+            loss: &mut *loss,
         };
         launch_gptq_block(stream, k, eng, &mut buf, rows, n, n_groups, i1, i2, maxq)?;
         i1 = i2;
@@ -588,8 +555,60 @@ pub fn launch_gptq_sweep_dynamic(
     Ok(())
 }
 
-/// The host search of a dynamic-group sweep: (group k, its current weights [rows × len]) → (scale, zero) per row.
-pub type GroupSearch<'a> = dyn FnMut(usize, &[f32]) -> Vec<(f32, f32)> + 'a;
+/// out [rows × len] = W[:, c0 : c0 + len] of W [rows × n].
+#[allow(clippy::too_many_arguments)]
+pub fn launch_gather_cols(
+    stream: &Arc<CudaStream>,
+    k: &SweepKernels,
+    out: &mut CudaSlice<f32>,
+    w: &CudaSlice<f32>,
+    rows: usize,
+    n: usize,
+    c0: usize,
+    len: usize,
+) -> Result<(), CudaError> {
+    if out.len() < rows * len
+        || w.len() != rows * n
+        || c0 + len > n
+        || u32::try_from(rows * n).is_err()
+    {
+        return Err(CudaError::Shape {
+            op: "gather_cols",
+            msg: format!("columns {c0}+{len} of [{rows} × {n}] into {}", out.len()),
+        });
+    }
+    if rows == 0 || len == 0 {
+        return Ok(());
+    }
+    let (r32, n32, c32, l32) = (rows as u32, n as u32, c0 as u32, len as u32);
+    let cfg = LaunchConfig {
+        grid_dim: (l32.div_ceil(32), r32.div_ceil(8), 1),
+        block_dim: (32, 8, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut lb = stream.launch_builder(&k.gather_cols);
+    lb.arg(&mut *out)
+        .arg(w)
+        .arg(&r32)
+        .arg(&n32)
+        .arg(&c32)
+        .arg(&l32);
+    // SAFETY: matches gather_cols_kernel(float* out, const float* w, uint32 rows, n, c0, len); out holds
+    // ≥ rows·len floats and w rows·n (checked above); the kernel guards its bounds.
+    unsafe { lb.launch(cfg) }.map_err(launch_err("launch gather_cols"))?;
+    Ok(())
+}
+
+/// The group search of a dynamic-group sweep: (group k, its current weights [rows × len] at the front of the
+/// buffer, len, scales, zeros [rows × n_groups]) writes column k of the grids.
+pub type GroupSearch<'a> = dyn FnMut(
+        usize,
+        &CudaSlice<f32>,
+        usize,
+        &mut CudaSlice<f32>,
+        &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError>
+    + 'a;
 
 /// `GptqBuffers` of a dynamic-group sweep: scales and zeros [rows × n_groups] are rewritten at every group
 /// start; `gathered` [≥ rows × min(g, n)] receives the group's current weights.
@@ -603,6 +622,7 @@ pub struct GptqDynamicBuffers<'a> {
     pub zeros: &'a mut CudaSlice<f32>,
     pub col_group: &'a CudaSlice<u32>,
     pub gathered: &'a mut CudaSlice<f32>,
+    pub loss: &'a mut CudaSlice<f32>,
 }
 
 /// Device buffers of a BoA sweep (R = n_heads·d_h rows): W [R × n] (modified), W0 [R × n] (the weights before

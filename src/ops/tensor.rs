@@ -1,6 +1,6 @@
-//! `Tensor`: a row-major f32 buffer held where a backend wants it, so a block forward and its statistics can
-//! run on a device without a PCIe round trip per operation (design.md §3: "calibration activations stay on
-//! the GPU").
+//! `Tensor`: a row-major f32 buffer held where a backend wants it, so a block forward, its statistics and its
+//! quantization can run on a device without a PCIe round trip per operation (design.md §3: "calibration
+//! activations stay on the GPU"; §12 "device residency").
 //!
 //! The CPU backend only ever makes `Host` tensors, and the `Backend` tensor methods default to the host-slice
 //! methods, so the CPU runs the very code path the GPU runs (tests/resident_forward.rs checks the two agree).
@@ -83,23 +83,6 @@ impl std::fmt::Debug for Tensor {
             Tensor::Device(_) => "device",
         };
         write!(f, "Tensor({place}, {} f32)", self.len())
-    }
-}
-
-/// A linear layer's weight [n × k] as the forward sees it: the host values, and a copy already on the device
-/// when the caller made one (`Backend::upload_weight`), so a device backend does not copy it per call.
-#[derive(Clone, Copy)]
-pub struct Weight<'a> {
-    pub host: &'a [f32],
-    pub resident: Option<&'a Tensor>,
-}
-
-impl<'a> Weight<'a> {
-    pub fn host(w: &'a [f32]) -> Self {
-        Weight {
-            host: w,
-            resident: None,
-        }
     }
 }
 

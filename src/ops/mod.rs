@@ -1,0 +1,213 @@
+//! `QuantOps`: the quantization core's one interface (design.md §5, §12 "Device residency"). The algorithms of
+//! `quant/` (GPTQ, BoA, RTN, the Hessians) are written once against it; a backend implements it on the buffers
+//! it keeps: the CPU on host vectors with the f64 oracle code of `quant/` (bit for bit the engine's reference),
+//! CUDA on device memory. Between a block's upload and its packed output nothing of size O(d_in²) or O(weights)
+//! crosses to the host: the algorithms move only what is small (a diagonal, permutations, a few sums per
+//! linear, the per-head d_h × d_h statistics) and the packed result.
+//!
+//! A leaf: this module imports nothing from `quant/` or `backend/`, so both can import it without a cycle.
+//! Every method is fallible; an error names the op and the shapes, and the caller adds the layer, the linear
+//! and the phase.
+//!
+//! Conventions: row-major; a weight is W [d_out × d_in] (y = W x); a batch of tokens X [m × d] holds one token
+//! per row. A `Mat` may hold a batch of equal-shaped matrices (V's per-head H_col, every head's H_row). Rows
+//! of a weight may be split into equal consecutive *parts* (BoA's heads), part p using matrix `h_of_part[p]`
+//! of a batch of Hessians or factors.
+
+pub mod mat;
+pub mod spec;
+pub mod tensor;
+
+pub use mat::{Codes, Grids, Mat, MatData, Packed, QuantizedLinear, Swept};
+pub use spec::{AttnShape, Grid, QuantSpec, ScaleSearch};
+pub use tensor::Tensor;
+
+pub type Result<T> = anyhow::Result<T>;
+
+/// How a sweep gets its grids.
+pub enum GridMode<'a> {
+    /// Fixed before the sweep: `grids` [rows × n_groups] in sweep row order; `col_group[f][c]` is the group of
+    /// sweep column c for the rows whose column factor is f.
+    Static {
+        grids: Grids,
+        col_group: &'a [Vec<u32>],
+    },
+    /// Searched when the sweep reaches each group's first column (sweep columns [k·g, min((k+1)·g, n))), from
+    /// the current weights, scored with the diagonal block of `h[f]` (damped, sweep order) of the row's column
+    /// factor f (`h` is read only for `ScaleSearch::Hessian`).
+    Dynamic {
+        g: usize,
+        h: Option<&'a Mat>,
+        spec: &'a QuantSpec,
+    },
+}
+
+/// Bytes and calls that crossed between host and device, for `run --profile` (zero on a host backend).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Traffic {
+    pub htod_bytes: u64,
+    pub dtoh_bytes: u64,
+    pub syncs: u64,
+    pub launches: u64,
+}
+
+impl std::ops::Sub for Traffic {
+    type Output = Traffic;
+    fn sub(self, o: Traffic) -> Traffic {
+        Traffic {
+            htod_bytes: self.htod_bytes - o.htod_bytes,
+            dtoh_bytes: self.dtoh_bytes - o.dtoh_bytes,
+            syncs: self.syncs - o.syncs,
+            launches: self.launches - o.launches,
+        }
+    }
+}
+
+pub trait QuantOps: Send + Sync {
+    // ---- Statistics (design.md §4.2–4.3): raw sums in accumulators the backend keeps, then finished once.
+
+    /// A zero accumulator of `batch` symmetric [n × n] sums.
+    fn stat_acc(&self, batch: usize, n: usize) -> Result<Mat>;
+
+    /// acc [n × n] += Xᵀ X over the m tokens of X [m × n].
+    fn stat_xxt(&self, acc: &mut Mat, x: &Tensor, m: usize) -> Result<()>;
+
+    /// acc [heads × d_h × d_h] += Σ_t x_{t,h} x_{t,h}ᵀ per head of X [m × heads·d_h] (post-RoPE queries or
+    /// keys; heads = acc.batch, d_h = acc.rows).
+    fn stat_head_cov(&self, acc: &mut Mat, x: &Tensor, m: usize) -> Result<()>;
+
+    /// acc [h_kv × d × d] += Σ over the `n_seq` sequences and over each KV head's query heads h of
+    /// (A_h X)ᵀ (A_h X), A_h = causal softmax(Q_h K_hᵀ / √d_h): W_V's column statistics. X [n_seq·t × d],
+    /// Q [n_seq·t × h·d_h], K [n_seq·t × h_kv·d_h] (post-RoPE).
+    fn stat_v_col(
+        &self,
+        acc: &mut Mat,
+        x: &Tensor,
+        q: &Tensor,
+        k: &Tensor,
+        s: AttnShape,
+        n_seq: usize,
+    ) -> Result<()>;
+
+    /// The Hessians of an accumulator of `tokens` tokens: (2 / (tokens · div)) Σ, exactly symmetric.
+    fn stat_finish(&self, acc: Mat, tokens: usize, div: f64) -> Result<Mat>;
+
+    /// W_V's row Hessians from the paper's Table 1: per KV head, W_out,hᵀ W_out,h [d_h × d_h] averaged over the
+    /// query heads h sharing it; `w_o` is o_proj [d × n_heads·d_h].
+    fn wout_row_hessians(&self, w_o: &Mat, n_heads: usize, n_kv: usize, d_h: usize) -> Result<Mat>;
+
+    // ---- What the algorithms read back or hand in (small: O(n), O(heads·d_h²)).
+
+    /// The values of `m`, as f64.
+    fn read_f64(&self, m: &Mat) -> Result<Vec<f64>>;
+
+    /// The values of `m`, as f32.
+    fn read_f32(&self, m: &Mat) -> Result<Vec<f32>>;
+
+    fn read_codes(&self, c: &Codes) -> Result<Vec<u8>>;
+
+    /// Host values made into a Hessian of this backend (its precision, its memory).
+    fn hessian(&self, v: Vec<f64>, batch: usize, n: usize) -> Result<Mat>;
+
+    // ---- Planning a sweep (design.md §4.2): dead inputs, act-order, damping, U = chol(H⁻¹)ᵀ.
+
+    /// The diagonals of every matrix of `h`, [batch × n].
+    fn diag(&self, h: &Mat) -> Result<Vec<f64>>;
+
+    /// H_b[perm_b, perm_b] for every matrix b (`perms.len() == h.batch`).
+    fn permute_sym(&self, h: &Mat, perms: &[Vec<usize>]) -> Result<Mat>;
+
+    /// H_b[i, i] = v for every (b, i, v).
+    fn set_diag(&self, h: &mut Mat, entries: &[(usize, usize, f64)]) -> Result<()>;
+
+    /// H_b += a·I for every (b, a).
+    fn add_diag(&self, h: &mut Mat, amounts: &[(usize, f64)]) -> Result<()>;
+
+    /// U_b = chol(H_b⁻¹)ᵀ, upper triangular, for each b of `which`, written into `u` (a buffer of h's shape from
+    /// an earlier call, or None for a new one whose other matrices are unspecified); `ok[i]` is false when
+    /// H_{which[i]} is not numerically positive definite (the caller damps and retries).
+    fn factor(&self, h: &Mat, u: Option<Mat>, which: &[usize]) -> Result<(Mat, Vec<bool>)>;
+
+    // ---- Weights, grids, sweeps.
+
+    /// A copy of W with columns `cols[p]` of every row of part p zeroed (dead inputs).
+    fn zero_cols(&self, w: &Mat, cols: &[Vec<usize>]) -> Result<Mat>;
+
+    /// The static grid search of design.md §4.1 for every row of W [rows × n] and every group of g columns
+    /// (columns [k·g, min((k+1)·g, n)); g = n per channel): the candidate (scale, zero) of the shrink search
+    /// with the smallest score, Δ H Δᵀ for `ScaleSearch::Hessian` with H the group's diagonal block read as
+    /// `h[f][idx[f][a], idx[f][b]]` for the group's columns a, b (f = h_of_part[p] for the rows of part p).
+    /// `h`, `idx` are read only for the Hessian search.
+    #[allow(clippy::too_many_arguments)]
+    fn search_grids(
+        &self,
+        w: &Mat,
+        h: Option<&Mat>,
+        idx: &[Vec<usize>],
+        h_of_part: &[usize],
+        g: usize,
+        spec: &QuantSpec,
+    ) -> Result<Grids>;
+
+    /// W and its grids in sweep order: row i of the result is row `row_perm[i]`, and the columns of part p are
+    /// gathered by `col_perms[p]` (out[:, k] = in[:, perm[k]]).
+    fn reorder(
+        &self,
+        w: &Mat,
+        grids: Option<&Grids>,
+        row_perm: &[usize],
+        col_perms: &[Vec<usize>],
+    ) -> Result<(Mat, Option<Grids>)>;
+
+    /// The inverse of `reorder` for a sweep's results: Ŵ, codes and grids back in the original order.
+    fn unorder(
+        &self,
+        s: Swept,
+        row_perm: &[usize],
+        col_perms: &[Vec<usize>],
+    ) -> Result<(Mat, Codes, Grids)>;
+
+    /// Round to nearest on fixed grids (no error feedback): Q and codes of W, column c on group col_group[c].
+    fn rtn(&self, w: &Mat, grids: &Grids, col_group: &[u32], maxq: u32) -> Result<(Mat, Codes)>;
+
+    /// The GPTQ sweep (Alg. 2 with lazy batches of `block` columns) of W [rows × n] in sweep order with
+    /// U [n × n] (upper, sweep order).
+    fn gptq_sweep(
+        &self,
+        w: Mat,
+        u: &Mat,
+        grids: GridMode,
+        block: usize,
+        maxq: u32,
+    ) -> Result<Swept>;
+
+    /// The head-wise BoA sweep (design.md §4.3; Alg. 1 with Eq. (12)) of W [n_heads·d_h × n] in sweep order
+    /// (rows grouped by head): U_col [1 or n_heads × n × n] (shared or per head), U_row [n_heads × d_h × d_h].
+    #[allow(clippy::too_many_arguments)]
+    fn boa_sweep(
+        &self,
+        w: Mat,
+        u_col: &Mat,
+        u_row: &Mat,
+        d_h: usize,
+        block: usize,
+        grids: GridMode,
+        maxq: u32,
+    ) -> Result<Swept>;
+
+    // ---- The report and the output.
+
+    /// tr(A H Aᵀ) for every A [rows × n] of `a`, with H [n × n].
+    fn quad_forms(&self, h: &Mat, a: &[&Mat]) -> Result<Vec<f64>>;
+
+    /// a − b, elementwise.
+    fn sub(&self, a: &Mat, b: &Mat) -> Result<Mat>;
+
+    /// The checkpoint tensors of a quantized linear (the one O(weights) transfer to the host, b/32 of f32).
+    fn pack(&self, q: &QuantizedLinear) -> Result<Packed>;
+
+    /// Host↔device traffic so far (a host backend moves nothing).
+    fn traffic(&self) -> Traffic {
+        Traffic::default()
+    }
+}

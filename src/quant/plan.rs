@@ -1,0 +1,174 @@
+//! The plan of a sweep (design.md §4.2): dead inputs, the act-order permutation, damping with bounded retries
+//! and U = chol(H⁻¹)ᵀ, for one Hessian or a batch of them (V's per-head H_col, every head's H_row). The
+//! matrices stay where the backend keeps them; only their diagonals come to the host (the act-order sort, the
+//! damping amount and the dead inputs are O(n) decisions).
+
+use super::gptq::GptqOptions;
+use crate::ops::{Mat, QuantOps, Result};
+use std::sync::Arc;
+
+/// A planned Hessian (or batch): everything a sweep needs besides W.
+pub struct Plan {
+    pub n: usize,
+    /// Per matrix: the sweep order of the columns (act-order, else the identity) and its inverse.
+    pub perm: Vec<Vec<usize>>,
+    pub inv: Vec<Vec<usize>>,
+    /// Per matrix: the dead inputs (H_ii = 0, original order), whose columns of W are zeroed.
+    pub dead: Vec<Vec<usize>>,
+    /// Per matrix: everything damping added to the diagonal (λ of tr(ΔW H ΔWᵀ) = loss − λ‖ΔW‖²).
+    pub damp: Vec<f64>,
+    /// Damped H in sweep order [batch × n × n] (the scale searches score with it), and its U.
+    pub h_p: Mat,
+    pub u: Mat,
+}
+
+impl Plan {
+    pub fn batch(&self) -> usize {
+        self.perm.len()
+    }
+}
+
+/// Plans every matrix of `h` [batch × n × n] (undamped, untouched): H_ii = opts.dead_diag for dead inputs,
+/// columns by descending diag(H) when `act_order` (gptq.py's argsort of the diagonal, ties in original
+/// order), H += λ·mean(diag H)·I until the factor exists, at most `opts.max_damp_tries` rounds. A matrix that
+/// stays singular fails the plan with its index named.
+pub fn plan(ops: &dyn QuantOps, h: &Mat, opts: &GptqOptions, act_order: bool) -> Result<Plan> {
+    let (batch, n) = (h.batch, h.rows);
+    let diag = ops.diag(h)?;
+    let mut perm = Vec::with_capacity(batch);
+    let mut inv = Vec::with_capacity(batch);
+    let mut dead = Vec::with_capacity(batch);
+    let mut amount = Vec::with_capacity(batch);
+    let mut fixes = Vec::new();
+    for b in 0..batch {
+        let mut d = diag[b * n..(b + 1) * n].to_vec();
+        let dead_b: Vec<usize> = (0..n).filter(|&i| d[i] == 0.0).collect();
+        for &i in &dead_b {
+            d[i] = opts.dead_diag;
+        }
+        let mut p: Vec<usize> = (0..n).collect();
+        if act_order {
+            p.sort_by(|&a, &c| d[c].total_cmp(&d[a]));
+        }
+        let mut q = vec![0; n];
+        for (k, &c) in p.iter().enumerate() {
+            q[c] = k;
+        }
+        fixes.extend(dead_b.iter().map(|&i| (b, q[i], opts.dead_diag)));
+        // mean(diag H) summed in sweep order, as the damped H holds it.
+        let mean = p.iter().map(|&c| d[c]).sum::<f64>() / n.max(1) as f64;
+        amount.push(opts.damp * mean);
+        perm.push(p);
+        inv.push(q);
+        dead.push(dead_b);
+    }
+    let mut h_p = ops.permute_sym(h, &perm)?;
+    ops.set_diag(&mut h_p, &fixes)?;
+    let mut pending: Vec<usize> = (0..batch).collect();
+    let mut damp = vec![0.0; batch];
+    let mut u = None;
+    for _ in 0..opts.max_damp_tries.max(1) {
+        if pending.is_empty() {
+            break;
+        }
+        let adds: Vec<(usize, f64)> = pending.iter().map(|&b| (b, amount[b])).collect();
+        ops.add_diag(&mut h_p, &adds)?;
+        for &b in &pending {
+            damp[b] += amount[b];
+        }
+        let (uu, ok) = ops.factor(&h_p, u.take(), &pending)?;
+        u = Some(uu);
+        pending = pending
+            .iter()
+            .zip(ok)
+            .filter(|&(_, ok)| !ok)
+            .map(|(&b, _)| b)
+            .collect();
+    }
+    if let Some(&b) = pending.first() {
+        let which = if batch > 1 {
+            format!(" (matrix {b} of {batch})")
+        } else {
+            String::new()
+        };
+        return Err(crate::input_err!(
+            "Hessian [{n} × {n}]{which} stays singular after {} damping rounds of {}·mean(diag H) = {:e}",
+            opts.max_damp_tries.max(1),
+            opts.damp,
+            amount[b]
+        ));
+    }
+    Ok(Plan {
+        n,
+        perm,
+        inv,
+        dead,
+        damp,
+        h_p,
+        u: u.expect("at least one damping round ran"),
+    })
+}
+
+/// What a plan depends on besides H itself.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct PlanKey {
+    act_order: bool,
+    damp: f64,
+    max_damp_tries: usize,
+    dead_diag: f64,
+}
+
+/// The plans of one block, shared by the layers that read the same H_col: q_proj and k_proj (and v_proj under
+/// GPTQ) all read the attention input's covariance, gate_proj and up_proj the MLP input's, and without sharing
+/// each factors it again (on a GPU one extra 4096 and one extra 11008 factor per 7B layer).
+///
+/// An H is recognised by identity (the same `Mat`, which the `'h` borrow keeps alive and unchanged) and the
+/// plan by the options it was made with, so a hit returns exactly what planning again would (planning is
+/// deterministic, damping retries included). Only the last plan is kept: the block's order (q, k, v, o, gate,
+/// up, down) puts the sharers next to each other, and a d_ff-sized plan is not held longer than its layers
+/// need it.
+#[derive(Default)]
+pub struct FactorCache<'h> {
+    last: std::sync::Mutex<Option<(&'h Mat, PlanKey, Arc<Plan>)>>,
+    hits: std::sync::atomic::AtomicUsize,
+}
+
+impl<'h> FactorCache<'h> {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Plans served from the cache so far.
+    pub fn hits(&self) -> usize {
+        self.hits.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// `plan` of `h` through the cache.
+    pub fn plan(
+        &self,
+        ops: &dyn QuantOps,
+        h: &'h Mat,
+        opts: &GptqOptions,
+        act_order: bool,
+    ) -> Result<Arc<Plan>> {
+        let key = PlanKey {
+            act_order,
+            damp: opts.damp,
+            max_damp_tries: opts.max_damp_tries,
+            dead_diag: opts.dead_diag,
+        };
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((ch, ck, p)) = last.as_ref()
+            && std::ptr::eq(*ch, h)
+            && *ck == key
+        {
+            self.hits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return Ok(p.clone());
+        }
+        // Drop the old plan before making the new one (peak memory: one plan, not two).
+        *last = None;
+        let p = Arc::new(plan(ops, h, opts, act_order)?);
+        *last = Some((h, key, p.clone()));
+        Ok(p)
+    }
+}
