@@ -367,8 +367,12 @@ attn_x_kernel_v1(float* __restrict__ y,             // [t × d] out
 //     output: w ↦ rows 32·(w/4), cols 64·(w%4)  │ w2   │ w3   │                ├─────┼─────┼─────┼─────┤
 //                                              │ …    │ …    │                │ w4  │ w5  │ w6  │ w7  │
 //                                              └──────┴──────┘                └─────┴─────┴─────┴─────┘
-extern "C" __global__ void __launch_bounds__(kAx2Threads, 2)  // 2 CTAs per SM: one stages while the other computes
-attn_x_kernel_v2(float* __restrict__ y,             // [t × d] out, row-major f32
+__device__ __forceinline__ void store_y(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store_y(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+
+template <class TOut>
+__device__ __forceinline__ void
+attn_x_v2_impl(TOut* __restrict__ y,              // [t × d] out, row-major (f32, or bf16 for a cuBLAS Gram)
                  const float* __restrict__ x,       // [t × d] block input, row-major f32 (bf16 on staging)
                  const float* __restrict__ q,       // [t × n_heads·d_h] post-RoPE queries, f32
                  const float* __restrict__ k,       // [t × n_kv·d_h] post-RoPE keys, f32
@@ -500,10 +504,28 @@ attn_x_kernel_v2(float* __restrict__ y,             // [t × d] out, row-major f
                                     wmma::mem_row_major);
     __syncthreads();
     if (col_in) {
-        float* y_gl = y + c0 + tid;
+        TOut* y_gl = y + c0 + tid;
         for (int r = 0; r < kAx2Rows; ++r) {
             const uint32_t i = i0 + r;
-            if (i < t) y_gl[(size_t)i * d] = y_sh[r][tid];
+            if (i < t) store_y(y_gl + (size_t)i * d, y_sh[r][tid]);
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(kAx2Threads, 2)  // 2 CTAs per SM: one stages while the other computes
+attn_x_kernel_v2(float* __restrict__ y, const float* __restrict__ x, const float* __restrict__ q,
+                 const float* __restrict__ k, const float2* __restrict__ stats, const uint32_t head,
+                 const uint32_t t, const uint32_t n_heads, const uint32_t n_kv, const uint32_t d_h,
+                 const uint32_t d) {
+    attn_x_v2_impl(y, x, q, k, stats, head, t, n_heads, n_kv, d_h, d);
+}
+
+// The same with Y in bf16: the operand of the cuBLAS Gram (XxtVariant::Cublas), written once instead of an f32
+// Y and a conversion pass (half the bytes of Y, one pass fewer).
+extern "C" __global__ void __launch_bounds__(kAx2Threads, 2)
+attn_x_kernel_v2_bf16(__nv_bfloat16* __restrict__ y, const float* __restrict__ x, const float* __restrict__ q,
+                      const float* __restrict__ k, const float2* __restrict__ stats, const uint32_t head,
+                      const uint32_t t, const uint32_t n_heads, const uint32_t n_kv, const uint32_t d_h,
+                      const uint32_t d) {
+    attn_x_v2_impl(y, x, q, k, stats, head, t, n_heads, n_kv, d_h, d);
 }

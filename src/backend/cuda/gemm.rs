@@ -28,7 +28,7 @@ use super::ops::{self, OpsKernels};
 use super::{CudaError, driver};
 use crate::nvtx::range;
 use cudarc::cublas::{CudaBlas, Gemm, StridedBatchedConfig, result as br, sys};
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
 use std::ffi::{c_int, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
@@ -205,6 +205,89 @@ impl Blas {
             )
         }
         .map_err(blas_err("gemm_ex bf16 (search_grids)"))
+    }
+
+    /// H_z [d × d] += X_zᵀ X_z for z < batch: X [m × ld] row-major bf16 (u16 bit patterns), X_z its columns
+    /// x_bs·z .. x_bs·z + d, H_z the f32 [d × d] at h_bs·z of `h` — the Grams of the statistics (XᵀX of a
+    /// linear's input, the per-head covariances with x_bs = d_h, V's (A_h X)ᵀ(A_h X)) on the tensor cores, f32
+    /// accumulation. Column-major cuBLAS sees X as Xᵀ [ld × m] (ld ld), so X_zᵀ X_z is A_z A_zᵀ with A_z the
+    /// d × m block of rows x_bs·z of it: gemm(N, T, d, d, m, A_z, ld, A_z, ld, β = 1, H_z, d), strided over z.
+    /// H is symmetric, so its row- and column-major forms are the same buffer; cuBLAS writes both triangles.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gram_bf16(
+        &self,
+        h: &mut CudaViewMut<f32>,
+        x: &CudaView<u16>,
+        m: usize,
+        d: usize,
+        ld: usize,
+        batch: usize,
+        x_bs: usize,
+        h_bs: usize,
+    ) -> Result<(), CudaError> {
+        let bad = |msg: String| CudaError::Shape {
+            op: "gram (cuBLAS bf16)",
+            msg,
+        };
+        let fits = |v: usize| c_int::try_from(v).is_ok();
+        if batch == 0 || m == 0 || d == 0 {
+            return Ok(());
+        }
+        if !(fits(m) && fits(d) && fits(ld))
+            || d > ld
+            || x.len() < (m - 1) * ld + (batch - 1) * x_bs + d
+            || h.len() < (batch - 1) * h_bs + d * d
+            || (batch > 1 && h_bs < d * d)
+        {
+            return Err(bad(format!(
+                "x.len={}, h.len={} for m={m}, d={d}, ld={ld}, batch={batch}, x_bs={x_bs}, h_bs={h_bs}",
+                x.len(),
+                h.len()
+            )));
+        }
+        let stream = &self.stream;
+        // cuBLAS calls act on the calling thread's current context; cudarc binds it for its own calls only.
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(driver("bind context"))?;
+        let (px, _sx) = x.device_ptr(stream);
+        let (ph, _sh) = h.device_ptr_mut(stream);
+        let (alpha, beta) = (1.0f32, 1.0f32);
+        let bf16 = sys::cudaDataType_t::CUDA_R_16BF;
+        let (d_i, m_i, ld_i) = (d as c_int, m as c_int, ld as c_int);
+        let _r = range(c"gram_bf16");
+        // SAFETY: every A_z element read, (r + x_bs·z) + ld·t for r < d, t < m, z < batch, is inside x, and every
+        // H_z element written, h_bs·z + i + d·j, inside h (both checked above); ldc = d ≥ M; lda = ldb = ld ≥ d;
+        // compute type 32F takes the f32 alpha and beta; distinct z write disjoint H_z (h_bs ≥ d², checked).
+        unsafe {
+            br::gemm_strided_batched_ex(
+                *self.blas.handle(),
+                sys::cublasOperation_t::CUBLAS_OP_N,
+                sys::cublasOperation_t::CUBLAS_OP_T,
+                d_i,
+                d_i,
+                m_i,
+                &alpha as *const f32 as *const c_void,
+                px as *const c_void,
+                bf16,
+                ld_i,
+                x_bs as i64,
+                px as *const c_void,
+                bf16,
+                ld_i,
+                x_bs as i64,
+                &beta as *const f32 as *const c_void,
+                ph as *mut c_void,
+                sys::cudaDataType_t::CUDA_R_32F,
+                d_i,
+                h_bs as i64,
+                batch as c_int,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(blas_err("gemm_strided_batched_ex bf16 (gram)"))
     }
 
     /// Y [m × n] = X [m × k] · W [n × k]ᵀ (+ bias [n]) on the handle's stream (asynchronous). Every element

@@ -12,22 +12,31 @@ use std::sync::Arc;
 /// Stem of the .cu file these kernels come from (cuda/hessian.cu).
 pub const MODULE: &str = "hessian";
 
-/// XᵀX kernel variants (style.md rule 17: every instantiated variant, with its reason).
+/// Gram (XᵀX) variants of the statistics (style.md rule 17: every instantiated variant, with its reason).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum XxtVariant {
     /// v1: f32 shared-memory tiles, every element: the exact baseline.
     F32Tiled = 1,
-    /// v2: bf16 wmma tensor cores with f32 accumulation, upper-triangle tiles mirrored; the default.
+    /// v2: bf16 wmma tensor cores with f32 accumulation, upper-triangle tiles mirrored (no cp.async pipeline).
     Bf16Wmma = 2,
+    /// v3: cuBLAS GemmStridedBatchedEx, bf16 operands (X converted once per chunk; V's Y written in bf16 by
+    /// attn_x), f32 accumulation: Hopper's tensor cores at the library's rate, both triangles (2× the flops of
+    /// v2's triangle, at a far higher rate than a hand-written wmma loop without a pipeline); the default.
+    /// Needs libcublas: without it, v2.
+    Cublas = 3,
 }
 
 impl XxtVariant {
-    pub const ALL: [XxtVariant; 2] = [XxtVariant::F32Tiled, XxtVariant::Bf16Wmma];
+    pub const ALL: [XxtVariant; 3] = [
+        XxtVariant::F32Tiled,
+        XxtVariant::Bf16Wmma,
+        XxtVariant::Cublas,
+    ];
 
     fn kernel_name(self) -> &'static str {
         match self {
             XxtVariant::F32Tiled => "hessian_xxt_kernel_v1",
-            XxtVariant::Bf16Wmma => "hessian_xxt_kernel_v2",
+            XxtVariant::Bf16Wmma | XxtVariant::Cublas => "hessian_xxt_kernel_v2",
         }
     }
 }
@@ -75,6 +84,8 @@ pub struct HessianKernels {
     softmax_stats: CudaFunction,
     attn_x_v1: CudaFunction,
     attn_x_v2: CudaFunction,
+    /// v2 writing Y in bf16, the operand of the cuBLAS Gram.
+    attn_x_v2_bf16: CudaFunction,
 }
 
 impl HessianKernels {
@@ -93,19 +104,23 @@ impl HessianKernels {
             xxt_v2: get(XxtVariant::Bf16Wmma.kernel_name())?,
             softmax_stats: get("softmax_stats_kernel")?,
             attn_x_v1: get(AttnXVariant::F32Tiled.kernel_name())?,
-            attn_x_v2: {
-                let f = get(AttnXVariant::Bf16Wmma.kernel_name())?;
-                // Over the 48 KB a launch may ask for by default: the kernel's dynamic limit must be raised
-                // once per function (HOPPER.md), or every launch fails with "invalid argument".
-                f.set_attribute(
-                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    AX2_SMEM_BYTES as i32,
-                )
-                .map_err(launch_err("opt attn_x_kernel_v2 into 93.5 KB of dynamic shared memory"))?;
-                f
-            },
+            attn_x_v2: opt_in(get(AttnXVariant::Bf16Wmma.kernel_name())?)?,
+            attn_x_v2_bf16: opt_in(get("attn_x_kernel_v2_bf16")?)?,
         })
     }
+}
+
+/// Over the 48 KB a launch may ask for by default: attn_x v2's dynamic limit must be raised once per function
+/// (HOPPER.md), or every launch fails with "invalid argument".
+fn opt_in(f: CudaFunction) -> Result<CudaFunction, CudaError> {
+    f.set_attribute(
+        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        AX2_SMEM_BYTES as i32,
+    )
+    .map_err(launch_err(
+        "opt attn_x_kernel_v2 into 93.5 KB of dynamic shared memory",
+    ))?;
+    Ok(f)
 }
 
 fn launch_err(what: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> CudaError {
@@ -176,10 +191,17 @@ pub fn launch_hessian_xxt(
                 shared_mem_bytes: 0,
             }
         }
+        XxtVariant::Cublas => {
+            return Err(CudaError::Shape {
+                op: OP,
+                msg: "the cuBLAS Gram is not a kernel of hessian.cu (CudaBackend::gram runs it)"
+                    .into(),
+            });
+        }
     };
     let f = match variant {
         XxtVariant::F32Tiled => &k.xxt_v1,
-        XxtVariant::Bf16Wmma => &k.xxt_v2,
+        _ => &k.xxt_v2,
     };
     let _r = range(c"hessian_xxt");
     let mut b = stream.launch_builder(f);
@@ -252,13 +274,28 @@ pub fn launch_softmax_stats(
     Ok(())
 }
 
+/// Where attn_x writes Y: f32, or bf16 (u16 bit patterns; v2 only) for the cuBLAS Gram.
+pub enum AttnXOut<'a, 'b> {
+    F32(&'a mut CudaViewMut<'b, f32>),
+    Bf16(&'a mut CudaViewMut<'b, u16>),
+}
+
+impl AttnXOut<'_, '_> {
+    fn len(&self) -> usize {
+        match self {
+            AttnXOut::F32(y) => y.len(),
+            AttnXOut::Bf16(y) => y.len(),
+        }
+    }
+}
+
 /// Y [t × d] = A_head X, A formed tile by tile from Q, K and the stats, by the chosen kernel variant.
 #[allow(clippy::too_many_arguments)]
 pub fn launch_attn_x(
     stream: &Arc<CudaStream>,
     k: &HessianKernels,
     variant: AttnXVariant,
-    y: &mut CudaViewMut<f32>,
+    y: AttnXOut,
     x: &CudaView<f32>,
     q: &CudaView<f32>,
     kk: &CudaView<f32>,
@@ -276,6 +313,7 @@ pub fn launch_attn_x(
         || !h.is_multiple_of(h_kv)
         || head >= h
         || y.len() != t * d
+        || (matches!(y, AttnXOut::Bf16(_)) && variant != AttnXVariant::Bf16Wmma)
         || x.len() != t * d
         || stats.len() != 2 * h * t
         || q.len() != t * h * d_h
@@ -306,13 +344,19 @@ pub fn launch_attn_x(
                 block_dim: (AX2_THREADS, 1, 1),
                 shared_mem_bytes: AX2_SMEM_BYTES,
             },
-            &k.attn_x_v2,
+            match y {
+                AttnXOut::F32(_) => &k.attn_x_v2,
+                AttnXOut::Bf16(_) => &k.attn_x_v2_bf16,
+            },
         ),
     };
     let _r = range(c"attn_x");
     let mut b = stream.launch_builder(f);
-    b.arg(y)
-        .arg(x)
+    match y {
+        AttnXOut::F32(y) => b.arg(y),
+        AttnXOut::Bf16(y) => b.arg(y),
+    };
+    b.arg(x)
         .arg(q)
         .arg(kk)
         .arg(stats)
@@ -323,6 +367,7 @@ pub fn launch_attn_x(
         .arg(&dh32)
         .arg(&d32);
     // SAFETY: arguments match attn_x_kernel_v{1,2}(float* y, const float* x, q, k, const float2* stats, uint32 head,
+    // (attn_x_kernel_v2_bf16: __nv_bfloat16* y, u16's size and alignment)
     // t, n_heads, n_kv, d_h, d); every buffer has the shape checked above; out-of-range rows/cols are guarded;
     // v2's dynamic shared memory is the size its layout needs and was opted into at load.
     unsafe { b.launch(cfg) }.map_err(launch_err("launch attn_x"))?;
@@ -374,7 +419,7 @@ impl super::CudaBackend {
                 &self.stream,
                 hk,
                 variant,
-                &mut y.slice_mut(..),
+                AttnXOut::F32(&mut y.slice_mut(..)),
                 &x_d.slice(..),
                 &q_d.slice(..),
                 &k_d.slice(..),

@@ -252,7 +252,7 @@ impl CudaBackend {
             linear_variant: LinearVariant::F32,
             search_variant: SearchVariant::Bf16Rescore,
             attention_variant: AttentionVariant::Flash,
-            xxt_variant: XxtVariant::Bf16Wmma,
+            xxt_variant: XxtVariant::Cublas,
             trailing_variant: TrailingVariant::Cublas,
             boa_block_variant: BoaBlockVariant::W32,
             attn_x_variant: AttnXVariant::Bf16Wmma,

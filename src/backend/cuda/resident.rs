@@ -10,11 +10,13 @@
 //! differ, so the parity tests of those kernels cover the arithmetic and tests/resident_forward.rs checks the
 //! plumbing (a whole block forward and its statistics through tensors against the host path).
 
-use super::hessian::{ATTN_MAX_DH, launch_attn_x, launch_hessian_xxt, launch_softmax_stats};
+use super::hessian::{
+    ATTN_MAX_DH, AttnXOut, XxtVariant, launch_attn_x, launch_hessian_xxt, launch_softmax_stats,
+};
 use super::{CudaBackend, CudaError, driver, ops};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{AttnShape, Backend, Tensor, Weight};
-use cudarc::driver::{CudaSlice, CudaStream, CudaView, PinnedHostSlice};
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, PinnedHostSlice};
 use std::borrow::Cow;
 use std::ops::Deref;
 use std::sync::Arc;
@@ -580,19 +582,55 @@ impl CudaBackend {
         }
         let x_d = self.dev(x)?;
         let acc = self.acc_dev(acc)?;
-        launch_hessian_xxt(
-            &self.stream,
-            &self.quant.hessian,
-            self.xxt_variant,
-            &mut acc.slice_mut(..),
-            &x_d.slice(..),
-            m,
-            d,
-            d,
-            1,
-            0,
-            0,
-        )
+        self.gram(&mut acc.slice_mut(..), &x_d, m, d, d, 1, 0, 0)
+    }
+
+    /// The Gram variant the statistics run with: the selected one, or v2 when cuBLAS is selected but cannot
+    /// be opened (said once on stderr by `blas`).
+    pub fn xxt_variant_in_use(&self) -> XxtVariant {
+        match self.xxt_variant {
+            XxtVariant::Cublas if self.blas().is_err() => XxtVariant::Bf16Wmma,
+            v => v,
+        }
+    }
+
+    /// H_z += X_zᵀ X_z for z < batch (`launch_hessian_xxt`'s semantics: X [m × ld] f32, X_z its columns
+    /// x_bs·z .. + d, H_z at h_bs·z) with the Gram variant in use; cuBLAS takes a bf16 copy of X, made here.
+    #[allow(clippy::too_many_arguments)]
+    fn gram(
+        &self,
+        acc: &mut CudaViewMut<f32>,
+        x: &CudaSlice<f32>,
+        m: usize,
+        d: usize,
+        ld: usize,
+        batch: usize,
+        x_bs: usize,
+        h_bs: usize,
+    ) -> Result<(), CudaError> {
+        match self.xxt_variant_in_use() {
+            XxtVariant::Cublas => {
+                let blas = self.blas().map_err(|why| shape("gram", why.to_string()))?;
+                // SAFETY: launch_f32_to_bf16 writes every element before the Gram reads it.
+                let mut xb =
+                    unsafe { self.stream.alloc::<u16>(x.len()) }.map_err(driver("alloc bf16 X"))?;
+                ops::launch_f32_to_bf16(&self.stream, &self.ops, &mut xb, x)?;
+                blas.gram_bf16(acc, &xb.slice(..), m, d, ld, batch, x_bs, h_bs)
+            }
+            v => launch_hessian_xxt(
+                &self.stream,
+                &self.quant.hessian,
+                v,
+                acc,
+                &x.slice(..),
+                m,
+                d,
+                ld,
+                batch,
+                x_bs,
+                h_bs,
+            ),
+        }
     }
 
     pub fn try_head_covariance_t(
@@ -615,12 +653,9 @@ impl CudaBackend {
         }
         let x_d = self.dev(x)?;
         let acc = self.acc_dev(acc)?;
-        launch_hessian_xxt(
-            &self.stream,
-            &self.quant.hessian,
-            self.xxt_variant,
+        self.gram(
             &mut acc.slice_mut(..),
-            &x_d.slice(..),
+            &x_d,
             m,
             d_h,
             n_heads * d_h,
@@ -670,7 +705,7 @@ impl CudaBackend {
                 &self.stream,
                 hk,
                 self.attn_x_variant,
-                &mut scratch.y.slice_mut(..),
+                AttnXOut::F32(&mut scratch.y.slice_mut(..)),
                 x,
                 q,
                 k,
@@ -683,13 +718,81 @@ impl CudaBackend {
                 d,
             )?;
             let g = slot(head);
-            launch_hessian_xxt(
+            self.gram(
+                &mut acc.slice_mut(g * d * d..(g + 1) * d * d),
+                &scratch.y,
+                t,
+                d,
+                d,
+                1,
+                0,
+                0,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// V's statistics of a chunk of `n_seq` sequences with the cuBLAS Gram: per query head, Y = A_h X of every
+    /// sequence written in bf16 into one [n_seq·t × d] buffer, then one Gram over all of it into the head's
+    /// KV slot (Σ over sequences of YᵀY = Y_allᵀ Y_all: one GEMM with K = n_seq·t instead of n_seq with K = t).
+    fn queue_v_col_chunk(
+        &self,
+        acc: &mut CudaSlice<f32>,
+        (x, q, k): (&CudaSlice<f32>, &CudaSlice<f32>, &CudaSlice<f32>),
+        s: AttnShape,
+        n_seq: usize,
+    ) -> Result<(), CudaError> {
+        let AttnShape { t, h, h_kv, d_h, d } = s;
+        let (xs, qs, ks, st) = (t * d, t * h * d_h, t * h_kv * d_h, 2 * h * t);
+        let hk = &self.quant.hessian;
+        let blas = self
+            .blas()
+            .map_err(|why| shape("v_col gram", why.to_string()))?;
+        let mut stats = self
+            .stream
+            .alloc_zeros::<f32>(n_seq * st)
+            .map_err(driver("alloc stats"))?;
+        for i in 0..n_seq {
+            launch_softmax_stats(
                 &self.stream,
                 hk,
-                self.xxt_variant,
-                &mut acc.slice_mut(g * d * d..(g + 1) * d * d),
-                &scratch.y.slice(..),
+                &mut stats.slice_mut(i * st..(i + 1) * st),
+                &q.slice(i * qs..(i + 1) * qs),
+                &k.slice(i * ks..(i + 1) * ks),
                 t,
+                h,
+                h_kv,
+                d_h,
+            )?;
+        }
+        // SAFETY: attn_x writes every element of each sequence's [t × d] part before the Gram reads it.
+        let mut y =
+            unsafe { self.stream.alloc::<u16>(n_seq * xs) }.map_err(driver("alloc bf16 Y"))?;
+        let gs = h / h_kv;
+        for head in 0..h {
+            for i in 0..n_seq {
+                launch_attn_x(
+                    &self.stream,
+                    hk,
+                    super::AttnXVariant::Bf16Wmma,
+                    AttnXOut::Bf16(&mut y.slice_mut(i * xs..(i + 1) * xs)),
+                    &x.slice(i * xs..(i + 1) * xs),
+                    &q.slice(i * qs..(i + 1) * qs),
+                    &k.slice(i * ks..(i + 1) * ks),
+                    &stats.slice(i * st..(i + 1) * st),
+                    head,
+                    t,
+                    h,
+                    h_kv,
+                    d_h,
+                    d,
+                )?;
+            }
+            let g = head / gs;
+            blas.gram_bf16(
+                &mut acc.slice_mut(g * d * d..(g + 1) * d * d),
+                &y.slice(..),
+                n_seq * t,
                 d,
                 d,
                 1,
@@ -739,8 +842,13 @@ impl CudaBackend {
         }
         let (x_d, q_d, k_d) = (self.dev(x)?, self.dev(q)?, self.dev(k)?);
         let acc = self.acc_dev(acc)?;
-        let mut scratch = self.v_col_scratch(s)?;
         let gs = h / h_kv;
+        if self.xxt_variant_in_use() == XxtVariant::Cublas
+            && self.attn_x_variant == super::AttnXVariant::Bf16Wmma
+        {
+            return self.queue_v_col_chunk(acc, (&x_d, &q_d, &k_d), s, n_seq);
+        }
+        let mut scratch = self.v_col_scratch(s)?;
         for i in 0..n_seq {
             self.queue_v_col_sequence(
                 acc,
