@@ -16,7 +16,7 @@ mod weight;
 
 pub use crate::ops::{AttnShape, QuantOps, Tensor};
 pub use select::{Device, GemmPrecision, select_backend, select_backend_with};
-pub use weight::Weight;
+pub use weight::{PackedResident, Weight};
 
 use std::borrow::Cow;
 
@@ -178,11 +178,18 @@ pub trait Backend: QuantOps + Send + Sync {
         )))
     }
 
-    /// `packed_linear` on tensors.
+    /// A copy of a packed linear in this backend's memory, for a forward that reads it many times; None when
+    /// the host form serves as it is (host backends).
+    fn upload_packed(&self, _w: &crate::quant::pack::PackedLinear) -> Option<PackedResident> {
+        None
+    }
+
+    /// `packed_linear` on tensors; `resident` is this linear's copy from `upload_packed`, if one was made.
     fn packed_linear_t(
         &self,
         x: &Tensor,
         w: &crate::quant::pack::PackedLinear,
+        _resident: Option<&PackedResident>,
         bias: Option<&[f32]>,
         m: usize,
     ) -> Tensor {

@@ -18,3 +18,7 @@ impl<'a> Weight<'a> {
         }
     }
 }
+
+/// A packed linear held in a device backend's own memory (`Backend::upload_packed`), for a forward that reads
+/// it many times (eval): only the backend that made it can read it.
+pub struct PackedResident(pub(crate) Box<dyn std::any::Any + Send + Sync>);

@@ -1,14 +1,16 @@
 //! Perplexity: mean next-token NLL over non-overlapping windows, exp'd (the protocol of GPTQ/BoA papers).
 //!
-//! Windows go through the model a chunk at a time and block by block, so memory holds one block's f32
-//! weights plus the chunk's activations, whatever the model size.
+//! On the CPU, windows go through the model a chunk at a time and block by block, so memory holds one block's
+//! f32 weights plus the chunk's activations, whatever the model size. A device backend keeps the activations of
+//! a pass of windows (all of them when they fit a quarter of its free memory) and streams the blocks once per
+//! pass, each block's weights uploaded once (packed ones in their packed form) and read by every chunk.
 
 use crate::backend::Backend;
 use crate::backend::cpu::{max_lanes, sum_exp_f64};
 use crate::backend::{Tensor, Weight};
 use crate::data::{text, tokenizer::Tokenizer, windows};
 use crate::model::Model;
-use crate::model::llama::{RopeTable, block_forward};
+use crate::model::llama::{ResidentWeights, block_forward};
 use crate::progress::Progress;
 use rayon::prelude::*;
 use std::path::PathBuf;
@@ -83,10 +85,10 @@ pub fn window_nll(
     let (mut nll, mut count) = (0f64, 0usize);
     // The CPU backend on a model without packed linears takes the fused window-parallel path (eval::cpu).
     let fused = be.name() == "cpu" && model.gptq.is_none();
-    for group in wins.chunks(chunk) {
-        let ids: Vec<u32> = group.iter().flat_map(|w| w.iter().copied()).collect();
-        count += group.len() * (t - 1);
-        if fused {
+    if fused {
+        for group in wins.chunks(chunk) {
+            let ids: Vec<u32> = group.iter().flat_map(|w| w.iter().copied()).collect();
+            count += group.len() * (t - 1);
             let mut x = model.embed(&ids)?;
             nll += cpu::chunk_nll(
                 c,
@@ -101,45 +103,61 @@ pub fn window_nll(
                 &head,
                 || bar.inc(1),
             )?;
-            continue;
         }
-        let mut xt = match table_t.as_ref().or(head_t.as_ref()) {
-            Some(table) => {
-                model.check_ids(&ids)?;
-                be.embed_t(table, &ids, c.d)
+        bar.finish();
+        return Ok((nll, count));
+    }
+    let head_w = Weight {
+        host: &head,
+        resident: head_t.as_ref(),
+    };
+    let x_bytes = t * c.d * size_of::<f32>();
+    let per_pass = match be.device_memory() {
+        Some((free, _)) => ((free as usize / 4) / x_bytes.max(1)).max(chunk),
+        None => wins.len(),
+    };
+    for pass in wins.chunks(per_pass.div_ceil(chunk) * chunk) {
+        let mut xs = Vec::with_capacity(pass.len().div_ceil(chunk));
+        for group in pass.chunks(chunk) {
+            let ids: Vec<u32> = group.iter().flat_map(|w| w.iter().copied()).collect();
+            count += group.len() * (t - 1);
+            xs.push(match table_t.as_ref().or(head_t.as_ref()) {
+                Some(table) => {
+                    model.check_ids(&ids)?;
+                    be.embed_t(table, &ids, c.d)
+                }
+                None => be.to_device(Tensor::Host(model.embed(&ids)?)),
+            });
+        }
+        for l in 0..c.n_layers {
+            let w = model.load_block(l)?;
+            let resident = ResidentWeights::upload_all(be, &w);
+            for (x, group) in xs.iter_mut().zip(pass.chunks(chunk)) {
+                block_forward(be, &w, Some(&resident), c, &rope, x, group.len(), None);
+                bar.inc(1);
             }
-            None => be.to_device(Tensor::Host(model.embed(&ids)?)),
-        };
-        let head_w = Weight {
-            host: &head,
-            resident: head_t.as_ref(),
-        };
-        nll += forward_nll(be, model, &rope, &mut xt, group, &norm, head_w, &mut bar)?;
+        }
+        for (x, group) in xs.iter().zip(pass.chunks(chunk)) {
+            nll += head_nll(be, model, x, group, &norm, head_w)?;
+            bar.inc(1);
+        }
     }
     bar.finish();
     Ok((nll, count))
 }
 
-/// The NLL of one group of windows from their embeddings X (where the backend computes; X stays there for
-/// the whole stack of blocks): the blocks, the final norm, then per window the logits against `head`.
-#[allow(clippy::too_many_arguments)]
-fn forward_nll(
+/// The NLL of one group of windows from the last block's output X: the final norm, then per window the
+/// logits against `head`.
+fn head_nll(
     be: &dyn Backend,
     model: &Model,
-    rope: &RopeTable,
-    xt: &mut Tensor,
+    xt: &Tensor,
     group: &[&[u32]],
     norm: &[f32],
     head: Weight<'_>,
-    bar: &mut crate::progress::Bar,
 ) -> anyhow::Result<f64> {
     let c = &model.cfg;
     let t = group[0].len();
-    for l in 0..c.n_layers {
-        let w = model.load_block(l)?;
-        block_forward(be, &w, None, c, rope, xt, group.len(), None);
-        bar.inc(1);
-    }
     let h = be.rms_norm(&be.read(xt), norm, c.d, c.eps);
     let mut nll = 0f64;
     for (s, win) in group.iter().enumerate() {
@@ -147,7 +165,6 @@ fn forward_nll(
         let logits = be.linear_t(&hs, head, None, t, c.d, c.vocab);
         nll += next_token_nll(&be.read(&logits), win, c.vocab);
     }
-    bar.inc(1);
     Ok(nll)
 }
 

@@ -5,7 +5,7 @@
 use super::config::Config;
 use super::packed::{GptqConfig, load_packed_linear};
 use super::weights::WeightStore;
-use crate::backend::{Backend, Tensor, Weight};
+use crate::backend::{Backend, PackedResident, Tensor, Weight};
 use crate::error::file_err;
 use crate::quant::pack::PackedLinear;
 use safetensors::Dtype;
@@ -37,10 +37,16 @@ impl Linear {
         be: &dyn Backend,
         x: &Tensor,
         m: usize,
-        resident: Option<&Tensor>,
+        resident: Option<&Resident>,
     ) -> Tensor {
+        let (dense, packed) = match resident {
+            Some(Resident::Dense(t)) => (Some(t), None),
+            Some(Resident::Packed(p)) => (None, Some(p)),
+            None => (None, None),
+        };
+        let resident = dense;
         match &self.packed {
-            Some(p) => be.packed_linear_t(x, p, self.b.as_deref(), m),
+            Some(p) => be.packed_linear_t(x, p, packed, self.b.as_deref(), m),
             None => be.linear_t(
                 x,
                 Weight {
@@ -131,11 +137,18 @@ impl RopeTable {
     }
 }
 
-/// The dense weights of a block copied into a backend's own memory (`Backend::upload_weight`), in
-/// LINEAR_NAMES order, so the forward of many chunks copies each weight once. Empty on host backends.
+/// A linear's weight in a backend's own memory: dense (`Backend::upload_weight`) or packed
+/// (`Backend::upload_packed`).
+pub enum Resident {
+    Dense(Tensor),
+    Packed(PackedResident),
+}
+
+/// The weights of a block copied into a backend's own memory, in LINEAR_NAMES order, so the forward of many
+/// chunks copies each weight once. Empty on host backends.
 #[derive(Default)]
 pub struct ResidentWeights {
-    w: Vec<Option<Tensor>>,
+    w: Vec<Option<Resident>>,
 }
 
 impl ResidentWeights {
@@ -149,13 +162,33 @@ impl ResidentWeights {
         Self::upload_with(w, |x| be.upload_weight_now(x))
     }
 
+    /// For a forward of many chunks of a loaded block (eval): packed linears too.
+    pub fn upload_all(be: &dyn Backend, w: &BlockWeights) -> ResidentWeights {
+        ResidentWeights {
+            w: LINEAR_NAMES
+                .iter()
+                .map(|n| {
+                    let l = w.linear(n);
+                    match &l.packed {
+                        Some(p) => be.upload_packed(p).map(Resident::Packed),
+                        None => be.upload_weight(&l.w).map(Resident::Dense),
+                    }
+                })
+                .collect(),
+        }
+    }
+
     fn upload_with(w: &BlockWeights, up: impl Fn(&[f32]) -> Option<Tensor>) -> ResidentWeights {
         ResidentWeights {
             w: LINEAR_NAMES
                 .iter()
                 .map(|n| {
                     let l = w.linear(n);
-                    if l.packed.is_some() { None } else { up(&l.w) }
+                    if l.packed.is_some() {
+                        None
+                    } else {
+                        up(&l.w).map(Resident::Dense)
+                    }
                 })
                 .collect(),
         }
@@ -164,15 +197,24 @@ impl ResidentWeights {
     /// Weights already in the backend's memory (LINEAR_NAMES order; None where the forward reads the host
     /// values): the quantized block's Ŵ, which the quantizer left there.
     pub fn from_tensors(w: Vec<Option<Tensor>>) -> ResidentWeights {
-        ResidentWeights { w }
+        ResidentWeights {
+            w: w.into_iter().map(|t| t.map(Resident::Dense)).collect(),
+        }
     }
 
-    /// Takes linear i's copy out (the quantizer reads W where the forward did).
+    /// Takes linear i's dense copy out (the quantizer reads W where the forward did).
     pub fn take(&mut self, i: usize) -> Option<Tensor> {
-        self.w.get_mut(i).and_then(Option::take)
+        match self.w.get_mut(i).and_then(Option::take) {
+            Some(Resident::Dense(t)) => Some(t),
+            Some(p) => {
+                self.w[i] = Some(p);
+                None
+            }
+            None => None,
+        }
     }
 
-    fn get(&self, i: usize) -> Option<&Tensor> {
+    fn get(&self, i: usize) -> Option<&Resident> {
         self.w.get(i).and_then(Option::as_ref)
     }
 }

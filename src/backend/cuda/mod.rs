@@ -704,10 +704,21 @@ impl Backend for CudaBackend {
         resident::linear_t(self, x, w, bias, (m, k, n))
     }
 
+    fn upload_packed(&self, w: &crate::quant::pack::PackedLinear) -> Option<super::PackedResident> {
+        let d = self.upload_packed(w).unwrap_or_else(|e| {
+            panic!(
+                "{} upload_packed ({} × {}): {e}",
+                self.name, w.d_out, w.d_in
+            )
+        });
+        Some(super::PackedResident(Box::new(d)))
+    }
+
     fn packed_linear_t(
         &self,
         x: &Tensor,
         w: &crate::quant::pack::PackedLinear,
+        resident: Option<&super::PackedResident>,
         bias: Option<&[f32]>,
         m: usize,
     ) -> Tensor {
@@ -716,12 +727,14 @@ impl Backend for CudaBackend {
             let y = CpuBackend.packed_linear(&self.read(x), w, bias, m);
             return self.to_device(Tensor::Host(y));
         }
-        self.try_packed_linear_t(x, w, bias, m).unwrap_or_else(|e| {
-            panic!(
-                "{} packed_linear (m={m}, k={}, n={}, {}-bit): {e}",
-                self.name, w.d_in, w.d_out, w.bits
-            )
-        })
+        let resident = resident.and_then(|r| r.0.downcast_ref::<qgemm::DevicePacked>());
+        self.try_packed_linear_t(x, w, resident, bias, m)
+            .unwrap_or_else(|e| {
+                panic!(
+                    "{} packed_linear (m={m}, k={}, n={}, {}-bit): {e}",
+                    self.name, w.d_in, w.d_out, w.bits
+                )
+            })
     }
 
     fn rms_norm_t(&self, x: &Tensor, w: &[f32], d: usize, eps: f32) -> Tensor {

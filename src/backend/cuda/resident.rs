@@ -306,11 +306,13 @@ impl CudaBackend {
         Ok(Tensor::Device(y))
     }
 
-    /// `packed_linear` on a device-resident X (the packed tensors are uploaded per call, as the slice form does).
+    /// `packed_linear` on a device-resident X, with the packed tensors already on the device (`resident`, from
+    /// `upload_packed`) or uploaded for this call.
     pub fn try_packed_linear_t(
         &self,
         x: &Tensor,
         w: &crate::quant::pack::PackedLinear,
+        resident: Option<&super::qgemm::DevicePacked>,
         bias: Option<&[f32]>,
         m: usize,
     ) -> Result<Tensor, CudaError> {
@@ -328,7 +330,23 @@ impl CudaBackend {
         if m == 0 || n == 0 {
             return Ok(Tensor::Host(Vec::new()));
         }
-        let wd = self.upload_packed(w)?;
+        let uploaded;
+        let wd = match resident {
+            Some(r) if r.d_out == n && r.d_in == k && r.bits == w.bits => r,
+            Some(_) => {
+                return Err(shape(
+                    "packed_linear",
+                    format!(
+                        "the resident copy is not this [{n} × {k}] {}-bit linear",
+                        w.bits
+                    ),
+                ));
+            }
+            None => {
+                uploaded = self.upload_packed(w)?;
+                &uploaded
+            }
+        };
         let x_d = self.dev(x)?;
         let b_d = bias.map(|b| self.upload(b, "upload bias")).transpose()?;
         let mut y = self.output(m * n)?;
@@ -337,7 +355,7 @@ impl CudaBackend {
             super::qgemm::auto_variant(m),
             &mut y,
             &x_d,
-            &wd,
+            wd,
             b_d.as_ref(),
             m,
             &mut scratch,
