@@ -333,6 +333,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             );
             if a.profile {
                 print!("{}", t.phase_table());
+                print!("{}", r.traffic.table());
             }
         }
         Cmd::BenchQuant {

@@ -47,18 +47,36 @@ pub enum GridMode<'a> {
 pub struct Traffic {
     pub htod_bytes: u64,
     pub dtoh_bytes: u64,
+    /// Host synchronizations: calls after which the host has waited for the device.
     pub syncs: u64,
+    /// Kernel launches and library calls (0 where the source does not count them).
     pub launches: u64,
+    /// Who counted: "emulator" (the CPU emulator's own driver), "host layer", or "" (nothing to count).
+    pub source: &'static str,
 }
 
 impl std::ops::Sub for Traffic {
     type Output = Traffic;
     fn sub(self, o: Traffic) -> Traffic {
         Traffic {
-            htod_bytes: self.htod_bytes - o.htod_bytes,
-            dtoh_bytes: self.dtoh_bytes - o.dtoh_bytes,
-            syncs: self.syncs - o.syncs,
-            launches: self.launches - o.launches,
+            htod_bytes: self.htod_bytes.saturating_sub(o.htod_bytes),
+            dtoh_bytes: self.dtoh_bytes.saturating_sub(o.dtoh_bytes),
+            syncs: self.syncs.saturating_sub(o.syncs),
+            launches: self.launches.saturating_sub(o.launches),
+            source: self.source,
+        }
+    }
+}
+
+impl std::ops::Add for Traffic {
+    type Output = Traffic;
+    fn add(self, o: Traffic) -> Traffic {
+        Traffic {
+            htod_bytes: self.htod_bytes + o.htod_bytes,
+            dtoh_bytes: self.dtoh_bytes + o.dtoh_bytes,
+            syncs: self.syncs + o.syncs,
+            launches: self.launches + o.launches,
+            source: if self.source.is_empty() { o.source } else { self.source },
         }
     }
 }

@@ -11,6 +11,7 @@ pub mod quantize_block;
 pub mod report;
 pub mod resume;
 pub mod stats;
+pub mod traffic;
 
 use crate::backend::{Backend, Tensor, select_backend_with};
 use crate::data::{text, tokenizer::Tokenizer, windows};
@@ -134,6 +135,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
     if let Some(n) = note {
         progress.line(&n);
     }
+    let traffic_start = be.traffic();
     let model = Model::open(&opts.model)?;
     if model.gptq.is_some() {
         return Err(file_err(
@@ -297,6 +299,11 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
             };
             Ok((w, resident))
         };
+        let mut traffic = traffic::TrafficReport {
+            source: be.traffic().source,
+            setup: be.traffic() - traffic_start,
+            ..Default::default()
+        };
         std::thread::scope(|scope| -> anyhow::Result<()> {
             // Block l+1 is read and converted on a second thread while block l works (design.md §3).
             let mut prefetch = None;
@@ -304,6 +311,9 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
             let mut writing = None;
             for l in start..cfg.n_layers {
                 let t_block = Instant::now();
+                let traffic_block = be.traffic();
+                let mut traffic_save = crate::ops::Traffic::default();
+                let mut floor_bytes = 0u64;
                 let mut load_wait = 0.0;
                 let selected = layers.contains(l);
                 let w_read = needs_weights(l);
@@ -340,15 +350,18 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                     let (mut w, mut resident) = w.expect("a selected block's weights are read");
                     check_finite(&w, l)?;
                     let stats = match needs_calib {
-                        true => Some(stats::collect(
-                            be,
-                            &w,
-                            Some(&resident),
-                            cfg,
-                            &rope,
-                            &x,
-                            opts.method == Method::Boa,
-                        )?),
+                        true => Some(
+                            stats::collect(
+                                be,
+                                &w,
+                                Some(&resident),
+                                cfg,
+                                &rope,
+                                &x,
+                                opts.method == Method::Boa,
+                            )
+                            .with_context(|| format!("layer {l}: statistics"))?,
+                        ),
                         false => None,
                     };
                     if let Some(s) = &stats {
@@ -362,6 +375,12 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                     let quantized = ranged(c"quantize block", || {
                         quantize_block::quantize_block(be, &weights, stats.as_ref(), cfg, opts, l)
                     })?;
+                    if be.traffic().source.is_empty() {
+                        floor_bytes = 0;
+                    } else {
+                        // The weights went up in f32 (ResidentWeights::upload) for the FP forward.
+                        floor_bytes = weights.iter().map(|m| 4 * m.len() as u64).sum();
+                    }
                     drop(weights);
                     let packed = quantized
                         .iter()
@@ -371,6 +390,11 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                                 .with_context(|| format!("layer {l} {name}: packing"))
                         })
                         .collect::<anyhow::Result<Vec<_>>>()?;
+                    // qweight words, then scales and zeros as f32 (QuantOps::pack's downloads).
+                    floor_bytes += packed
+                        .iter()
+                        .map(|p| 4 * p.qweight.len() as u64 + 8 * (p.d_out * p.n_groups) as u64)
+                        .sum::<u64>();
                     timings.quantize += t.elapsed().as_secs_f64();
                     let [factor, search, sweep] = crate::quant::profile::take();
                     (timings.factor, timings.search, timings.sweep) = (
@@ -423,6 +447,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                     finish_write(&mut writing, &mut folder)?;
                     let x_next = (needs_calib && l < last_needed).then_some((be, &x[..]));
                     timings.total = base_total + t_start.elapsed().as_secs_f64();
+                    let before_save = be.traffic();
                     resume::checkpoint(
                         &folder.tmp,
                         &fingerprint,
@@ -431,10 +456,19 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                         &reports,
                         &timings,
                     )?;
+                    traffic_save = be.traffic() - before_save;
+                    traffic.resume_saves = traffic.resume_saves + traffic_save;
                     save_cost = t.elapsed().as_secs_f64();
                     timings.write += save_cost;
                     last_save = Instant::now();
                     progressed = true;
+                }
+                if selected {
+                    traffic.blocks.push(traffic::BlockTraffic {
+                        layer: l,
+                        traffic: (be.traffic() - traffic_block) - traffic_save,
+                        floor_bytes,
+                    });
                 }
                 resume::test_slow_block();
                 if w_read {
@@ -465,7 +499,8 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
         folder.write_json("config.json", &config)?;
         folder.copy_tokenizer_files(&model.dir)?;
         timings.total = base_total + t_start.elapsed().as_secs_f64();
-        let report = RunReport::new(opts, be.name(), reports, timings, n_seq * opts.seqlen);
+        let mut report = RunReport::new(opts, be.name(), reports, timings, n_seq * opts.seqlen);
+        report.traffic = traffic;
         folder.write_json("report.json", &serde_json::to_value(&report)?)?;
         Ok(report)
     })();

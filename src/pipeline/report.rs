@@ -96,6 +96,8 @@ pub struct RunReport {
     pub seconds: Timings,
     /// Peak resident memory of the process (VmHWM), bytes.
     pub peak_rss_bytes: Option<u64>,
+    /// Host↔device traffic per quantized block (traffic.rs; empty on the CPU).
+    pub traffic: super::traffic::TrafficReport,
 }
 
 impl RunReport {
@@ -114,6 +116,7 @@ impl RunReport {
             layers,
             seconds,
             peak_rss_bytes: peak_rss_bytes(),
+            traffic: Default::default(),
         }
     }
 

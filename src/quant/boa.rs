@@ -19,6 +19,7 @@ use super::plan::{FactorCache, Plan, plan};
 use super::profile::{Phase, timed};
 use super::quantizer::{Grid, ScaleSearch, dequantize, quantize, search_grid};
 use crate::ops::{GridMode, Mat, QuantOps, QuantizedLinear, Result};
+use anyhow::Context;
 use rayon::prelude::*;
 use std::sync::Arc;
 
@@ -412,7 +413,7 @@ pub fn boa_quantize<'h>(
         (Some(c), false) => c.plan(ops, hc, g, opts.act_order_col),
         _ => plan(ops, hc, g, opts.act_order_col).map(Arc::new),
     })
-    .map_err(|e| e.context("H_col"))?;
+    .map_err(|e| e.context("factor of H_col"))?;
     let head_col: Vec<usize> = (0..n_heads).map(|h| if per_head { h } else { 0 }).collect();
     // Row factors (Alg. 1 l.5–6, H_row side), all heads in one batch; a dead row input gets H_ii = 1.
     let mut row_opts = g.clone();
@@ -420,7 +421,7 @@ pub fn boa_quantize<'h>(
     let rows = timed(Phase::Factor, || {
         plan(ops, h_row, &row_opts, opts.act_order_row)
     })
-    .map_err(|e| e.context("H_row"))?;
+    .map_err(|e| e.context("factor of H_row"))?;
 
     let dead: Vec<Vec<usize>> = head_col.iter().map(|&f| cols.dead[f].clone()).collect();
     let w0 = ops.zero_cols(w, &dead)?;
@@ -456,7 +457,8 @@ pub fn boa_quantize<'h>(
                 gl,
                 &g.spec,
             )
-        })?;
+        })
+        .context("scale search")?;
         let (wp, grids) = ops.reorder(&w0, Some(&grids), &row_perm, &col_perms)?;
         let grids = grids.expect("reorder returns the grids it was given");
         (
@@ -470,7 +472,8 @@ pub fn boa_quantize<'h>(
     drop(w0);
     let swept = timed(Phase::Sweep, || {
         ops.boa_sweep(wp, &cols.u, &rows.u, d_h, g.block_size, mode, g.spec.maxq())
-    })?;
+    })
+    .context("sweep")?;
     let (w_hat, codes, grids) = ops.unorder(swept, &row_perm, &col_perms)?;
     Ok(QuantizedLinear {
         d_out,

@@ -13,6 +13,7 @@ use super::plan::FactorCache;
 use super::profile::{Phase, timed};
 use super::quantizer::{Grid, QuantSpec, ScaleSearch, dequantize, quantize, search_grid};
 use crate::ops::{GridMode, Mat, QuantOps, QuantizedLinear, Result};
+use anyhow::Context;
 use rayon::prelude::*;
 
 /// gptq.py's lazy-batch width B.
@@ -322,7 +323,8 @@ pub fn gptq_quantize<'h>(
     let plan = timed(Phase::Factor, || match cache {
         Some(c) => c.plan(ops, h, opts, opts.act_order),
         None => super::plan::plan(ops, h, opts, opts.act_order).map(std::sync::Arc::new),
-    })?;
+    })
+    .context("factor")?;
     let perm = &plan.perm[0];
     let g = opts.spec.group_len(d_in);
     let w0 = ops.zero_cols(w, &plan.dead)?;
@@ -342,7 +344,8 @@ pub fn gptq_quantize<'h>(
                 g,
                 &opts.spec,
             )
-        })?;
+        })
+        .context("scale search")?;
         let (wp, grids) = ops.reorder(&w0, Some(&grids), &identity(d_out), &plan.perm)?;
         (wp, static_col_group(perm, g), grids)
     };
@@ -361,7 +364,8 @@ pub fn gptq_quantize<'h>(
     };
     let swept = timed(Phase::Sweep, || {
         ops.gptq_sweep(wp, &plan.u, mode, opts.block_size, opts.spec.maxq())
-    })?;
+    })
+    .context("sweep")?;
     let error = swept.loss - plan.damp[0] * swept.delta_sq;
     let (w_hat, codes, grids) = ops.unorder(swept, &identity(d_out), &plan.perm)?;
     Ok(QuantizedLinear {

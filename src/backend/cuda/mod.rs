@@ -28,6 +28,7 @@ mod resident;
 pub mod search;
 mod solver;
 pub mod sweep;
+mod traffic;
 
 pub use crate::nvtx::{Range, range};
 pub use gemm::LinearVariant;
@@ -125,6 +126,8 @@ pub struct CudaBackend {
     blas: std::sync::OnceLock<Result<gemm::Blas, String>>,
     /// cuda/qgemm.cu's kernels, loaded on first packed_linear; the reason when they cannot be.
     qgemm: std::sync::OnceLock<Result<qgemm::QgemmKernels, String>>,
+    /// The host layer's transfer counts (traffic.rs), for a GPU; the emulator counts for itself.
+    counters: traffic::HostCounters,
 }
 
 /// Loads the embedded fatbin of cuda/`stem`.cu, or says why it cannot.
@@ -261,6 +264,7 @@ impl CudaBackend {
             solver: std::sync::OnceLock::new(),
             blas: std::sync::OnceLock::new(),
             qgemm: std::sync::OnceLock::new(),
+            counters: Default::default(),
         })
     }
 

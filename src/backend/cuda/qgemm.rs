@@ -404,6 +404,7 @@ impl CudaBackend {
             msg,
         })?;
         let s = &self.stream;
+        self.counters.htod(p.bytes());
         Ok(DevicePacked {
             d_out: p.d_out,
             d_in: p.d_in,

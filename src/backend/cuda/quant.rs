@@ -100,6 +100,7 @@ impl CudaBackend {
         v: &[T],
         what: &'static str,
     ) -> std::result::Result<CudaSlice<T>, CudaError> {
+        self.counters.htod(std::mem::size_of_val(v));
         self.stream.clone_htod(v).map_err(driver(what))
     }
 
@@ -108,6 +109,8 @@ impl CudaBackend {
         d: &CudaSlice<T>,
         what: &'static str,
     ) -> std::result::Result<Vec<T>, CudaError> {
+        self.counters.dtoh(d.len() * size_of::<T>());
+        self.counters.sync();
         let v = self.stream.clone_dtoh(d).map_err(driver(what))?;
         self.stream.synchronize().map_err(driver(what))?;
         Ok(v)
@@ -286,21 +289,21 @@ impl CudaBackend {
     }
 
     /// Σ over the DOT_CTAS partials of a·b (f64), one download.
-    fn dot(
-        &self,
-        a: &CudaSlice<f32>,
-        b: &CudaSlice<f32>,
-        range: std::ops::Range<usize>,
-    ) -> Result<f64> {
-        let mut part = self.zeros_of::<f64>(DOT_CTAS, "alloc partial sums")?;
-        launch_dot_partials(
-            &self.stream,
-            &self.quant.core,
-            &mut part.slice_mut(..),
-            &a.slice(range.clone()),
-            &b.slice(range),
-        )?;
-        Ok(self.download(&part, "download partial sums")?.iter().sum())
+    /// Σ a∘b over each (a, b, range) of `dots`, f64: every product's partial sums into one buffer, one
+    /// download for all of them (one host synchronization, whatever the count).
+    fn dots(&self, dots: &[(&CudaSlice<f32>, &CudaSlice<f32>, std::ops::Range<usize>)]) -> Result<Vec<f64>> {
+        let mut part = self.zeros_of::<f64>(dots.len() * DOT_CTAS, "alloc partial sums")?;
+        for (i, (a, b, range)) in dots.iter().enumerate() {
+            launch_dot_partials(
+                &self.stream,
+                &self.quant.core,
+                &mut part.slice_mut(i * DOT_CTAS..(i + 1) * DOT_CTAS),
+                &a.slice(range.clone()),
+                &b.slice(range.clone()),
+            )?;
+        }
+        let v = self.download(&part, "download partial sums")?;
+        Ok((0..dots.len()).map(|i| v[i * DOT_CTAS..(i + 1) * DOT_CTAS].iter().sum()).collect())
     }
 
     /// [rows × n] (grids: [rows × n_groups]) gathered or scattered by rows and per-part column permutations.
@@ -865,13 +868,12 @@ impl QuantOps for CudaBackend {
                 }
             }
         };
-        let loss = self.download(&loss, "download loss")?[..rows]
-            .iter()
-            .map(|&x| x as f64)
-            .sum();
+        // Σ e² (each row's loss summed against ones) and ‖Q − W‖², read back together.
+        let ones = self.upload(&vec![1f32; rows], "upload ones")?;
         let mut delta = self.out_f32(rows * n)?;
         launch_sub(&self.stream, &self.quant.core, &mut delta, &q_d, &w0)?;
-        let delta_sq = self.dot(&delta, &delta, 0..rows * n)?;
+        let sums = self.dots(&[(&loss, &ones, 0..rows), (&delta, &delta, 0..rows * n)])?;
+        let (loss, delta_sq) = (sums[0], sums[1]);
         Ok(Swept {
             q: dmat(q_d, 1, rows, n),
             codes: Codes::Device(c_d),
@@ -1017,13 +1019,13 @@ impl QuantOps for CudaBackend {
         }
         let mut ah = self.out_f32(rows * n)?;
         blas.rows_times_h(&mut ah, &stacked, dev(h, "H")?, rows, n)?;
-        let mut out = Vec::with_capacity(a.len());
+        let mut dots = Vec::with_capacity(a.len());
         let mut r0 = 0;
         for m in a {
-            out.push(self.dot(&stacked, &ah, r0 * n..(r0 + m.rows) * n)?);
+            dots.push((&stacked, &ah, r0 * n..(r0 + m.rows) * n));
             r0 += m.rows;
         }
-        Ok(out)
+        self.dots(&dots)
     }
 
     fn sub(&self, a: &Mat, b: &Mat) -> Result<Mat> {
@@ -1043,6 +1045,10 @@ impl QuantOps for CudaBackend {
 
     /// qweight packed on the device (b/32 of W's f32 bytes come back); the grids [d_out × n_groups] come back
     /// as they are and take their f16 / integer form here.
+    fn traffic(&self) -> crate::ops::Traffic {
+        super::traffic::traffic(&self.counters)
+    }
+
     fn pack(&self, q: &QuantizedLinear) -> Result<Packed> {
         let (d_out, d_in, ng) = (q.d_out, q.d_in, q.n_groups());
         let kw = (d_in * q.bits as usize).div_ceil(32);
@@ -1057,8 +1063,17 @@ impl QuantOps for CudaBackend {
             q.bits,
         )?;
         let qweight = self.download(&qw, "download qweight")?[..kw * d_out].to_vec();
-        let scales = self.read_f32(&q.grids.scale)?;
-        let zeros = self.read_f32(&q.grids.zero)?;
+        // Scales and zeros side by side in one buffer: one download.
+        let g_len = d_out * ng;
+        let mut grids = self.out_f32(2 * g_len)?;
+        self.stream
+            .memcpy_dtod(dev(&q.grids.scale, "scales")?, &mut grids.slice_mut(..g_len))
+            .map_err(driver("gather scales"))?;
+        self.stream
+            .memcpy_dtod(dev(&q.grids.zero, "zeros")?, &mut grids.slice_mut(g_len..2 * g_len))
+            .map_err(driver("gather zeros"))?;
+        let grids = self.download(&grids, "download grids")?;
+        let (scales, zeros) = grids.split_at(g_len);
         let maxq = (1u32 << q.bits) - 1;
         let mut z = vec![0u8; ng * d_out];
         let mut s = vec![half::f16::ZERO; ng * d_out];

@@ -102,11 +102,14 @@ impl CudaBackend {
         match x {
             Tensor::Device(s) => Ok(DevRef::Borrowed(s)),
             Tensor::Host(v) => Ok(DevRef::Owned(self.upload(v, "upload tensor")?)),
-            Tensor::Pinned(p) => Ok(DevRef::Owned(
-                self.stream
-                    .clone_htod(p)
-                    .map_err(driver("upload pinned tensor"))?,
-            )),
+            Tensor::Pinned(p) => {
+                self.counters.htod(p.len() * 4);
+                Ok(DevRef::Owned(
+                    self.stream
+                        .clone_htod(p)
+                        .map_err(driver("upload pinned tensor"))?,
+                ))
+            }
         }
     }
 
@@ -126,6 +129,8 @@ impl CudaBackend {
     pub(super) fn finish(&self, t: Tensor, op: &'static str) -> Result<Vec<f32>, CudaError> {
         match t {
             Tensor::Device(d) => {
+                self.counters.dtoh(d.len() * 4);
+                self.counters.sync();
                 let v = self.stream.clone_dtoh(&d).map_err(driver("download"))?;
                 self.stream.synchronize().map_err(driver(op))?;
                 Ok(v)
@@ -138,6 +143,8 @@ impl CudaBackend {
     pub fn try_to_host(&self, x: Tensor, pinned: bool) -> Result<Tensor, CudaError> {
         match x {
             Tensor::Device(d) if !pinned => {
+                self.counters.dtoh(d.len() * 4);
+                self.counters.sync();
                 let v = self
                     .stream
                     .clone_dtoh(&d)
@@ -153,6 +160,8 @@ impl CudaBackend {
                 let Ok(mut p) = self.alloc_pinned(d.len()) else {
                     return self.try_to_host(Tensor::Device(d), false);
                 };
+                self.counters.dtoh(d.len() * 4);
+                self.counters.sync();
                 self.stream
                     .memcpy_dtoh(&d, &mut p)
                     .map_err(driver("park tensor"))?;
@@ -194,11 +203,15 @@ impl CudaBackend {
             // On the copy stream and without a sync: the copy waits for s's last write, records itself on
             // p's event (every host access to p waits for that), and s's drop waits for the copy's read.
             // So the next chunk's compute is not held up by this one's trip back.
-            (Tensor::Device(s), Tensor::Pinned(p)) => self
-                .copy_stream
-                .memcpy_dtoh(s, p)
-                .map_err(driver("park tensor")),
+            (Tensor::Device(s), Tensor::Pinned(p)) => {
+                self.counters.dtoh(s.len() * 4);
+                self.copy_stream
+                    .memcpy_dtoh(s, p)
+                    .map_err(driver("park tensor"))
+            }
             (Tensor::Device(s), Tensor::Host(v)) => {
+                self.counters.dtoh(s.len() * 4);
+                self.counters.sync();
                 self.stream
                     .memcpy_dtoh(s, v)
                     .map_err(driver("download tensor"))?;
@@ -206,12 +219,15 @@ impl CudaBackend {
             }
             // The pinned buffer itself goes to the copy (not a slice of it), so cudarc records the copy on
             // its event and a later host write to it waits for the DMA.
-            (Tensor::Pinned(p), Tensor::Device(d)) => self
-                .stream
-                .memcpy_htod(p, d)
-                .map_err(driver("upload tensor")),
+            (Tensor::Pinned(p), Tensor::Device(d)) => {
+                self.counters.htod(p.len() * 4);
+                self.stream
+                    .memcpy_htod(p, d)
+                    .map_err(driver("upload tensor"))
+            }
             (s, Tensor::Device(d)) => {
                 let v = s.host().expect("host memory");
+                self.counters.htod(v.len() * 4);
                 self.stream
                     .memcpy_htod(v, d)
                     .map_err(driver("upload tensor"))
@@ -235,6 +251,7 @@ impl CudaBackend {
         w: &[f32],
         stream: &Arc<CudaStream>,
     ) -> Result<Tensor, CudaError> {
+        self.counters.htod(w.len() * 4);
         let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
         let Some(buf) = staging.buffer(&self.ctx, w.len()) else {
             // A first upload of this length, over the cap, or page-locking refused: the driver stages the
@@ -899,6 +916,8 @@ pub(super) fn to_device(be: &CudaBackend, x: Tensor) -> Tensor {
 
 pub(super) fn read<'a>(be: &CudaBackend, x: &'a Tensor) -> Cow<'a, [f32]> {
     x.read_with(|d| {
+        be.counters.dtoh(d.len() * 4);
+        be.counters.sync();
         let v = be
             .stream
             .clone_dtoh(d)
@@ -919,11 +938,12 @@ pub(super) fn duplicate(be: &CudaBackend, x: &Tensor) -> Tensor {
 /// buffer's event and on the new slice's write event, which the compute stream waits for before reading it).
 pub(super) fn stage(be: &CudaBackend, x: &Tensor) -> Tensor {
     match x {
-        Tensor::Pinned(p) => Tensor::Device(
+        Tensor::Pinned(p) => Tensor::Device({
+            be.counters.htod(p.len() * 4);
             be.copy_stream
                 .clone_htod(p)
-                .unwrap_or_else(|e| panic!("{} stage ({} f32): {e}", be.name, x.len())),
-        ),
+                .unwrap_or_else(|e| panic!("{} stage ({} f32): {e}", be.name, x.len()))
+        }),
         _ => duplicate(be, x),
     }
 }
