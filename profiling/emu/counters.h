@@ -11,12 +11,14 @@
  *     the process id, for commands that start several processes).
  *
  * Plain C, fixed layout: two 32-bit words, then only 64-bit unsigned fields, so there is no padding and Rust
- * mirrors it field for field with #[repr(C)] (u32, u32, then u64s in this order). Fields are only ever
- * appended: a newer library writes a longer struct with a higher version, and writes no more than the
- * caller's `size` says it has room for.
+ * mirrors it field for field with #[repr(C)] (u32, u32, then u64s in this order; 328 bytes in version 1; the
+ * README's "Counters" has the Rust struct and the lookup, tried from Rust against this library). Fields are
+ * only ever appended: a newer library writes a longer struct with a higher version, and writes no more than
+ * the caller's `size` says it has room for.
  *
  * What is counted, and when: every call is counted when it is issued and has passed the argument checks
- * (so a refused call is not counted), the same in both stream schedules (EMU_STREAMS) and in every mode,
+ * (so a refused call is not counted; a launch that fails only when it runs, past its __launch_bounds__, was
+ * issued and is), the same in both stream schedules (EMU_STREAMS) and in every mode,
  * EMU_KERNELS=skip included. Counts never decrease; they are per process, over all threads and streams. */
 #ifndef BOA_EMU_COUNTERS_H
 #define BOA_EMU_COUNTERS_H
