@@ -387,28 +387,7 @@ struct Args {
 
 }  // namespace
 
-// ---- initialisation, device, context ---------------------------------------------------------------------
-EMU_API CUresult cuInit(unsigned int) {
-    // The null mode's results are zeros: say so where a run's log shows it, once.
-    static const bool said = skipped() && std::fprintf(stderr,
-        "emu: EMU_KERNELS=skip: kernels, cuBLAS and cuSOLVER do no arithmetic and memory starts as zeros "
-        "(the null mode, for timing the host; results are meaningless)\n") > 0;
-    (void)said;
-    return CUDA_SUCCESS;
-}
-EMU_API CUresult cuDriverGetVersion(int* v) {
-    *v = 13000;
-    return CUDA_SUCCESS;
-}
-EMU_API CUresult cuDeviceGetCount(int* n) {
-    *n = 1;
-    return CUDA_SUCCESS;
-}
-EMU_API CUresult cuDeviceGet(CUdevice* d, int ordinal) {
-    if (ordinal != 0) return CUDA_ERROR_INVALID_DEVICE;
-    *d = 0;
-    return CUDA_SUCCESS;
-}
+// What counters.cpp asks of the driver (counting.h): the mode, as flags and as the device name.
 namespace emu::counters {
 uint64_t mode_flags() {
     uint64_t f = 0;
@@ -436,6 +415,28 @@ std::string device_name() {
 }
 }  // namespace emu::counters
 
+// ---- initialisation, device, context ---------------------------------------------------------------------
+EMU_API CUresult cuInit(unsigned int) {
+    // The null mode's results are zeros: say so where a run's log shows it, once.
+    static const bool said = skipped() && std::fprintf(stderr,
+        "emu: EMU_KERNELS=skip: kernels, cuBLAS and cuSOLVER do no arithmetic and memory starts as zeros "
+        "(the null mode, for timing the host; results are meaningless)\n") > 0;
+    (void)said;
+    return CUDA_SUCCESS;
+}
+EMU_API CUresult cuDriverGetVersion(int* v) {
+    *v = 13000;
+    return CUDA_SUCCESS;
+}
+EMU_API CUresult cuDeviceGetCount(int* n) {
+    *n = 1;
+    return CUDA_SUCCESS;
+}
+EMU_API CUresult cuDeviceGet(CUdevice* d, int ordinal) {
+    if (ordinal != 0) return CUDA_ERROR_INVALID_DEVICE;
+    *d = 0;
+    return CUDA_SUCCESS;
+}
 EMU_API CUresult cuDeviceGetName(char* name, int len, CUdevice) {
     std::snprintf(name, (size_t)len, "%s", counters::device_name().c_str());
     return CUDA_SUCCESS;
