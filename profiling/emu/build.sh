@@ -55,12 +55,13 @@ if [[ "${EMU_RACECHECK:-0}" == 1 ]]; then
     race_src=("$emu/racecheck.cpp")
 fi
 objs=() pids=()
-for f in "$out"/gen/*.emu.cpp "$emu/runtime.cpp" "$emu/streams.cpp" "$emu/streamorder.cpp" "$emu/resources.cpp" \
-    "$emu/driver.cpp" "${race_src[@]}"; do
+# probe.cpp: the emulator's own kernel, for test_null (compiled as the project's kernels are).
+for f in "$out"/gen/*.emu.cpp "$emu/probe.cpp" "$emu/runtime.cpp" "$emu/streams.cpp" "$emu/streamorder.cpp" \
+    "$emu/resources.cpp" "$emu/counters.cpp" "$emu/driver.cpp" "${race_src[@]}"; do
     o="$out/gen/$(basename "${f%.cpp}").o"
     extra=()
     [[ "$f" == */driver.cpp || "$f" == */streams.cpp ]] && extra=(-I "$inc")  # only the driver sees the real CUDA headers
-    [[ "$f" == *.emu.cpp ]] && extra=("${tsan[@]}")
+    [[ "$f" == *.emu.cpp || "$f" == */probe.cpp ]] && extra=("${tsan[@]}")
     "$cxx" "${flags[@]}" "${extra[@]}" -c "$f" -o "$o" &
     objs+=("$o") pids+=($!)
 done
@@ -69,12 +70,14 @@ for p in "${pids[@]}"; do wait "$p" || { echo "build.sh: a compile failed (messa
 "$cxx" -std=c++20 -O2 -fPIC -shared "${link[@]}" -o "$out/libcublas.so" "$emu/cublas.cpp" -lpthread
 "$cxx" -std=c++20 -O2 -fPIC -shared "${link[@]}" -o "$out/libcusolver.so" "$emu/cusolver.cpp" -lpthread
 # The emulator's own tests (check.sh runs them): device semantics on toy kernels, the lazy stream schedule,
-# the stream-order check, the launch limits with a ptxas report, and the two libraries.
+# the stream-order check, the launch limits with a ptxas report, the two libraries, and (test_null, through
+# dlopen of the built libraries as cudarc loads them) the null mode and the counters.
 "$cxx" "${flags[@]}" "${tsan[@]}" -c "$emu/test_emu.cpp" -o "$out/gen/test_emu.o"  # its kernels, as the real ones
 "$cxx" "${flags[@]}" "${link[@]}" -o "$out/test_emu" "$out/gen/test_emu.o" "$emu/runtime.cpp" "${race_src[@]}"
 for t in test_streams test_order test_launch; do
     "$cxx" "${flags[@]}" -I "$inc" "${link[@]}" -o "$out/$t" "$emu/$t.cpp" "$emu/driver.cpp" "$emu/streams.cpp" \
-        "$emu/streamorder.cpp" "$emu/resources.cpp" "$emu/runtime.cpp" "${race_src[@]}" -lpthread
+        "$emu/streamorder.cpp" "$emu/resources.cpp" "$emu/counters.cpp" "$emu/runtime.cpp" "${race_src[@]}" -lpthread
 done
 "$cxx" -std=c++20 -O2 "${link[@]}" -o "$out/test_blas" "$emu/test_blas.cpp" -ldl
+"$cxx" -std=c++20 -O2 -Wall -I "$emu" -I "$inc" "${link[@]}" -o "$out/test_null" "$emu/test_null.cpp" -ldl
 echo "$out"

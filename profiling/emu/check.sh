@@ -13,6 +13,9 @@
 #   profiling/emu/check.sh              # 12 to 18 min on 2 cores (2026-12-01)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+# The tests compare results: never in the null mode (EMU_KERNELS=skip, which computes nothing), whatever the
+# caller's environment says.
+export EMU_KERNELS=run
 out="$(profiling/emu/build.sh | tail -n1)"
 echo "== the emulator's own tests"
 "$out/test_emu"
@@ -22,6 +25,8 @@ EMU_SCHEDULE=reverse "$out/test_emu"
 EMU_STREAMS=lazy "$out/test_order"
 "$out/test_launch" 2>/dev/null   # stderr: the refusals its over-limit launches provoke
 "$out/test_blas" "$out" 2>/dev/null | tail -n1  # stderr: the refusals its bad-argument cases provoke
+"$out/test_null" "$out"  # the null mode and the counters, through dlopen; its children's stderr is checked by it
+EMU_STREAMS=lazy "$out/test_null" "$out"
 tests=(--test parity_ops --test parity_quant --test parity_qgemm --test resident_forward --test device_run)
 
 # One pass of the CUDA tests on the emulator: $1 names it, $2 is what its device name must show (the

@@ -14,6 +14,11 @@
 //     memory (staged at the call; a copy into it returns when done) and page-locked memory (read and written
 //     when the copy runs). In both schedules each operation names the memory it touches (touch_of) for the
 //     stream-order check of streamorder.h, which refuses one that nothing orders with an earlier user.
+//   - EMU_KERNELS=skip, the null mode, times the host alone: launches, cuBLAS and cuSOLVER calls are checked
+//     and ordered as always but do no arithmetic, and all memory starts as zeros (mmapped zero pages, so a
+//     large allocation costs nothing until written). Copies and memsets still move their bytes. The device
+//     name says "kernels skipped".
+//   - Every call is counted (counters.h; counting.h is how this file feeds them).
 //   - The device claims to be an H200-like sm_90 part (132 SMs, 227 KiB opt-in shared memory) with
 //     EMU_MEM_GIB (default 16) of memory, and enforces the launch limits the real one would: threads per
 //     block, grid dimensions, and dynamic shared memory above 48 KiB only after the kernel opted in. With
@@ -23,8 +28,10 @@
 // cudarc passes (the embedded fatbins) are not read.
 
 #include <cuda.h>
+#include <sys/mman.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -34,6 +41,7 @@
 #include <string>
 #include <vector>
 
+#include "counting.h"
 #include "cuda_emu.h"
 #include "resources.h"
 #include "runtime.h"
@@ -42,6 +50,8 @@
 #define EMU_API extern "C" __attribute__((visibility("default")))
 
 namespace streams = emu::streams;
+namespace counters = emu::counters;
+using C = boa_emu_counters;
 
 namespace {
 
@@ -54,7 +64,85 @@ std::map<uintptr_t, size_t> g_device;      // live device allocations: base → 
 std::map<uintptr_t, size_t> g_host;        // live page-locked host allocations
 std::map<uintptr_t, size_t> g_registered;  // pageable ranges page-locked by cuMemHostRegister
 std::map<const emu::Kernel*, int> g_optin; // MAX_DYNAMIC_SHARED_SIZE_BYTES per kernel
+std::map<uintptr_t, size_t> g_mapped;      // allocations that are mappings of their own (null mode): base → length
 size_t g_device_bytes = 0;
+
+// EMU_KERNELS=skip: the null mode (README "The null mode").
+bool skipped() {
+    static const bool v = streams::env_choice("EMU_KERNELS", "run", "skip");
+    return v;
+}
+
+constexpr size_t kPage = 4096;
+// From this size on, null-mode memory is a mapping of its own: zero pages that cost nothing until written.
+constexpr size_t kMapFrom = size_t(1) << 20;
+
+// `len` bytes (a multiple of kPage) of fresh anonymous memory; null when the system refuses. Transparent
+// huge pages are not asked for: on the 2-core build machine (THP "madvise", defrag "madvise") a first write
+// into them ran at 0.7 to 3.4 GB/s in six tries against a steady 1.4 GB/s for 4 KiB pages (2026-12-01).
+void* map_zeros(size_t len) {
+    void* m = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    return m == MAP_FAILED ? nullptr : m;
+}
+
+// Runs f, a copy's or memset's data movement, and adds its wall time to the copy_ns counter: the share of a
+// null-mode run that a GPU's copy engines would spend, not its host (counters.h).
+template <class F>
+void moving(F&& f) {
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    counters::add(&C::copy_ns, (uint64_t)std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::steady_clock::now() - t0).count());
+}
+
+// Memory for an allocation of n bytes, `align`-aligned (a power of two ≤ kPage). In the checking modes it
+// is exactly n bytes of heap (EMU_ASAN sees a kernel run past its end), filled with `fill` unless that is
+// negative. In the null mode it reads as zeros whatever `fill` says; from kMapFrom on it is a mapping of its
+// own, rounded up to pages (give_back unmaps it).
+void* obtain(size_t n, size_t align, int fill) {
+    if (skipped() && n >= kMapFrom) {
+        const size_t len = (n + kPage - 1) & ~(kPage - 1);
+        void* m = map_zeros(len);
+        if (!m) return nullptr;
+        std::lock_guard<std::mutex> l(g_mu);
+        g_mapped[(uintptr_t)m] = len;
+        return m;
+    }
+    void* m = nullptr;
+    if (posix_memalign(&m, align, n) != 0) return nullptr;
+    if (skipped()) std::memset(m, 0, n);
+    else if (fill >= 0) std::memset(m, fill, n);
+    return m;
+}
+
+void give_back(void* p) {
+    size_t len = 0;
+    {
+        std::lock_guard<std::mutex> l(g_mu);
+        if (auto it = g_mapped.find((uintptr_t)p); it != g_mapped.end()) len = it->second, g_mapped.erase(it);
+    }
+    if (len) munmap(p, len);
+    else std::free(p);
+}
+
+// Zeros [p, p + n): whole pages of a mapped allocation are handed back to the kernel (they read as zeros
+// again and leave the resident set), the rest is written. A large zero memset in the null mode, e.g. of
+// accumulators no kernel will add to, then costs neither time nor memory.
+void zero_bytes(unsigned char* p, size_t n) {
+    const uintptr_t lo = ((uintptr_t)p + kPage - 1) & ~(kPage - 1), hi = ((uintptr_t)p + n) & ~(kPage - 1);
+    bool mapped = false;
+    if (hi > lo + kPage) {
+        std::lock_guard<std::mutex> l(g_mu);
+        auto it = g_mapped.upper_bound((uintptr_t)p);
+        mapped = it != g_mapped.begin() && (uintptr_t)p + n <= std::prev(it)->first + std::prev(it)->second;
+    }
+    if (!mapped || madvise((void*)lo, hi - lo, MADV_DONTNEED) != 0) {
+        std::memset(p, 0, n);
+        return;
+    }
+    std::memset(p, 0, lo - (uintptr_t)p);
+    std::memset((void*)hi, 0, (uintptr_t)p + n - hi);
+}
 
 size_t total_bytes() {
     static const size_t t = [] {
@@ -130,13 +218,14 @@ CUresult alloc_device(CUdeviceptr* p, size_t n) {
         std::lock_guard<std::mutex> l(g_mu);
         if (g_device_bytes + n > total_bytes()) return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    // Exactly n bytes (256-aligned as cudaMalloc's): under EMU_ASAN a kernel's access past the end is caught.
-    void* m = nullptr;
-    if (posix_memalign(&m, 256, n) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
-    std::memset(m, 0xff, n);
+    // 256-aligned as cudaMalloc's; NaN bytes, or zeros in the null mode (obtain).
+    void* m = obtain(n, 256, 0xff);
+    if (!m) return CUDA_ERROR_OUT_OF_MEMORY;
     std::lock_guard<std::mutex> l(g_mu);
     g_device[(uintptr_t)m] = n;
     g_device_bytes += n;
+    counters::add2(&C::device_allocs, &C::device_alloc_bytes, n);
+    counters::device_live(g_device_bytes);
     emu::order::forget((uintptr_t)m, (uintptr_t)m + n);
 #ifdef EMU_RACECHECK
     emu::race::track(m, n);
@@ -162,15 +251,21 @@ CUresult release(std::map<uintptr_t, size_t>& table, void* p, const char* what) 
         std::snprintf(buf, sizeof buf, "%s of %zu bytes at 0x%zx while ", what, n, (size_t)p);
         return report(CUDA_ERROR_ILLEGAL_ADDRESS, buf + user + " uses them: a stream wait is missing before the free");
     }
-    std::lock_guard<std::mutex> l(g_mu);
-    if (&table == &g_device) {
-        g_device_bytes -= n;
+    {
+        std::lock_guard<std::mutex> l(g_mu);
+        if (&table == &g_device) {
+            g_device_bytes -= n;
+            counters::add2(&C::device_frees, &C::device_free_bytes, n);
+            counters::device_live(g_device_bytes);
 #ifdef EMU_RACECHECK
-        emu::race::untrack(p);
+            emu::race::untrack(p);
 #endif
+        } else {
+            counters::add2(&C::host_frees, &C::host_free_bytes, n);
+        }
+        table.erase((uintptr_t)p);
     }
-    table.erase((uintptr_t)p);
-    std::free(p);
+    give_back(p);
     return CUDA_SUCCESS;
 }
 
@@ -179,7 +274,7 @@ CUresult copy(void* dst, const void* src, size_t n, bool dst_dev, bool src_dev, 
         if (CUresult r = check_device((uintptr_t)dst, n, what)) return r;
     if (src_dev)
         if (CUresult r = check_device((uintptr_t)src, n, what)) return r;
-    if (n) std::memmove(dst, src, n);
+    if (n) moving([=] { std::memmove(dst, src, n); });
     return CUDA_SUCCESS;
 }
 
@@ -193,24 +288,40 @@ Mem kind(const void* p, size_t n) {
     return Mem::Pageable;
 }
 
-// A copy in stream order, with CUDA's rules for host memory: a pageable source is staged now (the caller may
-// reuse it when the call returns); a pageable destination means the call returns when the copy is done;
-// page-locked memory is read or written when the copy runs, so the host must wait for it.
-CUresult copy_async(void* dst, const void* src, size_t n, bool dst_dev, bool src_dev, CUstream s, const char* what) {
+// Counts a copy (counters.h): by direction and, on the host side, by the kind of host memory.
+void count_copy(size_t n, Mem dst, Mem src) {
+    const bool dd = dst == Mem::Device, sd = src == Mem::Device;
+    if (dd && sd) counters::add2(&C::d2d_copies, &C::d2d_bytes, n);
+    else if (dd && src == Mem::PageLocked) counters::add2(&C::h2d_locked_copies, &C::h2d_locked_bytes, n);
+    else if (dd) counters::add2(&C::h2d_pageable_copies, &C::h2d_pageable_bytes, n);
+    else if (sd && dst == Mem::PageLocked) counters::add2(&C::d2h_locked_copies, &C::d2h_locked_bytes, n);
+    else if (sd) counters::add2(&C::d2h_pageable_copies, &C::d2h_pageable_bytes, n);
+    else counters::add2(&C::h2h_copies, &C::h2h_bytes, n);
+}
+
+// A copy in stream order, with CUDA's rules for host memory: a pageable source may be reused when the call
+// returns (lazy: it is staged now; eager: the copy has run by then); a pageable destination means the call
+// returns when the copy is done; page-locked memory is read or written when the copy runs, so the host must
+// wait for it. `waits`: the caller is a synchronous form, which returns when the copy is done.
+CUresult copy_async(void* dst, const void* src, size_t n, bool dst_dev, bool src_dev, CUstream s, const char* what,
+                    bool waits = false) {
     if (dst_dev)
         if (CUresult r = check_device((uintptr_t)dst, n, what)) return r;
     if (src_dev)
         if (CUresult r = check_device((uintptr_t)src, n, what)) return r;
+    const Mem dk = dst_dev ? Mem::Device : kind(dst, n), sk = src_dev ? Mem::Device : kind(src, n);
+    count_copy(n, dk, sk);
+    if (waits || dk == Mem::Pageable) counters::add(&C::copy_syncs);
     if (n == 0) return CUDA_SUCCESS;
     std::vector<emu::order::Touch> touches;
     touch_of(touches, src, n, false);
     touch_of(touches, dst, n, true);
-    if (!dst_dev && kind(dst, n) == Mem::Pageable) {
+    if (dk == Mem::Pageable) {
         if (CUresult r = streams::submit(s, {what, touches, [=] { return copy(dst, src, n, false, src_dev, what); }}))
             return r;
         return streams::synchronize(s);
     }
-    if (!src_dev && kind(src, n) == Mem::Pageable) {
+    if (sk == Mem::Pageable && streams::lazy()) {
         auto staged = std::make_shared<std::vector<unsigned char>>((const unsigned char*)src, (const unsigned char*)src + n);
         return streams::submit(s, {what, touches, [=] { return copy(dst, staged->data(), n, dst_dev, false, what); }});
     }
@@ -219,19 +330,31 @@ CUresult copy_async(void* dst, const void* src, size_t n, bool dst_dev, bool src
 
 // The synchronous copies and memsets run on the legacy stream and return when done.
 CUresult copy_sync(void* dst, const void* src, size_t n, bool dst_dev, bool src_dev, const char* what) {
-    if (CUresult r = copy_async(dst, src, n, dst_dev, src_dev, nullptr, what)) return r;
+    if (CUresult r = copy_async(dst, src, n, dst_dev, src_dev, nullptr, what, true)) return r;
     return streams::synchronize(nullptr);
 }
 
 template <class T>
 CUresult memset_async(CUdeviceptr d, T v, size_t count, CUstream s, const char* what) {
     if (CUresult r = check_device((uintptr_t)d, count * sizeof(T), what)) return r;
+    counters::add2(&C::memsets, &C::memset_bytes, count * sizeof(T));
     std::vector<emu::order::Touch> touches;
     touch_of(touches, (const void*)d, count * sizeof(T), true);
     return streams::submit(s, {what, touches, [=] {
-                                   for (size_t i = 0; i < count; ++i) ((T*)d)[i] = v;
+                                   moving([=] {
+                                       if (v == 0) zero_bytes((unsigned char*)d, count * sizeof(T));
+                                       else for (size_t i = 0; i < count; ++i) ((T*)d)[i] = v;
+                                   });
                                    return CUDA_SUCCESS;
                                }});
+}
+
+// The synchronous memsets: on the legacy stream, returning when done.
+template <class T>
+CUresult memset_sync(CUdeviceptr d, T v, size_t count, const char* what) {
+    if (CUresult r = memset_async(d, v, count, nullptr, what)) return r;
+    counters::add(&C::copy_syncs);
+    return streams::synchronize(nullptr);
 }
 
 // cuLaunchKernel's argument array points at the caller's variables, valid only during the call: a queued
@@ -264,8 +387,43 @@ struct Args {
 
 }  // namespace
 
+// What counters.cpp asks of the driver (counting.h): the mode, as flags and as the device name.
+namespace emu::counters {
+uint64_t mode_flags() {
+    uint64_t f = 0;
+    if (skipped()) f |= BOA_EMU_KERNELS_SKIPPED;
+    if (streams::lazy()) f |= BOA_EMU_LAZY_STREAMS;
+    if (streams::order_checked()) f |= BOA_EMU_STREAM_ORDER;
+    if (emu::resources::loaded()) f |= BOA_EMU_PTXAS_LIMITS;
+#ifdef EMU_RACECHECK
+    f |= BOA_EMU_RACECHECK;
+#endif
+    return f;
+}
+
+// The mode and the schedule are in the name, so a log shows which ran (check.sh relies on it), and a
+// measurement cannot be taken in the null mode unawares.
+std::string device_name() {
+    const uint64_t f = mode_flags();
+    std::string s = "CPU emulator (profiling/emu";
+    if (f & BOA_EMU_KERNELS_SKIPPED) s += ", kernels skipped";
+    if (f & BOA_EMU_STREAM_ORDER) s += ", stream order";
+    if (f & BOA_EMU_LAZY_STREAMS) s += ", lazy streams";
+    if (f & BOA_EMU_PTXAS_LIMITS) s += ", ptxas limits";
+    if (f & BOA_EMU_RACECHECK) s += ", racecheck";
+    return s + ")";
+}
+}  // namespace emu::counters
+
 // ---- initialisation, device, context ---------------------------------------------------------------------
-EMU_API CUresult cuInit(unsigned int) { return CUDA_SUCCESS; }
+EMU_API CUresult cuInit(unsigned int) {
+    // The null mode's results are zeros: say so where a run's log shows it, once.
+    static const bool said = skipped() && std::fprintf(stderr,
+        "emu: EMU_KERNELS=skip: kernels, cuBLAS and cuSOLVER do no arithmetic and memory starts as zeros "
+        "(the null mode, for timing the host; results are meaningless)\n") > 0;
+    (void)said;
+    return CUDA_SUCCESS;
+}
 EMU_API CUresult cuDriverGetVersion(int* v) {
     *v = 13000;
     return CUDA_SUCCESS;
@@ -280,15 +438,7 @@ EMU_API CUresult cuDeviceGet(CUdevice* d, int ordinal) {
     return CUDA_SUCCESS;
 }
 EMU_API CUresult cuDeviceGetName(char* name, int len, CUdevice) {
-    // The schedule is in the name, so a log shows which one ran (check.sh relies on it).
-#ifdef EMU_RACECHECK
-    const char* race = ", racecheck";
-#else
-    const char* race = "";
-#endif
-    std::snprintf(name, (size_t)len, "CPU emulator (profiling/emu%s%s%s%s)",
-                  streams::order_checked() ? ", stream order" : "", streams::lazy() ? ", lazy streams" : "",
-                  emu::resources::loaded() ? ", ptxas limits" : "", race);
+    std::snprintf(name, (size_t)len, "%s", counters::device_name().c_str());
     return CUDA_SUCCESS;
 }
 EMU_API CUresult cuDeviceTotalMem(size_t* bytes, CUdevice) {
@@ -348,7 +498,10 @@ EMU_API CUresult cuCtxGetDevice(CUdevice* d) {
     *d = 0;
     return CUDA_SUCCESS;
 }
-EMU_API CUresult cuCtxSynchronize() { return streams::synchronize_all(); }
+EMU_API CUresult cuCtxSynchronize() {
+    counters::add(&C::context_syncs);
+    return streams::synchronize_all();
+}
 EMU_API CUresult cuCtxDestroy(CUcontext) { return CUDA_SUCCESS; }
 EMU_API CUresult cuCtxGetStreamPriorityRange(int* least, int* greatest) {
     *least = 0;
@@ -381,9 +534,12 @@ EMU_API CUresult cuMemAlloc(CUdeviceptr* p, size_t n) { return alloc_device(p, n
 EMU_API CUresult cuMemFree(CUdeviceptr p) {
     // cuMemFree waits for the device in practice; the lazy schedule's queued work runs first.
     streams::synchronize_all();
-    return release(g_device, (void*)p, "cuMemFree");
+    const CUresult r = release(g_device, (void*)p, "cuMemFree");
+    if (r == CUDA_SUCCESS) counters::add(&C::free_syncs);
+    return r;
 }
-// Memory comes into being at the call (its contents are NaN bytes until something writes them).
+// Memory comes into being at the call (its contents are NaN bytes until something writes them; zeros in the
+// null mode).
 EMU_API CUresult cuMemAllocAsync(CUdeviceptr* p, size_t n, CUstream) { return alloc_device(p, n); }
 EMU_API CUresult cuMemAllocFromPoolAsync(CUdeviceptr* p, size_t n, CUmemoryPool, CUstream) { return alloc_device(p, n); }
 EMU_API CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) {
@@ -399,10 +555,12 @@ EMU_API CUresult cuMemGetInfo(size_t* free_b, size_t* total) {
     return CUDA_SUCCESS;
 }
 EMU_API CUresult cuMemHostAlloc(void** pp, size_t n, unsigned int) {
-    void* m = std::aligned_alloc(4096, (n + 4095) & ~size_t(4095));
+    // Page-aligned; not filled (zeros in the null mode, as device memory is there).
+    void* m = obtain((n + kPage - 1) & ~(kPage - 1), kPage, -1);
     if (!m) return CUDA_ERROR_OUT_OF_MEMORY;
     std::lock_guard<std::mutex> l(g_mu);
     g_host[(uintptr_t)m] = n;
+    counters::add2(&C::host_allocs, &C::host_alloc_bytes, n);
     emu::order::forget((uintptr_t)m, (uintptr_t)m + n);
     *pp = m;
     return CUDA_SUCCESS;
@@ -414,11 +572,14 @@ EMU_API CUresult cuMemFreeHost(void* p) {
     touch_of(touches, p, 0, true);
     if (!touches.empty() && (void*)touches[0].base == p)
         if (CUresult r = streams::host_touch("cuMemFreeHost", touches)) return r;
-    return release(g_host, p, "cuMemFreeHost");
+    const CUresult r = release(g_host, p, "cuMemFreeHost");
+    if (r == CUDA_SUCCESS) counters::add(&C::free_syncs);  // cudaFreeHost waits for the device on a GPU
+    return r;
 }
 EMU_API CUresult cuMemHostRegister(void* p, size_t n, unsigned int) {
     std::lock_guard<std::mutex> l(g_mu);
     g_registered[(uintptr_t)p] = n;
+    counters::add2(&C::host_registers, &C::host_register_bytes, n);
     emu::order::forget((uintptr_t)p, (uintptr_t)p + n);
     return CUDA_SUCCESS;
 }
@@ -458,14 +619,8 @@ EMU_API CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, CUstr
 EMU_API CUresult cuMemsetD32Async(CUdeviceptr d, unsigned int v, size_t n, CUstream s) {
     return memset_async(d, v, n, s, "cuMemsetD32Async");
 }
-EMU_API CUresult cuMemsetD8(CUdeviceptr d, unsigned char v, size_t n) {
-    if (CUresult r = memset_async(d, v, n, nullptr, "cuMemsetD8")) return r;
-    return streams::synchronize(nullptr);
-}
-EMU_API CUresult cuMemsetD32(CUdeviceptr d, unsigned int v, size_t n) {
-    if (CUresult r = memset_async(d, v, n, nullptr, "cuMemsetD32")) return r;
-    return streams::synchronize(nullptr);
-}
+EMU_API CUresult cuMemsetD8(CUdeviceptr d, unsigned char v, size_t n) { return memset_sync(d, v, n, "cuMemsetD8"); }
+EMU_API CUresult cuMemsetD32(CUdeviceptr d, unsigned int v, size_t n) { return memset_sync(d, v, n, "cuMemsetD32"); }
 EMU_API CUresult cuDeviceGetDefaultMemPool(CUmemoryPool* p, CUdevice) {
     *p = (CUmemoryPool)&g_pool_tag;
     return CUDA_SUCCESS;
@@ -482,9 +637,18 @@ EMU_API CUresult cuMemPoolTrimTo(CUmemoryPool, size_t) { return CUDA_SUCCESS; }
 EMU_API CUresult cuStreamCreate(CUstream* s, unsigned int flags) { return streams::create(s, flags); }
 EMU_API CUresult cuStreamCreateWithPriority(CUstream* s, unsigned int f, int) { return cuStreamCreate(s, f); }
 EMU_API CUresult cuStreamDestroy(CUstream s) { return streams::destroy(s); }
-EMU_API CUresult cuStreamSynchronize(CUstream s) { return streams::synchronize(s); }
-EMU_API CUresult cuStreamQuery(CUstream s) { return streams::query(s); }
-EMU_API CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned int) { return streams::wait_event(s, e); }
+EMU_API CUresult cuStreamSynchronize(CUstream s) {
+    counters::add(&C::stream_syncs);
+    return streams::synchronize(s);
+}
+EMU_API CUresult cuStreamQuery(CUstream s) {
+    counters::add(&C::queries);
+    return streams::query(s);
+}
+EMU_API CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned int) {
+    counters::add(&C::stream_waits);
+    return streams::wait_event(s, e);
+}
 EMU_API CUresult cuStreamIsCapturing(CUstream, CUstreamCaptureStatus* s) {
     *s = CU_STREAM_CAPTURE_STATUS_NONE;
     return CUDA_SUCCESS;
@@ -497,10 +661,19 @@ EMU_API CUresult cuLaunchHostFunc(CUstream s, CUhostFn fn, void* data) {
 }
 EMU_API CUresult cuEventCreate(CUevent* e, unsigned int) { return streams::event_create(e); }
 EMU_API CUresult cuEventDestroy(CUevent e) { return streams::event_destroy(e); }
-EMU_API CUresult cuEventRecord(CUevent e, CUstream s) { return streams::event_record(e, s); }
+EMU_API CUresult cuEventRecord(CUevent e, CUstream s) {
+    counters::add(&C::event_records);
+    return streams::event_record(e, s);
+}
 EMU_API CUresult cuEventRecordWithFlags(CUevent e, CUstream s, unsigned int) { return cuEventRecord(e, s); }
-EMU_API CUresult cuEventSynchronize(CUevent e) { return streams::event_synchronize(e); }
-EMU_API CUresult cuEventQuery(CUevent e) { return streams::event_query(e); }
+EMU_API CUresult cuEventSynchronize(CUevent e) {
+    counters::add(&C::event_syncs);
+    return streams::event_synchronize(e);
+}
+EMU_API CUresult cuEventQuery(CUevent e) {
+    counters::add(&C::queries);
+    return streams::event_query(e);
+}
 EMU_API CUresult cuEventElapsedTime(float* ms, CUevent a, CUevent b) { return streams::event_elapsed(ms, a, b); }
 #undef cuEventElapsedTime
 EMU_API CUresult cuEventElapsedTime(float* ms, CUevent a, CUevent b) { return cuEventElapsedTime_v2(ms, a, b); }
@@ -596,6 +769,20 @@ EMU_API CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, 
         return report(CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES, buf);
     }
     auto args = std::make_shared<Args>(*k, params);
+    counters::launch(k->name);
+    // The null mode: checked, counted and ordered (its touches) like any launch, and nothing runs; the one
+    // check that the runtime makes when a launch runs (its __launch_bounds__) is made here instead, at the
+    // same point in the stream, with the same error.
+    if (skipped()) {
+        const unsigned threads = bx * by * bz;
+        return streams::submit(s, {"kernel " + k->name, args->touches, [k, threads] {
+                                       if (threads <= k->max_threads) return CUDA_SUCCESS;
+                                       return report(CUDA_ERROR_LAUNCH_FAILED,
+                                                     "block of " + std::to_string(threads) + " threads, but kernel " +
+                                                         k->name + " has __launch_bounds__(" +
+                                                         std::to_string(k->max_threads) + ")");
+                                   }});
+    }
     const uint3 grid{gx, gy, gz}, block{bx, by, bz};
     return streams::submit(s, {"kernel " + k->name, args->touches, [k, args, grid, block, smem] {
                                    const std::string err = emu::launch(*k, grid, block, smem, args->ptrs.data());
@@ -609,6 +796,13 @@ EMU_API int emu_stream_defer(void* stream, const char* what, const EmuTouch* tou
     std::shared_ptr<void> box(arg, drop);
     std::vector<emu::order::Touch> t;
     for (size_t i = 0; i < ntouches; ++i) touch_of(t, touches[i].p, touches[i].bytes, touches[i].write != 0);
+    counters::library_call(what);
+    // The null mode: the library has checked the arguments; the call is ordered on its stream and does nothing
+    // (outputs untouched: a cuSOLVER info stays what the memory held, zero in fresh memory).
+    if (skipped()) {
+        const CUresult r = streams::submit(static_cast<CUstream>(stream), {what, std::move(t), [] { return CUDA_SUCCESS; }});
+        return r == CUDA_ERROR_ILLEGAL_ADDRESS ? -1 : 0;
+    }
     auto status = std::make_shared<int>(0);  // eager: the library's own status goes back to its caller
     const CUresult r = streams::submit(static_cast<CUstream>(stream), {what, std::move(t), [run, box, status] {
                                            *status = run(box.get());

@@ -149,7 +149,8 @@ CUresult check_order(unsigned actor, const order::Clock& now, const std::string&
     return CUDA_ERROR_ILLEGAL_ADDRESS;
 }
 
-// An environment switch between two words: false for `no` (the default, also when unset), true for `yes`.
+}  // namespace
+
 bool env_choice(const char* var, const char* no, const char* yes) {
     const char* s = std::getenv(var);
     if (s == nullptr || std::string(s) == no) return false;
@@ -157,8 +158,6 @@ bool env_choice(const char* var, const char* no, const char* yes) {
     std::fprintf(stderr, "emu: %s=%s is neither %s nor %s; using %s\n", var, s, no, yes, no);
     return false;
 }
-
-}  // namespace
 
 bool lazy() {
     static const bool v = env_choice("EMU_STREAMS", "eager", "lazy");

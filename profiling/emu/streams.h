@@ -32,6 +32,10 @@ struct Op {
     std::function<CUresult()> run;
 };
 
+// An environment switch between two words: false for `no` (the default, also when unset), true for `yes`;
+// anything else is reported and taken as `no`. Also the driver's EMU_KERNELS.
+bool env_choice(const char* var, const char* no, const char* yes);
+
 bool lazy();
 // The stream-order check of streamorder.h: on unless EMU_STREAM_ORDER=off (test_streams turns it off to
 // watch the lazy schedule run unordered work late).
