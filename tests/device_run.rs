@@ -194,3 +194,81 @@ fn run_with_parked_activations_matches_the_cpu() {
         "--gpu-mem {gib} did not park X: {err}"
     );
 }
+
+/// Issue 19's residency bounds, measured by the emulator's own driver (or the host layer's counters on a GPU):
+/// a quantized block moves at most 1.2× its floor (its weights as uploaded plus its packed output; the blocks'
+/// sum, since each block's window carries the prefetch of the next one's weights) and makes at most 64 host
+/// synchronizations, for BoA and for GPTQ, per channel and with dynamic groups (the default when grouped). The
+/// resume saves are counted apart and excluded.
+#[test]
+fn run_on_cuda_is_device_resident() {
+    let Some((tmp, model)) = cuda_and_model() else {
+        return;
+    };
+    let readme = tmp.path().join("calib.txt");
+    std::fs::write(&readme, include_str!("../README.md")).unwrap();
+    for cfg in [
+        &["--method", "boa", "--wbits", "3"][..],
+        &["--method", "gptq", "--wbits", "4", "--group-size", "64"],
+        &["--method", "boa", "--wbits", "4", "--group-size", "64"],
+    ] {
+        let out = tmp.path().join("q-resident");
+        let mut args = vec![
+            "run",
+            "--model",
+            model.to_str().unwrap(),
+            "--calib",
+            readme.to_str().unwrap(),
+            "--nsamples",
+            "4",
+            "--seqlen",
+            "128",
+            "--format",
+            "gptq_v2",
+            "--device",
+            "cuda",
+            "--quiet",
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        args.extend_from_slice(cfg);
+        let (code, _, err) = common::run(&args);
+        assert_eq!(code, 0, "run {cfg:?} failed: {err}");
+        let r: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap())
+                .unwrap();
+        let t = &r["traffic"];
+        assert!(
+            ["emulator", "host layer"].contains(&t["source"].as_str().unwrap_or("")),
+            "{cfg:?}: no traffic counted: {t}"
+        );
+        let blocks = t["blocks"].as_array().unwrap();
+        assert_eq!(blocks.len(), 2, "{cfg:?}: {t}");
+        let (mut moved, mut floor) = (0u64, 0u64);
+        for b in blocks {
+            let tr = &b["traffic"];
+            let bytes = tr["htod_bytes"].as_u64().unwrap() + tr["dtoh_bytes"].as_u64().unwrap();
+            let syncs = tr["syncs"].as_u64().unwrap();
+            println!(
+                "{cfg:?} block {}: {bytes} B moved, floor {} B, {syncs} syncs, {} launches",
+                b["layer"], b["floor_bytes"], tr["launches"]
+            );
+            assert!(
+                syncs <= 64,
+                "{cfg:?} block {}: {syncs} host syncs > 64",
+                b["layer"]
+            );
+            moved += bytes;
+            floor += b["floor_bytes"].as_u64().unwrap();
+        }
+        let ratio = moved as f64 / floor as f64;
+        println!(
+            "{cfg:?}: {moved} B moved over the blocks against a floor of {floor} B: {ratio:.3}×"
+        );
+        assert!(
+            ratio <= 1.2,
+            "{cfg:?}: the blocks moved {ratio:.3}× their floor (bound 1.2)"
+        );
+        std::fs::remove_dir_all(&out).unwrap();
+    }
+}

@@ -76,7 +76,11 @@ impl std::ops::Add for Traffic {
             dtoh_bytes: self.dtoh_bytes + o.dtoh_bytes,
             syncs: self.syncs + o.syncs,
             launches: self.launches + o.launches,
-            source: if self.source.is_empty() { o.source } else { self.source },
+            source: if self.source.is_empty() {
+                o.source
+            } else {
+                self.source
+            },
         }
     }
 }

@@ -111,9 +111,9 @@ impl CudaBackend {
     ) -> std::result::Result<Vec<T>, CudaError> {
         self.counters.dtoh(d.len() * size_of::<T>());
         self.counters.sync();
-        let v = self.stream.clone_dtoh(d).map_err(driver(what))?;
-        self.stream.synchronize().map_err(driver(what))?;
-        Ok(v)
+        // Into pageable memory the copy returns only when it is done (CUDA's rule), and it reports a fault of
+        // the work queued before it: no synchronization of its own.
+        self.stream.clone_dtoh(d).map_err(driver(what))
     }
 
     fn zeros_of<T: DeviceRepr + ValidAsZeroBits>(
@@ -291,7 +291,10 @@ impl CudaBackend {
     /// Σ over the DOT_CTAS partials of a·b (f64), one download.
     /// Σ a∘b over each (a, b, range) of `dots`, f64: every product's partial sums into one buffer, one
     /// download for all of them (one host synchronization, whatever the count).
-    fn dots(&self, dots: &[(&CudaSlice<f32>, &CudaSlice<f32>, std::ops::Range<usize>)]) -> Result<Vec<f64>> {
+    fn dots(
+        &self,
+        dots: &[(&CudaSlice<f32>, &CudaSlice<f32>, std::ops::Range<usize>)],
+    ) -> Result<Vec<f64>> {
         let mut part = self.zeros_of::<f64>(dots.len() * DOT_CTAS, "alloc partial sums")?;
         for (i, (a, b, range)) in dots.iter().enumerate() {
             launch_dot_partials(
@@ -303,7 +306,9 @@ impl CudaBackend {
             )?;
         }
         let v = self.download(&part, "download partial sums")?;
-        Ok((0..dots.len()).map(|i| v[i * DOT_CTAS..(i + 1) * DOT_CTAS].iter().sum()).collect())
+        Ok((0..dots.len())
+            .map(|i| v[i * DOT_CTAS..(i + 1) * DOT_CTAS].iter().sum())
+            .collect())
     }
 
     /// [rows × n] (grids: [rows × n_groups]) gathered or scattered by rows and per-part column permutations.
@@ -1067,10 +1072,16 @@ impl QuantOps for CudaBackend {
         let g_len = d_out * ng;
         let mut grids = self.out_f32(2 * g_len)?;
         self.stream
-            .memcpy_dtod(dev(&q.grids.scale, "scales")?, &mut grids.slice_mut(..g_len))
+            .memcpy_dtod(
+                dev(&q.grids.scale, "scales")?,
+                &mut grids.slice_mut(..g_len),
+            )
             .map_err(driver("gather scales"))?;
         self.stream
-            .memcpy_dtod(dev(&q.grids.zero, "zeros")?, &mut grids.slice_mut(g_len..2 * g_len))
+            .memcpy_dtod(
+                dev(&q.grids.zero, "zeros")?,
+                &mut grids.slice_mut(g_len..2 * g_len),
+            )
             .map_err(driver("gather zeros"))?;
         let grids = self.download(&grids, "download grids")?;
         let (scales, zeros) = grids.split_at(g_len);

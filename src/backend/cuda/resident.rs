@@ -131,9 +131,8 @@ impl CudaBackend {
             Tensor::Device(d) => {
                 self.counters.dtoh(d.len() * 4);
                 self.counters.sync();
-                let v = self.stream.clone_dtoh(&d).map_err(driver("download"))?;
-                self.stream.synchronize().map_err(driver(op))?;
-                Ok(v)
+                // Into pageable memory: returns when done, and reports a fault of the work before it.
+                self.stream.clone_dtoh(&d).map_err(driver(op))
             }
             Tensor::Host(v) => Ok(v),
             Tensor::Pinned(p) => Ok(p.as_slice().map_err(driver(op))?.to_vec()),
@@ -148,9 +147,6 @@ impl CudaBackend {
                 let v = self
                     .stream
                     .clone_dtoh(&d)
-                    .map_err(driver("download tensor"))?;
-                self.stream
-                    .synchronize()
                     .map_err(driver("download tensor"))?;
                 Ok(Tensor::Host(v))
             }
@@ -214,8 +210,7 @@ impl CudaBackend {
                 self.counters.sync();
                 self.stream
                     .memcpy_dtoh(s, v)
-                    .map_err(driver("download tensor"))?;
-                self.stream.synchronize().map_err(driver("download tensor"))
+                    .map_err(driver("download tensor"))
             }
             // The pinned buffer itself goes to the copy (not a slice of it), so cudarc records the copy on
             // its event and a later host write to it waits for the DMA.
@@ -918,10 +913,7 @@ pub(super) fn read<'a>(be: &CudaBackend, x: &'a Tensor) -> Cow<'a, [f32]> {
     x.read_with(|d| {
         be.counters.dtoh(d.len() * 4);
         be.counters.sync();
-        let v = be
-            .stream
-            .clone_dtoh(d)
-            .and_then(|v| be.stream.synchronize().map(|()| v));
+        let v = be.stream.clone_dtoh(d);
         v.unwrap_or_else(|e| panic!("{} read ({} f32): {e}", be.name, d.len()))
     })
 }
