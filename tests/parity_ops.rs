@@ -71,7 +71,7 @@ fn parity_rms_norm(b: &dyn Backend) {
                 x.extend((0..d).map(|_| scale * rng.random_range(-1.0f32..1.0)));
             }
             let w: Vec<f32> = (0..d).map(|_| rng.random_range(0.5f32..1.5)).collect();
-            let y = b.rms_norm(&x, &w, d, eps);
+            let y = b.rms_norm(&x, &w, d, eps).unwrap();
             assert_eq!(y.len(), rows * d, "{}: rms_norm output length", b.name());
             let err = rel_err(&y, &rms_norm_ref(&x, &w, d, eps));
             assert!(
@@ -148,7 +148,7 @@ fn parity_linear(b: &dyn Backend, tol: f64) {
             let w: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0f32..1.0)).collect();
             let bias: Option<Vec<f32>> =
                 with_bias.then(|| (0..n).map(|_| rng.random_range(-2.0f32..2.0)).collect());
-            let y = b.linear(&x, &w, bias.as_deref(), m, k, n);
+            let y = b.linear(&x, &w, bias.as_deref(), m, k, n).unwrap();
             assert_eq!(y.len(), m * n, "{}: linear output length", b.name());
             let err = rel_err(&y, &linear_ref(&x, &w, bias.as_deref(), m, k, n));
             assert!(
@@ -212,7 +212,8 @@ fn parity_rope(b: &dyn Backend) {
             }
         }
         let mut x = x0.clone();
-        b.rope(&mut x, t, n_heads, d_h, &table.cos, &table.sin);
+        b.rope(&mut x, t, n_heads, d_h, &table.cos, &table.sin)
+            .unwrap();
         let err = rel_err(&x, &reference);
         assert!(
             err <= ROPE_TOL,
@@ -251,7 +252,7 @@ fn parity_swiglu(b: &dyn Backend) {
             })
             .collect();
         let up: Vec<f32> = (0..n).map(|_| rng.random_range(-2.0f32..2.0)).collect();
-        let y = b.swiglu(&gate, &up);
+        let y = b.swiglu(&gate, &up).unwrap();
         assert_eq!(y.len(), n, "{}: swiglu output length", b.name());
         let reference: Vec<f64> = gate
             .iter()
@@ -304,12 +305,12 @@ fn parity_embed(b: &dyn Backend) {
             .iter()
             .flat_map(|&i| table[i as usize * d..(i as usize + 1) * d].iter().copied())
             .collect();
-        let resident = b.upload_weight(&table);
+        let resident = b.upload_weight(&table).unwrap();
         let host = Tensor::Host(table.clone());
         for t in [resident.as_ref(), Some(&host)].into_iter().flatten() {
-            let x = b.embed_t(t, &ids, d);
+            let x = b.embed_t(t, &ids, d).unwrap();
             assert_eq!(
-                b.read(&x).as_ref(),
+                b.read(&x).unwrap().as_ref(),
                 want.as_slice(),
                 "{}: embed vocab={vocab} d={d} tokens={tokens} from {t:?}",
                 b.name()
@@ -407,7 +408,7 @@ fn parity_attention_probs(b: &dyn Backend) {
     for (_, t, h, h_kv, d_h) in ATTN_SHAPES {
         let q = attn_input(&mut rng, t, h * d_h, true);
         let k = attn_input(&mut rng, t, h_kv * d_h, false);
-        let p = b.attention_probs(&q, &k, t, h, h_kv, d_h);
+        let p = b.attention_probs(&q, &k, t, h, h_kv, d_h).unwrap();
         assert_eq!(
             p.len(),
             h * t * t,
@@ -462,7 +463,9 @@ fn parity_causal_attention(b: &dyn Backend) {
         let q = attn_input(&mut rng, n_seq * t, qw, true);
         let k = attn_input(&mut rng, n_seq * t, kw, false);
         let v = attn_input(&mut rng, n_seq * t, kw, false);
-        let o = b.causal_attention(&q, &k, &v, n_seq, t, h, h_kv, d_h);
+        let o = b
+            .causal_attention(&q, &k, &v, n_seq, t, h, h_kv, d_h)
+            .unwrap();
         assert_eq!(
             o.len(),
             n_seq * t * qw,

@@ -150,7 +150,9 @@ fn parity_packed_linear(what: &str, f: PackedLinearFn) {
                 err <= TOL,
                 "{case}: rel. error {err:.3e} > {TOL:.0e} (NaN = unwritten output)"
             );
-            let cpu = CpuBackend.packed_linear(&x, &p, bias.as_deref(), m);
+            let cpu = CpuBackend
+                .packed_linear(&x, &p, bias.as_deref(), m)
+                .unwrap();
             let cpu64: Vec<f64> = cpu.iter().map(|&v| v as f64).collect();
             let err_cpu = rel_err(&y, &cpu64);
             assert!(
@@ -172,7 +174,7 @@ fn parity_packed_linear(what: &str, f: PackedLinearFn) {
 #[test]
 fn parity_packed_linear_cpu() {
     parity_packed_linear("cpu", &|x, p, b, m| {
-        Some(CpuBackend.packed_linear(x, p, b, m))
+        Some(CpuBackend.packed_linear(x, p, b, m).unwrap())
     });
 }
 
@@ -203,7 +205,7 @@ fn parity_packed_linear_cuda() {
     // The dispatching Backend method (fused up to 16 tokens, dequantize + cuBLAS above).
     parity_packed_linear(
         &format!("{} Backend::packed_linear", b.name()),
-        &|x, p, bias, m| Some(b.packed_linear(x, p, bias, m)),
+        &|x, p, bias, m| Some(b.packed_linear(x, p, bias, m).unwrap()),
     );
 }
 

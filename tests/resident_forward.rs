@@ -101,7 +101,7 @@ fn tensor_forward_is_the_host_forward_on_the_cpu() {
     let (model, chunks) = setup(tmp.path(), 2, 16, 2);
     let w = model.load_block(1).unwrap();
     let rope = model.rope_table(16);
-    let resident = ResidentWeights::upload(&CpuBackend, &w);
+    let resident = ResidentWeights::upload(&CpuBackend, &w).unwrap();
     let mut xt = Tensor::Host(chunks[0].clone());
     block_forward(
         &CpuBackend,
@@ -112,9 +112,10 @@ fn tensor_forward_is_the_host_forward_on_the_cpu() {
         &mut xt,
         2,
         None,
-    );
+    )
+    .unwrap();
     let mut xh = chunks[0].clone();
-    block_forward_host(&CpuBackend, &w, &model.cfg, &rope, &mut xh, 2);
+    block_forward_host(&CpuBackend, &w, &model.cfg, &rope, &mut xh, 2).unwrap();
     assert_eq!(xt.host().unwrap(), xh.as_slice());
     assert_ne!(xh, chunks[0], "the block changed nothing");
 }
@@ -128,7 +129,7 @@ fn the_table_gather_is_the_checkpoint_embedding() {
     let vocab = model.cfg.vocab as u32;
     let ids: Vec<u32> = (0..40).map(|i| (i * 7919) % vocab).collect();
     let table = Tensor::Host(model.embed_table().unwrap());
-    let x = CpuBackend.embed_t(&table, &ids, model.cfg.d);
+    let x = CpuBackend.embed_t(&table, &ids, model.cfg.d).unwrap();
     assert_eq!(x.host().unwrap(), model.embed(&ids).unwrap().as_slice());
     let e = model.check_ids(&[vocab]).unwrap_err();
     assert!(e.to_string().contains("outside the vocabulary"), "{e}");
@@ -151,19 +152,21 @@ fn resident_forward_and_statistics_on_cuda() {
     let rope = model.rope_table(t);
 
     // Parking a chunk in pinned memory and bringing it back is exact.
-    let parked = be.to_host(be.to_device(Tensor::Host(chunks[0].clone())), true);
+    let parked = be
+        .to_host(be.to_device(Tensor::Host(chunks[0].clone())).unwrap(), true)
+        .unwrap();
     assert!(
         matches!(parked, Tensor::Pinned(_)),
         "not parked: {parked:?}"
     );
     let mut parked = parked;
-    let back = be.to_device(be.duplicate(&parked));
+    let back = be.to_device(be.duplicate(&parked).unwrap()).unwrap();
     assert!(back.on_device());
-    assert_eq!(be.read(&back).as_ref(), chunks[0].as_slice());
+    assert_eq!(be.read(&back).unwrap().as_ref(), chunks[0].as_slice());
     // A forwarded chunk goes back into its pinned buffer (the pipeline's parked X).
     let reversed: Vec<f32> = chunks[0].iter().rev().copied().collect();
-    let other = be.to_device(Tensor::Host(reversed.clone()));
-    be.write_back(&other, &mut parked);
+    let other = be.to_device(Tensor::Host(reversed.clone())).unwrap();
+    be.write_back(&other, &mut parked).unwrap();
     assert!(matches!(parked, Tensor::Pinned(_)));
     assert_eq!(parked.host().unwrap(), reversed.as_slice());
 
@@ -178,9 +181,9 @@ fn resident_forward_and_statistics_on_cuda() {
         .enumerate()
         .map(|(k, u)| {
             if k % 2 == 0 {
-                be.upload_weight(u)
+                be.upload_weight(u).unwrap()
             } else {
-                be.upload_weight_now(u)
+                be.upload_weight_now(u).unwrap()
             }
             .expect("a device copy")
         })
@@ -188,7 +191,7 @@ fn resident_forward_and_statistics_on_cuda() {
     for (u, d) in uploads.iter().zip(&on_device) {
         assert!(d.on_device());
         assert_eq!(
-            be.read(d).as_ref(),
+            be.read(d).unwrap().as_ref(),
             u.as_slice(),
             "a staged upload was overwritten"
         );
@@ -196,13 +199,13 @@ fn resident_forward_and_statistics_on_cuda() {
 
     // One block forward with resident weights against the CPU (f32 SGEMM and f32 kernels), uploaded as the
     // pipeline does for the forward right after a block's quantization.
-    let resident = ResidentWeights::upload_now(&be, &w);
-    let mut xd = be.to_device(Tensor::Host(chunks[0].clone()));
-    block_forward(&be, &w, Some(&resident), cfg, &rope, &mut xd, 2, None);
+    let resident = ResidentWeights::upload_now(&be, &w).unwrap();
+    let mut xd = be.to_device(Tensor::Host(chunks[0].clone())).unwrap();
+    block_forward(&be, &w, Some(&resident), cfg, &rope, &mut xd, 2, None).unwrap();
     assert!(xd.on_device(), "the forward left the device");
     let mut xc = chunks[0].clone();
-    block_forward_host(&CpuBackend, &w, cfg, &rope, &mut xc, 2);
-    let got: Vec<f64> = be.read(&xd).iter().map(|&v| v as f64).collect();
+    block_forward_host(&CpuBackend, &w, cfg, &rope, &mut xc, 2).unwrap();
+    let got: Vec<f64> = be.read(&xd).unwrap().iter().map(|&v| v as f64).collect();
     let want: Vec<f64> = xc.iter().map(|&v| v as f64).collect();
     let e = rel_err(&got, &want);
     println!("{}: resident block forward rel. error {e:.2e}", be.name());
@@ -212,16 +215,16 @@ fn resident_forward_and_statistics_on_cuda() {
     // this thread runs block 0 on the main stream; then block 1 runs on them.
     let w1 = model.load_block(1).unwrap();
     let (resident1, mut xd) = std::thread::scope(|s| {
-        let h = s.spawn(|| ResidentWeights::upload(&be, &w1));
-        let mut xd = be.to_device(Tensor::Host(chunks[0].clone()));
-        block_forward(&be, &w, Some(&resident), cfg, &rope, &mut xd, 2, None);
+        let h = s.spawn(|| ResidentWeights::upload(&be, &w1).unwrap());
+        let mut xd = be.to_device(Tensor::Host(chunks[0].clone())).unwrap();
+        block_forward(&be, &w, Some(&resident), cfg, &rope, &mut xd, 2, None).unwrap();
         (h.join().expect("prefetch thread"), xd)
     });
-    block_forward(&be, &w1, Some(&resident1), cfg, &rope, &mut xd, 2, None);
+    block_forward(&be, &w1, Some(&resident1), cfg, &rope, &mut xd, 2, None).unwrap();
     let mut xc = chunks[0].clone();
-    block_forward_host(&CpuBackend, &w, cfg, &rope, &mut xc, 2);
-    block_forward_host(&CpuBackend, &w1, cfg, &rope, &mut xc, 2);
-    let got: Vec<f64> = be.read(&xd).iter().map(|&v| v as f64).collect();
+    block_forward_host(&CpuBackend, &w, cfg, &rope, &mut xc, 2).unwrap();
+    block_forward_host(&CpuBackend, &w1, cfg, &rope, &mut xc, 2).unwrap();
+    let got: Vec<f64> = be.read(&xd).unwrap().iter().map(|&v| v as f64).collect();
     let want: Vec<f64> = xc.iter().map(|&v| v as f64).collect();
     let e = rel_err(&got, &want);
     println!(
@@ -233,7 +236,7 @@ fn resident_forward_and_statistics_on_cuda() {
     // Statistics through device sums (bf16 tensor-core XᵀX by default: bf16 rounding of the inputs).
     let xs: Vec<Tensor> = chunks
         .iter()
-        .map(|c| be.to_device(Tensor::Host(c.clone())))
+        .map(|c| be.to_device(Tensor::Host(c.clone())).unwrap())
         .collect();
     let got = collect(&be, &w, Some(&resident), cfg, &rope, &xs, true).unwrap();
     let want = collect(
@@ -252,7 +255,7 @@ fn resident_forward_and_statistics_on_cuda() {
     // one before computes): the same kernels on the same values, so equal to the resident route.
     let parked: Vec<Tensor> = xs
         .iter()
-        .map(|c| be.to_host(be.duplicate(c), true))
+        .map(|c| be.to_host(be.duplicate(c).unwrap(), true).unwrap())
         .collect();
     assert!(parked.iter().all(|c| matches!(c, Tensor::Pinned(_))));
     let from_parked = collect(&be, &w, Some(&resident), cfg, &rope, &parked, true).unwrap();

@@ -6,6 +6,8 @@
 //! RAYON_NUM_THREADS is.
 
 use super::Backend;
+use crate::ops::Result;
+use anyhow::ensure;
 use faer::linalg::matmul::matmul;
 use faer::{Accum, MatMut, MatRef, Par};
 use rayon::prelude::*;
@@ -177,14 +179,14 @@ impl Backend for CpuBackend {
         m: usize,
         k: usize,
         n: usize,
-    ) -> Vec<f32> {
+    ) -> Result<Vec<f32>> {
         let mut y = linear_f32(x, w, m, k, n);
         if let Some(b) = bias {
-            assert_eq!(b.len(), n, "linear: bias is not [n={n}]");
+            ensure!(b.len() == n, "linear: bias is not [n={n}]");
             y.par_chunks_mut(n)
                 .for_each(|row| row.iter_mut().zip(b).for_each(|(y, b)| *y += b));
         }
-        y
+        Ok(y)
     }
 
     fn packed_linear(
@@ -193,20 +195,23 @@ impl Backend for CpuBackend {
         w: &crate::quant::pack::PackedLinear,
         bias: Option<&[f32]>,
         m: usize,
-    ) -> Vec<f32> {
+    ) -> Result<Vec<f32>> {
         let n = w.d_out;
         let mut y = packed_linear_f32(x, w, m);
         if let Some(b) = bias {
-            assert_eq!(b.len(), n, "packed_linear: bias is not [n={n}]");
+            ensure!(b.len() == n, "packed_linear: bias is not [n={n}]");
             y.par_chunks_mut(n)
                 .for_each(|row| row.iter_mut().zip(b).for_each(|(y, b)| *y += b));
         }
-        y
+        Ok(y)
     }
 
-    fn rms_norm(&self, x: &[f32], w: &[f32], d: usize, eps: f32) -> Vec<f32> {
-        assert_eq!(w.len(), d);
-        assert_eq!(x.len() % d, 0);
+    fn rms_norm(&self, x: &[f32], w: &[f32], d: usize, eps: f32) -> Result<Vec<f32>> {
+        ensure!(w.len() == d, "rms_norm: w is not [d={d}]");
+        ensure!(
+            x.len().is_multiple_of(d),
+            "rms_norm: x is not [rows × d={d}]"
+        );
         let mut y = vec![0f32; x.len()];
         y.par_chunks_mut(d * ROWS_PER_TASK)
             .zip(x.par_chunks(d * ROWS_PER_TASK))
@@ -215,17 +220,24 @@ impl Backend for CpuBackend {
                     rms_norm_row(yr, xr, w, eps);
                 }
             });
-        y
+        Ok(y)
     }
 
-    fn rope(&self, x: &mut [f32], t: usize, n_heads: usize, d_h: usize, cos: &[f32], sin: &[f32]) {
+    fn rope(
+        &self,
+        x: &mut [f32],
+        t: usize,
+        n_heads: usize,
+        d_h: usize,
+        cos: &[f32],
+        sin: &[f32],
+    ) -> Result<()> {
         let width = n_heads * d_h;
-        assert_eq!(
-            x.len() % (t * width),
-            0,
+        ensure!(
+            x.len().is_multiple_of(t * width),
             "rope: x is not [n_seq·{t} × {width}]"
         );
-        assert!(
+        ensure!(
             cos.len() >= t * d_h / 2 && sin.len() >= t * d_h / 2,
             "rope: tables shorter than t={t}"
         );
@@ -244,6 +256,7 @@ impl Backend for CpuBackend {
                     }
                 }
             });
+        Ok(())
     }
 
     fn causal_attention(
@@ -256,14 +269,20 @@ impl Backend for CpuBackend {
         h: usize,
         h_kv: usize,
         d_h: usize,
-    ) -> Vec<f32> {
-        assert!(
+    ) -> Result<Vec<f32>> {
+        ensure!(
             h_kv > 0 && h.is_multiple_of(h_kv),
             "attention: h={h} is not a multiple of h_kv={h_kv}"
         );
-        assert_eq!(q.len(), n_seq * t * h * d_h);
-        assert_eq!(k.len(), n_seq * t * h_kv * d_h);
-        assert_eq!(v.len(), k.len());
+        ensure!(
+            q.len() == n_seq * t * h * d_h,
+            "q.len() != n_seq * t * h * d_h"
+        );
+        ensure!(
+            k.len() == n_seq * t * h_kv * d_h,
+            "k.len() != n_seq * t * h_kv * d_h"
+        );
+        ensure!(v.len() == k.len(), "v.len() != k.len()");
         let heads: Vec<Vec<f32>> = (0..n_seq * h)
             .into_par_iter()
             .map(|sh| {
@@ -295,7 +314,7 @@ impl Backend for CpuBackend {
                 out[dst..dst + d_h].copy_from_slice(&o[i * d_h..(i + 1) * d_h]);
             }
         }
-        out
+        Ok(out)
     }
 
     fn attention_probs(
@@ -306,13 +325,13 @@ impl Backend for CpuBackend {
         h: usize,
         h_kv: usize,
         d_h: usize,
-    ) -> Vec<f32> {
-        assert!(
+    ) -> Result<Vec<f32>> {
+        ensure!(
             h_kv > 0 && h.is_multiple_of(h_kv),
             "attention: h={h} is not a multiple of h_kv={h_kv}"
         );
-        assert_eq!(q.len(), t * h * d_h);
-        assert_eq!(k.len(), t * h_kv * d_h);
+        ensure!(q.len() == t * h * d_h, "q.len() != t * h * d_h");
+        ensure!(k.len() == t * h_kv * d_h, "k.len() != t * h_kv * d_h");
         let heads: Vec<Vec<f32>> = (0..h)
             .into_par_iter()
             .map(|head| {
@@ -321,11 +340,11 @@ impl Backend for CpuBackend {
                 causal_softmax_probs(&qh, &kh, t, d_h)
             })
             .collect();
-        heads.concat()
+        Ok(heads.concat())
     }
 
-    fn swiglu(&self, gate: &[f32], up: &[f32]) -> Vec<f32> {
-        assert_eq!(gate.len(), up.len());
+    fn swiglu(&self, gate: &[f32], up: &[f32]) -> Result<Vec<f32>> {
+        ensure!(gate.len() == up.len(), "gate.len() != up.len()");
         let mut out = vec![0f32; gate.len()];
         out.par_chunks_mut(4096)
             .zip(gate.par_chunks(4096).zip(up.par_chunks(4096)))
@@ -334,7 +353,7 @@ impl Backend for CpuBackend {
                     *o = g / (1.0 + exp_f32(-g)) * u;
                 }
             });
-        out
+        Ok(out)
     }
 }
 

@@ -107,7 +107,7 @@ fn grids_vec<T: Real>(g: &Grids) -> Result<Vec<Grid<T>>> {
         .collect())
 }
 
-fn codes_host<'a>(c: &'a Codes) -> Result<&'a [u8]> {
+fn codes_host(c: &Codes) -> Result<&[u8]> {
     match c {
         Codes::Host(v) => Ok(v),
         Codes::Device(_) => bail!("cpu: codes are in device memory"),
@@ -144,6 +144,7 @@ fn dynamic_blocks(h: Option<&[f64]>, n: usize, g: usize, spec: &QuantSpec) -> Ve
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn search_all<T: Real + IntoMat>(
     w: &[T],
     rows: usize,
@@ -542,7 +543,7 @@ impl QuantOps for CpuBackend {
         for i in 0..n_seq {
             let qs = &q[i * t * h * d_h..(i + 1) * t * h * d_h];
             let ks = &k[i * t * h_kv * d_h..(i + 1) * t * h_kv * d_h];
-            let probs = self.attention_probs(qs, ks, t, h, h_kv, d_h);
+            let probs = self.attention_probs(qs, ks, t, h, h_kv, d_h)?;
             add_v_col_sequence(sums, &x[i * t * d..(i + 1) * t * d], &probs, t, d, h, h_kv);
         }
         Ok(())

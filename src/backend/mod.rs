@@ -6,7 +6,8 @@
 //! X [m × d_in] with one token per row. Each op comes twice: on host slices (the reference, used by tests and
 //! tools), and on `Tensor`s (`*_t`), which a device backend keeps in its own memory between ops so a block
 //! forward costs no PCIe traffic. The tensor methods default to the slice methods, which is all a host backend
-//! needs.
+//! needs. Every method is fallible: a device's failure (out of memory, a kernel fault, a missing library) comes
+//! back as an error naming the op and its shapes, never a panic.
 
 pub mod cpu;
 mod cpu_quant;
@@ -18,6 +19,8 @@ pub use crate::ops::{AttnShape, QuantOps, Tensor};
 pub use select::{Device, GemmPrecision, select_backend, select_backend_with};
 pub use weight::{PackedResident, Weight};
 
+use crate::ops::Result;
+use anyhow::ensure;
 use std::borrow::Cow;
 
 /// Every backend also provides the quantization core (`QuantOps`, crate::ops).
@@ -34,7 +37,7 @@ pub trait Backend: QuantOps + Send + Sync {
         m: usize,
         k: usize,
         n: usize,
-    ) -> Vec<f32>;
+    ) -> Result<Vec<f32>>;
 
     /// Y [m × n] = X [m × k] · Ŵᵀ (+ bias [n]) with Ŵ [n × k] held packed (`quant::pack::PackedLinear`,
     /// n = d_out, k = d_in): dequantized a tile at a time, never whole.
@@ -44,14 +47,23 @@ pub trait Backend: QuantOps + Send + Sync {
         w: &crate::quant::pack::PackedLinear,
         bias: Option<&[f32]>,
         m: usize,
-    ) -> Vec<f32>;
+    ) -> Result<Vec<f32>>;
 
     /// Row-wise RMSNorm of X [rows × d]: y = x / sqrt(mean(x²) + eps) · w.
-    fn rms_norm(&self, x: &[f32], w: &[f32], d: usize, eps: f32) -> Vec<f32>;
+    fn rms_norm(&self, x: &[f32], w: &[f32], d: usize, eps: f32) -> Result<Vec<f32>>;
 
     /// Rotate-half RoPE in place on X [n_seq·t × n_heads·d_h]; token i of each sequence is at position i.
     /// `cos`/`sin` are [t × d_h/2] tables (see `model::llama::RopeTable`).
-    fn rope(&self, x: &mut [f32], t: usize, n_heads: usize, d_h: usize, cos: &[f32], sin: &[f32]);
+    #[allow(clippy::too_many_arguments)]
+    fn rope(
+        &self,
+        x: &mut [f32],
+        t: usize,
+        n_heads: usize,
+        d_h: usize,
+        cos: &[f32],
+        sin: &[f32],
+    ) -> Result<()>;
 
     /// Causal softmax attention with GQA: Q [n_seq·t × h·d_h], K, V [n_seq·t × h_kv·d_h] → [n_seq·t × h·d_h].
     /// Query head i reads KV head i / (h / h_kv).
@@ -66,7 +78,7 @@ pub trait Backend: QuantOps + Send + Sync {
         h: usize,
         h_kv: usize,
         d_h: usize,
-    ) -> Vec<f32>;
+    ) -> Result<Vec<f32>>;
 
     /// The causal softmax probabilities A_h = softmax(Q_h K_hᵀ / √d_h) of every query head of ONE sequence:
     /// Q [t × h·d_h], K [t × h_kv·d_h] → [h × t × t] (zeros above the diagonal). V's statistics need them.
@@ -78,78 +90,81 @@ pub trait Backend: QuantOps + Send + Sync {
         h: usize,
         h_kv: usize,
         d_h: usize,
-    ) -> Vec<f32>;
+    ) -> Result<Vec<f32>>;
 
     /// SwiGLU: silu(gate) ⊙ up, elementwise.
-    fn swiglu(&self, gate: &[f32], up: &[f32]) -> Vec<f32>;
+    fn swiglu(&self, gate: &[f32], up: &[f32]) -> Result<Vec<f32>>;
 
     /// (free, total) bytes of the device's own memory; None when the device is the host.
     fn device_memory(&self) -> Option<(u64, u64)> {
         None
     }
 
-    // ---- Tensors: where activations live between ops (tensor.rs). The defaults serve host backends, and
+    // ---- Tensors: where activations live between ops (ops/tensor.rs). The defaults serve host backends, and
     // ---- (through `read` / `to_device`) any op a device backend does not override.
 
     /// Moves `x` to where this backend computes (a device backend uploads host and pinned tensors).
-    fn to_device(&self, x: Tensor) -> Tensor {
-        x
+    fn to_device(&self, x: Tensor) -> Result<Tensor> {
+        Ok(x)
     }
 
     /// Moves `x` out of device memory: into page-locked host memory when `pinned` (activations parked while
     /// the device works on other chunks), else into a plain vector.
-    fn to_host(&self, x: Tensor, _pinned: bool) -> Tensor {
-        x
+    fn to_host(&self, x: Tensor, _pinned: bool) -> Result<Tensor> {
+        Ok(x)
     }
 
     /// The values of `x` on the host: borrowed when they already are, copied out of a device.
-    fn read<'a>(&self, x: &'a Tensor) -> Cow<'a, [f32]> {
-        Cow::Borrowed(x.expect_host("read"))
+    fn read<'a>(&self, x: &'a Tensor) -> Result<Cow<'a, [f32]>> {
+        Ok(Cow::Borrowed(x.host().ok_or_else(|| {
+            anyhow::anyhow!("read: a device tensor reached a host backend")
+        })?))
     }
 
     /// dst ← src (equal lengths), each staying where it is (a chunk parked in pinned memory takes back its
     /// forwarded values without a new allocation).
-    fn write_back(&self, src: &Tensor, dst: &mut Tensor) {
-        assert_eq!(src.len(), dst.len(), "write_back: lengths differ");
-        let v = self.read(src);
+    fn write_back(&self, src: &Tensor, dst: &mut Tensor) -> Result<()> {
+        ensure!(src.len() == dst.len(), "write_back: lengths differ");
+        let v = self.read(src)?;
         dst.host_mut()
-            .expect("write_back: a device tensor reached a host-only method")
+            .ok_or_else(|| anyhow::anyhow!("write_back: a device tensor reached a host backend"))?
             .copy_from_slice(&v);
+        Ok(())
     }
 
     /// A copy of `x`, in the same place.
-    fn duplicate(&self, x: &Tensor) -> Tensor {
-        self.to_device(Tensor::Host(self.read(x).into_owned()))
+    fn duplicate(&self, x: &Tensor) -> Result<Tensor> {
+        self.to_device(Tensor::Host(self.read(x)?.into_owned()))
     }
 
     /// A copy of `x` where this backend computes, started now: a device backend uploads a parked (pinned)
     /// chunk on its copy stream, so a caller that stages chunk c+1 before computing chunk c overlaps the copy
     /// with the compute. Elsewhere the same as `duplicate`.
-    fn stage(&self, x: &Tensor) -> Tensor {
+    fn stage(&self, x: &Tensor) -> Result<Tensor> {
         self.duplicate(x)
     }
 
     /// `n` zeros where this backend computes.
-    fn zeros(&self, n: usize) -> Tensor {
+    fn zeros(&self, n: usize) -> Result<Tensor> {
         self.to_device(Tensor::Host(vec![0.0; n]))
     }
 
     /// A copy of a weight in this backend's memory, for a forward that reads it many times; None when the
     /// host values serve as they are (host backends).
-    fn upload_weight(&self, _w: &[f32]) -> Option<Tensor> {
-        None
+    fn upload_weight(&self, _w: &[f32]) -> Result<Option<Tensor>> {
+        Ok(None)
     }
 
     /// As `upload_weight`, for a weight that the next work reads at once: nothing is left to overlap the copy
     /// with, so it goes in the compute queue rather than behind prefetched copies.
-    fn upload_weight_now(&self, w: &[f32]) -> Option<Tensor> {
+    fn upload_weight_now(&self, w: &[f32]) -> Result<Option<Tensor>> {
         self.upload_weight(w)
     }
 
     /// Rows `ids` of an embedding table [vocab × d] (this backend's copy, from `upload_weight`, or a host
     /// tensor) → [ids.len() × d], where this backend computes. The caller checks every id < vocab.
-    fn embed_t(&self, table: &Tensor, ids: &[u32], d: usize) -> Tensor {
-        let table = self.read(table);
+    fn embed_t(&self, table: &Tensor, ids: &[u32], d: usize) -> Result<Tensor> {
+        let table = self.read(table)?;
         let mut x = Vec::with_capacity(ids.len() * d);
         for &id in ids {
             x.extend_from_slice(&table[id as usize * d..(id as usize + 1) * d]);
@@ -167,21 +182,18 @@ pub trait Backend: QuantOps + Send + Sync {
         m: usize,
         k: usize,
         n: usize,
-    ) -> Tensor {
-        self.to_device(Tensor::Host(self.linear(
-            &self.read(x),
-            w.host,
-            bias,
-            m,
-            k,
-            n,
-        )))
+    ) -> Result<Tensor> {
+        let y = self.linear(&self.read(x)?, w.host, bias, m, k, n)?;
+        self.to_device(Tensor::Host(y))
     }
 
     /// A copy of a packed linear in this backend's memory, for a forward that reads it many times; None when
     /// the host form serves as it is (host backends).
-    fn upload_packed(&self, _w: &crate::quant::pack::PackedLinear) -> Option<PackedResident> {
-        None
+    fn upload_packed(
+        &self,
+        _w: &crate::quant::pack::PackedLinear,
+    ) -> Result<Option<PackedResident>> {
+        Ok(None)
     }
 
     /// `packed_linear` on tensors; `resident` is this linear's copy from `upload_packed`, if one was made.
@@ -192,13 +204,15 @@ pub trait Backend: QuantOps + Send + Sync {
         _resident: Option<&PackedResident>,
         bias: Option<&[f32]>,
         m: usize,
-    ) -> Tensor {
-        self.to_device(Tensor::Host(self.packed_linear(&self.read(x), w, bias, m)))
+    ) -> Result<Tensor> {
+        let y = self.packed_linear(&self.read(x)?, w, bias, m)?;
+        self.to_device(Tensor::Host(y))
     }
 
     /// `rms_norm` on tensors.
-    fn rms_norm_t(&self, x: &Tensor, w: &[f32], d: usize, eps: f32) -> Tensor {
-        self.to_device(Tensor::Host(self.rms_norm(&self.read(x), w, d, eps)))
+    fn rms_norm_t(&self, x: &Tensor, w: &[f32], d: usize, eps: f32) -> Result<Tensor> {
+        let y = self.rms_norm(&self.read(x)?, w, d, eps)?;
+        self.to_device(Tensor::Host(y))
     }
 
     /// `rope` on a tensor, in place.
@@ -211,8 +225,8 @@ pub trait Backend: QuantOps + Send + Sync {
         d_h: usize,
         cos: &[f32],
         sin: &[f32],
-    ) {
-        update_on_host(self, x, |v| self.rope(v, t, n_heads, d_h, cos, sin));
+    ) -> Result<()> {
+        update_on_host(self, x, |v| self.rope(v, t, n_heads, d_h, cos, sin))
     }
 
     /// `causal_attention` on tensors.
@@ -227,44 +241,51 @@ pub trait Backend: QuantOps + Send + Sync {
         h: usize,
         h_kv: usize,
         d_h: usize,
-    ) -> Tensor {
+    ) -> Result<Tensor> {
         let o = self.causal_attention(
-            &self.read(q),
-            &self.read(k),
-            &self.read(v),
+            &self.read(q)?,
+            &self.read(k)?,
+            &self.read(v)?,
             n_seq,
             t,
             h,
             h_kv,
             d_h,
-        );
+        )?;
         self.to_device(Tensor::Host(o))
     }
 
     /// `swiglu` on tensors.
-    fn swiglu_t(&self, gate: &Tensor, up: &Tensor) -> Tensor {
-        self.to_device(Tensor::Host(self.swiglu(&self.read(gate), &self.read(up))))
+    fn swiglu_t(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        let y = self.swiglu(&self.read(gate)?, &self.read(up)?)?;
+        self.to_device(Tensor::Host(y))
     }
 
     /// x += y, elementwise (the residual connections).
-    fn add_t(&self, x: &mut Tensor, y: &Tensor) {
-        assert_eq!(x.len(), y.len(), "add_t: lengths differ");
-        let y = self.read(y);
+    fn add_t(&self, x: &mut Tensor, y: &Tensor) -> Result<()> {
+        ensure!(x.len() == y.len(), "add_t: lengths differ");
+        let y = self.read(y)?;
         update_on_host(self, x, |v| {
-            v.iter_mut().zip(y.iter()).for_each(|(a, b)| *a += b)
-        });
+            v.iter_mut().zip(y.iter()).for_each(|(a, b)| *a += b);
+            Ok(())
+        })
     }
 }
 
 /// Applies `f` to x's values in place: directly when they are in host memory, else on a host copy that goes
 /// back where x was (the tensor defaults' in-place ops).
-fn update_on_host<B: Backend + ?Sized>(be: &B, x: &mut Tensor, f: impl FnOnce(&mut [f32])) {
+fn update_on_host<B: Backend + ?Sized>(
+    be: &B,
+    x: &mut Tensor,
+    f: impl FnOnce(&mut [f32]) -> Result<()>,
+) -> Result<()> {
     match x.host_mut() {
         Some(v) => f(v),
         None => {
-            let mut v = be.read(x).into_owned();
-            f(&mut v);
-            *x = be.to_device(Tensor::Host(v));
+            let mut v = be.read(x)?.into_owned();
+            f(&mut v)?;
+            *x = be.to_device(Tensor::Host(v))?;
+            Ok(())
         }
     }
 }

@@ -154,10 +154,10 @@ impl BenchBackend {
     }
 
     /// A host tensor where this backend computes.
-    fn place_t(&self, v: Vec<f32>) -> Tensor {
+    fn place_t(&self, v: Vec<f32>) -> anyhow::Result<Tensor> {
         use crate::backend::Backend;
         match self {
-            BenchBackend::Cpu(_) => Tensor::Host(v),
+            BenchBackend::Cpu(_) => Ok(Tensor::Host(v)),
             BenchBackend::Cuda(b) => b.to_device(Tensor::Host(v)),
         }
     }
@@ -404,8 +404,8 @@ pub fn bench_quant_ops(
         // XᵀX of the attention/MLP input (d) and of the down_proj input (d_ff).
         for d in [s.d, s.d_ff] {
             let xs = [
-                b.place_t(randn(&mut rng, m * d)),
-                b.place_t(randn(&mut rng, m * d)),
+                b.place_t(randn(&mut rng, m * d))?,
+                b.place_t(randn(&mut rng, m * d))?,
             ];
             let mut acc = ops.stat_acc(1, d)?;
             let (wall, kern) = time(b, reps, |i| ops.stat_xxt(&mut acc, &xs[i % 2], m))?;
@@ -424,8 +424,8 @@ pub fn bench_quant_ops(
         {
             let w = s.h * s.d_h;
             let xs = [
-                b.place_t(randn(&mut rng, m * w)),
-                b.place_t(randn(&mut rng, m * w)),
+                b.place_t(randn(&mut rng, m * w))?,
+                b.place_t(randn(&mut rng, m * w))?,
             ];
             let mut acc = ops.stat_acc(s.h, s.d_h)?;
             let (wall, kern) = time(b, reps, |i| ops.stat_head_cov(&mut acc, &xs[i % 2], m))?;
@@ -451,9 +451,9 @@ pub fn bench_quant_ops(
                 d_h: s.d_h,
                 d: s.d,
             };
-            let x = b.place_t(randn(&mut rng, m * s.d));
-            let q = b.place_t(randn(&mut rng, m * a.h * s.d_h));
-            let k = b.place_t(randn(&mut rng, m * a.h_kv * s.d_h));
+            let x = b.place_t(randn(&mut rng, m * s.d))?;
+            let q = b.place_t(randn(&mut rng, m * a.h * s.d_h))?;
+            let k = b.place_t(randn(&mut rng, m * a.h_kv * s.d_h))?;
             let mut acc = ops.stat_acc(a.h_kv, s.d)?;
             let (wall, kern) = time(b, reps, |_| ops.stat_v_col(&mut acc, &x, &q, &k, a, 1))?;
             let (t, d) = (m as f64, s.d as f64);
@@ -827,7 +827,7 @@ fn packed_gemm_rows(cb: &CudaBackend, reps: usize) -> anyhow::Result<Vec<BenchRo
                             anyhow::anyhow!("packed_gemm {n}×{k} {bits}-bit m={m}: {e}")
                         })?;
                     if kern.is_empty() {
-                        let cpu = CpuBackend.packed_linear(&x, &p, None, m);
+                        let cpu = CpuBackend.packed_linear(&x, &p, None, m)?;
                         let (num, den) =
                             y.iter().zip(&cpu).fold((0f64, 0f64), |(a, b), (&g, &c)| {
                                 (a + (g as f64 - c as f64).powi(2), b + (c as f64).powi(2))

@@ -74,10 +74,12 @@ pub fn window_nll(
     let head = model.lm_head()?;
     // A device backend keeps the LM head (and, when tied, the embedding table: the same matrix) in its own
     // memory for the whole evaluation instead of copying it per window.
-    let head_t = be.upload_weight(&head);
+    let head_t = be.upload_weight(&head)?;
     // An untied table has the head's length: through `to_device`, so it does not claim a staging buffer.
     let table_t = match &head_t {
-        Some(_) if !c.tie_word_embeddings => Some(be.to_device(Tensor::Host(model.embed_table()?))),
+        Some(_) if !c.tie_word_embeddings => {
+            Some(be.to_device(Tensor::Host(model.embed_table()?))?)
+        }
         _ => None,
     };
     let n_chunks = wins.len().div_ceil(chunk);
@@ -124,16 +126,16 @@ pub fn window_nll(
             xs.push(match table_t.as_ref().or(head_t.as_ref()) {
                 Some(table) => {
                     model.check_ids(&ids)?;
-                    be.embed_t(table, &ids, c.d)
+                    be.embed_t(table, &ids, c.d)?
                 }
-                None => be.to_device(Tensor::Host(model.embed(&ids)?)),
+                None => be.to_device(Tensor::Host(model.embed(&ids)?))?,
             });
         }
         for l in 0..c.n_layers {
             let w = model.load_block(l)?;
-            let resident = ResidentWeights::upload_all(be, &w);
+            let resident = ResidentWeights::upload_all(be, &w)?;
             for (x, group) in xs.iter_mut().zip(pass.chunks(chunk)) {
-                block_forward(be, &w, Some(&resident), c, &rope, x, group.len(), None);
+                block_forward(be, &w, Some(&resident), c, &rope, x, group.len(), None)?;
                 bar.inc(1);
             }
         }
@@ -158,12 +160,12 @@ fn head_nll(
 ) -> anyhow::Result<f64> {
     let c = &model.cfg;
     let t = group[0].len();
-    let h = be.rms_norm(&be.read(xt), norm, c.d, c.eps);
+    let h = be.rms_norm(&be.read(xt)?, norm, c.d, c.eps)?;
     let mut nll = 0f64;
     for (s, win) in group.iter().enumerate() {
         let hs = Tensor::Host(h[s * t * c.d..(s + 1) * t * c.d].to_vec());
-        let logits = be.linear_t(&hs, head, None, t, c.d, c.vocab);
-        nll += next_token_nll(&be.read(&logits), win, c.vocab);
+        let logits = be.linear_t(&hs, head, None, t, c.d, c.vocab)?;
+        nll += next_token_nll(&be.read(&logits)?, win, c.vocab);
     }
     Ok(nll)
 }

@@ -24,7 +24,7 @@ pub struct Linear {
 }
 
 impl Linear {
-    pub fn forward(&self, be: &dyn Backend, x: &[f32], m: usize) -> Vec<f32> {
+    pub fn forward(&self, be: &dyn Backend, x: &[f32], m: usize) -> anyhow::Result<Vec<f32>> {
         match &self.packed {
             Some(p) => be.packed_linear(x, p, self.b.as_deref(), m),
             None => be.linear(x, &self.w, self.b.as_deref(), m, self.d_in, self.d_out),
@@ -38,7 +38,7 @@ impl Linear {
         x: &Tensor,
         m: usize,
         resident: Option<&Resident>,
-    ) -> Tensor {
+    ) -> anyhow::Result<Tensor> {
         let (dense, packed) = match resident {
             Some(Resident::Dense(t)) => (Some(t), None),
             Some(Resident::Packed(p)) => (None, Some(p)),
@@ -153,45 +153,47 @@ pub struct ResidentWeights {
 
 impl ResidentWeights {
     /// For a forward that comes later (a prefetch): the copies may overlap other work.
-    pub fn upload(be: &dyn Backend, w: &BlockWeights) -> ResidentWeights {
+    pub fn upload(be: &dyn Backend, w: &BlockWeights) -> anyhow::Result<ResidentWeights> {
         Self::upload_with(w, |x| be.upload_weight(x))
     }
 
     /// For a forward that comes next (`Backend::upload_weight_now`).
-    pub fn upload_now(be: &dyn Backend, w: &BlockWeights) -> ResidentWeights {
+    pub fn upload_now(be: &dyn Backend, w: &BlockWeights) -> anyhow::Result<ResidentWeights> {
         Self::upload_with(w, |x| be.upload_weight_now(x))
     }
 
     /// For a forward of many chunks of a loaded block (eval): packed linears too.
-    pub fn upload_all(be: &dyn Backend, w: &BlockWeights) -> ResidentWeights {
-        ResidentWeights {
+    pub fn upload_all(be: &dyn Backend, w: &BlockWeights) -> anyhow::Result<ResidentWeights> {
+        Ok(ResidentWeights {
             w: LINEAR_NAMES
                 .iter()
                 .map(|n| {
                     let l = w.linear(n);
-                    match &l.packed {
-                        Some(p) => be.upload_packed(p).map(Resident::Packed),
-                        None => be.upload_weight(&l.w).map(Resident::Dense),
-                    }
+                    Ok(match &l.packed {
+                        Some(p) => be.upload_packed(p)?.map(Resident::Packed),
+                        None => be.upload_weight(&l.w)?.map(Resident::Dense),
+                    })
                 })
-                .collect(),
-        }
+                .collect::<anyhow::Result<_>>()?,
+        })
     }
 
-    fn upload_with(w: &BlockWeights, up: impl Fn(&[f32]) -> Option<Tensor>) -> ResidentWeights {
-        ResidentWeights {
+    fn upload_with(
+        w: &BlockWeights,
+        up: impl Fn(&[f32]) -> anyhow::Result<Option<Tensor>>,
+    ) -> anyhow::Result<ResidentWeights> {
+        Ok(ResidentWeights {
             w: LINEAR_NAMES
                 .iter()
                 .map(|n| {
                     let l = w.linear(n);
-                    if l.packed.is_some() {
-                        None
-                    } else {
-                        up(&l.w).map(Resident::Dense)
-                    }
+                    Ok(match l.packed {
+                        Some(_) => None,
+                        None => up(&l.w)?.map(Resident::Dense),
+                    })
                 })
-                .collect(),
-        }
+                .collect::<anyhow::Result<_>>()?,
+        })
     }
 
     /// Weights already in the backend's memory (LINEAR_NAMES order; None where the forward reads the host
@@ -248,37 +250,36 @@ pub fn block_forward(
     x: &mut Tensor,
     n_seq: usize,
     trace: Option<&mut BlockTrace>,
-) {
+) -> anyhow::Result<()> {
     let t = rope.t;
     let m = n_seq * t;
-    assert_eq!(
-        x.len(),
-        m * cfg.d,
+    anyhow::ensure!(
+        x.len() == m * cfg.d,
         "block_forward: x is not [n_seq·t={m} × d={}]",
         cfg.d
     );
     let (h, h_kv, d_h) = (cfg.n_heads, cfg.n_kv_heads, cfg.d_h);
     let r = |i: usize| resident.and_then(|r| r.get(i));
 
-    let xa = be.rms_norm_t(x, &w.attn_norm, cfg.d, cfg.eps);
-    let mut q = w.q.forward_t(be, &xa, m, r(0));
-    let mut k = w.k.forward_t(be, &xa, m, r(1));
-    let v = w.v.forward_t(be, &xa, m, r(2));
-    be.rope_t(&mut q, t, h, d_h, &rope.cos, &rope.sin);
-    be.rope_t(&mut k, t, h_kv, d_h, &rope.cos, &rope.sin);
-    let attn = be.causal_attention_t(&q, &k, &v, n_seq, t, h, h_kv, d_h);
+    let xa = be.rms_norm_t(x, &w.attn_norm, cfg.d, cfg.eps)?;
+    let mut q = w.q.forward_t(be, &xa, m, r(0))?;
+    let mut k = w.k.forward_t(be, &xa, m, r(1))?;
+    let v = w.v.forward_t(be, &xa, m, r(2))?;
+    be.rope_t(&mut q, t, h, d_h, &rope.cos, &rope.sin)?;
+    be.rope_t(&mut k, t, h_kv, d_h, &rope.cos, &rope.sin)?;
+    let attn = be.causal_attention_t(&q, &k, &v, n_seq, t, h, h_kv, d_h)?;
     drop(v);
-    let o = w.o.forward_t(be, &attn, m, r(3));
-    be.add_t(x, &o);
+    let o = w.o.forward_t(be, &attn, m, r(3))?;
+    be.add_t(x, &o)?;
     drop(o);
 
-    let xm = be.rms_norm_t(x, &w.mlp_norm, cfg.d, cfg.eps);
-    let gate = w.gate.forward_t(be, &xm, m, r(4));
-    let up = w.up.forward_t(be, &xm, m, r(5));
-    let act = be.swiglu_t(&gate, &up);
+    let xm = be.rms_norm_t(x, &w.mlp_norm, cfg.d, cfg.eps)?;
+    let gate = w.gate.forward_t(be, &xm, m, r(4))?;
+    let up = w.up.forward_t(be, &xm, m, r(5))?;
+    let act = be.swiglu_t(&gate, &up)?;
     drop((gate, up));
-    let down = w.down.forward_t(be, &act, m, r(6));
-    be.add_t(x, &down);
+    let down = w.down.forward_t(be, &act, m, r(6))?;
+    be.add_t(x, &down)?;
 
     if let Some(tr) = trace {
         *tr = BlockTrace {
@@ -290,6 +291,7 @@ pub fn block_forward(
             act,
         };
     }
+    Ok(())
 }
 
 /// `block_forward` on host values, for callers that hold X in a plain vector (eval, tests).
@@ -300,13 +302,14 @@ pub fn block_forward_host(
     rope: &RopeTable,
     x: &mut Vec<f32>,
     n_seq: usize,
-) {
-    let mut xt = be.to_device(Tensor::Host(std::mem::take(x)));
-    block_forward(be, w, None, cfg, rope, &mut xt, n_seq, None);
-    *x = match be.to_host(xt, false) {
+) -> anyhow::Result<()> {
+    let mut xt = be.to_device(Tensor::Host(std::mem::take(x)))?;
+    block_forward(be, w, None, cfg, rope, &mut xt, n_seq, None)?;
+    *x = match be.to_host(xt, false)? {
         Tensor::Host(v) => v,
-        t => be.read(&t).into_owned(),
+        t => be.read(&t)?.into_owned(),
     };
+    Ok(())
 }
 
 /// A model folder: config, weights (memory-mapped) and the path, with loaders for one block at a time.

@@ -53,24 +53,14 @@ impl Tensor {
         }
     }
 
-    /// The values of a host tensor, for the host-slice defaults of the `Backend` tensor methods; a device
-    /// tensor here means a backend made one without overriding the method that reads it.
-    pub(crate) fn expect_host(&self, op: &str) -> &[f32] {
-        self.host().unwrap_or_else(|| {
-            panic!(
-                "{op}: a device tensor reached a host-only method (the backend must override it)"
-            )
-        })
-    }
-
     /// Host values borrowed when possible; `fetch` copies a device tensor out.
-    pub(crate) fn read_with<'a>(
+    pub(crate) fn read_with<'a, E>(
         &'a self,
-        fetch: impl FnOnce(&CudaSlice<f32>) -> Vec<f32>,
-    ) -> Cow<'a, [f32]> {
+        fetch: impl FnOnce(&CudaSlice<f32>) -> Result<Vec<f32>, E>,
+    ) -> Result<Cow<'a, [f32]>, E> {
         match self {
-            Tensor::Device(d) => Cow::Owned(fetch(d)),
-            t => Cow::Borrowed(t.host().expect("host memory")),
+            Tensor::Device(d) => fetch(d).map(Cow::Owned),
+            t => Ok(Cow::Borrowed(t.host().unwrap_or(&[]))),
         }
     }
 }

@@ -105,9 +105,9 @@ fn place_activations(
     x: Vec<f32>,
     per_seq: usize,
     placement: &Placement,
-) -> Vec<Tensor> {
+) -> anyhow::Result<Vec<Tensor>> {
     if x.is_empty() {
-        return Vec::new();
+        return Ok(Vec::new());
     }
     let per_chunk = placement.chunk_seqs * per_seq;
     x.chunks(per_chunk)
@@ -116,11 +116,11 @@ fn place_activations(
 }
 
 /// One chunk of X where the plan puts it.
-fn place(be: &dyn Backend, chunk: Vec<f32>, placement: &Placement) -> Tensor {
+fn place(be: &dyn Backend, chunk: Vec<f32>, placement: &Placement) -> anyhow::Result<Tensor> {
     place_t(be, Tensor::Host(chunk), placement)
 }
 
-fn place_t(be: &dyn Backend, t: Tensor, placement: &Placement) -> Tensor {
+fn place_t(be: &dyn Backend, t: Tensor, placement: &Placement) -> anyhow::Result<Tensor> {
     if placement.parked {
         be.to_host(t, true)
     } else {
@@ -235,7 +235,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                         x.len()
                     ));
                 }
-                let x = place_activations(be.as_ref(), x, opts.seqlen * cfg.d, &placement);
+                let x = place_activations(be.as_ref(), x, opts.seqlen * cfg.d, &placement)?;
                 (s.next_block, x, s.reports)
             }
             None => {
@@ -250,7 +250,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                 let x = match &calib_ids {
                     Some(flat) => {
                         let table = if placement.embed_on_device {
-                            be.upload_weight(&model.embed_table()?)
+                            be.upload_weight(&model.embed_table()?)?
                         } else {
                             None
                         };
@@ -259,9 +259,13 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                                 Ok(match &table {
                                     Some(t) => {
                                         model.check_ids(ids)?;
-                                        place_t(be.as_ref(), be.embed_t(t, ids, cfg.d), &placement)
+                                        place_t(
+                                            be.as_ref(),
+                                            be.embed_t(t, ids, cfg.d)?,
+                                            &placement,
+                                        )?
                                     }
-                                    None => place(be.as_ref(), model.embed(ids)?, &placement),
+                                    None => place(be.as_ref(), model.embed(ids)?, &placement)?,
                                 })
                             })
                             .collect::<anyhow::Result<Vec<Tensor>>>()?
@@ -293,7 +297,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
         let load = move |l: usize| -> anyhow::Result<(BlockWeights, ResidentWeights)> {
             let w = model_ref.load_block(l)?;
             let resident = if needs_calib {
-                ResidentWeights::upload(be, &w)
+                ResidentWeights::upload(be, &w)?
             } else {
                 ResidentWeights::default()
             };
@@ -337,7 +341,8 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                         let t = Instant::now();
                         ranged(c"forward", || {
                             forward_all(be, w, resident, &model.cfg, &rope, &mut x)
-                        });
+                        })
+                        .with_context(|| format!("layer {l}: forward"))?;
                         timings.forward += t.elapsed().as_secs_f64();
                     }
                     let t = Instant::now();
@@ -414,7 +419,8 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                         let t = Instant::now();
                         ranged(c"forward", || {
                             forward_all(be, &w, &resident, cfg, &rope, &mut x)
-                        });
+                        })
+                        .with_context(|| format!("layer {l}: forward of the quantized block"))?;
                         timings.forward += t.elapsed().as_secs_f64();
                     }
                     drop(resident);
@@ -535,22 +541,23 @@ fn forward_all(
     cfg: &crate::model::config::Config,
     rope: &crate::model::llama::RopeTable,
     x: &mut [Tensor],
-) {
+) -> anyhow::Result<()> {
     let per_seq = rope.t * cfg.d;
-    let mut next = stats::stage_if_parked(be, x, 0);
+    let mut next = stats::stage_if_parked(be, x, 0)?;
     for i in 0..x.len() {
         let staged = next.take();
-        next = stats::stage_if_parked(be, x, i + 1);
+        next = stats::stage_if_parked(be, x, i + 1)?;
         let c = &mut x[i];
         let ns = c.len() / per_seq;
         match staged {
             Some(mut xt) => {
-                block_forward(be, w, Some(resident), cfg, rope, &mut xt, ns, None);
-                be.write_back(&xt, c);
+                block_forward(be, w, Some(resident), cfg, rope, &mut xt, ns, None)?;
+                be.write_back(&xt, c)?;
             }
-            None => block_forward(be, w, Some(resident), cfg, rope, c, ns, None),
+            None => block_forward(be, w, Some(resident), cfg, rope, c, ns, None)?,
         }
     }
+    Ok(())
 }
 
 /// A shard being written on the writer thread: its block and (tensor, bytes) for the folder's index.

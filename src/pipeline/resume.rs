@@ -236,7 +236,9 @@ pub fn checkpoint(
                 let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
                 // One chunk at a time: a device backend copies each out, never all of X at once.
                 for chunk in chunks {
-                    let values = be.read(chunk);
+                    let values = be
+                        .read(chunk)
+                        .map_err(|e| std::io::Error::other(format!("{e:#}")))?;
                     x_len += values.len();
                     for c in values.chunks(1 << 16) {
                         let b: Vec<u8> = c.iter().flat_map(|v| v.to_le_bytes()).collect();

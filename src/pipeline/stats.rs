@@ -32,10 +32,11 @@ pub struct AttnStats {
 /// Chunk i of X staged on the device when it is parked in pinned host memory, else None. The forward loops
 /// stage chunk i+1 before computing chunk i, so its upload overlaps the compute (the plan's two chunks of X
 /// on the device).
-pub(crate) fn stage_if_parked(be: &dyn Backend, x: &[Tensor], i: usize) -> Option<Tensor> {
+pub(crate) fn stage_if_parked(be: &dyn Backend, x: &[Tensor], i: usize) -> Result<Option<Tensor>> {
     x.get(i)
         .filter(|c| matches!(c, Tensor::Pinned(_)))
         .map(|c| be.stage(c))
+        .transpose()
 }
 
 /// The accumulators of one block.
@@ -78,17 +79,20 @@ pub fn collect(
     };
     let (mut forward_time, mut stats_time) = (Duration::ZERO, Duration::ZERO);
     // A chunk already on the device is copied when its turn comes.
-    let mut next = stage_if_parked(be, x, 0);
+    let mut next = stage_if_parked(be, x, 0)?;
     for (i, chunk) in x.iter().enumerate() {
         let ns = chunk.len() / (t * d);
         let staged = next.take();
-        next = stage_if_parked(be, x, i + 1);
-        let mut xc = staged.unwrap_or_else(|| be.duplicate(chunk));
+        next = stage_if_parked(be, x, i + 1)?;
+        let mut xc = match staged {
+            Some(s) => s,
+            None => be.duplicate(chunk)?,
+        };
         let mut tr = BlockTrace::default();
         let t0 = Instant::now();
         crate::nvtx::ranged(c"forward", || {
             block_forward(be, w, resident, cfg, rope, &mut xc, ns, Some(&mut tr))
-        });
+        })?;
         drop(xc);
         let t1 = Instant::now();
         let _r = crate::nvtx::range(c"statistics");

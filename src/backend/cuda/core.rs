@@ -185,7 +185,7 @@ pub fn launch_set_diag(
     if mat.len() != count
         || idx.len() != count
         || val.len() != count
-        || h.len() % (n * n).max(1) != 0
+        || !h.len().is_multiple_of((n * n).max(1))
     {
         return Err(shape(
             "set_diag",
@@ -214,7 +214,7 @@ pub fn launch_add_diag(
     n: usize,
 ) -> Result<(), CudaError> {
     let count = mat.len();
-    if amount.len() != count || h.len() % (n * n).max(1) != 0 {
+    if amount.len() != count || !h.len().is_multiple_of((n * n).max(1)) {
         return Err(shape(
             "add_diag",
             format!("{count} matrices, h.len={}, n={n}", h.len()),

@@ -73,6 +73,9 @@ pub enum CudaError {
         #[source]
         source: cudarc::cublas::result::CublasError,
     },
+    /// A step done on the host inside a device op (a CPU fallback), failed.
+    #[error("{op}: {msg}")]
+    Host { op: &'static str, msg: String },
     #[error("cuSOLVER {what}: {source}")]
     Solver {
         what: &'static str,
@@ -541,12 +544,12 @@ impl Backend for CudaBackend {
         m: usize,
         k: usize,
         n: usize,
-    ) -> Vec<f32> {
+    ) -> crate::ops::Result<Vec<f32>> {
         if k == 0 || self.blas().is_err() {
             return CpuBackend.linear(x, w, bias, m, k, n);
         }
         self.try_linear(x, w, bias, m, k, n)
-            .unwrap_or_else(|e| panic!("{} linear (m={m}, k={k}, n={n}): {e}", self.name))
+            .map_err(|e| anyhow::anyhow!("{} linear (m={m}, k={k}, n={n}): {e}", self.name))
     }
 
     /// cuda/qgemm.cu; the CPU computes it for k = 0 and, when libcublas cannot be opened (said once on
@@ -557,23 +560,26 @@ impl Backend for CudaBackend {
         w: &crate::quant::pack::PackedLinear,
         bias: Option<&[f32]>,
         m: usize,
-    ) -> Vec<f32> {
+    ) -> crate::ops::Result<Vec<f32>> {
         if w.d_in == 0 || (qgemm::auto_variant(m) == QgemmVariant::Dequant && self.blas().is_err())
         {
             return CpuBackend.packed_linear(x, w, bias, m);
         }
-        self.try_packed_linear(x, w, bias, m).unwrap_or_else(|e| {
-            panic!(
+        self.try_packed_linear(x, w, bias, m).map_err(|e| {
+            anyhow::anyhow!(
                 "{} packed_linear (m={m}, k={}, n={}, {}-bit): {e}",
-                self.name, w.d_in, w.d_out, w.bits
+                self.name,
+                w.d_in,
+                w.d_out,
+                w.bits
             )
         })
     }
 
-    /// The `Backend` trait returns plain vectors, so a CUDA failure here panics with the op and shape named.
-    fn rms_norm(&self, x: &[f32], w: &[f32], d: usize, eps: f32) -> Vec<f32> {
-        self.try_rms_norm(x, w, d, eps).unwrap_or_else(|e| {
-            panic!(
+    /// A CUDA failure comes back as an error naming the op and its shapes.
+    fn rms_norm(&self, x: &[f32], w: &[f32], d: usize, eps: f32) -> crate::ops::Result<Vec<f32>> {
+        self.try_rms_norm(x, w, d, eps).map_err(|e| {
+            anyhow::anyhow!(
                 "{} rms_norm (d={d}, rows={}): {e}",
                 self.name,
                 x.len() / d.max(1)
@@ -581,15 +587,22 @@ impl Backend for CudaBackend {
         })
     }
 
-    fn rope(&self, x: &mut [f32], t: usize, n_heads: usize, d_h: usize, cos: &[f32], sin: &[f32]) {
-        self.try_rope(x, t, n_heads, d_h, cos, sin)
-            .unwrap_or_else(|e| {
-                panic!(
-                    "{} rope (t={t}, n_heads={n_heads}, d_h={d_h}, x.len={}): {e}",
-                    self.name,
-                    x.len()
-                )
-            })
+    fn rope(
+        &self,
+        x: &mut [f32],
+        t: usize,
+        n_heads: usize,
+        d_h: usize,
+        cos: &[f32],
+        sin: &[f32],
+    ) -> crate::ops::Result<()> {
+        self.try_rope(x, t, n_heads, d_h, cos, sin).map_err(|e| {
+            anyhow::anyhow!(
+                "{} rope (t={t}, n_heads={n_heads}, d_h={d_h}, x.len={}): {e}",
+                self.name,
+                x.len()
+            )
+        })
     }
 
     /// With the flash variant, d_h > 128 (no model we target) runs on the CPU: those kernels keep a query
@@ -604,10 +617,10 @@ impl Backend for CudaBackend {
         h: usize,
         h_kv: usize,
         d_h: usize,
-    ) -> Vec<f32> {
+    ) -> crate::ops::Result<Vec<f32>> {
         self.try_causal_attention(q, k, v, n_seq, t, h, h_kv, d_h)
-            .unwrap_or_else(|e| {
-                panic!(
+            .map_err(|e| {
+ anyhow::anyhow!(
                     "{} causal_attention (n_seq={n_seq}, t={t}, h={h}, h_kv={h_kv}, d_h={d_h}): {e}",
                     self.name
                 )
@@ -623,19 +636,19 @@ impl Backend for CudaBackend {
         h: usize,
         h_kv: usize,
         d_h: usize,
-    ) -> Vec<f32> {
+    ) -> crate::ops::Result<Vec<f32>> {
         self.try_attention_probs(q, k, t, h, h_kv, d_h)
-            .unwrap_or_else(|e| {
-                panic!(
+            .map_err(|e| {
+                anyhow::anyhow!(
                     "{} attention_probs (t={t}, h={h}, h_kv={h_kv}, d_h={d_h}): {e}",
                     self.name
                 )
             })
     }
 
-    fn swiglu(&self, gate: &[f32], up: &[f32]) -> Vec<f32> {
+    fn swiglu(&self, gate: &[f32], up: &[f32]) -> crate::ops::Result<Vec<f32>> {
         self.try_swiglu(gate, up)
-            .unwrap_or_else(|e| panic!("{} swiglu (n={}): {e}", self.name, gate.len()))
+            .map_err(|e| anyhow::anyhow!("{} swiglu (n={}): {e}", self.name, gate.len()))
     }
 
     fn device_memory(&self) -> Option<(u64, u64)> {
@@ -645,55 +658,54 @@ impl Backend for CudaBackend {
 
     // ---- Tensors (resident.rs): activations and statistic sums stay in device memory.
 
-    fn to_device(&self, x: Tensor) -> Tensor {
+    fn to_device(&self, x: Tensor) -> crate::ops::Result<Tensor> {
         resident::to_device(self, x)
     }
 
-    fn to_host(&self, x: Tensor, pinned: bool) -> Tensor {
+    fn to_host(&self, x: Tensor, pinned: bool) -> crate::ops::Result<Tensor> {
         let n = x.len();
         self.try_to_host(x, pinned)
-            .unwrap_or_else(|e| panic!("{} to_host ({n} f32): {e}", self.name))
+            .map_err(|e| anyhow::anyhow!("{} to_host ({n} f32): {e}", self.name))
     }
 
-    fn read<'a>(&self, x: &'a Tensor) -> Cow<'a, [f32]> {
+    fn read<'a>(&self, x: &'a Tensor) -> crate::ops::Result<Cow<'a, [f32]>> {
         resident::read(self, x)
     }
 
-    fn write_back(&self, src: &Tensor, dst: &mut Tensor) {
+    fn write_back(&self, src: &Tensor, dst: &mut Tensor) -> crate::ops::Result<()> {
         self.try_write_back(src, dst)
-            .unwrap_or_else(|e| panic!("{} write_back ({src:?} → {dst:?}): {e}", self.name))
+            .map_err(|e| anyhow::anyhow!("{} write_back ({src:?} → {dst:?}): {e}", self.name))
     }
 
-    fn duplicate(&self, x: &Tensor) -> Tensor {
+    fn duplicate(&self, x: &Tensor) -> crate::ops::Result<Tensor> {
         resident::duplicate(self, x)
     }
 
-    fn stage(&self, x: &Tensor) -> Tensor {
+    fn stage(&self, x: &Tensor) -> crate::ops::Result<Tensor> {
         resident::stage(self, x)
     }
 
-    fn zeros(&self, n: usize) -> Tensor {
+    fn zeros(&self, n: usize) -> crate::ops::Result<Tensor> {
         resident::zeros(self, n)
     }
 
-    fn upload_weight(&self, w: &[f32]) -> Option<Tensor> {
-        Some(
-            self.try_upload_weight(w, &self.copy_stream)
-                .unwrap_or_else(|e| panic!("{} upload_weight ({} f32): {e}", self.name, w.len())),
-        )
+    fn upload_weight(&self, w: &[f32]) -> crate::ops::Result<Option<Tensor>> {
+        let t = self
+            .try_upload_weight(w, &self.copy_stream)
+            .map_err(|e| anyhow::anyhow!("{} upload_weight ({} f32): {e}", self.name, w.len()))?;
+        Ok(Some(t))
     }
 
-    fn upload_weight_now(&self, w: &[f32]) -> Option<Tensor> {
-        Some(
-            self.try_upload_weight(w, &self.stream).unwrap_or_else(|e| {
-                panic!("{} upload_weight_now ({} f32): {e}", self.name, w.len())
-            }),
-        )
+    fn upload_weight_now(&self, w: &[f32]) -> crate::ops::Result<Option<Tensor>> {
+        let t = self.try_upload_weight(w, &self.stream).map_err(|e| {
+            anyhow::anyhow!("{} upload_weight_now ({} f32): {e}", self.name, w.len())
+        })?;
+        Ok(Some(t))
     }
 
-    fn embed_t(&self, table: &Tensor, ids: &[u32], d: usize) -> Tensor {
+    fn embed_t(&self, table: &Tensor, ids: &[u32], d: usize) -> crate::ops::Result<Tensor> {
         self.try_embed_t(table, ids, d)
-            .unwrap_or_else(|e| panic!("{} embed ({} ids, d={d}): {e}", self.name, ids.len()))
+            .map_err(|e| anyhow::anyhow!("{} embed ({} ids, d={d}): {e}", self.name, ids.len()))
     }
 
     fn linear_t(
@@ -704,18 +716,23 @@ impl Backend for CudaBackend {
         m: usize,
         k: usize,
         n: usize,
-    ) -> Tensor {
+    ) -> crate::ops::Result<Tensor> {
         resident::linear_t(self, x, w, bias, (m, k, n))
     }
 
-    fn upload_packed(&self, w: &crate::quant::pack::PackedLinear) -> Option<super::PackedResident> {
-        let d = self.upload_packed(w).unwrap_or_else(|e| {
-            panic!(
+    fn upload_packed(
+        &self,
+        w: &crate::quant::pack::PackedLinear,
+    ) -> crate::ops::Result<Option<super::PackedResident>> {
+        let d = self.upload_packed(w).map_err(|e| {
+            anyhow::anyhow!(
                 "{} upload_packed ({} × {}): {e}",
-                self.name, w.d_out, w.d_in
+                self.name,
+                w.d_out,
+                w.d_in
             )
-        });
-        Some(super::PackedResident(Box::new(d)))
+        })?;
+        Ok(Some(super::PackedResident(Box::new(d))))
     }
 
     fn packed_linear_t(
@@ -725,25 +742,28 @@ impl Backend for CudaBackend {
         resident: Option<&super::PackedResident>,
         bias: Option<&[f32]>,
         m: usize,
-    ) -> Tensor {
+    ) -> crate::ops::Result<Tensor> {
         if w.d_in == 0 || (qgemm::auto_variant(m) == QgemmVariant::Dequant && self.blas().is_err())
         {
-            let y = CpuBackend.packed_linear(&self.read(x), w, bias, m);
+            let y = CpuBackend.packed_linear(&self.read(x)?, w, bias, m)?;
             return self.to_device(Tensor::Host(y));
         }
         let resident = resident.and_then(|r| r.0.downcast_ref::<qgemm::DevicePacked>());
         self.try_packed_linear_t(x, w, resident, bias, m)
-            .unwrap_or_else(|e| {
-                panic!(
+            .map_err(|e| {
+                anyhow::anyhow!(
                     "{} packed_linear (m={m}, k={}, n={}, {}-bit): {e}",
-                    self.name, w.d_in, w.d_out, w.bits
+                    self.name,
+                    w.d_in,
+                    w.d_out,
+                    w.bits
                 )
             })
     }
 
-    fn rms_norm_t(&self, x: &Tensor, w: &[f32], d: usize, eps: f32) -> Tensor {
-        self.try_rms_norm_t(x, w, d, eps).unwrap_or_else(|e| {
-            panic!(
+    fn rms_norm_t(&self, x: &Tensor, w: &[f32], d: usize, eps: f32) -> crate::ops::Result<Tensor> {
+        self.try_rms_norm_t(x, w, d, eps).map_err(|e| {
+            anyhow::anyhow!(
                 "{} rms_norm (d={d}, rows={}): {e}",
                 self.name,
                 x.len() / d.max(1)
@@ -759,15 +779,14 @@ impl Backend for CudaBackend {
         d_h: usize,
         cos: &[f32],
         sin: &[f32],
-    ) {
-        self.try_rope_t(x, t, n_heads, d_h, cos, sin)
-            .unwrap_or_else(|e| {
-                panic!(
-                    "{} rope (t={t}, n_heads={n_heads}, d_h={d_h}, x.len={}): {e}",
-                    self.name,
-                    x.len()
-                )
-            })
+    ) -> crate::ops::Result<()> {
+        self.try_rope_t(x, t, n_heads, d_h, cos, sin).map_err(|e| {
+            anyhow::anyhow!(
+                "{} rope (t={t}, n_heads={n_heads}, d_h={d_h}, x.len={}): {e}",
+                self.name,
+                x.len()
+            )
+        })
     }
 
     fn causal_attention_t(
@@ -780,23 +799,23 @@ impl Backend for CudaBackend {
         h: usize,
         h_kv: usize,
         d_h: usize,
-    ) -> Tensor {
+    ) -> crate::ops::Result<Tensor> {
         self.try_causal_attention_t(q, k, v, n_seq, t, h, h_kv, d_h)
-            .unwrap_or_else(|e| {
-                panic!(
+            .map_err(|e| {
+ anyhow::anyhow!(
                     "{} causal_attention (n_seq={n_seq}, t={t}, h={h}, h_kv={h_kv}, d_h={d_h}): {e}",
                     self.name
                 )
             })
     }
 
-    fn swiglu_t(&self, gate: &Tensor, up: &Tensor) -> Tensor {
+    fn swiglu_t(&self, gate: &Tensor, up: &Tensor) -> crate::ops::Result<Tensor> {
         self.try_swiglu_t(gate, up)
-            .unwrap_or_else(|e| panic!("{} swiglu (n={}): {e}", self.name, gate.len()))
+            .map_err(|e| anyhow::anyhow!("{} swiglu (n={}): {e}", self.name, gate.len()))
     }
 
-    fn add_t(&self, x: &mut Tensor, y: &Tensor) {
+    fn add_t(&self, x: &mut Tensor, y: &Tensor) -> crate::ops::Result<()> {
         self.try_add_t(x, y)
-            .unwrap_or_else(|e| panic!("{} add (n={}): {e}", self.name, y.len()))
+            .map_err(|e| anyhow::anyhow!("{} add (n={}): {e}", self.name, y.len()))
     }
 }

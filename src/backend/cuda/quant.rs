@@ -415,7 +415,7 @@ impl QuantOps for CudaBackend {
         if s.d_h > ATTN_MAX_DH {
             let host = |t: &Tensor| -> Result<Tensor> {
                 Ok(Tensor::Host(
-                    crate::backend::Backend::read(self, t).into_owned(),
+                    crate::backend::Backend::read(self, t)?.into_owned(),
                 ))
             };
             let mut a = CpuBackend.stat_acc(acc.batch, acc.rows)?;

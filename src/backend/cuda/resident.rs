@@ -492,16 +492,22 @@ impl CudaBackend {
         // The flash kernels pad the head dim to ATTN_MAX_D_H; above it the flash variant runs on the CPU (v1
         // takes any head dim). Here, so the slice and tensor forms share it.
         if self.attention_variant == ops::AttentionVariant::Flash && d_h > ops::ATTN_MAX_D_H {
-            let o = CpuBackend.causal_attention(
-                &self.read(q),
-                &self.read(k),
-                &self.read(v),
-                n_seq,
-                t,
-                h,
-                h_kv,
-                d_h,
-            );
+            let host = |e: anyhow::Error| CudaError::Host {
+                op: "causal_attention (CPU, d_h > 128)",
+                msg: format!("{e:#}"),
+            };
+            let o = CpuBackend
+                .causal_attention(
+                    &self.read(q).map_err(host)?,
+                    &self.read(k).map_err(host)?,
+                    &self.read(v).map_err(host)?,
+                    n_seq,
+                    t,
+                    h,
+                    h_kv,
+                    d_h,
+                )
+                .map_err(host)?;
             return Ok(Tensor::Device(self.owned_dev(Tensor::Host(o))?));
         }
         let (q_d, k_d, v_d) = (self.dev(q)?, self.dev(k)?, self.dev(v)?);
@@ -899,53 +905,55 @@ impl CudaBackend {
 /// The `Backend` tensor methods of `CudaBackend` (called from its `impl Backend` in mod.rs). As with the
 /// slice methods, a CUDA failure panics with the op and shape named, and what only the CPU does (wide heads
 /// in the flash kernels, no cuBLAS) goes through the host twin.
-pub(super) fn to_device(be: &CudaBackend, x: Tensor) -> Tensor {
+pub(super) fn to_device(be: &CudaBackend, x: Tensor) -> crate::ops::Result<Tensor> {
     if x.on_device() {
-        return x;
+        return Ok(x);
     }
     let n = x.len();
     be.owned_dev(x)
         .map(Tensor::Device)
-        .unwrap_or_else(|e| panic!("{} to_device ({n} f32): {e}", be.name))
+        .map_err(|e| anyhow::anyhow!("{} to_device ({n} f32): {e}", be.name))
 }
 
-pub(super) fn read<'a>(be: &CudaBackend, x: &'a Tensor) -> Cow<'a, [f32]> {
+pub(super) fn read<'a>(be: &CudaBackend, x: &'a Tensor) -> crate::ops::Result<Cow<'a, [f32]>> {
     x.read_with(|d| {
         be.counters.dtoh(d.len() * 4);
         be.counters.sync();
-        let v = be.stream.clone_dtoh(d);
-        v.unwrap_or_else(|e| panic!("{} read ({} f32): {e}", be.name, d.len()))
+        be.stream
+            .clone_dtoh(d)
+            .map_err(|e| anyhow::anyhow!("{} read ({} f32): {e}", be.name, d.len()))
     })
 }
 
-pub(super) fn duplicate(be: &CudaBackend, x: &Tensor) -> Tensor {
+pub(super) fn duplicate(be: &CudaBackend, x: &Tensor) -> crate::ops::Result<Tensor> {
     let r = be.dev(x).and_then(|d| match d {
         DevRef::Borrowed(s) => be.stream.clone_dtod(s).map_err(driver("copy tensor")),
         DevRef::Owned(s) => Ok(s),
     });
-    Tensor::Device(r.unwrap_or_else(|e| panic!("{} duplicate ({} f32): {e}", be.name, x.len())))
+    r.map(Tensor::Device)
+        .map_err(|e| anyhow::anyhow!("{} duplicate ({} f32): {e}", be.name, x.len()))
 }
 
 /// A parked chunk goes up on the copy stream from its own pinned buffer (cudarc records the copy on the
 /// buffer's event and on the new slice's write event, which the compute stream waits for before reading it).
-pub(super) fn stage(be: &CudaBackend, x: &Tensor) -> Tensor {
+pub(super) fn stage(be: &CudaBackend, x: &Tensor) -> crate::ops::Result<Tensor> {
     match x {
-        Tensor::Pinned(p) => Tensor::Device({
+        Tensor::Pinned(p) => {
             be.counters.htod(p.len() * 4);
             be.copy_stream
                 .clone_htod(p)
-                .unwrap_or_else(|e| panic!("{} stage ({} f32): {e}", be.name, x.len()))
-        }),
+                .map(Tensor::Device)
+                .map_err(|e| anyhow::anyhow!("{} stage ({} f32): {e}", be.name, x.len()))
+        }
         _ => duplicate(be, x),
     }
 }
 
-pub(super) fn zeros(be: &CudaBackend, n: usize) -> Tensor {
-    Tensor::Device(
-        be.stream
-            .alloc_zeros::<f32>(n)
-            .unwrap_or_else(|e| panic!("{} zeros ({n} f32): {e}", be.name)),
-    )
+pub(super) fn zeros(be: &CudaBackend, n: usize) -> crate::ops::Result<Tensor> {
+    be.stream
+        .alloc_zeros::<f32>(n)
+        .map(Tensor::Device)
+        .map_err(|e| anyhow::anyhow!("{} zeros ({n} f32): {e}", be.name))
 }
 
 pub(super) fn linear_t(
@@ -954,11 +962,11 @@ pub(super) fn linear_t(
     w: Weight<'_>,
     bias: Option<&[f32]>,
     (m, k, n): (usize, usize, usize),
-) -> Tensor {
+) -> crate::ops::Result<Tensor> {
     if k == 0 || be.blas().is_err() {
-        let y = CpuBackend.linear(&read(be, x), w.host, bias, m, k, n);
+        let y = CpuBackend.linear(&read(be, x)?, w.host, bias, m, k, n)?;
         return to_device(be, Tensor::Host(y));
     }
     be.try_linear_t(x, w, bias, m, k, n)
-        .unwrap_or_else(|e| panic!("{} linear (m={m}, k={k}, n={n}): {e}", be.name))
+        .map_err(|e| anyhow::anyhow!("{} linear (m={m}, k={k}, n={n}): {e}", be.name))
 }
