@@ -410,16 +410,18 @@ pub fn boa_quantize<'h>(
     }
     // Column factors (Alg. 1 l.5–6, H_col side): one shared plan, or one per head in one batch.
     let cols: Arc<Plan> = timed(Phase::Factor, || match (cache, per_head) {
-        (Some(c), false) => c.plan(ops, hc, g, opts.act_order_col),
-        _ => plan(ops, hc, g, opts.act_order_col).map(Arc::new),
+        (Some(c), false) => c.plan(ops, hc, &g.damping(), opts.act_order_col),
+        _ => plan(ops, hc, &g.damping(), opts.act_order_col).map(Arc::new),
     })
     .map_err(|e| e.context("factor of H_col"))?;
     let head_col: Vec<usize> = (0..n_heads).map(|h| if per_head { h } else { 0 }).collect();
     // Row factors (Alg. 1 l.5–6, H_row side), all heads in one batch; a dead row input gets H_ii = 1.
-    let mut row_opts = g.clone();
-    row_opts.dead_diag = 1.0;
+    let row_damping = super::plan::Damping {
+        dead_diag: 1.0,
+        ..g.damping()
+    };
     let rows = timed(Phase::Factor, || {
-        plan(ops, h_row, &row_opts, opts.act_order_row)
+        plan(ops, h_row, &row_damping, opts.act_order_row)
     })
     .map_err(|e| e.context("factor of H_row"))?;
 

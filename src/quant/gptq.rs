@@ -38,6 +38,15 @@ pub struct GptqOptions {
 }
 
 impl GptqOptions {
+    /// The damping of the sweep's plan.
+    pub fn damping(&self) -> super::plan::Damping {
+        super::plan::Damping {
+            damp: self.damp,
+            max_tries: self.max_damp_tries,
+            dead_diag: self.dead_diag,
+        }
+    }
+
     pub fn new(spec: QuantSpec) -> Self {
         Self {
             spec,
@@ -321,8 +330,8 @@ pub fn gptq_quantize<'h>(
         ));
     }
     let plan = timed(Phase::Factor, || match cache {
-        Some(c) => c.plan(ops, h, opts, opts.act_order),
-        None => super::plan::plan(ops, h, opts, opts.act_order).map(std::sync::Arc::new),
+        Some(c) => c.plan(ops, h, &opts.damping(), opts.act_order),
+        None => super::plan::plan(ops, h, &opts.damping(), opts.act_order).map(std::sync::Arc::new),
     })
     .context("factor")?;
     let perm = &plan.perm[0];

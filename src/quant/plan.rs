@@ -3,9 +3,18 @@
 //! matrices stay where the backend keeps them; only their diagonals come to the host (the act-order sort, the
 //! damping amount and the dead inputs are O(n) decisions).
 
-use super::gptq::GptqOptions;
 use crate::ops::{Mat, QuantOps, Result};
 use std::sync::Arc;
+
+/// How a Hessian is made invertible (design.md §4.2).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Damping {
+    /// λ of H += λ·mean(diag H)·I, added again for each failed factorization.
+    pub damp: f64,
+    pub max_tries: usize,
+    /// The value given to H_ii for a dead input (H_ii = 0).
+    pub dead_diag: f64,
+}
 
 /// A planned Hessian (or batch): everything a sweep needs besides W.
 pub struct Plan {
@@ -30,9 +39,9 @@ impl Plan {
 
 /// Plans every matrix of `h` [batch × n × n] (undamped, untouched): H_ii = opts.dead_diag for dead inputs,
 /// columns by descending diag(H) when `act_order` (gptq.py's argsort of the diagonal, ties in original
-/// order), H += λ·mean(diag H)·I until the factor exists, at most `opts.max_damp_tries` rounds. A matrix that
+/// order), H += λ·mean(diag H)·I until the factor exists, at most `opts.max_tries` rounds. A matrix that
 /// stays singular fails the plan with its index named.
-pub fn plan(ops: &dyn QuantOps, h: &Mat, opts: &GptqOptions, act_order: bool) -> Result<Plan> {
+pub fn plan(ops: &dyn QuantOps, h: &Mat, opts: &Damping, act_order: bool) -> Result<Plan> {
     let (batch, n) = (h.batch, h.rows);
     let diag = ops.diag(h)?;
     let mut perm = Vec::with_capacity(batch);
@@ -67,7 +76,7 @@ pub fn plan(ops: &dyn QuantOps, h: &Mat, opts: &GptqOptions, act_order: bool) ->
     let mut pending: Vec<usize> = (0..batch).collect();
     let mut damp = vec![0.0; batch];
     let mut u = None;
-    for _ in 0..opts.max_damp_tries.max(1) {
+    for _ in 0..opts.max_tries.max(1) {
         if pending.is_empty() {
             break;
         }
@@ -93,7 +102,7 @@ pub fn plan(ops: &dyn QuantOps, h: &Mat, opts: &GptqOptions, act_order: bool) ->
         };
         return Err(crate::input_err!(
             "Hessian [{n} × {n}]{which} stays singular after {} damping rounds of {}·mean(diag H) = {:e}",
-            opts.max_damp_tries.max(1),
+            opts.max_tries.max(1),
             opts.damp,
             amount[b]
         ));
@@ -113,9 +122,7 @@ pub fn plan(ops: &dyn QuantOps, h: &Mat, opts: &GptqOptions, act_order: bool) ->
 #[derive(Clone, Copy, Debug, PartialEq)]
 struct PlanKey {
     act_order: bool,
-    damp: f64,
-    max_damp_tries: usize,
-    dead_diag: f64,
+    damping: Damping,
 }
 
 /// The plans of one block, shared by the layers that read the same H_col: q_proj and k_proj (and v_proj under
@@ -148,14 +155,12 @@ impl<'h> FactorCache<'h> {
         &self,
         ops: &dyn QuantOps,
         h: &'h Mat,
-        opts: &GptqOptions,
+        opts: &Damping,
         act_order: bool,
     ) -> Result<Arc<Plan>> {
         let key = PlanKey {
             act_order,
-            damp: opts.damp,
-            max_damp_tries: opts.max_damp_tries,
-            dead_diag: opts.dead_diag,
+            damping: *opts,
         };
         let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
         if let Some((ch, ck, p)) = last.as_ref()
