@@ -232,7 +232,7 @@ fn singular_hessian_error_is_clear() {
     let h = vec![f64::NAN; n * n];
     let o = GptqOptions::new(QuantSpec::new(3, None, false, ScaleSearch::MinMax));
     let err = gptq_host(&w, 2, n, &h, &o).unwrap_err();
-    assert!(err.to_string().contains("singular"), "{err}");
+    assert!(format!("{err:#}").contains("singular"), "{err:#}");
 }
 
 /// Property-style: random shapes, bit widths, group sizes and options; lazy batching (B = 128 and an odd B)
