@@ -69,6 +69,8 @@ fn strip_measurements(v: &mut serde_json::Value) {
         serde_json::Value::Object(m) => {
             m.remove("seconds");
             m.remove("peak_rss_bytes");
+            // Host↔device traffic is measured per process: a resumed run counts only its own blocks.
+            m.remove("traffic");
             m.values_mut().for_each(strip_measurements);
         }
         serde_json::Value::Array(a) => a.iter_mut().for_each(strip_measurements),
@@ -108,9 +110,21 @@ fn assert_same(a: &Path, b: &Path) {
         "different file lists"
     );
     for (name, bytes) in &ca {
-        assert!(
-            bytes == &cb[name],
-            "{name} differs between {} and {}",
+        if bytes == &cb[name] {
+            continue;
+        }
+        // A text file names its first differing line, so a failure says what changed.
+        let first_diff = match (std::str::from_utf8(bytes), std::str::from_utf8(&cb[name])) {
+            (Ok(x), Ok(y)) => x
+                .lines()
+                .zip(y.lines())
+                .find(|(l, r)| l != r)
+                .map(|(l, r)| format!(": `{}` vs `{}`", l.trim(), r.trim()))
+                .unwrap_or_default(),
+            _ => String::new(),
+        };
+        panic!(
+            "{name} differs between {} and {}{first_diff}",
             a.display(),
             b.display()
         );

@@ -469,7 +469,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                     last_save = Instant::now();
                     progressed = true;
                 }
-                if selected {
+                if selected && !traffic.source.is_empty() {
                     traffic.blocks.push(traffic::BlockTraffic {
                         layer: l,
                         traffic: (be.traffic() - traffic_block) - traffic_save,

@@ -22,6 +22,7 @@ pub struct TrafficReport {
     pub source: &'static str,
     /// Before the first block: the calibration windows' embedding (table upload, token ids).
     pub setup: Traffic,
+    /// The blocks this process quantized (a resumed run lists only its own; none on a host backend).
     pub blocks: Vec<BlockTraffic>,
     /// The resume state's saves, all together (excluded from the blocks).
     pub resume_saves: Traffic,

@@ -1012,25 +1012,26 @@ impl QuantOps for CudaBackend {
         let blas = self
             .blas()
             .map_err(|why| anyhow!("the error report needs cuBLAS: {why}"))?;
-        let rows: usize = a.iter().map(|m| m.rows).sum();
-        let mut stacked = self.zeros_of::<f32>(rows * n, "alloc stacked A")?;
-        let mut r0 = 0;
-        for m in a {
-            let len = m.rows * n;
-            self.stream
-                .memcpy_dtod(dev(m, "A")?, &mut stacked.slice_mut(r0 * n..r0 * n + len))
-                .map_err(driver("stack A"))?;
-            r0 += m.rows;
-        }
+        // One product buffer for all of them, reused in stream order (each GEMM writes it after the previous
+        // dot has read it): the report holds one extra copy of W, not two per matrix.
+        let rows = a.iter().map(|m| m.rows).max().unwrap_or(0);
         let mut ah = self.out_f32(rows * n)?;
-        blas.rows_times_h(&mut ah, &stacked, dev(h, "H")?, rows, n)?;
-        let mut dots = Vec::with_capacity(a.len());
-        let mut r0 = 0;
-        for m in a {
-            dots.push((&stacked, &ah, r0 * n..(r0 + m.rows) * n));
-            r0 += m.rows;
+        let mut part = self.zeros_of::<f64>(a.len() * DOT_CTAS, "alloc partial sums")?;
+        for (i, m) in a.iter().enumerate() {
+            let (am, len) = (dev(m, "A")?, m.rows * n);
+            blas.rows_times_h(&mut ah, am, dev(h, "H")?, m.rows, n)?;
+            launch_dot_partials(
+                &self.stream,
+                &self.quant.core,
+                &mut part.slice_mut(i * DOT_CTAS..(i + 1) * DOT_CTAS),
+                &am.slice(..len),
+                &ah.slice(..len),
+            )?;
         }
-        self.dots(&dots)
+        let v = self.download(&part, "download partial sums")?;
+        Ok((0..a.len())
+            .map(|i| v[i * DOT_CTAS..(i + 1) * DOT_CTAS].iter().sum())
+            .collect())
     }
 
     fn sub(&self, a: &Mat, b: &Mat) -> Result<Mat> {
