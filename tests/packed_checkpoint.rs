@@ -6,7 +6,7 @@
 mod common;
 
 use boa_cuda::export::safetensors_out::{TensorEntry, write_safetensors};
-use common::{assert_user_error, demo_model, run, shared_data, tiny_model};
+use common::{assert_user_error, demo_model, run, texts_dir, tiny_model};
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -21,7 +21,7 @@ fn ok(args: &[&str]) -> String {
 }
 
 fn ppl(model: &Path, seqlen: &str) -> f64 {
-    let data = shared_data().join("sotu");
+    let data = texts_dir().join("sotu");
     let out = ok(&[
         "eval",
         "--model",
@@ -120,7 +120,7 @@ fn packed_demo_rtn_perplexity_matches_fake() {
 #[test]
 fn packed_demo_gptq_act_order_v2_perplexity_matches_fake() {
     let tmp = tempfile::tempdir().unwrap();
-    let calib = shared_data().join("sotu");
+    let calib = texts_dir().join("sotu");
     let dirs = run_formats(
         &demo_model(),
         tmp.path(),

@@ -143,7 +143,7 @@ fn next_block(partial: &Path) -> usize {
 fn kill_then_resume_matches_uninterrupted_run() {
     let tmp = tempfile::tempdir().unwrap();
     let m = model(tmp.path(), 4);
-    let calib = shared_data().join("moby-dick.txt");
+    let calib = texts_dir().join("moby-dick.txt");
     let reference = tmp.path().join("reference");
     run_ok(&run_args(&m, &reference, &calib), None);
 
@@ -217,7 +217,7 @@ fn kill_then_resume_matches_uninterrupted_run() {
 fn output_is_identical_for_1_2_and_3_threads() {
     let tmp = tempfile::tempdir().unwrap();
     let m = model(tmp.path(), 2);
-    let calib = shared_data().join("moby-dick.txt");
+    let calib = texts_dir().join("moby-dick.txt");
     let outs: Vec<PathBuf> = ["1", "2", "3"]
         .iter()
         .map(|t| {
@@ -234,7 +234,7 @@ fn output_is_identical_for_1_2_and_3_threads() {
 fn partial_folder_replaced_without_resume_and_force_keeps_old_output_on_failure() {
     let tmp = tempfile::tempdir().unwrap();
     let m = tiny_model(tmp.path());
-    let calib = shared_data().join("moby-dick.txt");
+    let calib = texts_dir().join("moby-dick.txt");
     let out = tmp.path().join("out");
     let partial = tmp.path().join(".out.partial");
     std::fs::create_dir_all(partial.join("resume")).unwrap();
@@ -272,7 +272,7 @@ fn partial_folder_replaced_without_resume_and_force_keeps_old_output_on_failure(
 fn unwritable_out_and_full_disk_fail_before_the_work() {
     let tmp = tempfile::tempdir().unwrap();
     let m = tiny_model(tmp.path());
-    let calib = shared_data().join("moby-dick.txt");
+    let calib = texts_dir().join("moby-dick.txt");
     // A file where the parent folder should be: the same answer as a read-only parent, also under root.
     let blocker = tmp.path().join("file");
     std::fs::write(&blocker, b"").unwrap();
@@ -373,7 +373,7 @@ fn error_after_a_block_keeps_the_partial_folder_for_resume() {
 fn error_then_resume(format: &str) {
     let tmp = tempfile::tempdir().unwrap();
     let m = tiny_model(tmp.path());
-    let calib = shared_data().join("moby-dick.txt");
+    let calib = texts_dir().join("moby-dick.txt");
     let reference = tmp.path().join("reference");
     let with_format = |out| {
         let mut a = run_args(&m, out, &calib);

@@ -47,11 +47,14 @@ pub fn tiny_model(dir: &Path) -> PathBuf {
     m
 }
 
-pub fn shared_data() -> PathBuf {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data");
+/// The texts the tests read (State of the Union speeches in `sotu/`, `moby-dick.txt`), unpacked from the
+/// repository's data/texts.tar.xz by scripts/texts.py (scripts/test.sh runs it). A missing folder fails the
+/// test: it never passes for want of its data.
+pub fn texts_dir() -> PathBuf {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("data/texts");
     assert!(
-        p.is_dir(),
-        "the test data folder {} is missing (it holds the State of the Union speeches)",
+        p.join("moby-dick.txt").is_file() && p.join("sotu").is_dir(),
+        "the test texts are missing at {}: run `python3 scripts/texts.py` (scripts/test.sh does)",
         p.display()
     );
     p
