@@ -80,7 +80,16 @@ fn packed_demo_rtn_perplexity_matches_fake() {
     let dirs = run_formats(
         &demo_model(),
         tmp.path(),
-        &["--method", "rtn", "--wbits", "4", "--group-size", "128"],
+        // v1 ("gptq") stores zero − 1, so it takes symmetric grids only.
+        &[
+            "--method",
+            "rtn",
+            "--wbits",
+            "4",
+            "--group-size",
+            "128",
+            "--sym",
+        ],
         &["fake", "gptq"],
     );
     let (fake, packed) = (ppl(&dirs[0], "128"), ppl(&dirs[1], "128"));
@@ -290,8 +299,11 @@ fn packed_bad_checkpoints_are_user_errors() {
     assert_user_error(&["inspect", s(&d)], &["checkpoint_format"]);
 }
 
+/// v1 stores zero − 1, so an asymmetric grid's zero point 0 cannot be stored. It used to fail at the first
+/// layer that had one (block 11 of the demo model at RTN 3-bit g128), after the work; now an asymmetric v1
+/// run is refused before block 0, whatever the weights, and v1 with --sym and v2 both store the layer.
 #[test]
-fn packed_v1_refuses_zero_point_zero() {
+fn packed_v1_refuses_asymmetric_grids_before_block_0() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tiny_model(tmp.path());
     // Make one layer's weights nonnegative: its asymmetric min-max zero point is 0.
@@ -324,16 +336,25 @@ fn packed_v1_refuses_zero_point_zero() {
     ];
     assert_user_error(
         &args,
-        &[
-            "model.layers.1.self_attn.o_proj",
-            "zero point 0",
-            "--format gptq_v2",
-            "--sym",
-        ],
+        &["--format gptq", "zero point 0", "gptq_v2", "--sym"],
     );
     assert!(!out.exists(), "nothing may be written at --out");
-    // gptq_v2 stores it.
+    assert!(
+        !tmp.path().join(".q.partial").exists(),
+        "refused after the work had started"
+    );
+    // gptq_v2 stores it, and so does v1 with a symmetric grid.
     let mut a = args.to_vec();
     a[8] = "gptq_v2";
     ok(&a);
+    let sym = tmp.path().join("qs");
+    let mut a = args.to_vec();
+    a[6] = s(&sym);
+    a.push("--sym");
+    ok(&a);
+    let info = ok(&["inspect", s(&sym)]);
+    assert!(
+        info.contains("gptq, 4-bit") && info.contains("sym true"),
+        "{info}"
+    );
 }

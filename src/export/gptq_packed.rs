@@ -38,6 +38,13 @@ impl OutFormat {
         }
     }
 
+    /// From `name()`'s spelling (as a run's options record it).
+    pub fn from_name(s: &str) -> Option<OutFormat> {
+        [OutFormat::Fake, OutFormat::Gptq, OutFormat::GptqV2]
+            .into_iter()
+            .find(|f| f.name() == s)
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             OutFormat::Fake => "fake",
@@ -59,6 +66,21 @@ pub fn linear_entries(
     format: OutFormat,
     dtype: Dtype,
 ) -> anyhow::Result<Vec<TensorEntry<'static>>> {
+    // Every format goes through f16 scales: one past f16's range would be written as +inf. The checks before
+    // block 0 refuse weights that could get there; this catches what the sweep's updates could still push over.
+    if let Some(k) = q
+        .scales
+        .iter()
+        .position(|s| !half::f16::from_f32(*s).is_finite())
+    {
+        return Err(crate::input_err!(
+            "{prefix}: scale {:e} (output {}, group {}) is beyond f16's range (largest 65504), and every \
+             --format stores scales in f16",
+            q.scales[k],
+            k / q.n_groups,
+            k % q.n_groups
+        ));
+    }
     let Some(version) = format.version() else {
         return Ok(vec![TensorEntry::new(
             format!("{prefix}.weight"),

@@ -23,6 +23,20 @@ pub fn run(args: &[&str]) -> (i32, String, String) {
     )
 }
 
+/// `run` with `dir` as the working directory.
+pub fn run_in(dir: &Path, args: &[&str]) -> (i32, String, String) {
+    let out: Output = bin()
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("spawn boa-cuda");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
 /// Asserts a clean user error: exit code 2, a one-line "error: …" containing every `needle`, no panic.
 pub fn assert_user_error(args: &[&str], needles: &[&str]) {
     let (code, _out, err) = run(args);
