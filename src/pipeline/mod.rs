@@ -160,9 +160,9 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
         layers,
         needs_calib,
     } = validate::before_work(opts, &model, progress)?;
+    let placement = state_memory_plan(be.as_ref(), cfg, opts, needs_calib, progress)?;
     let _lock = crate::export::out_lock::OutLock::acquire(&opts.out)?;
     validate::scan_tensors(&model, &layers, opts.wbits)?;
-    let placement = state_memory_plan(be.as_ref(), cfg, opts, needs_calib, progress)?;
     let last_needed = layers.last();
 
     // The output folder first: an unwritable --out or a full disk fails now, not after the calibration.
