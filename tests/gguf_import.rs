@@ -995,7 +995,83 @@ fn fuzz_gguf_mutations() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// Writes the synthetic GGUF into $BOA_FUZZ_SEED_DIR/gguf_reader (scripts/fuzz.sh).
+/// One input of the gguf_dequant target: type id, element count, data (fuzz/fuzz_targets/gguf_dequant.rs).
+fn dequant_input(id: u8, n: u32, data: &[u8]) -> Vec<u8> {
+    let mut b = vec![id];
+    b.extend(n.to_le_bytes());
+    b.extend(data);
+    b
+}
+
+/// The body of the gguf_dequant fuzz target on stable Rust: seeded random type ids, element counts and
+/// data sizes (most near a valid size, where the off-by-one bugs live). Never a panic; a success gives
+/// exactly the values asked for, and only where `check_dequantizable` agrees. Run by scripts/fuzz.sh.
+#[test]
+#[ignore]
+fn fuzz_gguf_dequant() {
+    use boa_cuda::model::gguf::GgmlType;
+    use boa_cuda::model::gguf::dequant::{check_dequantizable, dequantize};
+    use rand::{RngExt, SeedableRng};
+    let seed: u64 = std::env::var("BOA_FUZZ_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let (iters, secs) = common::fuzz_budget();
+    let t0 = std::time::Instant::now();
+    let (mut n_in, mut decoded) = (0u64, 0u64);
+    while n_in < iters && t0.elapsed() < secs {
+        let Some(ty) = GgmlType::from_id(rng.random_range(0..40u32)) else {
+            n_in += 1;
+            continue;
+        };
+        let (block, size) = (ty.block_size() as usize, ty.type_size() as usize);
+        let blocks = rng.random_range(0..64usize);
+        let n = blocks * block
+            + if rng.random_bool(0.2) {
+                rng.random_range(0..block.max(2))
+            } else {
+                0
+            };
+        let len = (n / block.max(1)) * size;
+        let len = match rng.random_range(0..4) {
+            0 => len.saturating_sub(rng.random_range(0..4)),
+            1 => len + rng.random_range(0..4),
+            _ => len,
+        };
+        let data: Vec<u8> = (0..len).map(|_| rng.random()).collect();
+        let r = std::panic::catch_unwind(|| dequantize("fuzz", ty, &data, n));
+        match r {
+            Ok(Ok(v)) => {
+                assert_eq!(v.len(), n, "{ty} n={n} len={len}");
+                decoded += 1;
+            }
+            Ok(Err(_)) => assert!(check_dequantizable("fuzz", ty, data.len(), n).is_err()),
+            Err(_) => {
+                let c = std::env::temp_dir().join(format!("boa-fuzz-crash-dequant-{seed}-{n_in}"));
+                std::fs::write(&c, dequant_input(ty_id(ty), n as u32, &data)).unwrap();
+                panic!(
+                    "{ty} n={n} len={len} panicked; input saved to {}",
+                    c.display()
+                );
+            }
+        }
+        n_in += 1;
+    }
+    eprintln!(
+        "fuzz_gguf_dequant: {n_in} inputs ({decoded} decoded) in {:.1?}",
+        t0.elapsed()
+    );
+}
+
+fn ty_id(ty: boa_cuda::model::gguf::GgmlType) -> u8 {
+    (0..40u32)
+        .find(|&i| boa_cuda::model::gguf::GgmlType::from_id(i) == Some(ty))
+        .unwrap() as u8
+}
+
+/// Writes the synthetic GGUF into $BOA_FUZZ_SEED_DIR/gguf_reader and one valid tensor of each decodable
+/// type into gguf_dequant (scripts/fuzz.sh).
 #[test]
 #[ignore]
 fn write_fuzz_seed() {
@@ -1005,4 +1081,15 @@ fn write_fuzz_seed() {
     let d = Path::new(&dir).join("gguf_reader");
     std::fs::create_dir_all(&d).unwrap();
     std::fs::write(d.join("synthetic.gguf"), synthetic("llama").bytes).unwrap();
+    let d = Path::new(&dir).join("gguf_dequant");
+    std::fs::create_dir_all(&d).unwrap();
+    let mut rng = Lcg(7);
+    for ty in [F32, F16, Q4_0, Q4_1, Q8_0] {
+        let (bytes, values) = make_row(ty, 64, &mut rng);
+        std::fs::write(
+            d.join(format!("type{ty}.bin")),
+            dequant_input(ty as u8, values.len() as u32, &bytes),
+        )
+        .unwrap();
+    }
 }
