@@ -8,6 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 windows=${1:-8}
 scripts/fetch_demo.sh
+python3 scripts/texts.py >/dev/null
+texts=data/texts
 cargo build --release --quiet
 venv=${BENCH_VENV:-.venv-bench}
 if [ ! -x "$venv/bin/python" ]; then
@@ -15,7 +17,7 @@ if [ ! -x "$venv/bin/python" ]; then
   "$venv/bin/pip" install -q torch transformers
 fi
 model=demo/smollm2-135m
-data=../shared/data/moby-dick.txt
+data=$texts/moby-dick.txt
 load_before=$(cut -d' ' -f1-3 /proc/loadavg)
 ours=$(target/release/boa-cuda eval --model "$model" --data "$data" --seqlen 512 --max-windows "$windows" --device cpu --json)
 hf1=$("$venv/bin/python" scripts/hf_eval.py --model "$model" --data "$data" --max-windows "$windows" --batch 1)

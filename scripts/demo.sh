@@ -5,9 +5,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/fetch_demo.sh
+python3 scripts/texts.py >/dev/null
+texts=data/texts
 cargo build --release --quiet
 bin=target/release/boa-cuda
-sotu=../shared/data/sotu
+sotu=$texts/sotu
 calib=$(ls $sotu | awk -F_ '$1 < 2000' | sed "s|^|$sotu/|")
 evalset=$(ls $sotu | awk -F_ '$1 >= 2001 && $1 <= 2016' | sed "s|^|$sotu/|")
 echo "== FP model"

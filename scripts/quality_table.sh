@@ -10,6 +10,8 @@ nsamples=${NSAMPLES:-128}
 eval_windows=${EVAL_WINDOWS:-40}
 mkdir -p "$out"
 scripts/fetch_demo.sh
+python3 scripts/texts.py >/dev/null
+texts=data/texts
 # A private copy, so rebuilding while the table runs cannot mix two versions in one table; a resumed table
 # keeps the copy it started with.
 if [[ ! -x "$out/boa-cuda" ]]; then
@@ -18,10 +20,10 @@ if [[ ! -x "$out/boa-cuda" ]]; then
 fi
 bin=$out/boa-cuda
 model=demo/smollm2-135m
-sotu=../shared/data/sotu
+sotu=$texts/sotu
 calib=$(ls $sotu | awk -F_ '$1 < 2000' | sed "s|^|$sotu/|")
 speeches=$(ls $sotu | awk -F_ '$1 >= 2001 && $1 <= 2016' | sed "s|^|$sotu/|")
-moby=../shared/data/moby-dick.txt
+moby=$texts/moby-dick.txt
 results=$out/results.jsonl
 touch "$results"
 

@@ -26,3 +26,17 @@ pub fn file_err(path: impl Into<PathBuf>, msg: impl Into<String>) -> anyhow::Err
         msg: msg.into(),
     })
 }
+
+/// An error and its causes on one line, `outer: inner: …`, each message once. Some errors print their
+/// source inside their own message too (safetensors' `IoError` does), which `{:#}` would repeat: a cause
+/// already contained in the message before it is left out.
+pub fn one_line(e: &anyhow::Error) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    for cause in e.chain() {
+        let m = cause.to_string().replace('\n', " ");
+        if !parts.last().is_some_and(|p| p.contains(&m)) {
+            parts.push(m);
+        }
+    }
+    parts.join(": ")
+}

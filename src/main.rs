@@ -51,12 +51,16 @@ enum Cmd {
     ImportGguf {
         /// The .gguf file.
         file: PathBuf,
-        /// Output folder (must not exist yet).
+        /// Output folder (must not exist yet, unless --force).
         #[arg(long)]
         out: PathBuf,
         /// dtype of the written weights (f32 keeps dequantized 4-bit values exact).
         #[arg(long, value_enum, default_value_t = ImportDtype::F32)]
         dtype: ImportDtype,
+        /// Replace --out if it is an existing folder (never a file, never one holding the GGUF); the old
+        /// folder stays until the new one is complete.
+        #[arg(long)]
+        force: bool,
     },
     /// Perplexity of a model on a text: mean next-token NLL over non-overlapping windows, exponentiated.
     Eval {
@@ -161,10 +165,11 @@ struct RunArgs {
     /// Output folder: an HF folder with report.json, its linears in --format.
     #[arg(long)]
     out: PathBuf,
-    /// gptq: packed GPTQ checkpoint, zeros stored as zero − 1 (AutoGPTQ v1; refuses a zero point of 0: use
-    /// gptq_v2 or --sym). gptq_v2: packed with the true zeros. fake: dequantized weights in the input dtype.
-    /// Scales are f16 in every format.
-    #[arg(long, value_enum, default_value_t = OutFormat::Gptq)]
+    /// gptq_v2 (default): packed GPTQ checkpoint with the true zero points (loads in GPTQModel and
+    /// transformers). gptq: zeros stored as zero − 1 (AutoGPTQ v1), which cannot store an asymmetric
+    /// grid's zero point 0: needs --sym. fake: dequantized weights in the input dtype. Scales are f16 in
+    /// every format.
+    #[arg(long, value_enum, default_value_t = OutFormat::GptqV2)]
     format: OutFormat,
     /// boa: BoA on q/k/v, GPTQ on o and the MLP. gptq: GPTQ everywhere. rtn: round-to-nearest.
     #[arg(long, value_enum, default_value_t = Method::Boa)]
@@ -245,7 +250,7 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {}", format!("{e:#}").replace('\n', " "));
+            eprintln!("error: {}", boa_cuda::error::one_line(&e));
             ExitCode::from(2)
         }
     }
@@ -303,14 +308,6 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 resume: a.resume,
                 format: a.format,
             };
-            if opts.calib.is_empty()
-                && !(opts.method == Method::Rtn && scale_search != ScaleSearchArg::Hessian)
-            {
-                return Err(boa_cuda::input_err!(
-                    "--calib is required for --method {:?}",
-                    opts.method
-                ));
-            }
             let r = boa_cuda::pipeline::run(&opts, &progress)?;
             let (rtn, err) = r.mean_errors();
             let t = &r.seconds;
@@ -344,14 +341,19 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             wbits,
             sweep_shape,
         } => bench_quant(model, calib, nsamples, seqlen, wbits, &sweep_shape)?,
-        Cmd::ImportGguf { file, out, dtype } => {
-            use boa_cuda::model::gguf::import::{OutDType, import_gguf};
+        Cmd::ImportGguf {
+            file,
+            out,
+            dtype,
+            force,
+        } => {
+            use boa_cuda::model::gguf::import::{OutDType, import_gguf_to};
             let dtype = match dtype {
                 ImportDtype::F32 => OutDType::F32,
                 ImportDtype::F16 => OutDType::F16,
                 ImportDtype::Bf16 => OutDType::BF16,
             };
-            let s = import_gguf(&file, &out, dtype)?;
+            let s = import_gguf_to(&file, &out, dtype, force)?;
             println!(
                 "imported {} → {} ({} tensors, {} layers, vocabulary {}{})",
                 file.display(),

@@ -296,3 +296,108 @@ fn synth_model_writes_a_loadable_model_and_refuses_bad_input() {
     );
     assert!(!bad.exists());
 }
+
+/// `eval --max-windows 0` panicked (index out of bounds): now a user error naming the option.
+#[test]
+fn eval_max_windows_zero_is_a_user_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tiny_model(tmp.path());
+    let text = tmp.path().join("t.txt");
+    fs::write(&text, "hello ".repeat(500)).unwrap();
+    assert_user_error(
+        &[
+            "eval",
+            "--model",
+            s(&m),
+            "--data",
+            s(&text),
+            "--seqlen",
+            "64",
+            "--max-windows",
+            "0",
+        ],
+        &["--max-windows 0"],
+    );
+}
+
+/// synth-model wrote models that `run` then refused (an odd head dimension): it checks the config the
+/// way `run` reads it before writing anything.
+#[test]
+fn synth_model_refuses_what_run_would_refuse() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("odd");
+    assert_user_error(
+        &[
+            "synth-model",
+            "--out",
+            s(&out),
+            "--d",
+            "96",
+            "--heads",
+            "32",
+            "--kv-heads",
+            "4",
+        ],
+        &["head dimension 3"],
+    );
+    assert!(!out.exists(), "a refused synth-model left {out:?}");
+    assert_user_error(
+        &[
+            "synth-model",
+            "--out",
+            s(&out),
+            "--d",
+            "1000000",
+            "--d-ff",
+            "1000000",
+        ],
+        &["too large"],
+    );
+    assert!(!out.exists());
+}
+
+/// An I/O error inside the safetensors writer was printed twice ("No space left on device (os error 28):
+/// No space left on device (os error 28)", from the error and its source). Reproduced with a file-size
+/// limit (EFBIG, the same path as ENOSPC) on an RTN run, whose first write is a shard.
+#[test]
+fn an_io_error_is_printed_once() {
+    use std::os::unix::process::CommandExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tiny_model(tmp.path());
+    let out = tmp.path().join("q");
+    let mut c = bin();
+    c.args([
+        "run",
+        "--model",
+        s(&m),
+        "--out",
+        s(&out),
+        "--method",
+        "rtn",
+        "--format",
+        "fake",
+        "--device",
+        "cpu",
+        "--quiet",
+    ]);
+    // SAFETY: between fork and exec only async-signal-safe calls: setrlimit and signal.
+    unsafe {
+        c.pre_exec(|| {
+            let lim = libc::rlimit {
+                rlim_cur: 32 << 10,
+                rlim_max: 32 << 10,
+            };
+            libc::setrlimit(libc::RLIMIT_FSIZE, &lim);
+            // Without this the kernel kills the process at the limit instead of failing the write.
+            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+            Ok(())
+        });
+    }
+    let o = c.output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    let line = err.lines().find(|l| l.starts_with("error")).unwrap();
+    let cause = "File too large (os error 27)";
+    assert_eq!(line.matches(cause).count(), 1, "{line}");
+    assert!(!out.exists());
+}

@@ -8,7 +8,7 @@ use common::*;
 #[test]
 fn demo_perplexity_first_window_of_2016_address() {
     let model = demo_model();
-    let text = shared_data().join("sotu/2016_barack_obama_d.txt");
+    let text = texts_dir().join("sotu/2016_barack_obama_d.txt");
     let (code, out, err) = run(&[
         "eval",
         "--model",

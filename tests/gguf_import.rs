@@ -251,9 +251,20 @@ fn synthetic(arch: &str) -> Synthetic {
 }
 
 fn synthetic_with(arch: &str, tok_model: &str, pre: &str, add_bos: bool) -> Synthetic {
+    synthetic_kvs(arch, tok_model, pre, add_bos, Vec::new())
+}
+
+/// `synthetic_with`, with `changed` replacing the metadata entries of the same keys (or added).
+fn synthetic_kvs(
+    arch: &str,
+    tok_model: &str,
+    pre: &str,
+    add_bos: bool,
+    changed: Vec<(&'static str, Kv)>,
+) -> Synthetic {
     let (tokens, types, merges) = vocab();
     let n_vocab = tokens.len();
-    let kvs = vec![
+    let mut kvs = vec![
         ("general.architecture", Kv::Str(arch.into())),
         ("general.name", Kv::Str("synthetic".into())),
         ("llama.block_count", Kv::U32(N_LAYER as u32)),
@@ -273,6 +284,10 @@ fn synthetic_with(arch: &str, tok_model: &str, pre: &str, add_bos: bool) -> Synt
         ("tokenizer.ggml.eos_token_id", Kv::U32(2)),
         ("tokenizer.ggml.add_bos_token", Kv::Bool(add_bos)),
     ];
+    for (k, v) in changed {
+        kvs.retain(|(old, _)| *old != k);
+        kvs.push((k, v));
+    }
     let mut rng = Lcg(42);
     let mut tensors = Vec::new();
     let mut expected = Vec::new();
@@ -652,6 +667,120 @@ fn hostile_ggufs_give_clear_errors() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Metadata the import would otherwise drop or write as nonsense (issue 22): a RoPE dimension other than the
+/// head dimension (partial rotary, which the Llama block does not do), a context length of 0, a
+/// non-positive epsilon or RoPE base. Each is refused, naming the key.
+#[test]
+fn gguf_fields_that_would_be_ignored_are_refused() {
+    let dir = scratch("fields");
+    let cases: Vec<(&str, Kv, &str)> = vec![
+        (
+            "llama.rope.dimension_count",
+            Kv::U32(HD as u32 / 2),
+            "llama.rope.dimension_count",
+        ),
+        ("llama.context_length", Kv::U32(0), "llama.context_length"),
+        (
+            "llama.attention.layer_norm_rms_epsilon",
+            Kv::F32(0.0),
+            "layer_norm_rms_epsilon",
+        ),
+        (
+            "llama.rope.freq_base",
+            Kv::F32(-1.0),
+            "llama.rope.freq_base",
+        ),
+    ];
+    for (i, (key, v, needle)) in cases.into_iter().enumerate() {
+        let b = synthetic_kvs("llama", "gpt2", "smollm", false, vec![(key, v)]).bytes;
+        expect_err(&write_file(&dir, &format!("field{i}.gguf"), &b), needle);
+    }
+    // The matching dimension count is accepted.
+    let b = synthetic_kvs(
+        "llama",
+        "gpt2",
+        "smollm",
+        false,
+        vec![("llama.rope.dimension_count", Kv::U32(HD as u32))],
+    )
+    .bytes;
+    let p = write_file(&dir, "dims-ok.gguf", &b);
+    import_gguf(&p, &dir.join("dims-ok"), OutDType::F32).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// import-gguf never writes into an existing folder (it mixed the old checkpoint's shards with the new
+/// config); `--force` replaces a folder, never a file, and never one holding the GGUF itself.
+#[test]
+fn import_refuses_an_existing_folder_and_force_replaces_it_safely() {
+    let dir = scratch("exists");
+    let src = write_file(&dir, "m.gguf", &synthetic("llama").bytes);
+    let out = dir.join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::write(out.join("model-00001-of-00002.safetensors"), b"old").unwrap();
+    let bin = env!("CARGO_BIN_EXE_boa-cuda");
+    let run = |args: &[&str]| {
+        let o = std::process::Command::new(bin).args(args).output().unwrap();
+        (
+            o.status.code(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
+    };
+    let (code, err) = run(&[
+        "import-gguf",
+        src.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("already exists") && err.contains("--force"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read(out.join("model-00001-of-00002.safetensors")).unwrap(),
+        b"old",
+        "a refused import touched the folder"
+    );
+    assert!(!out.join("config.json").exists());
+
+    // --force replaces the whole folder: nothing of the old checkpoint stays.
+    let (code, err) = run(&[
+        "import-gguf",
+        src.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--force",
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.join("model.safetensors").is_file());
+    assert!(!out.join("model-00001-of-00002.safetensors").exists());
+
+    // Not onto a file, not onto the folder that holds the GGUF.
+    let file = write_file(&dir, "afile", b"keep me");
+    let (code, err) = run(&[
+        "import-gguf",
+        src.to_str().unwrap(),
+        "--out",
+        file.to_str().unwrap(),
+        "--force",
+    ]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("not a folder"), "{err}");
+    assert_eq!(std::fs::read(&file).unwrap(), b"keep me");
+    let (code, err) = run(&[
+        "import-gguf",
+        src.to_str().unwrap(),
+        "--out",
+        dir.to_str().unwrap(),
+        "--force",
+    ]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("holds the input"), "{err}");
+    assert!(src.is_file(), "--force removed the input GGUF");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn unknown_pre_tokenizer_warns_and_uses_gpt2_regex() {
     let dir = scratch("pre");
@@ -866,7 +995,83 @@ fn fuzz_gguf_mutations() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// Writes the synthetic GGUF into $BOA_FUZZ_SEED_DIR/gguf_reader (scripts/fuzz.sh).
+/// One input of the gguf_dequant target: type id, element count, data (fuzz/fuzz_targets/gguf_dequant.rs).
+fn dequant_input(id: u8, n: u32, data: &[u8]) -> Vec<u8> {
+    let mut b = vec![id];
+    b.extend(n.to_le_bytes());
+    b.extend(data);
+    b
+}
+
+/// The body of the gguf_dequant fuzz target on stable Rust: seeded random type ids, element counts and
+/// data sizes (most near a valid size, where the off-by-one bugs live). Never a panic; a success gives
+/// exactly the values asked for, and only where `check_dequantizable` agrees. Run by scripts/fuzz.sh.
+#[test]
+#[ignore]
+fn fuzz_gguf_dequant() {
+    use boa_cuda::model::gguf::GgmlType;
+    use boa_cuda::model::gguf::dequant::{check_dequantizable, dequantize};
+    use rand::{RngExt, SeedableRng};
+    let seed: u64 = std::env::var("BOA_FUZZ_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let (iters, secs) = common::fuzz_budget();
+    let t0 = std::time::Instant::now();
+    let (mut n_in, mut decoded) = (0u64, 0u64);
+    while n_in < iters && t0.elapsed() < secs {
+        let Some(ty) = GgmlType::from_id(rng.random_range(0..40u32)) else {
+            n_in += 1;
+            continue;
+        };
+        let (block, size) = (ty.block_size() as usize, ty.type_size() as usize);
+        let blocks = rng.random_range(0..64usize);
+        let n = blocks * block
+            + if rng.random_bool(0.2) {
+                rng.random_range(0..block.max(2))
+            } else {
+                0
+            };
+        let len = (n / block.max(1)) * size;
+        let len = match rng.random_range(0..4) {
+            0 => len.saturating_sub(rng.random_range(0..4)),
+            1 => len + rng.random_range(0..4),
+            _ => len,
+        };
+        let data: Vec<u8> = (0..len).map(|_| rng.random()).collect();
+        let r = std::panic::catch_unwind(|| dequantize("fuzz", ty, &data, n));
+        match r {
+            Ok(Ok(v)) => {
+                assert_eq!(v.len(), n, "{ty} n={n} len={len}");
+                decoded += 1;
+            }
+            Ok(Err(_)) => assert!(check_dequantizable("fuzz", ty, data.len(), n).is_err()),
+            Err(_) => {
+                let c = std::env::temp_dir().join(format!("boa-fuzz-crash-dequant-{seed}-{n_in}"));
+                std::fs::write(&c, dequant_input(ty_id(ty), n as u32, &data)).unwrap();
+                panic!(
+                    "{ty} n={n} len={len} panicked; input saved to {}",
+                    c.display()
+                );
+            }
+        }
+        n_in += 1;
+    }
+    eprintln!(
+        "fuzz_gguf_dequant: {n_in} inputs ({decoded} decoded) in {:.1?}",
+        t0.elapsed()
+    );
+}
+
+fn ty_id(ty: boa_cuda::model::gguf::GgmlType) -> u8 {
+    (0..40u32)
+        .find(|&i| boa_cuda::model::gguf::GgmlType::from_id(i) == Some(ty))
+        .unwrap() as u8
+}
+
+/// Writes the synthetic GGUF into $BOA_FUZZ_SEED_DIR/gguf_reader and one valid tensor of each decodable
+/// type into gguf_dequant (scripts/fuzz.sh).
 #[test]
 #[ignore]
 fn write_fuzz_seed() {
@@ -876,4 +1081,15 @@ fn write_fuzz_seed() {
     let d = Path::new(&dir).join("gguf_reader");
     std::fs::create_dir_all(&d).unwrap();
     std::fs::write(d.join("synthetic.gguf"), synthetic("llama").bytes).unwrap();
+    let d = Path::new(&dir).join("gguf_dequant");
+    std::fs::create_dir_all(&d).unwrap();
+    let mut rng = Lcg(7);
+    for ty in [F32, F16, Q4_0, Q4_1, Q8_0] {
+        let (bytes, values) = make_row(ty, 64, &mut rng);
+        std::fs::write(
+            d.join(format!("type{ty}.bin")),
+            dequant_input(ty as u8, values.len() as u32, &bytes),
+        )
+        .unwrap();
+    }
 }

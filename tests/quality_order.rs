@@ -7,7 +7,7 @@ use common::*;
 use std::path::PathBuf;
 
 fn files(pred: impl Fn(u32) -> bool) -> Vec<String> {
-    let dir = shared_data().join("sotu");
+    let dir = texts_dir().join("sotu");
     let mut v: Vec<PathBuf> = std::fs::read_dir(&dir)
         .unwrap()
         .map(|e| e.unwrap().path())
@@ -50,7 +50,7 @@ fn boa_beats_gptq_beats_rtn_on_the_demo_model() {
     let calib = files(|y| y < 2000);
     let speeches = files(|y| (2001..=2016).contains(&y));
     let moby = vec![
-        shared_data()
+        texts_dir()
             .join("moby-dick.txt")
             .to_str()
             .unwrap()

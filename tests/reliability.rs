@@ -157,7 +157,7 @@ fn next_block(partial: &Path) -> usize {
 fn kill_then_resume_matches_uninterrupted_run() {
     let tmp = tempfile::tempdir().unwrap();
     let m = model(tmp.path(), 4);
-    let calib = shared_data().join("moby-dick.txt");
+    let calib = texts_dir().join("moby-dick.txt");
     let reference = tmp.path().join("reference");
     run_ok(&run_args(&m, &reference, &calib), None);
 
@@ -185,6 +185,8 @@ fn kill_then_resume_matches_uninterrupted_run() {
     let done = next_block(&partial);
     assert!((1..4).contains(&done), "killed after {done} blocks");
     assert!(!out.exists(), "a killed run left a folder at --out");
+    // Its lock file stays behind (naming a dead pid): the resume below must take it over.
+    assert!(tmp.path().join(".out.lock").is_file());
 
     // A changed option is refused and the partial folder stays.
     let mut args = run_args(&m, &out, &calib);
@@ -231,7 +233,7 @@ fn kill_then_resume_matches_uninterrupted_run() {
 fn output_is_identical_for_1_2_and_3_threads() {
     let tmp = tempfile::tempdir().unwrap();
     let m = model(tmp.path(), 2);
-    let calib = shared_data().join("moby-dick.txt");
+    let calib = texts_dir().join("moby-dick.txt");
     let outs: Vec<PathBuf> = ["1", "2", "3"]
         .iter()
         .map(|t| {
@@ -248,7 +250,7 @@ fn output_is_identical_for_1_2_and_3_threads() {
 fn partial_folder_replaced_without_resume_and_force_keeps_old_output_on_failure() {
     let tmp = tempfile::tempdir().unwrap();
     let m = tiny_model(tmp.path());
-    let calib = shared_data().join("moby-dick.txt");
+    let calib = texts_dir().join("moby-dick.txt");
     let out = tmp.path().join("out");
     let partial = tmp.path().join(".out.partial");
     std::fs::create_dir_all(partial.join("resume")).unwrap();
@@ -286,7 +288,7 @@ fn partial_folder_replaced_without_resume_and_force_keeps_old_output_on_failure(
 fn unwritable_out_and_full_disk_fail_before_the_work() {
     let tmp = tempfile::tempdir().unwrap();
     let m = tiny_model(tmp.path());
-    let calib = shared_data().join("moby-dick.txt");
+    let calib = texts_dir().join("moby-dick.txt");
     // A file where the parent folder should be: the same answer as a read-only parent, also under root.
     let blocker = tmp.path().join("file");
     std::fs::write(&blocker, b"").unwrap();
@@ -375,11 +377,13 @@ fn parallel_kernels_are_thread_count_independent() {
     }
 }
 
-/// A failure after a finished block keeps the partial folder; once the input is fixed (same header, so
-/// the same fingerprint), --resume finishes the run with the bytes of an uninterrupted one.
+/// A failure after a finished block keeps the partial folder, and --resume finishes the run with the bytes
+/// of an uninterrupted one. Every input the engine can check is checked before block 0 now (a NaN in block
+/// 1 no longer gets this far), so the failure is injected: `BOA_TEST_FAIL_AFTER_BLOCK=0` fails the run
+/// right after block 0's checkpoint, as a full disk or a CUDA error would.
 #[test]
 fn error_after_a_block_keeps_the_partial_folder_for_resume() {
-    for format in ["fake", "gptq"] {
+    for format in ["fake", "gptq_v2"] {
         error_then_resume(format);
     }
 }
@@ -387,7 +391,7 @@ fn error_after_a_block_keeps_the_partial_folder_for_resume() {
 fn error_then_resume(format: &str) {
     let tmp = tempfile::tempdir().unwrap();
     let m = tiny_model(tmp.path());
-    let calib = shared_data().join("moby-dick.txt");
+    let calib = texts_dir().join("moby-dick.txt");
     let reference = tmp.path().join("reference");
     let with_format = |out| {
         let mut a = run_args(&m, out, &calib);
@@ -396,35 +400,254 @@ fn error_then_resume(format: &str) {
     };
     run_ok(&with_format(&reference), None);
 
-    let path = m.join("model.safetensors");
-    let good = std::fs::read(&path).unwrap();
-    let mut bad = good.clone();
-    let (n, meta) = safetensors::SafeTensors::read_metadata(&good).unwrap();
-    let off = 8
-        + n
-        + meta.tensors()["model.layers.1.self_attn.q_proj.weight"]
-            .data_offsets
-            .0;
-    bad[off..off + 4].copy_from_slice(&f32::NAN.to_le_bytes());
-    std::fs::write(&path, &bad).unwrap();
-
     let out = tmp.path().join("out");
     let partial = tmp.path().join(".out.partial");
     let mut args = with_format(&out);
     args.retain(|a| *a != "--quiet");
-    let o = bin().args(&args).output().unwrap();
+    let o = bin()
+        .args(&args)
+        .env("BOA_TEST_FAIL_AFTER_BLOCK", "0")
+        .output()
+        .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
-    assert!(err.contains("non-finite"), "{err}");
+    assert!(err.contains("after block 0"), "{err}");
     assert!(err.contains("rerun with --resume"), "{err}");
     assert_eq!(next_block(&partial), 1);
     assert!(!out.exists());
 
-    std::fs::write(&path, &good).unwrap();
     args.push("--resume");
     let o = bin().args(&args).output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{err}");
     assert!(err.contains("resuming from block 1 of 2"), "{err}");
     assert_same(&reference, &out);
+}
+
+/// Waits until the partial folder records at least one finished block (the run holds its lock by then).
+fn wait_for_a_block(child: &mut std::process::Child, partial: &Path) {
+    let t0 = Instant::now();
+    while next_block(partial) < 1 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(300),
+            "no block recorded in 300 s"
+        );
+        assert!(child.try_wait().unwrap().is_none(), "the run ended early");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Two runs on one --out: the second replaced the first's partial folder while the first was writing, and
+/// the one that finished published a mix of both. Now the second is refused at once, naming the first.
+#[test]
+fn a_second_run_on_the_same_out_is_refused_while_the_first_works() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tiny_model(tmp.path());
+    let calib = texts_dir().join("moby-dick.txt");
+    let reference = tmp.path().join("reference");
+    run_ok(&run_args(&m, &reference, &calib), None);
+
+    let out = tmp.path().join("out");
+    let partial = tmp.path().join(".out.partial");
+    let mut first = bin()
+        .args(run_args(&m, &out, &calib))
+        .env("BOA_TEST_SLOW_BLOCK_MS", "3000")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_a_block(&mut first, &partial);
+    let pid = format!("pid {}", first.id());
+    for extra in [&[][..], &["--resume"], &["--force"]] {
+        let mut args = run_args(&m, &out, &calib);
+        set(&mut args, "--wbits", "4");
+        args.extend(extra);
+        let t0 = Instant::now();
+        assert_user_error(&args, &["another boa-cuda run", &pid, "out"]);
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "the refusal took {:.1?}",
+            t0.elapsed()
+        );
+        assert!(
+            next_block(&partial) >= 1,
+            "the refused run touched the partial folder"
+        );
+    }
+    let o = first.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_same(&reference, &out);
+    assert!(
+        !tmp.path().join(".out.lock").exists(),
+        "the lock file outlived the run"
+    );
+}
+
+/// The lock is the kernel's (flock), so a lock file left by a killed run, naming a dead process or a live
+/// one that holds no lock (pid 1), stops nobody.
+#[test]
+fn a_stale_lock_file_is_taken_over() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tiny_model(tmp.path());
+    let calib = texts_dir().join("moby-dick.txt");
+    let mut dead = Command::new("true").spawn().unwrap();
+    let dead_pid = dead.id();
+    dead.wait().unwrap();
+    for (i, pid) in [dead_pid, 1].into_iter().enumerate() {
+        let out = tmp.path().join(format!("out{i}"));
+        std::fs::write(tmp.path().join(format!(".out{i}.lock")), format!("{pid}\n")).unwrap();
+        run_ok(&run_args(&m, &out, &calib), None);
+        assert!(out.join("report.json").is_file());
+        assert!(!tmp.path().join(format!(".out{i}.lock")).exists());
+    }
+}
+
+/// `--force` removed the model when --out was the model folder or one of its parents, and onto a regular
+/// file or `.` it failed only at publish, after the work. Each is refused up front, touching nothing.
+#[test]
+fn force_never_removes_an_input_and_never_a_non_folder() {
+    let tmp = tempfile::tempdir().unwrap();
+    let work = tmp.path().join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let m = tiny_model(&work);
+    let data = tmp.path().join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    let calib = data.join("calib.txt");
+    std::fs::copy(texts_dir().join("moby-dick.txt"), &calib).unwrap();
+    let model_files = || -> BTreeMap<String, Vec<u8>> {
+        std::fs::read_dir(&m)
+            .unwrap()
+            .map(|e| {
+                let p = e.unwrap().path();
+                (
+                    p.file_name().unwrap().to_string_lossy().into_owned(),
+                    std::fs::read(&p).unwrap(),
+                )
+            })
+            .collect()
+    };
+    let before = model_files();
+    let file = tmp.path().join("notes.txt");
+    std::fs::write(&file, b"keep me").unwrap();
+    let link = tmp.path().join("link");
+    std::os::unix::fs::symlink(&m, &link).unwrap();
+    let cases: [(&Path, &str); 7] = [
+        (&m, "is the model folder"),
+        (&work, "holds the model folder"),
+        (tmp.path(), "holds the model folder"),
+        (&data, "holds the calibration text"),
+        (&file, "not a folder"),
+        (&link, "symbolic link"),
+        (Path::new("."), "--out ."),
+    ];
+    for (out, needle) in cases {
+        let mut args = run_args(&m, out, &calib);
+        args.push("--force");
+        let t0 = Instant::now();
+        let (code, _, err) = common::run_in(&work, &args);
+        eprintln!(
+            "HOSTILE | --force onto {} | {code} | {}",
+            out.display(),
+            err.trim()
+        );
+        assert_eq!(code, 2, "{}: {err}", out.display());
+        assert!(err.contains(needle), "{}: {err}", out.display());
+        assert!(!err.contains("panicked"));
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "{}: refused only after {:.1?}",
+            out.display(),
+            t0.elapsed()
+        );
+        assert_eq!(
+            model_files(),
+            before,
+            "--force onto {} changed the model",
+            out.display()
+        );
+        assert!(calib.is_file() && std::fs::read(&file).unwrap() == b"keep me");
+    }
+    // A model folder that a run would use as its partial folder (`.NAME.partial` of --out) is refused too.
+    let sneaky = work.join(".q.partial");
+    std::fs::rename(&m, &sneaky).unwrap();
+    let out = work.join("q");
+    let args = run_args(&sneaky, &out, &calib);
+    assert_user_error(&args, &["partial folder", "is the model folder"]);
+    assert!(sneaky.join("model.safetensors").is_file());
+}
+
+/// After a failure past block 0, `--resume` with another `--format` converts the finished blocks' shards
+/// (gptq ↔ gptq_v2 by the zero-point offset, packed → fake by dequantizing with the f16 scales) and gives
+/// the bytes of an uninterrupted run in the new format; fake → packed is refused (the codes are gone).
+#[test]
+fn resume_with_another_format_converts_the_finished_blocks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tiny_model(tmp.path());
+    let calib = texts_dir().join("moby-dick.txt");
+    let args_for = |out: &Path, format: &str, extra: &[&'static str]| -> Vec<String> {
+        let mut a: Vec<String> = run_args(&m, out, &calib)
+            .into_iter()
+            .filter(|a| *a != "--quiet")
+            .map(String::from)
+            .collect();
+        a.extend(["--format".into(), format.into()]);
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let cases: [(&str, &str, &[&'static str]); 5] = [
+        ("gptq_v2", "fake", &[]),
+        ("gptq_v2", "gptq", &["--sym"]),
+        ("gptq", "gptq_v2", &["--sym"]),
+        ("fake", "gptq_v2", &["--layers", "1"]),
+        ("gptq_v2", "fake", &["--layers", "1"]),
+    ];
+    for (i, (from, to, extra)) in cases.into_iter().enumerate() {
+        let what = format!("{from} → {to} {extra:?}");
+        let reference = tmp.path().join(format!("ref{i}"));
+        let a = args_for(&reference, to, extra);
+        run_ok(&a.iter().map(String::as_str).collect::<Vec<_>>(), None);
+
+        let out = tmp.path().join(format!("out{i}"));
+        let partial = tmp.path().join(format!(".out{i}.partial"));
+        let a = args_for(&out, from, extra);
+        let o = bin()
+            .args(&a)
+            .env("BOA_TEST_FAIL_AFTER_BLOCK", "0")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{what}: {err}");
+        assert!(err.contains("rerun with --resume"), "{what}: {err}");
+        assert_eq!(next_block(&partial), 1, "{what}");
+
+        let mut a = args_for(&out, to, extra);
+        a.push("--resume".into());
+        let o = bin().args(&a).output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "{what}: {err}");
+        assert!(err.contains("resuming from block 1 of 2"), "{what}: {err}");
+        assert_same(&reference, &out);
+    }
+
+    // fake → packed with a quantized block finished: refused with the reason, the partial folder kept.
+    let out = tmp.path().join("outf");
+    let partial = tmp.path().join(".outf.partial");
+    let a = args_for(&out, "fake", &[]);
+    let o = bin()
+        .args(&a)
+        .env("BOA_TEST_FAIL_AFTER_BLOCK", "0")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    let mut a = args_for(&out, "gptq_v2", &[]);
+    a.push("--resume".into());
+    assert_user_error(
+        &a.iter().map(String::as_str).collect::<Vec<_>>(),
+        &["--format fake", "gptq_v2", "cannot be recovered"],
+    );
+    assert_eq!(
+        next_block(&partial),
+        1,
+        "a refused conversion touched the state"
+    );
 }

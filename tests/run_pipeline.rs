@@ -13,7 +13,7 @@ fn s(p: &Path) -> &str {
 
 fn calib_text(dir: &Path) -> std::path::PathBuf {
     let p = dir.join("calib.txt");
-    let speeches = shared_data().join("sotu/1946_harry_s_truman_d.txt");
+    let speeches = texts_dir().join("sotu/1946_harry_s_truman_d.txt");
     fs::write(&p, fs::read_to_string(speeches).unwrap()).unwrap();
     p
 }

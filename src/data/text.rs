@@ -22,13 +22,42 @@ pub fn expand(paths: &[PathBuf]) -> anyhow::Result<Vec<PathBuf>> {
         } else if p.is_file() {
             files.push(p.clone());
         } else {
-            return Err(file_err(p, "no such file or folder"));
+            files.push(special_file(p)?);
         }
     }
     if files.is_empty() {
         return Err(crate::input_err!("no text files given"));
     }
     Ok(files)
+}
+
+/// A path that is neither a regular file nor a folder: a pipe (`--calib <(zcat a.gz)`, /dev/stdin) is read
+/// once like a file; a device or socket is refused by its kind (/dev/zero would never end), and only a
+/// path that does not exist is "no such file".
+fn special_file(p: &Path) -> anyhow::Result<PathBuf> {
+    use std::os::unix::fs::FileTypeExt;
+    let t = match std::fs::metadata(p) {
+        Ok(m) => m.file_type(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(file_err(p, "no such file or folder"));
+        }
+        Err(e) => return Err(file_err(p, format!("cannot read: {e}"))),
+    };
+    let kind = if t.is_fifo() {
+        return Ok(p.to_path_buf());
+    } else if t.is_char_device() {
+        "a character device"
+    } else if t.is_block_device() {
+        "a block device"
+    } else if t.is_socket() {
+        "a socket"
+    } else {
+        "not a regular file"
+    };
+    Err(file_err(
+        p,
+        format!("is {kind}, not a text file, folder or pipe"),
+    ))
 }
 
 pub fn read_file(path: &Path) -> anyhow::Result<String> {

@@ -15,6 +15,7 @@ pub fn eval_windows(
             "--seqlen must be at least 2 (got {seqlen})"
         ));
     }
+    check_max_windows(max_windows)?;
     let n = tokens.len() / seqlen;
     if n == 0 {
         return Err(crate::input_err!(
@@ -26,6 +27,16 @@ pub fn eval_windows(
         .chunks_exact(seqlen)
         .take(max_windows.unwrap_or(n).min(n))
         .collect())
+}
+
+/// `--max-windows 0` would evaluate nothing (and divide by zero windows).
+pub fn check_max_windows(max_windows: Option<usize>) -> anyhow::Result<()> {
+    if max_windows == Some(0) {
+        return Err(crate::input_err!(
+            "--max-windows 0 evaluates nothing (use at least 1, or leave it out for every window)"
+        ));
+    }
+    Ok(())
 }
 
 /// `n` windows of `seqlen` tokens at random offsets drawn from a ChaCha8 stream seeded with `seed`.

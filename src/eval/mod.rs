@@ -41,6 +41,11 @@ pub fn perplexity(
     opts: &EvalOptions,
     progress: &Progress,
 ) -> anyhow::Result<EvalResult> {
+    model
+        .cfg
+        .check_tensor_names(model.store.names())
+        .map_err(|m| crate::error::file_err(model.dir.join("config.json"), m))?;
+    windows::check_max_windows(opts.max_windows)?;
     let tok = Tokenizer::load(&model.dir)?;
     let text = text::read_all(&opts.data)?;
     let ids = tok.encode(&text)?;

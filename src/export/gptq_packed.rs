@@ -38,6 +38,13 @@ impl OutFormat {
         }
     }
 
+    /// From `name()`'s spelling (as a run's options record it).
+    pub fn from_name(s: &str) -> Option<OutFormat> {
+        [OutFormat::Fake, OutFormat::Gptq, OutFormat::GptqV2]
+            .into_iter()
+            .find(|f| f.name() == s)
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             OutFormat::Fake => "fake",
@@ -59,6 +66,16 @@ pub fn linear_entries(
     format: OutFormat,
     dtype: Dtype,
 ) -> anyhow::Result<Vec<TensorEntry<'static>>> {
+    // Every format goes through f16 scales: one past f16's range would be written as +inf. The checks before
+    // block 0 refuse weights that could get there; this catches what the sweep's updates could still push over.
+    if let Some(k) = q.scales.iter().position(|s| !s.is_finite()) {
+        return Err(crate::input_err!(
+            "{prefix}: the scale of output {}, group {} is beyond f16's range (largest 65504), and every \
+             --format stores scales in f16",
+            k % q.d_out,
+            k / q.d_out
+        ));
+    }
     let Some(version) = format.version() else {
         return Ok(vec![TensorEntry::new(
             format!("{prefix}.weight"),

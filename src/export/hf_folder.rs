@@ -34,6 +34,37 @@ pub fn partial_path(out: &Path) -> PathBuf {
     out.with_file_name(format!(".{name}.partial"))
 }
 
+/// The file name of shard `i` of `n_shards` (one per block, then one for the embeddings and the head).
+pub fn shard_name(i: usize, n_shards: usize) -> String {
+    format!("model-{:05}-of-{:05}.safetensors", i + 1, n_shards)
+}
+
+/// `.NAME.old` next to `out`: where `--force` moves the folder it replaces for a moment.
+pub fn old_path(out: &Path) -> PathBuf {
+    let name = out
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "out".into());
+    out.with_file_name(format!(".{name}.old"))
+}
+
+/// Renames the finished folder `tmp` to `out`. An existing `out` (`--force`, checked by `out_guard`) steps
+/// aside only now, so a failed or killed run leaves it intact; a kill between the two renames leaves no
+/// folder at `out` (the old one is at `.NAME.old`, removed by the next publish).
+pub fn publish_dir(tmp: &Path, out: &Path) -> anyhow::Result<()> {
+    if std::fs::symlink_metadata(out).is_err() {
+        return std::fs::rename(tmp, out)
+            .map_err(|e| file_err(out, format!("cannot publish: {e}")));
+    }
+    let old = old_path(out);
+    if old.exists() {
+        std::fs::remove_dir_all(&old).map_err(|e| file_err(&old, format!("cannot remove: {e}")))?;
+    }
+    std::fs::rename(out, &old).map_err(|e| file_err(out, format!("cannot replace: {e}")))?;
+    std::fs::rename(tmp, out).map_err(|e| file_err(out, format!("cannot publish: {e}")))?;
+    std::fs::remove_dir_all(&old).map_err(|e| file_err(&old, format!("cannot remove: {e}")))
+}
+
 impl OutFolder {
     /// Refuses an existing `out` unless `force`; starts a fresh temporary folder (an old one is removed)
     /// unless `keep_partial`, when an existing one is kept for resuming. Returns the folder and whether a
@@ -102,7 +133,7 @@ impl OutFolder {
     }
 
     pub fn shard_name(&self, i: usize) -> String {
-        format!("model-{:05}-of-{:05}.safetensors", i + 1, self.n_shards)
+        shard_name(i, self.n_shards)
     }
 
     pub fn write_shard(&mut self, i: usize, entries: &[TensorEntry<'_>]) -> anyhow::Result<()> {
@@ -150,30 +181,7 @@ impl OutFolder {
             "weight_map": self.weight_map,
         });
         self.write_json("model.safetensors.index.json", &index)?;
-        if self.out.exists() {
-            // --force: the old folder steps aside only now, so a failed or killed run leaves it intact; a
-            // kill between the two renames leaves no folder at `out` (the old one is at `.NAME.old`).
-            let old = self.out.with_file_name(format!(
-                ".{}.old",
-                self.out
-                    .file_name()
-                    .map(|n| n.to_string_lossy().into_owned())
-                    .unwrap_or_default()
-            ));
-            if old.exists() {
-                std::fs::remove_dir_all(&old)
-                    .map_err(|e| file_err(&old, format!("cannot remove: {e}")))?;
-            }
-            std::fs::rename(&self.out, &old)
-                .map_err(|e| file_err(&self.out, format!("cannot replace: {e}")))?;
-            std::fs::rename(&self.tmp, &self.out)
-                .map_err(|e| file_err(&self.out, format!("cannot publish: {e}")))?;
-            std::fs::remove_dir_all(&old)
-                .map_err(|e| file_err(&old, format!("cannot remove: {e}")))?;
-        } else {
-            std::fs::rename(&self.tmp, &self.out)
-                .map_err(|e| file_err(&self.out, format!("cannot publish: {e}")))?;
-        }
+        publish_dir(&self.tmp, &self.out)?;
         Ok(self.out)
     }
 }

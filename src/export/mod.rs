@@ -1,5 +1,8 @@
 //! Writers for what a run produces: fake-quant HF folders, packed GPTQ checkpoints, reports.
 
+pub mod convert;
 pub mod gptq_packed;
 pub mod hf_folder;
+pub mod out_guard;
+pub mod out_lock;
 pub mod safetensors_out;

@@ -43,6 +43,9 @@ struct RawConfig {
     vocab_size: usize,
     #[serde(default)]
     attention_bias: bool,
+    #[serde(default)]
+    mlp_bias: bool,
+    hidden_act: Option<String>,
 }
 
 fn default_eps() -> f64 {
@@ -130,6 +133,28 @@ impl Config {
                 );
             }
         }
+        // Fields the Llama block here does not implement are refused, never ignored.
+        if let Some(act) = &raw.hidden_act
+            && !matches!(act.as_str(), "silu" | "swish")
+        {
+            return Err(format!(
+                "hidden_act {act:?} is not supported (the MLP here is SwiGLU: \"silu\")"
+            ));
+        }
+        if raw.mlp_bias {
+            return Err("mlp_bias true is not supported (the MLP here has no biases)".into());
+        }
+        if !(raw.rms_norm_eps.is_finite() && raw.rms_norm_eps > 0.0) {
+            return Err(format!(
+                "rms_norm_eps {} must be a positive number",
+                raw.rms_norm_eps
+            ));
+        }
+        if let Some(t) = rope_theta
+            && !(t.is_finite() && t > 0.0)
+        {
+            return Err(format!("rope_theta {t} must be a positive number"));
+        }
         if let Some(s) = &rope_scaling
             && !matches!(s.rope_type.as_str(), "llama3" | "default")
         {
@@ -154,6 +179,44 @@ impl Config {
             vocab: raw.vocab_size,
             json,
         })
+    }
+
+    /// Refuses a bias tensor the architecture does not declare (the forward would use it but the output
+    /// would drop it, and transformers would ignore it): only q/k/v biases exist, when `qkv_bias`.
+    pub fn check_tensor_names<'a>(
+        &self,
+        names: impl IntoIterator<Item = &'a String>,
+    ) -> Result<(), String> {
+        let declared = |n: &str| {
+            self.qkv_bias
+                && n.strip_prefix("model.layers.").is_some_and(|rest| {
+                    rest.split_once('.').is_some_and(|(l, p)| {
+                        l.parse::<usize>().is_ok_and(|l| l < self.n_layers)
+                            && matches!(
+                                p,
+                                "self_attn.q_proj.bias"
+                                    | "self_attn.k_proj.bias"
+                                    | "self_attn.v_proj.bias"
+                            )
+                    })
+                })
+        };
+        match names
+            .into_iter()
+            .find(|n| n.ends_with(".bias") && !declared(n))
+        {
+            Some(n) => Err(format!(
+                "tensor {n} is a bias that {} does not declare ({}): the forward here would add it, \
+                 but the output would drop it and transformers would ignore it",
+                self.architecture,
+                if self.qkv_bias {
+                    "only q/k/v carry biases"
+                } else {
+                    "no linear carries a bias: attention_bias is false"
+                }
+            )),
+            None => Ok(()),
+        }
     }
 
     /// RoPE inverse frequencies θ_i = base^(−2i/d_h), with Llama 3's frequency-dependent rescaling when set.

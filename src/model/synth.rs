@@ -52,6 +52,35 @@ pub fn write_model_new(dir: &Path, s: &SynthSpec) -> anyhow::Result<()> {
             s.n_kv_heads
         ));
     }
+    // The config `run` will read, checked as `run` checks it: no model it would refuse is written.
+    super::config::Config::parse(&config_json(s).to_string())
+        .map_err(|m| crate::input_err!("synth-model would write a model that run refuses: {m}"))?;
+    // write_model holds every tensor in memory about three times over (values, bytes, the file's buffer).
+    let d_h = s.d / s.n_heads;
+    let per_layer = [
+        (s.n_heads * d_h, s.d),
+        (s.n_kv_heads * d_h, s.d),
+        (s.n_kv_heads * d_h, s.d),
+        (s.d, s.n_heads * d_h),
+        (s.d_ff, s.d),
+        (s.d_ff, s.d),
+        (s.d, s.d_ff),
+    ]
+    .iter()
+    .map(|&(r, c)| r as u128 * c as u128)
+    .sum::<u128>();
+    let params = per_layer * s.n_layers as u128 + 2 * (s.vocab as u128 * s.d as u128);
+    let need = params * 4 * 3;
+    let avail = crate::pipeline::memory_plan::host_available_bytes().unwrap_or(u64::MAX);
+    if need > avail as u128 {
+        return Err(crate::input_err!(
+            "the synthetic model is too large: {:.1} GiB of f32 weights, and writing it needs about {:.1} GiB \
+             of memory, {:.1} GiB are available",
+            (params * 4) as f64 / (1u64 << 30) as f64,
+            need as f64 / (1u64 << 30) as f64,
+            avail as f64 / (1u64 << 30) as f64
+        ));
+    }
     if dir.exists() {
         return Err(crate::input_err!("{} already exists", dir.display()));
     }
@@ -66,11 +95,10 @@ pub fn write_model_new(dir: &Path, s: &SynthSpec) -> anyhow::Result<()> {
     r
 }
 
-/// Writes config.json, model.safetensors (f32) and a byte-level tokenizer.json into `dir`.
-pub fn write_model(dir: &Path, s: &SynthSpec) -> anyhow::Result<()> {
-    std::fs::create_dir_all(dir)?;
+/// The config.json of a synthetic model.
+fn config_json(s: &SynthSpec) -> serde_json::Value {
     let d_h = s.d / s.n_heads;
-    let config = serde_json::json!({
+    serde_json::json!({
         "architectures": [if s.qkv_bias { "Qwen2ForCausalLM" } else { "LlamaForCausalLM" }],
         "model_type": if s.qkv_bias { "qwen2" } else { "llama" },
         "hidden_size": s.d, "intermediate_size": s.d_ff, "num_hidden_layers": s.n_layers,
@@ -78,7 +106,14 @@ pub fn write_model(dir: &Path, s: &SynthSpec) -> anyhow::Result<()> {
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "vocab_size": s.vocab,
         "tie_word_embeddings": s.tie_word_embeddings, "max_position_embeddings": 4096,
         "hidden_act": "silu", "torch_dtype": "float32",
-    });
+    })
+}
+
+/// Writes config.json, model.safetensors (f32) and a byte-level tokenizer.json into `dir`.
+pub fn write_model(dir: &Path, s: &SynthSpec) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let d_h = s.d / s.n_heads;
+    let config = config_json(s);
     std::fs::write(
         dir.join("config.json"),
         serde_json::to_string_pretty(&config)?,

@@ -201,3 +201,124 @@ pub fn to_f32(dtype: Dtype, bytes: &[u8]) -> Result<Vec<f32>, String> {
         )),
     }
 }
+
+/// What one pass over a floating-point tensor's bytes found.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TensorScan {
+    /// The first NaN or ±Inf: (element index, value).
+    pub non_finite: Option<(usize, f32)>,
+    /// max |w| over the finite values.
+    pub max_abs: f32,
+}
+
+/// Elements per parallel chunk: 4 MiB of f32, large enough that rayon's overhead vanishes.
+const SCAN_CHUNK: usize = 1 << 20;
+
+impl WeightStore {
+    /// Scans tensor `name` for NaN/Inf and its largest magnitude, in parallel chunks straight from the mmap
+    /// (nothing is converted or copied: the test is on the bit patterns, exponent all ones). None for a
+    /// tensor that is not F32, F16 or BF16.
+    pub fn scan(&self, name: &str) -> anyhow::Result<Option<TensorScan>> {
+        use rayon::prelude::*;
+        let e = self.get(name)?;
+        let bytes = &self.shards[e.shard].1[e.start..e.end];
+        // (element size, exponent mask, sign-cleared mask, decode)
+        let (size, exp, abs, decode): (usize, u32, u32, fn(u32) -> f32) = match e.dtype {
+            Dtype::F32 => (4, 0x7f80_0000, 0x7fff_ffff, f32::from_bits),
+            Dtype::F16 => (2, 0x7c00, 0x7fff, |b| f16::from_bits(b as u16).to_f32()),
+            Dtype::BF16 => (2, 0x7f80, 0x7fff, |b| bf16::from_bits(b as u16).to_f32()),
+            _ => return Ok(None),
+        };
+        let per_chunk: Vec<(Option<(usize, u32)>, u32)> = bytes
+            .par_chunks(SCAN_CHUNK * size)
+            .enumerate()
+            .map(|(c, chunk)| {
+                let mut first = None;
+                let mut max = 0u32;
+                for (i, v) in chunk.chunks_exact(size).enumerate() {
+                    let b = if size == 4 {
+                        u32::from_le_bytes([v[0], v[1], v[2], v[3]])
+                    } else {
+                        u16::from_le_bytes([v[0], v[1]]) as u32
+                    };
+                    if b & exp == exp {
+                        first.get_or_insert((c * SCAN_CHUNK + i, b));
+                    } else {
+                        // Finite magnitudes order like their sign-cleared bit patterns.
+                        max = max.max(b & abs);
+                    }
+                }
+                (first, max)
+            })
+            .collect();
+        let non_finite = per_chunk
+            .iter()
+            .find_map(|(f, _)| *f)
+            .map(|(i, b)| (i, decode(b)));
+        let max_abs = decode(per_chunk.iter().map(|(_, m)| *m).max().unwrap_or(0));
+        Ok(Some(TensorScan {
+            non_finite,
+            max_abs,
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One tensor of each float dtype through a real file: NaN, ±Inf and the largest magnitude found at
+    /// the right index, across a chunk boundary.
+    #[test]
+    fn scan_finds_non_finite_values_and_the_max_in_every_dtype() {
+        let dir = std::env::temp_dir().join(format!("boa-scan-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let n = SCAN_CHUNK + 10;
+        let mut v: Vec<f32> = (0..n).map(|i| (i % 7) as f32 - 3.0).collect();
+        v[SCAN_CHUNK + 3] = -1000.0;
+        let enc = |d: Dtype, x: &[f32]| -> Vec<u8> {
+            match d {
+                Dtype::F32 => x.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                Dtype::F16 => x
+                    .iter()
+                    .flat_map(|v| f16::from_f32(*v).to_le_bytes())
+                    .collect(),
+                _ => x
+                    .iter()
+                    .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
+                    .collect(),
+            }
+        };
+        for (d, bad) in [
+            (Dtype::F32, f32::NAN),
+            (Dtype::F16, f32::INFINITY),
+            (Dtype::BF16, f32::NEG_INFINITY),
+        ] {
+            let mut w = v.clone();
+            w[SCAN_CHUNK + 5] = bad;
+            w[SCAN_CHUNK + 8] = f32::NAN;
+            let clean = enc(d, &v);
+            let dirty = enc(d, &w);
+            let views = vec![
+                (
+                    "clean",
+                    safetensors::tensor::TensorView::new(d, vec![n], &clean).unwrap(),
+                ),
+                (
+                    "dirty",
+                    safetensors::tensor::TensorView::new(d, vec![n], &dirty).unwrap(),
+                ),
+            ];
+            safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+            let s = WeightStore::open(&dir).unwrap();
+            let c = s.scan("clean").unwrap().unwrap();
+            assert_eq!((c.non_finite, c.max_abs), (None, 1000.0), "{d:?}");
+            let x = s.scan("dirty").unwrap().unwrap();
+            let (i, val) = x.non_finite.unwrap();
+            assert_eq!(i, SCAN_CHUNK + 5, "{d:?}");
+            assert!(val.is_infinite() == bad.is_infinite() && val.is_nan() == bad.is_nan());
+            assert_eq!(x.max_abs, 1000.0, "{d:?}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

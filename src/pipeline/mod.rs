@@ -12,6 +12,7 @@ pub mod report;
 pub mod resume;
 pub mod stats;
 pub mod traffic;
+pub mod validate;
 
 use crate::backend::{Backend, Tensor, select_backend_with};
 use crate::data::{text, tokenizer::Tokenizer, windows};
@@ -24,7 +25,7 @@ use crate::model::llama::{BlockWeights, LINEAR_NAMES, ResidentWeights, block_for
 use crate::nvtx::ranged;
 use crate::progress::Progress;
 use anyhow::Context;
-use options::{LayerSet, Method, RunOptions, ScaleSearchArg};
+use options::{Method, RunOptions};
 use report::{LayerReport, RunReport, Timings};
 use std::time::Instant;
 
@@ -144,25 +145,16 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
         ));
     }
     let cfg = &model.cfg;
-    let layers = opts
-        .layers
-        .clone()
-        .unwrap_or_else(|| LayerSet::all(cfg.n_layers));
-    layers
-        .check(cfg.n_layers)
-        .map_err(|m| crate::input_err!("{m}"))?;
-    if let Some(g) = opts.group_size
-        && g > cfg.d.min(cfg.d_ff)
-    {
-        return Err(crate::input_err!(
-            "--group-size {g} is larger than the layers' input width {}",
-            cfg.d
-        ));
-    }
-    // RTN with min-max or MSE scales never looks at activations.
-    let needs_calib = opts.method != Method::Rtn || opts.scale_search == ScaleSearchArg::Hessian;
+    // Everything a later block would reject, before any work (validate.rs); the output is locked for the
+    // whole run once the command is known to be sound, before anything is written or removed.
+    let validate::Plan {
+        layers,
+        needs_calib,
+    } = validate::before_work(opts, &model, progress)?;
     let placement = state_memory_plan(be.as_ref(), cfg, opts, needs_calib, progress)?;
-    let last_needed = *layers.0.last().expect("non-empty");
+    let _lock = crate::export::out_lock::OutLock::acquire(&opts.out)?;
+    validate::scan_tensors(&model, &layers, opts.wbits)?;
+    let last_needed = layers.last();
 
     // The output folder first: an unwritable --out or a full disk fails now, not after the calibration.
     let (mut folder, existed) =
@@ -205,7 +197,13 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
         };
         let fingerprint = resume::fingerprint(opts, &model, &be.name(), calib_ids.as_deref())?;
         let saved = if opts.resume {
-            resume::load(&folder.tmp, &fingerprint, cfg.n_layers)?
+            let export = resume::Export {
+                format: opts.format,
+                bits: opts.wbits,
+                dtype: model.store.main_dtype(),
+                quantized: &|l| layers.contains(l),
+            };
+            resume::load(&folder.tmp, &fingerprint, cfg.n_layers, &export, progress)?
         } else {
             None
         };
@@ -476,7 +474,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                         floor_bytes,
                     });
                 }
-                resume::test_slow_block();
+                resume::test_hooks(l)?;
                 if w_read {
                     bar.inc(1);
                 }

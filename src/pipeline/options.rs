@@ -1,7 +1,7 @@
 //! Options of `boa-cuda run`, validated before any long work starts.
 
 use crate::backend::Device;
-use std::collections::BTreeSet;
+use crate::export::gptq_packed::OutFormat;
 use std::path::PathBuf;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
@@ -35,55 +35,93 @@ pub enum ScaleSearchArg {
     Minmax,
 }
 
-/// The layers to quantize, from "0-3,8,10-12".
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
-pub struct LayerSet(pub BTreeSet<usize>);
+/// The layers to quantize, from "0-3,8,10-12": sorted, merged inclusive ranges. Never expanded before
+/// `check` has bounded them by the model's layer count (`0-18446744073709551615` once took 22.5 GB).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayerSet(Vec<(usize, usize)>);
 
 impl LayerSet {
     pub fn parse(s: &str) -> Result<LayerSet, String> {
-        let mut set = BTreeSet::new();
+        let mut ranges = Vec::new();
         for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             let bad =
                 || format!("invalid layer range {part:?} in --layers (expected e.g. 0-3,8,10-12)");
-            match part.split_once('-') {
-                Some((a, b)) => {
-                    let (a, b): (usize, usize) = (
-                        a.trim().parse().map_err(|_| bad())?,
-                        b.trim().parse().map_err(|_| bad())?,
-                    );
-                    if a > b {
-                        return Err(bad());
-                    }
-                    set.extend(a..=b);
-                }
+            let (a, b): (usize, usize) = match part.split_once('-') {
+                Some((a, b)) => (
+                    a.trim().parse().map_err(|_| bad())?,
+                    b.trim().parse().map_err(|_| bad())?,
+                ),
                 None => {
-                    set.insert(part.parse().map_err(|_| bad())?);
+                    let l = part.parse().map_err(|_| bad())?;
+                    (l, l)
                 }
+            };
+            if a > b {
+                return Err(bad());
             }
+            ranges.push((a, b));
         }
-        if set.is_empty() {
+        if ranges.is_empty() {
             return Err("--layers names no layer".into());
         }
-        Ok(LayerSet(set))
+        ranges.sort_unstable();
+        let mut merged: Vec<(usize, usize)> = Vec::with_capacity(ranges.len());
+        for (a, b) in ranges {
+            match merged.last_mut() {
+                Some(last) if a <= last.1.saturating_add(1) => last.1 = last.1.max(b),
+                _ => merged.push((a, b)),
+            }
+        }
+        Ok(LayerSet(merged))
     }
 
     pub fn all(n: usize) -> LayerSet {
-        LayerSet((0..n).collect())
+        LayerSet(vec![(0, n.saturating_sub(1))])
     }
 
     pub fn contains(&self, l: usize) -> bool {
-        self.0.contains(&l)
+        self.0.iter().any(|&(a, b)| (a..=b).contains(&l))
+    }
+
+    /// The highest layer named.
+    pub fn last(&self) -> usize {
+        self.0.last().map_or(0, |r| r.1)
     }
 
     /// Errors when a layer is outside a model of `n_layers`.
     pub fn check(&self, n_layers: usize) -> Result<(), String> {
-        match self.0.iter().find(|&&l| l >= n_layers) {
-            Some(l) => Err(format!(
-                "--layers names layer {l}, but the model has layers 0-{}",
-                n_layers - 1
+        match self.0.iter().find(|r| r.1 >= n_layers) {
+            Some(&(a, b)) => Err(format!(
+                "--layers names layer {}{}, but the model has layers 0-{}",
+                a.max(n_layers),
+                if a == b {
+                    String::new()
+                } else {
+                    format!(" (in {a}-{b})")
+                },
+                n_layers.saturating_sub(1)
             )),
             None => Ok(()),
         }
+    }
+
+    /// The layers, in order (bounded once `check` has passed).
+    pub fn iter(&self) -> impl Iterator<Item = usize> + '_ {
+        self.0.iter().flat_map(|&(a, b)| a..=b)
+    }
+}
+
+/// As the list of layers (what report.json and the resume fingerprint have always held).
+impl serde::Serialize for LayerSet {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        // Only checked sets are serialized; an unchecked absurd range must not be expanded here either.
+        let n: u128 = self.0.iter().map(|&(a, b)| (b - a) as u128 + 1).sum();
+        if n > 1 << 24 {
+            return Err(serde::ser::Error::custom(
+                "--layers names more layers than any model has",
+            ));
+        }
+        s.collect_seq(self.iter())
     }
 }
 
@@ -122,7 +160,17 @@ pub struct RunOptions {
     #[serde(skip_serializing)]
     pub resume: bool,
     /// What the linears are written as (fake-quant or packed GPTQ).
-    pub format: crate::export::gptq_packed::OutFormat,
+    pub format: OutFormat,
+}
+
+impl Method {
+    pub fn name(self) -> &'static str {
+        match self {
+            Method::Rtn => "rtn",
+            Method::Gptq => "gptq",
+            Method::Boa => "boa",
+        }
+    }
 }
 
 pub const SUPPORTED_WBITS: [u32; 4] = [2, 3, 4, 8];
@@ -157,6 +205,45 @@ impl RunOptions {
         if self.static_groups && self.group_size.is_none() {
             return Err("--static-groups needs --group-size".into());
         }
+        if self.act_order && self.method == Method::Rtn {
+            return Err(
+                "--act-order orders the columns of GPTQ's and BoA's error feedback; --method rtn rounds \
+                 every column on its own, so it would only mark the checkpoint desc_act: use --method gptq \
+                 or boa, or drop --act-order"
+                    .into(),
+            );
+        }
+        if self.act_order_row && self.method != Method::Boa {
+            return Err(format!(
+                "--act-order-row orders the rows of BoA's head-wise sweep; --method {} has none: use \
+                 --method boa, or drop --act-order-row",
+                self.method.name()
+            ));
+        }
+        if self.format == OutFormat::Gptq && !self.sym {
+            return Err(
+                "--format gptq (AutoGPTQ v1) stores zero − 1, so an asymmetric grid's zero point 0 cannot \
+                 be stored (GPTQModel also refuses asymmetric v1 checkpoints): use --format gptq_v2 (the \
+                 default) or --sym"
+                    .into(),
+            );
+        }
+        if self.calib.is_empty() && self.needs_calibration() {
+            return Err(format!(
+                "--calib is required for --method {}{}",
+                self.method.name(),
+                if self.method == Method::Rtn {
+                    " with --scale-search hessian"
+                } else {
+                    ""
+                }
+            ));
+        }
         Ok(())
+    }
+
+    /// Whether the run reads calibration text: RTN with min-max or MSE scales never looks at activations.
+    pub fn needs_calibration(&self) -> bool {
+        self.method != Method::Rtn || self.scale_search == ScaleSearchArg::Hessian
     }
 }

@@ -15,6 +15,11 @@
 //! state with its activation file or the new one with its file, never a state naming a missing file.
 //! Shards after `next_block` that a killed run may have written are simply rewritten.
 //!
+//! `--resume` with another `--format` converts the finished blocks' shards (`export::convert`): they are
+//! written under `resume/convert/`, then `state.json` names them as `pending` (with the new fingerprint),
+//! then each is renamed over its shard, then `pending` is cleared. A kill before the state names them
+//! leaves the old state and shards; after, the next load finishes the renames first.
+//!
 //! The fingerprint is everything that determines the output bytes: the binary's version, the options that
 //! matter (not --out, --force, --quiet, --resume, nor the paths of the model and the calibration text, whose
 //! contents are fingerprinted instead), the backend, config.json's bytes, every safetensors shard's size and
@@ -24,9 +29,13 @@
 use super::report::{LayerReport, Timings};
 use crate::backend::{Backend, Tensor};
 use crate::error::file_err;
+use crate::export::convert::{convert_shard, has_packed_linears};
+use crate::export::gptq_packed::OutFormat;
+use crate::export::hf_folder::shard_name;
 use crate::model::Model;
 use crate::pipeline::options::RunOptions;
 use crate::pipeline::quantize_block::LinearReport;
+use crate::progress::Progress;
 use serde_json::{Value, json};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -123,6 +132,19 @@ struct State {
     activations_len: usize,
     layers: Vec<LayerRecord>,
     seconds: Timings,
+    /// Converted shards under `resume/convert/` still to be renamed over the finished ones.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pending: Vec<String>,
+}
+
+/// How the resuming run writes its shards: what a finished block in another format is converted to.
+pub struct Export<'a> {
+    pub format: OutFormat,
+    pub bits: u32,
+    /// The model's dtype (what fake-quant weights are written in).
+    pub dtype: safetensors::Dtype,
+    /// Whether block l is quantized (in --layers); the others are copied through, the same in every format.
+    pub quantized: &'a dyn Fn(usize) -> bool,
 }
 
 /// What a resumed run starts from.
@@ -259,11 +281,9 @@ pub fn checkpoint(
         activations_len: x_len,
         layers: reports.iter().map(to_record).collect(),
         seconds: timings.clone(),
+        pending: Vec::new(),
     };
-    let text = serde_json::to_string_pretty(&state)? + "\n";
-    write_atomic(&dir.join(STATE), |f| f.write_all(text.as_bytes()))?;
-    sync_dir(&dir)?;
-    sync_dir(tmp)?;
+    write_state(tmp, &state)?;
     // The new state is durable: older activation files are garbage now.
     for entry in std::fs::read_dir(&dir).map_err(|e| file_err(&dir, format!("cannot list: {e}")))? {
         let entry = entry?;
@@ -275,13 +295,29 @@ pub fn checkpoint(
     Ok(())
 }
 
+/// Writes `state.json` atomically and durably (with the folders that hold it).
+fn write_state(tmp: &Path, state: &State) -> anyhow::Result<()> {
+    let dir = tmp.join(DIR);
+    let text = serde_json::to_string_pretty(state)? + "\n";
+    write_atomic(&dir.join(STATE), |f| f.write_all(text.as_bytes()))?;
+    sync_dir(&dir)?;
+    sync_dir(tmp)
+}
+
 /// Whether `tmp` holds a resume state at all.
 pub fn exists(tmp: &Path) -> bool {
     tmp.join(DIR).join(STATE).is_file()
 }
 
-/// Loads the state under `tmp` after checking it was made by the same inputs; None when there is none.
-pub fn load(tmp: &Path, fingerprint: &Value, n_layers: usize) -> anyhow::Result<Option<Saved>> {
+/// Loads the state under `tmp` after checking it was made by the same inputs; None when there is none. A
+/// state that differs only in `--format` has its finished shards converted to `export.format` first.
+pub fn load(
+    tmp: &Path,
+    fingerprint: &Value,
+    n_layers: usize,
+    export: &Export<'_>,
+    progress: &Progress,
+) -> anyhow::Result<Option<Saved>> {
     let path = tmp.join(DIR).join(STATE);
     if !path.is_file() {
         return Ok(None);
@@ -293,22 +329,31 @@ pub fn load(tmp: &Path, fingerprint: &Value, n_layers: usize) -> anyhow::Result<
         )
     };
     let text = std::fs::read_to_string(&path).map_err(|e| damaged(e.to_string()))?;
-    let state: State = serde_json::from_str(&text).map_err(|e| damaged(e.to_string()))?;
+    let mut state: State = serde_json::from_str(&text).map_err(|e| damaged(e.to_string()))?;
     if state.format != FORMAT {
         return Err(damaged(format!("format {} is not {FORMAT}", state.format)));
-    }
-    if let Some(what) = first_difference(&state.fingerprint, fingerprint) {
-        return Err(crate::input_err!(
-            "cannot --resume from {}: it was made with a different {what}; run without --resume to start \
-             over",
-            tmp.display()
-        ));
     }
     if state.next_block > n_layers {
         return Err(damaged(format!(
             "next block {} of {n_layers}",
             state.next_block
         )));
+    }
+    if !state.pending.is_empty() {
+        finish_conversion(tmp, &mut state)?;
+    }
+    if let Some(what) = first_difference(
+        &without_format(&state.fingerprint),
+        &without_format(fingerprint),
+    ) {
+        return Err(crate::input_err!(
+            "cannot --resume from {}: it was made with a different {what}; run without --resume to start \
+             over",
+            tmp.display()
+        ));
+    }
+    if state.fingerprint["options"]["format"] != fingerprint["options"]["format"] {
+        convert(tmp, &mut state, fingerprint, n_layers, export, progress)?;
     }
     let x = match &state.activations {
         Some(name) => {
@@ -341,6 +386,101 @@ pub fn load(tmp: &Path, fingerprint: &Value, n_layers: usize) -> anyhow::Result<
         reports,
         timings: state.seconds,
     }))
+}
+
+/// A fingerprint without `--format`, which only shapes the export (a changed one is converted).
+fn without_format(f: &Value) -> Value {
+    let mut f = f.clone();
+    if let Some(m) = f.get_mut("options").and_then(Value::as_object_mut) {
+        m.remove("format");
+    }
+    f
+}
+
+/// Rewrites the finished quantized blocks' shards of `state` (made with another --format) in
+/// `export.format`; see the module doc for the order that survives a kill.
+fn convert(
+    tmp: &Path,
+    state: &mut State,
+    fingerprint: &Value,
+    n_layers: usize,
+    export: &Export<'_>,
+    progress: &Progress,
+) -> anyhow::Result<()> {
+    let then = state.fingerprint["options"]["format"]
+        .as_str()
+        .and_then(OutFormat::from_name)
+        .ok_or_else(|| {
+            file_err(
+                tmp.join(DIR).join(STATE),
+                "the resume state is damaged (no format); run without --resume to start over",
+            )
+        })?;
+    let to = export.format;
+    let blocks: Vec<usize> = (0..state.next_block.min(n_layers))
+        .filter(|&l| (export.quantized)(l))
+        .collect();
+    if then == OutFormat::Fake && !blocks.is_empty() {
+        return Err(crate::input_err!(
+            "cannot --resume from {} with --format {}: it was made with --format fake, which keeps only the \
+             dequantized weights, so the integer codes of its {} finished quantized blocks cannot be \
+             recovered; resume with --format fake, or run without --resume to start over",
+            tmp.display(),
+            to.name(),
+            blocks.len()
+        ));
+    }
+    let staging = tmp.join(DIR).join("convert");
+    let _ = std::fs::remove_dir_all(&staging);
+    std::fs::create_dir_all(&staging)
+        .map_err(|e| file_err(&staging, format!("cannot create: {e}")))?;
+    let mut pending = Vec::new();
+    for l in blocks {
+        let name = shard_name(l, n_layers + 1);
+        let src = tmp.join(&name);
+        if has_packed_linears(&src)? {
+            convert_shard(
+                &src,
+                &staging.join(&name),
+                then,
+                to,
+                export.bits,
+                export.dtype,
+            )?;
+            pending.push(name);
+        }
+    }
+    sync_dir(&staging)?;
+    let n = pending.len();
+    state.fingerprint = fingerprint.clone();
+    state.pending = pending;
+    write_state(tmp, state)?;
+    finish_conversion(tmp, state)?;
+    progress.line(&format!(
+        "converted the {n} finished quantized blocks in {} from --format {} to --format {}",
+        tmp.display(),
+        then.name(),
+        to.name()
+    ));
+    Ok(())
+}
+
+/// Moves the converted shards that `state.pending` names over the old ones, then clears `pending`.
+fn finish_conversion(tmp: &Path, state: &mut State) -> anyhow::Result<()> {
+    let staging = tmp.join(DIR).join("convert");
+    for name in &state.pending {
+        let from = staging.join(name);
+        // Already moved when an earlier attempt was killed after this rename.
+        if from.exists() {
+            std::fs::rename(&from, tmp.join(name))
+                .map_err(|e| file_err(&from, format!("cannot move into place: {e}")))?;
+        }
+    }
+    sync_dir(tmp)?;
+    state.pending.clear();
+    write_state(tmp, state)?;
+    let _ = std::fs::remove_dir_all(&staging);
+    Ok(())
 }
 
 /// Names, for the user, the first thing that differs between two fingerprints.
@@ -394,15 +534,21 @@ pub fn clear(tmp: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Test hook: `BOA_TEST_SLOW_BLOCK_MS=N` sleeps N ms after each block's checkpoint, so a test can kill a
-/// run between blocks of a model that would otherwise finish before the kill arrives. Not for users.
-pub fn test_slow_block() {
-    if let Some(ms) = std::env::var("BOA_TEST_SLOW_BLOCK_MS")
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-    {
+/// Test hooks, run after block `l` (and its checkpoint, if one was due). Not for users.
+/// `BOA_TEST_SLOW_BLOCK_MS=N` sleeps N ms, so a test can kill a run between blocks of a model that would
+/// otherwise finish before the kill arrives. `BOA_TEST_FAIL_AFTER_BLOCK=L` fails the run after block L, as
+/// a full disk or a device error would, now that every input is checked before block 0.
+pub fn test_hooks(l: usize) -> anyhow::Result<()> {
+    let var = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u64>().ok());
+    if let Some(ms) = var("BOA_TEST_SLOW_BLOCK_MS") {
         std::thread::sleep(std::time::Duration::from_millis(ms));
     }
+    if var("BOA_TEST_FAIL_AFTER_BLOCK") == Some(l as u64) {
+        return Err(anyhow::anyhow!(
+            "a simulated failure after block {l} (BOA_TEST_FAIL_AFTER_BLOCK)"
+        ));
+    }
+    Ok(())
 }
 
 /// Fails when the file system holding `dir` has less room than `need` bytes minus what `dir` already holds

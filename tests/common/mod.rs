@@ -23,6 +23,20 @@ pub fn run(args: &[&str]) -> (i32, String, String) {
     )
 }
 
+/// `run` with `dir` as the working directory.
+pub fn run_in(dir: &Path, args: &[&str]) -> (i32, String, String) {
+    let out: Output = bin()
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("spawn boa-cuda");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
 /// Asserts a clean user error: exit code 2, a one-line "error: …" containing every `needle`, no panic.
 pub fn assert_user_error(args: &[&str], needles: &[&str]) {
     let (code, _out, err) = run(args);
@@ -47,11 +61,14 @@ pub fn tiny_model(dir: &Path) -> PathBuf {
     m
 }
 
-pub fn shared_data() -> PathBuf {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data");
+/// The texts the tests read (State of the Union speeches in `sotu/`, `moby-dick.txt`), unpacked from the
+/// repository's data/texts.tar.xz by scripts/texts.py (scripts/test.sh runs it). A missing folder fails the
+/// test: it never passes for want of its data.
+pub fn texts_dir() -> PathBuf {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("data/texts");
     assert!(
-        p.is_dir(),
-        "the test data folder {} is missing (it holds the State of the Union speeches)",
+        p.join("moby-dick.txt").is_file() && p.join("sotu").is_dir(),
+        "the test texts are missing at {}: run `python3 scripts/texts.py` (scripts/test.sh does)",
         p.display()
     );
     p

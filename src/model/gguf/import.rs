@@ -130,6 +130,31 @@ fn hparams(g: &GgufFile) -> Result<LlamaHparams> {
              of head_count_kv, even head_dim): {h:?}"
         ));
     }
+    // Keys the Llama block would otherwise ignore or write as nonsense into config.json.
+    if let Some(n) = g.get_u64("llama.rope.dimension_count")?
+        && n != h.head_dim as u64
+    {
+        return bad(format!(
+            "llama.rope.dimension_count {n} differs from the head dimension {}: partial rotary \
+             embeddings are not supported",
+            h.head_dim
+        ));
+    }
+    if h.ctx == 0 {
+        return bad("llama.context_length is 0: a model needs a positive context length".into());
+    }
+    if !(h.eps.is_finite() && h.eps > 0.0) {
+        return bad(format!(
+            "llama.attention.layer_norm_rms_epsilon {} must be a positive number",
+            h.eps
+        ));
+    }
+    if !(h.theta.is_finite() && h.theta > 0.0) {
+        return bad(format!(
+            "llama.rope.freq_base {} must be a positive number",
+            h.theta
+        ));
+    }
     if let Some(n) = g.get_u64("llama.expert_count")?
         && n > 0
     {
@@ -255,10 +280,47 @@ fn json_bytes(v: &serde_json::Value) -> Vec<u8> {
     s.into_bytes()
 }
 
-/// Convert the llama-architecture GGUF `gguf` into a Hugging Face folder `out_dir` (created if missing).
-/// Weights are dequantized to f32 and written as `dtype`. Fails, without leaving half-written files, on any
-/// architecture but llama, on tensor types `dequant` does not handle, and on unknown or missing tensors.
+/// Convert the llama-architecture GGUF `gguf` into a new Hugging Face folder `out_dir` (refused if it
+/// exists). Weights are dequantized to f32 and written as `dtype`. Fails, leaving nothing at `out_dir`, on
+/// any architecture but llama, on tensor types `dequant` does not handle, and on unknown or missing tensors.
 pub fn import_gguf(gguf: &Path, out_dir: &Path, dtype: OutDType) -> Result<ImportSummary> {
+    import_gguf_to(gguf, out_dir, dtype, false)
+}
+
+/// `import_gguf`; with `force`, an existing folder at `out_dir` (never a file, never one holding the GGUF)
+/// is replaced once the new one is complete. The folder is written as `.NAME.partial` beside it, under the
+/// output lock, and renamed into place.
+pub fn import_gguf_to(
+    gguf: &Path,
+    out_dir: &Path,
+    dtype: OutDType,
+    force: bool,
+) -> Result<ImportSummary> {
+    use crate::export::hf_folder::{partial_path, publish_dir};
+    use crate::export::out_guard::{Input, check_out};
+    let input = [Input {
+        path: gguf,
+        what: "the input GGUF",
+    }];
+    check_out(out_dir, force, &input)?;
+    let _lock = crate::export::out_lock::OutLock::acquire(out_dir)?;
+    let tmp = partial_path(out_dir);
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(|e| file_err(&tmp, format!("cannot remove: {e}")))?;
+    }
+    let r = import_into(gguf, &tmp, dtype).and_then(|mut s| {
+        publish_dir(&tmp, out_dir)?;
+        s.out_dir = out_dir.to_path_buf();
+        Ok(s)
+    });
+    if r.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    r
+}
+
+/// The import proper, into the fresh folder `out_dir`.
+fn import_into(gguf: &Path, out_dir: &Path, dtype: OutDType) -> Result<ImportSummary> {
     let t0 = Instant::now();
     let g = GgufFile::open(gguf)?;
     match g.get_str("general.architecture")? {
