@@ -98,8 +98,11 @@
 //   (error, slot). Roofline: slots·rows·L double pows (~100 FP64 instructions each): 200 slots of 4096² ≈
 //   3.4e9 pows ≈ 10–50 ms on an H200's ~34 TFLOP/s FP64; Mse is no default search.
 //
-// Variants measured: none yet (no GPU run so far). ptxas (nvcc 13.0, sm_90a / sm_80): see the build's
-//   ptxas_report.txt (kernels::PTXAS_REPORT); none spills, none uses shared memory.
+// Variants measured: none yet (no GPU run so far; correctness on the CPU emulator, tests/parity_search.rs).
+// ptxas (nvcc 13.0, sm_90a / sm_80), 0 spills, 0 stack, no smem: search_gather_w 19 / 18 registers;
+//   search_gather_h 25 / 20; search_candidates 48 / 46; search_v 32 / 32; search_score 40 / 40;
+//   search_delta_bf16 32 / 32; search_delta_f32 32 / 32; search_approx 32 / 32; search_rescore 32 / 32;
+//   search_write_grids 21 / 16; search_minmax 25 / 23; search_mse 48 / 46.
 // ---------------------------------------------------------------------------------------------------------
 
 #include <cuda_bf16.h>
