@@ -562,7 +562,7 @@ pub fn bench_quant_ops(
         // formulation of the CUDA kernels: v1 (F32) slots · 2·rows·n² for V·H plus W·H in f32 SGEMM, against
         // the bf16 mma ceiling its fraction is low by design; v2 (Bf16Rescore) slots · 2·rows·n² in bf16 plus
         // SEARCH_TOP · 2·rows·n² of f32 re-score (v2's row names how many rows chose another grid than v1:
-        // near-ties, see tests/parity_quant.rs); the CPU's incremental search does far fewer flops for the same
+        // near-ties, see tests/parity_search.rs); the CPU's incremental search does far fewer flops for the same
         // result. Matrices over 48M weights (8B d×d_ff, 70B: 5–45 s a call on an H200 at f32) are left out so
         // the bench stays inside profiling/gpu_check.sh's limit.
         for (rows_w, n) in [(s.d, s.d), (s.d_ff, s.d), (s.d, s.d_ff)] {

@@ -27,7 +27,7 @@
 use super::ops::{self, OpsKernels};
 use super::{CudaError, driver};
 use crate::nvtx::range;
-use cudarc::cublas::{CudaBlas, Gemm, StridedBatchedConfig, result as br, sys};
+use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, StridedBatchedConfig, result as br, sys};
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
 use std::ffi::{c_int, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -50,6 +50,18 @@ impl LinearVariant {
 pub struct Blas {
     blas: CudaBlas,
     stream: Arc<CudaStream>,
+}
+
+/// The operands of `Blas::rows_times_h_batched`: A [batch × m × n] and H [batch × n × n], f32 or bf16.
+pub(super) enum BatchedOperands<'a, 'b> {
+    F32 {
+        a: &'a CudaView<'b, f32>,
+        h: &'a CudaView<'b, f32>,
+    },
+    Bf16 {
+        a: &'a CudaView<'b, u16>,
+        h: &'a CudaView<'b, u16>,
+    },
 }
 
 fn blas_err(what: &'static str) -> impl FnOnce(br::CublasError) -> CudaError {
@@ -103,7 +115,7 @@ impl Blas {
                 h.len()
             )));
         }
-        let cfg = super::search::rows_times_h_config(m, n).map_err(bad)?;
+        let cfg = rows_times_h_config(m, n).map_err(bad)?;
         // cuBLAS calls act on the calling thread's current context; cudarc binds it for its own calls only.
         self.stream
             .context()
@@ -146,65 +158,96 @@ impl Blas {
         r.map_err(blas_err("sgemm (sweep trailing update)"))
     }
 
-    /// C [m × n] (f32) = A [m × n] · H [n × n] with bf16 A and H (u16 bit patterns), f32 accumulation: the
-    /// approximate GEMM of the scale search's v2 (search.rs), the same row-major mapping as `rows_times_h`.
-    pub(super) fn rows_times_h_bf16(
+    /// C_b [m × n] = A_b [m × n] · H_b [n × n] for every b < batch (the scale search's problems, search.rs):
+    /// A and C strided by m·n, H by n·n, all row-major, the mapping of `rows_times_h` per matrix, in one
+    /// strided-batched call. `Bf16` operands (u16 bit patterns) run cublasGemmStridedBatchedEx with f32
+    /// accumulation and output (tensor cores); `F32` cublasSgemmStridedBatched (CUBLAS_DEFAULT_MATH: no TF32).
+    pub(super) fn rows_times_h_batched(
         &self,
         c: &mut impl DevicePtrMut<f32>,
-        a: &impl DevicePtr<u16>,
-        h: &CudaSlice<u16>,
+        operands: BatchedOperands<'_, '_>,
         m: usize,
         n: usize,
+        batch: usize,
     ) -> Result<(), CudaError> {
         let bad = |msg: String| CudaError::Shape {
-            op: "search_grids gemm_ex bf16",
+            op: "search_grids batched gemm",
             msg,
         };
-        if h.len() != n * n || a.len() < m * n || c.len() < m * n {
+        let (a_len, h_len) = match &operands {
+            BatchedOperands::F32 { a, h } => (a.len(), h.len()),
+            BatchedOperands::Bf16 { a, h } => (a.len(), h.len()),
+        };
+        if batch == 0
+            || h_len < batch * n * n
+            || a_len < batch * m * n
+            || c.len() < batch * m * n
+            || c_int::try_from(batch).is_err()
+        {
             return Err(bad(format!(
-                "a.len={} c.len={} h.len={} for m={m}, n={n}",
-                a.len(),
-                c.len(),
-                h.len()
+                "a.len={a_len} c.len={} h.len={h_len} for {batch} × m={m}, n={n}",
+                c.len()
             )));
         }
-        let cfg = super::search::rows_times_h_config(m, n).map_err(bad)?;
+        let cfg = rows_times_h_config(m, n).map_err(bad)?;
+        let (stride_h, stride_ac) = ((n * n) as i64, (m * n) as i64);
         let stream = &self.stream;
         // cuBLAS calls act on the calling thread's current context; cudarc binds it for its own calls only.
         stream
             .context()
             .bind_to_thread()
             .map_err(driver("bind context"))?;
-        let (ph, _sh) = h.device_ptr(stream);
-        let (pa, _sa) = a.device_ptr(stream);
-        let (pc, _sc) = c.device_ptr_mut(stream);
-        let bf16 = sys::cudaDataType_t::CUDA_R_16BF;
-        // SAFETY: H holds n·n, A and C at least m·n elements (checked); the mapping and leading dimensions are
-        // rows_times_h's; compute type 32F takes the f32 alpha and beta of the config.
-        unsafe {
-            br::gemm_ex(
-                *self.blas.handle(),
-                cfg.transa,
-                cfg.transb,
-                cfg.m,
-                cfg.n,
-                cfg.k,
-                &cfg.alpha as *const f32 as *const c_void,
-                ph as *const c_void,
-                bf16,
-                cfg.lda,
-                pa as *const c_void,
-                bf16,
-                cfg.ldb,
-                &cfg.beta as *const f32 as *const c_void,
-                pc as *mut c_void,
-                sys::cudaDataType_t::CUDA_R_32F,
-                cfg.ldc,
-                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
+        match operands {
+            BatchedOperands::F32 { a, h } => {
+                let sb = StridedBatchedConfig {
+                    gemm: cfg,
+                    batch_size: batch as c_int,
+                    stride_a: stride_h,
+                    stride_b: stride_ac,
+                    stride_c: stride_ac,
+                };
+                // SAFETY: H holds batch·n·n, A and C batch·m·n f32 (checked); per matrix the leading dimensions
+                // are n as in rows_times_h; H is cuBLAS's first operand there, A the second.
+                unsafe { self.blas.gemm_strided_batched(sb, h, a, c) }
+                    .map_err(blas_err("sgemm strided batched (search_grids)"))
+            }
+            BatchedOperands::Bf16 { a, h } => {
+                let (ph, _sh) = h.device_ptr(stream);
+                let (pa, _sa) = a.device_ptr(stream);
+                let (pc, _sc) = c.device_ptr_mut(stream);
+                let bf16 = sys::cudaDataType_t::CUDA_R_16BF;
+                // SAFETY: H holds batch·n·n, A and C batch·m·n elements (checked); per matrix the mapping and
+                // leading dimensions are rows_times_h's; compute type 32F takes the f32 alpha and beta.
+                unsafe {
+                    br::gemm_strided_batched_ex(
+                        *self.blas.handle(),
+                        cfg.transa,
+                        cfg.transb,
+                        cfg.m,
+                        cfg.n,
+                        cfg.k,
+                        &cfg.alpha as *const f32 as *const c_void,
+                        ph as *const c_void,
+                        bf16,
+                        cfg.lda,
+                        stride_h,
+                        pa as *const c_void,
+                        bf16,
+                        cfg.ldb,
+                        stride_ac,
+                        &cfg.beta as *const f32 as *const c_void,
+                        pc as *mut c_void,
+                        sys::cudaDataType_t::CUDA_R_32F,
+                        cfg.ldc,
+                        stride_ac,
+                        batch as c_int,
+                        sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                        sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    )
+                }
+                .map_err(blas_err("gemm_strided_batched_ex bf16 (search_grids)"))
+            }
         }
-        .map_err(blas_err("gemm_ex bf16 (search_grids)"))
     }
 
     /// H_z [d × d] += X_zᵀ X_z for z < batch: X [m × ld] row-major bf16 (u16 bit patterns), X_z its columns
@@ -420,4 +463,27 @@ impl Blas {
         }
         Ok(())
     }
+}
+
+/// The SGEMM of `Blas::rows_times_h`: C [m × n] = A [m × n] · H [n × n], row-major, as column-major
+/// cuBLAS sees it: Cᵀ (n × m, ld n) = Hᵀ (n × n, ld n) · Aᵀ (n × m, ld n), no transposes, H passed as the
+/// first operand and A as the second.
+pub(super) fn rows_times_h_config(m: usize, n: usize) -> Result<GemmConfig<f32>, String> {
+    let (mi, ni) = match (i32::try_from(m), i32::try_from(n)) {
+        (Ok(mi), Ok(ni)) => (mi, ni),
+        _ => return Err(format!("m={m} or n={n} over i32")),
+    };
+    let op_n = sys::cublasOperation_t::CUBLAS_OP_N;
+    Ok(GemmConfig {
+        transa: op_n,
+        transb: op_n,
+        m: ni,
+        n: mi,
+        k: ni,
+        alpha: 1.0f32,
+        lda: ni,
+        ldb: ni,
+        beta: 0.0f32,
+        ldc: ni,
+    })
 }

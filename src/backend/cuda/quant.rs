@@ -8,9 +8,9 @@
 //! Every input must already be on the device (`CudaBackend::upload_mat`): a host `Mat` here is an error,
 //! never a silent copy.
 //!
-//! Still through the host, each saying so at its method (issue 19, to be moved): the scale search's candidate
-//! table, the dynamic-group scale searches of the GPTQ sweep and the whole dynamic-group BoA sweep, V's
-//! statistics with d_h > 128.
+//! Still through the host, each saying so at its method (issue 19, to be moved): the whole dynamic-group BoA
+//! sweep, V's statistics with d_h > 128. The scale search (static and the GPTQ sweep's dynamic groups) is on
+//! the device (search.rs).
 
 use super::cholesky::{CHOLESKY_MAX_N, launch_cholesky};
 use super::core::{
@@ -634,8 +634,9 @@ impl QuantOps for CudaBackend {
         Ok(dmat(out, 1, rows, n))
     }
 
-    /// TEMPORARY HOST ROUTE (issue 19): W and the H blocks go to the host and the CPU's search runs there;
-    /// the device search (search.rs) needs its candidate table built on the device first.
+    /// On the device (search.rs): the candidate table from W, the groups of every part searched as one batch
+    /// of problems, the grids written in place. Uploads the H blocks' column indices (O(n) per matrix);
+    /// downloads nothing and does not synchronize.
     fn search_grids(
         &self,
         w: &Mat,
@@ -645,13 +646,35 @@ impl QuantOps for CudaBackend {
         g: usize,
         spec: &QuantSpec,
     ) -> Result<Grids> {
-        let wh = self.host_mat(w, false)?;
-        let hh = h
-            .filter(|_| spec.search == crate::ops::ScaleSearch::Hessian)
-            .map(|h| self.host_mat(h, true))
-            .transpose()?;
-        let grids = CpuBackend.search_grids(&wh, hh.as_ref(), idx, h_of_part, g, spec)?;
-        self.device_grids(grids)
+        let (rows, n) = (w.rows, w.cols);
+        if g == 0 {
+            bail!("search_grids: group width 0");
+        }
+        let hd = match h {
+            Some(h) if spec.search == crate::ops::ScaleSearch::Hessian => {
+                if h.rows != n || h.cols != n || h_of_part.iter().any(|&f| f >= h.batch) {
+                    bail!("search_grids: H {} for W [{rows} × {n}]", h.describe());
+                }
+                Some((dev(h, "H")?, h.batch))
+            }
+            _ => None,
+        };
+        let (scale, zero) = self.search_grids_device(
+            self.search_variant,
+            dev(w, "W")?,
+            rows,
+            n,
+            hd,
+            idx,
+            h_of_part,
+            g,
+            spec,
+        )?;
+        let ng = n.div_ceil(g);
+        Ok(Grids {
+            scale: dmat(scale, 1, rows, ng),
+            zero: dmat(zero, 1, rows, ng),
+        })
     }
 
     fn reorder(
@@ -733,9 +756,8 @@ impl QuantOps for CudaBackend {
         Ok((dmat(q, 1, rows, n), Codes::Device(codes)))
     }
 
-    /// Static grids and per-group searches both stay on the device but for the dynamic searches themselves,
-    /// which still go through the host (TEMPORARY, issue 19): the group's columns down, the CPU's search, the
-    /// grids up.
+    /// Static grids, or dynamic groups searched on the device at each group start (search.rs `DynamicSearch`,
+    /// built once before the sweep: no transfer and no synchronization per group).
     fn gptq_sweep(
         &self,
         w: Mat,
@@ -802,47 +824,23 @@ impl QuantOps for CudaBackend {
                 let mut s_d = self.zeros_of::<f32>(rows * ng, "alloc scales")?;
                 let mut z_d = self.zeros_of::<f32>(rows * ng, "alloc zeros")?;
                 let mut gathered = self.zeros_of::<f32>(rows * g.min(n), "alloc group columns")?;
-                let hp = match (spec.search, h) {
-                    (crate::ops::ScaleSearch::Hessian, Some(h)) => Some(self.read_f64(h)?),
+                let hd = match (spec.search, h) {
+                    (crate::ops::ScaleSearch::Hessian, Some(h)) => {
+                        if h.batch != 1 || h.rows != n || h.cols != n {
+                            bail!("gptq_sweep: H {} for W [{rows} × {n}]", h.describe());
+                        }
+                        Some(dev(h, "H")?)
+                    }
                     _ => None,
                 };
-                let (mut hs, mut hz) = (vec![0f32; rows * ng], vec![0f32; rows * ng]);
+                let mut groups = self.group_search(self.search_variant, hd, rows, n, g, spec)?;
                 let mut search = |k: usize,
                                   cols: &CudaSlice<f32>,
                                   len: usize,
                                   sc: &mut CudaSlice<f32>,
                                   ze: &mut CudaSlice<f32>|
                  -> std::result::Result<(), CudaError> {
-                    let mut host = vec![0f32; rows * len];
-                    self.stream
-                        .memcpy_dtoh(&cols.slice(..rows * len), &mut host)
-                        .map_err(driver("download group weights"))?;
-                    self.stream
-                        .synchronize()
-                        .map_err(driver("gptq_sweep_dynamic group"))?;
-                    let hb = hp
-                        .as_deref()
-                        .map(|h| crate::quant::quantizer::h_block_f32(h, n, k * g, len));
-                    let found = crate::quant::quantizer::search_grids_rows(
-                        &host,
-                        rows,
-                        len,
-                        0,
-                        len,
-                        hb.as_deref(),
-                        spec,
-                    );
-                    for (r, gr) in found.iter().enumerate() {
-                        hs[r * ng + k] = gr.scale;
-                        hz[r * ng + k] = gr.zero;
-                    }
-                    self.stream
-                        .memcpy_htod(&hs, sc)
-                        .map_err(driver("upload group scales"))?;
-                    self.stream
-                        .memcpy_htod(&hz, ze)
-                        .map_err(driver("upload group zeros"))?;
-                    Ok(())
+                    groups.group(k, cols, len, sc, ze)
                 };
                 launch_gptq_sweep_dynamic(
                     &self.stream,
