@@ -783,6 +783,7 @@ impl QuantOps for CpuBackend {
         if block == 0 {
             bail!("gptq_sweep: block size 0");
         }
+        grids.check("gptq_sweep", n)?;
         match into_vals(w, "W")? {
             Vals::F32(v) => gptq_sweep_t(v, u, grids, rows, n, block, maxq),
             Vals::F64(v) => gptq_sweep_t(v, u, grids, rows, n, block, maxq),
@@ -803,6 +804,7 @@ impl QuantOps for CpuBackend {
         if block == 0 {
             bail!("boa_sweep: block size 0");
         }
+        grids.check("boa_sweep", n)?;
         match into_vals(w, "W")? {
             Vals::F32(v) => boa_sweep_t(v, u_col, u_row, rows, n, d_h, block, grids, maxq),
             Vals::F64(v) => boa_sweep_t(v, u_col, u_row, rows, n, d_h, block, grids, maxq),

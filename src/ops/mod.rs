@@ -42,6 +42,41 @@ pub enum GridMode<'a> {
     },
 }
 
+impl GridMode<'_> {
+    /// What every backend refuses before a sweep of `n` columns: a static column map of another length or
+    /// naming a group past the grids (a kernel would read that grid from the next row's), a dynamic group
+    /// size of 0, or the Hessian search without its H.
+    pub fn check(&self, op: &str, n: usize) -> Result<()> {
+        match self {
+            GridMode::Static { grids, col_group } => {
+                let ng = grids.n_groups();
+                for (f, cg) in col_group.iter().enumerate() {
+                    if cg.len() != n {
+                        anyhow::bail!("{op}: col_group[{f}] maps {} columns of {n}", cg.len());
+                    }
+                    if let Some(c) = cg.iter().position(|&k| k as usize >= ng) {
+                        anyhow::bail!(
+                            "{op}: col_group[{f}] puts column {c} in group {} of {ng}",
+                            cg[c]
+                        );
+                    }
+                }
+            }
+            GridMode::Dynamic { g, h, spec } => {
+                if *g == 0 {
+                    anyhow::bail!("{op}: dynamic groups of 0 columns");
+                }
+                if matches!(spec.search, ScaleSearch::Hessian) && h.is_none() {
+                    anyhow::bail!(
+                        "{op}: the Hessian scale search of dynamic groups needs H (h is None)"
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Bytes and calls that crossed between host and device, for `run --profile` (zero on a host backend).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct Traffic {

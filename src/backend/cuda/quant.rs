@@ -773,6 +773,7 @@ impl QuantOps for CudaBackend {
                 u.describe()
             );
         }
+        grids.check("gptq_sweep", n)?;
         let bs = block.min(GPTQ_MAX_BLOCK);
         let mut w_d = into_dev(w, "W")?;
         let w0 = self.copy_of(&w_d)?;
@@ -899,6 +900,7 @@ impl QuantOps for CudaBackend {
         maxq: u32,
     ) -> Result<Swept> {
         let (rows, n) = (w.rows, w.cols);
+        grids.check("boa_sweep", n)?;
         let n_heads = rows / d_h.max(1);
         let static_grids = matches!(grids, GridMode::Static { .. });
         if !static_grids || d_h > BOA_MAX_DH {
