@@ -40,7 +40,7 @@ carry_limit=$((64 * 1024 * 1024))
 
 # Staged by default: the tests that exercise CUDA code. Every test binary together is ~94 MiB stripped, over
 # the 64 MiB the `run` tool carries; the rest are CPU tests that CI already runs.
-default_tests=(parity_ops parity_quant parity_qgemm resident_forward device_run)
+default_tests=(parity_ops parity_quant parity_boa_dynamic parity_qgemm resident_forward device_run)
 
 build_half() {
     local want=("$@")

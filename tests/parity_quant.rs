@@ -34,7 +34,8 @@ mod sweep_check;
 use boa_cuda::backend::Backend;
 use boa_cuda::backend::cpu::CpuBackend;
 use boa_cuda::backend::cuda::{
-    AttnXVariant, BoaBlockVariant, CudaBackend, SearchVariant, TrailingVariant, XxtVariant,
+    AttnXVariant, BoaBlockVariant, BoaDynamicVariant, CudaBackend, SearchVariant, TrailingVariant,
+    XxtVariant,
 };
 use boa_cuda::ops::{
     AttnShape, Codes, Grid, GridMode, Grids, Mat, MatData, QuantOps, QuantSpec, QuantizedLinear,
@@ -2163,8 +2164,12 @@ fn parity_boa_sweep_cuda() {
             for_trailing_variants(b, |b| parity_boa_sweep(b, &Place::cuda(b)));
         }
         b.set_boa_block_variant(BoaBlockVariant::W32);
-        // Dynamic groups run through the host today (one route whatever the variants).
-        parity_boa_sweep_dynamic(b, &Place::cuda(b));
+        // Dynamic groups: boa_dynamic.rs's wavefront, both step variants (v2 falls back to v1 past its g).
+        for v in BoaDynamicVariant::ALL {
+            b.set_boa_dynamic_variant(v);
+            println!("boa dynamic variant {v:?}");
+            parity_boa_sweep_dynamic(b, &Place::cuda(b));
+        }
     });
 }
 

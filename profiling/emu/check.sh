@@ -27,7 +27,8 @@ EMU_STREAMS=lazy "$out/test_order"
 "$out/test_blas" "$out" 2>/dev/null | tail -n1  # stderr: the refusals its bad-argument cases provoke
 "$out/test_null" "$out"  # the null mode and the counters, through dlopen; its children's stderr is checked by it
 EMU_STREAMS=lazy "$out/test_null" "$out"
-tests=(--test parity_ops --test parity_quant --test parity_search --test parity_qgemm --test resident_forward --test device_run)
+tests=(--test parity_ops --test parity_quant --test parity_search --test parity_boa_dynamic --test parity_qgemm
+       --test resident_forward --test device_run)
 
 # One pass of the CUDA tests on the emulator: $1 names it, $2 is what its device name must show (the
 # emulator says there which checks it ran with), the rest are the test targets. The environment picks the
@@ -69,6 +70,7 @@ EMU_SCHEDULE=reverse EMU_STREAMS=lazy pass "threads in reverse order, lazy strea
 race_out="$(EMU_RACECHECK=1 profiling/emu/build.sh | tail -n1)"
 "$race_out/test_emu"
 EMU_SCHEDULE=reverse "$race_out/test_emu"
-race_tests=(--test parity_ops --test parity_quant --test parity_search --test parity_qgemm --test resident_forward)
+race_tests=(--test parity_ops --test parity_quant --test parity_search --test parity_boa_dynamic --test parity_qgemm
+            --test resident_forward)
 EMU_RACECHECK=1 EMU_SCHEDULE=forward pass "race check, threads in forward order" "racecheck" "${race_tests[@]}"
 EMU_RACECHECK=1 EMU_SCHEDULE=reverse pass "race check, threads in reverse order" "racecheck" "${race_tests[@]}"

@@ -1,6 +1,6 @@
 //! CUDA backend: the cudarc host layer over the kernels build.rs embedded (one file per cuda/*.cu:
-//! `ops.rs` ↔ cuda/ops.cu, `qgemm.rs` ↔ cuda/qgemm.cu, `hessian.rs`, `cholesky.rs`, `sweep.rs`, `search.rs` ↔
-//! their .cu; `quant.rs` implements `QuantOps` over the last four).
+//! `ops.rs` ↔ cuda/ops.cu, `qgemm.rs` ↔ cuda/qgemm.cu, `hessian.rs`, `cholesky.rs`, `sweep.rs`, `search.rs`,
+//! `boa_dynamic.rs` ↔ their .cu; `quant.rs` implements `QuantOps` over the last five).
 //!
 //! Opening it never panics: libcuda is loaded at run time (cudarc `dynamic-loading`), so `CudaBackend::new`
 //! first probes for the driver, then checks that kernels were compiled in, then opens the context inside
@@ -15,6 +15,7 @@
 //! missing (noted once on stderr), and degenerate shapes (k = 0).
 
 pub mod abi;
+pub mod boa_dynamic;
 pub mod ceiling;
 pub mod cholesky;
 pub mod core;
@@ -31,6 +32,7 @@ pub mod sweep;
 mod traffic;
 
 pub use crate::nvtx::{Range, range};
+pub use boa_dynamic::BoaDynamicVariant;
 pub use gemm::LinearVariant;
 pub use hessian::{AttnXVariant, XxtVariant};
 pub use ops::{AttentionVariant, RmsNormVariant};
@@ -96,6 +98,7 @@ struct QuantKernels {
     cholesky: cholesky::CholeskyKernels,
     sweep: sweep::SweepKernels,
     search: search::SearchKernels,
+    boa_dynamic: boa_dynamic::BoaDynamicKernels,
 }
 
 pub struct CudaBackend {
@@ -241,6 +244,13 @@ impl CudaBackend {
                 .map_err(|e| e.to_string())?,
             search: search::SearchKernels::load(&load_module(&ctx, search::MODULE, &gpu, cc)?)
                 .map_err(|e| e.to_string())?,
+            boa_dynamic: boa_dynamic::BoaDynamicKernels::load(&load_module(
+                &ctx,
+                boa_dynamic::MODULE,
+                &gpu,
+                cc,
+            )?)
+            .map_err(|e| e.to_string())?,
         };
         keep_pool_memory(&ctx);
         let copy_stream = ctx

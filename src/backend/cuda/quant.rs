@@ -8,9 +8,10 @@
 //! Every input must already be on the device (`CudaBackend::upload_mat`): a host `Mat` here is an error,
 //! never a silent copy.
 //!
-//! Still through the host, each saying so at its method (issue 19, to be moved): the whole dynamic-group BoA
-//! sweep, V's statistics with d_h > 128. The scale search (static and the GPTQ sweep's dynamic groups) is on
-//! the device (search.rs).
+//! Still through the host, each saying so at its method (issue 19, to be moved): the static-grid BoA sweep
+//! with d_h > 128, V's statistics with d_h > 128. The scale search (static and the GPTQ sweep's dynamic groups)
+//! is on the device (search.rs); the BoA sweep's dynamic groups are searched inside its own kernel
+//! (boa_dynamic.rs, any d_h).
 
 use super::cholesky::{CHOLESKY_MAX_N, launch_cholesky};
 use super::core::{
@@ -887,8 +888,9 @@ impl QuantOps for CudaBackend {
         })
     }
 
-    /// Static grids: the wavefront kernel (sweep.rs). Dynamic groups, or heads wider than 128: TEMPORARY HOST
-    /// ROUTE (issue 19), the CPU's sweep on the downloaded buffers.
+    /// Static grids: the wavefront kernel (sweep.rs); heads wider than 128 with static grids: TEMPORARY HOST
+    /// ROUTE (issue 19), the CPU's sweep on the downloaded buffers. Dynamic groups: the group-lagged wavefront
+    /// of boa_dynamic.rs, on the device for any d_h.
     fn boa_sweep(
         &self,
         w: Mat,
@@ -902,39 +904,22 @@ impl QuantOps for CudaBackend {
         let (rows, n) = (w.rows, w.cols);
         grids.check("boa_sweep", n)?;
         let n_heads = rows / d_h.max(1);
-        let static_grids = matches!(grids, GridMode::Static { .. });
-        if !static_grids || d_h > BOA_MAX_DH {
+        let (grids, col_group) = match grids {
+            GridMode::Dynamic { g, h, spec } => {
+                return self.boa_sweep_dynamic(w, u_col, u_row, d_h, g, h, spec, maxq);
+            }
+            GridMode::Static { grids, col_group } => (grids, col_group),
+        };
+        if d_h > BOA_MAX_DH {
             let wh = self.host_mat(&w, false)?;
             let (uc, ur) = (self.host_mat(u_col, true)?, self.host_mat(u_row, true)?);
-            let grids = match grids {
-                GridMode::Static { grids, col_group } => GridMode::Static {
-                    grids: self.host_grids(&grids)?,
-                    col_group,
-                },
-                GridMode::Dynamic { g, h, spec } => {
-                    let hh = h.map(|h| self.host_mat(h, true)).transpose()?;
-                    let s = CpuBackend.boa_sweep(
-                        wh,
-                        &uc,
-                        &ur,
-                        d_h,
-                        block,
-                        GridMode::Dynamic {
-                            g,
-                            h: hh.as_ref(),
-                            spec,
-                        },
-                        maxq,
-                    )?;
-                    return self.device_swept(s);
-                }
+            let grids = GridMode::Static {
+                grids: self.host_grids(&grids)?,
+                col_group,
             };
             let s = CpuBackend.boa_sweep(wh, &uc, &ur, d_h, block, grids, maxq)?;
             return self.device_swept(s);
         }
-        let GridMode::Static { grids, col_group } = grids else {
-            unreachable!("static checked above")
-        };
         if d_h == 0
             || n_heads * d_h != rows
             || u_row.batch != n_heads
