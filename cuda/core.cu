@@ -1,7 +1,7 @@
 // core.cu — the data movement and small arithmetic of the quantization core (design.md §12 "Device
 // residency"): everything between a block's statistics and its packed output that is not a GEMM, a factor, a
 // search or a sweep, so that none of it goes to the host. Each kernel's CPU twin is the matching
-// `QuantOps` method of the CPU backend (src/backend/cpu_quant.rs); the parity tests (tests/parity_core.rs)
+// `QuantOps` method of the CPU backend (src/backend/cpu_quant.rs); the parity tests (tests/parity_quant.rs)
 // compare the two on the emulator and on a GPU. Launchers: src/backend/cuda/core.rs.
 //
 // All are memory-bound elementwise or gather passes over one matrix (or a batch). Launch shapes: 256 threads

@@ -2176,8 +2176,8 @@ fn parity_boa_sweep_cuda() {
 /// A per-channel Hessian search: (W [rows × n], rows, n, H [n × n], spec) → a grid per row.
 type SearchRows<'a> = dyn Fn(&[f32], usize, usize, &[f32], &QuantSpec) -> Vec<Grid<f32>> + 'a;
 
-/// The device's Hessian search kernels (search.rs; `QuantOps::search_grids` on CUDA still runs the CPU's
-/// search, so the kernels are reached only here and by the benchmarks): per channel on one H, both variants
+/// The device's Hessian search kernels (search.rs) through the per-channel entry the benchmarks use, beside
+/// `QuantOps::search_grids` above and tests/parity_search.rs: per channel on one H, both variants
 /// (f32 scores; bf16 scores with an exact re-score of the best four), held to the same rule as the CPU's.
 fn parity_search_rows(search: &SearchRows, who: &str) {
     let mut rng = rng();
