@@ -4,8 +4,9 @@
 #
 #   profiling/gpu_check.sh [TEST…]         on the build machine: build the binary and the test executables
 #                                          with the kernels embedded (BOA_REQUIRE_KERNELS=1), copy the binary
-#                                          and the named tests (default: parity_ops parity_quant parity_qgemm
-#                                          resident_forward device_run, the ones with CUDA halves) into
+#                                          and the named tests (default: parity_ops parity_quant parity_search
+#                                          parity_boa_dynamic parity_qgemm resident_forward device_run, the
+#                                          ones with CUDA halves; ~53 MiB stripped) into
 #                                          .gpu_carry/, and print the device call for `run`.
 #   profiling/gpu_check.sh --on-device [TEST…]
 #                                          on the GPU machine (the `run` tool's command), most valuable first:
@@ -40,7 +41,7 @@ carry_limit=$((64 * 1024 * 1024))
 
 # Staged by default: the tests that exercise CUDA code. Every test binary together is ~94 MiB stripped, over
 # the 64 MiB the `run` tool carries; the rest are CPU tests that CI already runs.
-default_tests=(parity_ops parity_quant parity_boa_dynamic parity_qgemm resident_forward device_run)
+default_tests=(parity_ops parity_quant parity_search parity_boa_dynamic parity_qgemm resident_forward device_run)
 
 build_half() {
     local want=("$@")
