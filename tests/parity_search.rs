@@ -55,6 +55,8 @@ const MISMATCH_TOL: f64 = 0.02;
 const MSE_TIE_REL: f64 = 1e-12;
 /// A rounding tie of the sweep: |w/s − (m + ½)| below this (in code units).
 const ROUND_TIE: f64 = 1e-3;
+/// −lo/s on an integer (relative): two sweeps' f32 ranges differ by a few ulps (candidate_set_tie).
+const CAND_TIE: f64 = 1e-5;
 
 fn rng() -> ChaCha8Rng {
     let seed = std::env::var("BOA_TEST_SEED")
@@ -570,6 +572,45 @@ fn reference_row(
     out
 }
 
+/// A shrink step's zero candidates are floor and ceil of −lo/s (one when it is an integer), so where −lo/s
+/// sits on an integer to within CAND_TIE (a group whose range ends at 0 puts every step there: −lo/s = maxq)
+/// the last bit of the group's range decides between {z − 1, z}, {z} and {z, z + 1}: the other sweep's
+/// candidates may lack the reference's grid, and its best is then the best of what both sets hold. Returns
+/// how far `gx` (the other sweep's grid, on the reference's weights `w`) is above the best candidate common
+/// to every such variant, in units of the near-tie bound, or ∞ when `gx` is no candidate of any variant;
+/// and how many common candidates there are.
+fn candidate_set_tie(w: &[f32], h: &[f32], gx: Grid<f32>, spec: &QuantSpec) -> (f64, usize) {
+    let maxq = spec.maxq();
+    let lo = w.iter().fold(0f32, |a, &x| a.min(x)) as f64;
+    let hi = w.iter().fold(0f32, |a, &x| a.max(x)) as f64;
+    // The shrink scales lo and hi alike, so every step has the same −lo_p/s = maxq·(−lo)/(hi − lo).
+    let t = maxq as f64 * -lo / (hi - lo);
+    let tied = (t - t.round()).abs() <= CAND_TIE * t.abs().max(1.0);
+    let on_integer = |_: &Grid<f32>| tied;
+    let cands: Vec<Grid<f32>> = search_candidates(w, spec).into_iter().flatten().collect();
+    let is_variant = cands.iter().any(|c| {
+        ((c.scale - gx.scale).abs() as f64) <= 1e-5 * c.scale.abs() as f64
+            && (c.zero == gx.zero || (on_integer(c) && (c.zero - gx.zero).abs() <= 1.0))
+    });
+    if spec.sym || !is_variant {
+        return (f64::INFINITY, 0);
+    }
+    let common: Vec<Grid<f32>> = cands
+        .into_iter()
+        .filter(|c| !on_integer(c) || c.zero as f64 == t.round())
+        .collect();
+    let best = common
+        .iter()
+        .map(|&c| grid_err_range(w, h, c, maxq).1)
+        .fold(f64::INFINITY, f64::min);
+    let (_, whw) = grid_err(w, h, gx, maxq);
+    let (ex_, _) = grid_err_range(w, h, gx, maxq);
+    (
+        (ex_ - best) / (TIE_REL * best.abs() + TIE_WHW * whw.abs()),
+        common.len(),
+    )
+}
+
 /// Whether two grids are the same candidate slot up to the last bits of the group's range.
 fn same_slot(a: Grid<f32>, b: Grid<f32>) -> bool {
     a.zero == b.zero && ((a.scale - b.scale).abs() as f64) <= 1e-5 * a.scale.abs() as f64
@@ -578,6 +619,7 @@ fn same_slot(a: Grid<f32>, b: Grid<f32>) -> bool {
 #[derive(Default, Debug)]
 struct Explained {
     rows_differ: usize,
+    cand_sets: usize,
     rounding: usize,
     search: usize,
     worst_round: f64,
@@ -613,7 +655,21 @@ fn explain(
                         let (_, whw) = grid_err(seg, &blocks[k], gr, maxq);
                         let (_, er) = grid_err_range(seg, &blocks[k], gr, maxq);
                         let (ex_, _) = grid_err_range(seg, &blocks[k], gx, maxq);
-                        (ex_ - er) / (TIE_REL * er.abs() + TIE_WHW * whw.abs())
+                        let bound = TIE_REL * er.abs() + TIE_WHW * whw.abs();
+                        let excess = (ex_ - er) / bound;
+                        if excess <= 1.0 {
+                            excess
+                        } else {
+                            let (x, common) = candidate_set_tie(seg, &blocks[k], gx, spec);
+                            if x <= 1.0 {
+                                ex.cand_sets += 1;
+                                eprintln!(
+                                    "{name}: row {r} group {k}: {gx:?} against the reference's {gr:?} is a \
+                                     candidate-set tie (−lo/s on an integer; {common} candidates both sets hold)"
+                                );
+                            }
+                            x
+                        }
                     }
                     ScaleSearch::Mse => {
                         let (er, ex_) = (mse_err(seg, gr, maxq), mse_err(seg, gx, maxq));
@@ -726,14 +782,15 @@ fn parity_gptq_dynamic(ops: &dyn QuantOps, upload: &dyn Fn(Mat) -> Mat, name: &s
         println!(
             "{what}: {} of {} codes as the reference; {} of {rows} rows differ, each first difference \
              explained: {} rounding ties (worst {:.1e} of a code from the tie), {} search near-ties (worst \
-             {:.2} of the bound)",
+             {:.2} of the bound; {} of them candidate-set ties)",
             same,
             rows * n,
             ex.rows_differ,
             ex.rounding,
             ex.worst_round,
             ex.search,
-            ex.worst_search
+            ex.worst_search,
+            ex.cand_sets
         );
     }
 }
