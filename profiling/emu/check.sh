@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Runs the GPU halves of the tests on the CPU emulator (README.md here), four times: with threads in order
 # between barriers and every stream operation run when issued; with threads in reverse (EMU_SCHEDULE=reverse)
-# and stream operations queued until something forces them (EMU_STREAMS=lazy); and, without device_run,
-# under the race check of shared and device memory (EMU_RACECHECK=1, its own build; racecheck.h) in each
-# order of threads. A missing barrier, fence, stream wait or host synchronization shows as a failure in one
-# of them; the stream-order check (streamorder.h), on in all four, refuses any two operations on different
-# streams that share bytes with nothing ordering them. All count each kernel's registers and static shared
-# memory from the build's ptxas report (resources.h). Builds the emulator first. Extra arguments go to cargo
-# (the same as scripts/test.sh's, so nothing is rebuilt: the test binaries must have the kernels embedded,
-# BOA_REQUIRE_KERNELS=1).
+# and stream operations queued until something forces them (EMU_STREAMS=lazy); and, without device_run and
+# device_errors, under the race check of shared and device memory (EMU_RACECHECK=1, its own build;
+# racecheck.h) in each order of threads. A missing barrier, fence, stream wait or host synchronization shows
+# as a failure in one of them; the stream-order check (streamorder.h), on in all four, refuses any two
+# operations on different streams that share bytes with nothing ordering them. All count each kernel's
+# registers and static shared memory from the build's ptxas report (resources.h). Builds the emulator first.
+# Extra arguments go to cargo (the same as scripts/test.sh's, so nothing is rebuilt: the test binaries must
+# have the kernels embedded, BOA_REQUIRE_KERNELS=1).
 #
 #   profiling/emu/check.sh              # 12 to 18 min on 2 cores (2026-12-01)
 set -euo pipefail
@@ -28,7 +28,7 @@ EMU_STREAMS=lazy "$out/test_order"
 "$out/test_null" "$out"  # the null mode and the counters, through dlopen; its children's stderr is checked by it
 EMU_STREAMS=lazy "$out/test_null" "$out"
 tests=(--test parity_ops --test parity_quant --test parity_search --test parity_boa_dynamic --test parity_qgemm
-       --test resident_forward --test device_run)
+       --test resident_forward --test device_run --test device_errors)
 
 # One pass of the CUDA tests on the emulator: $1 names it, $2 is what its device name must show (the
 # emulator says there which checks it ran with), the rest are the test targets. The environment picks the
@@ -64,7 +64,8 @@ EMU_SCHEDULE=forward EMU_STREAMS=eager pass "threads in forward order, eager str
 EMU_SCHEDULE=reverse EMU_STREAMS=lazy pass "threads in reverse order, lazy streams" \
     "stream order, lazy streams, ptxas limits" "${tests[@]}"
 # The race check (racecheck.h): its own build of the emulator; device_run adds only host code
-# and cuBLAS calls to what the others run, so it is left out (its launches are the parity tests' kernels).
+# and cuBLAS calls to what the others run, so it is left out (its launches are the parity tests' kernels), and
+# so is device_errors (the same runs, with injected faults).
 # Both orders: device memory keeps no reads, so a race seen as a write after a read in one order is a read
 # after a write in the other.
 race_out="$(EMU_RACECHECK=1 profiling/emu/build.sh | tail -n1)"

@@ -319,6 +319,28 @@ int check_workspace(const char* fn, const void* dev, size_t dev_bytes, const voi
     return ST_SUCCESS;
 }
 
+// Fault injection (README "Fault injection"): EMU_FAIL_POTRF=k makes the k-th potrf call (counted when
+// issued, from 1) and every later one report the matrix not positive definite, *info = n (the last leading
+// minor), after factoring it as usual: every damping retry of the host fails too. Off when unset.
+bool potrf_fails(const char* fn, int64_t n) {
+    static const long long from = [] {
+        const char* s = std::getenv("EMU_FAIL_POTRF");
+        if (s == nullptr || *s == 0) return -1LL;
+        char* end = nullptr;
+        const long long v = std::strtoll(s, &end, 10);
+        if (*end != 0 || v < 1) {
+            std::fprintf(stderr, "emu: EMU_FAIL_POTRF=%s is not a count from 1; no fault injected\n", s);
+            return -1LL;
+        }
+        return v;
+    }();
+    static long long calls = 0;
+    if (from < 0 || ++calls < from) return false;
+    std::fprintf(stderr, "emu: injected fault: %s call %lld (n = %lld) reports info = n (EMU_FAIL_POTRF=%lld)\n", fn,
+                 calls, (long long)n, from);
+    return true;
+}
+
 // Runs a factorization of A on the handle's stream and stores its info. `body` is kept until the stream
 // runs it: it captures by value.
 template <class F>
@@ -450,9 +472,10 @@ EXPORT int cusolverDnXpotrf(cusolverDnHandle_t handle, cusolverDnParams_t /*para
     if (int st = check_types(fn, dataTypeA, computeType)) return st;
     if (int st = check_workspace(fn, bufferOnDevice, workspaceInBytesOnDevice, bufferOnHost, workspaceInBytesOnHost))
         return st;
-    return run(fn, handle, info, A, [=] {
-        return dataTypeA == R_32F ? potrf(tri_view(static_cast<float*>(A), lda, uplo), n)
-                                  : potrf(tri_view(static_cast<double*>(A), lda, uplo), n);
+    return run(fn, handle, info, A, [=, fails = potrf_fails(fn, n)] {
+        const int i = dataTypeA == R_32F ? potrf(tri_view(static_cast<float*>(A), lda, uplo), n)
+                                         : potrf(tri_view(static_cast<double*>(A), lda, uplo), n);
+        return fails ? static_cast<int>(n) : i;
     });
 }
 
@@ -510,7 +533,10 @@ int legacy_potrf(const char* fn, cusolverDnHandle_t handle, int uplo, int n, S* 
     if (int st = check_common(fn, handle, uplo, n, A, lda)) return st;
     if (int st = check_workspace(fn, work, lwork < 0 ? 0 : static_cast<size_t>(lwork) * sizeof(S), nullptr, 0))
         return st;
-    return run(fn, handle, info, A, [=] { return potrf(tri_view(A, lda, uplo), n); });
+    return run(fn, handle, info, A, [=, fails = potrf_fails(fn, n)] {
+        const int i = potrf(tri_view(A, lda, uplo), n);
+        return fails ? n : i;
+    });
 }
 
 }  // namespace

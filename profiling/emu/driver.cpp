@@ -152,6 +152,71 @@ size_t total_bytes() {
     return t;
 }
 
+// ---- fault injection (README "Fault injection"; off unless the variable is set) ----------------------------
+// EMU_FAIL_ALLOC_AFTER=N: every device allocation after the N-th fails with CUDA_ERROR_OUT_OF_MEMORY.
+// EMU_FAIL_KERNEL=name[:k]: the k-th launch (default the first) of kernel `name` faults: a sticky
+// CUDA_ERROR_ILLEGAL_ADDRESS, returned where the launch runs (at the launch when eager, at the synchronization
+// that forces it when lazy) and by every later synchronizing call. Counted when issued, so both schedules
+// fail the same launch.
+long long env_count(const char* var) {
+    const char* s = std::getenv(var);
+    if (s == nullptr || *s == 0) return -1;
+    char* end = nullptr;
+    const long long v = std::strtoll(s, &end, 10);
+    if (*end != 0 || v < 0) {
+        std::fprintf(stderr, "emu: %s=%s is not a count; no fault injected\n", var, s);
+        return -1;
+    }
+    return v;
+}
+
+// Whether this allocation is one past EMU_FAIL_ALLOC_AFTER (counts the successful ones; under g_mu).
+bool alloc_fails(size_t n) {
+    static const long long after = env_count("EMU_FAIL_ALLOC_AFTER");
+    static long long made = 0;
+    if (after < 0) return false;
+    if (made < after) {
+        ++made;
+        return false;
+    }
+    std::fprintf(stderr, "emu: injected fault: device allocation %lld of %zu bytes fails (EMU_FAIL_ALLOC_AFTER=%lld)\n",
+                 made + 1, n, after);
+    return true;
+}
+
+struct KernelFault {
+    std::string name;
+    long long k = 1;
+};
+const KernelFault* kernel_fault() {
+    static const KernelFault* f = []() -> const KernelFault* {
+        const char* s = std::getenv("EMU_FAIL_KERNEL");
+        if (s == nullptr || *s == 0) return nullptr;
+        auto* f = new KernelFault{s};
+        if (const size_t c = f->name.find(':'); c != std::string::npos) {
+            char* end = nullptr;
+            f->k = std::strtoll(f->name.c_str() + c + 1, &end, 10);
+            if (*end != 0 || f->k < 1) {
+                std::fprintf(stderr, "emu: EMU_FAIL_KERNEL=%s: k must be a count from 1; no fault injected\n", s);
+                return nullptr;
+            }
+            f->name.resize(c);
+        }
+        return f;
+    }();
+    return f;
+}
+
+// Whether this launch of `name` is the one EMU_FAIL_KERNEL names (counted at the issue).
+bool launch_faults(const std::string& name) {
+    const KernelFault* f = kernel_fault();
+    if (f == nullptr || f->name != name) return false;
+    static std::mutex mu;
+    static long long seen = 0;
+    std::lock_guard<std::mutex> l(mu);
+    return ++seen == f->k;
+}
+
 int g_pool_tag, g_module_tag, g_ctx_tag;
 
 // A kernel's registers and static shared memory from ptxas's report; 32 registers and none when there is no
@@ -216,7 +281,7 @@ CUresult alloc_device(CUdeviceptr* p, size_t n) {
     if (n == 0) return CUDA_ERROR_INVALID_VALUE;
     {
         std::lock_guard<std::mutex> l(g_mu);
-        if (g_device_bytes + n > total_bytes()) return CUDA_ERROR_OUT_OF_MEMORY;
+        if (g_device_bytes + n > total_bytes() || alloc_fails(n)) return CUDA_ERROR_OUT_OF_MEMORY;
     }
     // 256-aligned as cudaMalloc's; NaN bytes, or zeros in the null mode (obtain).
     void* m = obtain(n, 256, 0xff);
@@ -770,6 +835,15 @@ EMU_API CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, 
     }
     auto args = std::make_shared<Args>(*k, params);
     counters::launch(k->name);
+    if (launch_faults(k->name)) {
+        // An injected fault (EMU_FAIL_KERNEL): the kernel does not run; its stream's error is sticky.
+        return streams::submit(s, {"kernel " + k->name, args->touches, [k] {
+                                       streams::fault(CUDA_ERROR_ILLEGAL_ADDRESS);
+                                       return report(CUDA_ERROR_ILLEGAL_ADDRESS,
+                                                     "injected fault: kernel " + k->name +
+                                                         " made an illegal address access (EMU_FAIL_KERNEL)");
+                                   }});
+    }
     // The null mode: checked, counted and ordered (its touches) like any launch, and nothing runs; the one
     // check that the runtime makes when a launch runs (its __launch_bounds__) is made here instead, at the
     // same point in the stream, with the same error.

@@ -178,6 +178,11 @@ CUresult submit(CUstream s, Op op) {
     return CUDA_SUCCESS;
 }
 
+void fault(CUresult r) {
+    std::lock_guard<std::recursive_mutex> l(g_lock);
+    if (g_sticky == CUDA_SUCCESS) g_sticky = r;
+}
+
 CUresult host_touch(const char* what, std::vector<order::Touch> touches) {
     std::lock_guard<std::recursive_mutex> l(g_lock);
     g_host.tick(kHost);

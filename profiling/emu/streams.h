@@ -45,6 +45,8 @@ bool order_checked();
 // returned by every later synchronizing call, as CUDA's sticky errors are). An operation that nothing orders
 // with an earlier one touching its memory (streamorder.h) is refused: CUDA_ERROR_ILLEGAL_ADDRESS, sticky.
 CUresult submit(CUstream s, Op op);
+// Makes `r` the sticky error (if none is yet) that every later synchronizing call returns: a kernel fault.
+void fault(CUresult r);
 // The same check for the host's own use of memory (freeing page-locked memory): it must come after every
 // stream operation that touches it, by a synchronization.
 CUresult host_touch(const char* what, std::vector<order::Touch> touches);

@@ -261,25 +261,56 @@ pub fn block_forward(
     let (h, h_kv, d_h) = (cfg.n_heads, cfg.n_kv_heads, cfg.d_h);
     let r = |i: usize| resident.and_then(|r| r.get(i));
 
-    let xa = be.rms_norm_t(x, &w.attn_norm, cfg.d, cfg.eps)?;
-    let mut q = w.q.forward_t(be, &xa, m, r(0))?;
-    let mut k = w.k.forward_t(be, &xa, m, r(1))?;
-    let v = w.v.forward_t(be, &xa, m, r(2))?;
-    be.rope_t(&mut q, t, h, d_h, &rope.cos, &rope.sin)?;
-    be.rope_t(&mut k, t, h_kv, d_h, &rope.cos, &rope.sin)?;
-    let attn = be.causal_attention_t(&q, &k, &v, n_seq, t, h, h_kv, d_h)?;
+    // Each step names the module it runs (an error then says where in the block the device failed).
+    use anyhow::Context as _;
+    let of = |what: &'static str| move || format!("forward of {what}");
+    let xa = be
+        .rms_norm_t(x, &w.attn_norm, cfg.d, cfg.eps)
+        .with_context(of("input_layernorm"))?;
+    let mut q =
+        w.q.forward_t(be, &xa, m, r(0))
+            .with_context(of(LINEAR_NAMES[0]))?;
+    let mut k =
+        w.k.forward_t(be, &xa, m, r(1))
+            .with_context(of(LINEAR_NAMES[1]))?;
+    let v =
+        w.v.forward_t(be, &xa, m, r(2))
+            .with_context(of(LINEAR_NAMES[2]))?;
+    be.rope_t(&mut q, t, h, d_h, &rope.cos, &rope.sin)
+        .with_context(of("RoPE of self_attn.q_proj's output"))?;
+    be.rope_t(&mut k, t, h_kv, d_h, &rope.cos, &rope.sin)
+        .with_context(of("RoPE of self_attn.k_proj's output"))?;
+    let attn = be
+        .causal_attention_t(&q, &k, &v, n_seq, t, h, h_kv, d_h)
+        .with_context(of("the attention (self_attn.o_proj's input)"))?;
     drop(v);
-    let o = w.o.forward_t(be, &attn, m, r(3))?;
-    be.add_t(x, &o)?;
+    let o =
+        w.o.forward_t(be, &attn, m, r(3))
+            .with_context(of(LINEAR_NAMES[3]))?;
+    be.add_t(x, &o)
+        .with_context(of("the residual add after self_attn.o_proj"))?;
     drop(o);
 
-    let xm = be.rms_norm_t(x, &w.mlp_norm, cfg.d, cfg.eps)?;
-    let gate = w.gate.forward_t(be, &xm, m, r(4))?;
-    let up = w.up.forward_t(be, &xm, m, r(5))?;
-    let act = be.swiglu_t(&gate, &up)?;
+    let xm = be
+        .rms_norm_t(x, &w.mlp_norm, cfg.d, cfg.eps)
+        .with_context(of("post_attention_layernorm"))?;
+    let gate = w
+        .gate
+        .forward_t(be, &xm, m, r(4))
+        .with_context(of(LINEAR_NAMES[4]))?;
+    let up =
+        w.up.forward_t(be, &xm, m, r(5))
+            .with_context(of(LINEAR_NAMES[5]))?;
+    let act = be
+        .swiglu_t(&gate, &up)
+        .with_context(of("SwiGLU (mlp.down_proj's input)"))?;
     drop((gate, up));
-    let down = w.down.forward_t(be, &act, m, r(6))?;
-    be.add_t(x, &down)?;
+    let down = w
+        .down
+        .forward_t(be, &act, m, r(6))
+        .with_context(of(LINEAR_NAMES[6]))?;
+    be.add_t(x, &down)
+        .with_context(of("the residual add after mlp.down_proj"))?;
 
     if let Some(tr) = trace {
         *tr = BlockTrace {

@@ -117,15 +117,15 @@ pub fn quantize_block(
                     // W_Q and W_K share H_col (and its plan, through `factors`); W_V's per-head H_col are its own.
                     0 | 1 => {
                         let (h_row, heads) = if i == 0 {
-                            let c_k = ops.read_f64(&a.c_k)?;
+                            let c_k = ops.read_f64(&a.c_k).context("H_row")?;
                             let hr = q_row_hessians(&c_k, cfg.n_heads, cfg.n_kv_heads, &rope);
                             (hr, cfg.n_heads)
                         } else {
-                            let c_q = ops.read_f64(&a.c_q)?;
+                            let c_q = ops.read_f64(&a.c_q).context("H_row")?;
                             let means = group_means(&c_q, cfg.n_heads, d_h, cfg.n_kv_heads);
                             (k_row_hessians(&means, &rope), cfg.n_kv_heads)
                         };
-                        let h_row = ops.hessian(h_row, heads, d_h)?;
+                        let h_row = ops.hessian(h_row, heads, d_h).context("H_row")?;
                         boa_quantize(
                             ops,
                             w,
@@ -144,14 +144,11 @@ pub fn quantize_block(
                                     cfg.n_kv_heads,
                                     d_h,
                                 );
-                                ops.hessian(id, cfg.n_kv_heads, d_h)?
+                                ops.hessian(id, cfg.n_kv_heads, d_h).context("H_row")?
                             }
-                            VRowHessian::Wout => ops.wout_row_hessians(
-                                &weights[3],
-                                cfg.n_heads,
-                                cfg.n_kv_heads,
-                                d_h,
-                            )?,
+                            VRowHessian::Wout => ops
+                                .wout_row_hessians(&weights[3], cfg.n_heads, cfg.n_kv_heads, d_h)
+                                .context("H_row")?,
                         };
                         boa_quantize(
                             ops,

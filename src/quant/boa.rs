@@ -426,7 +426,9 @@ pub fn boa_quantize<'h>(
     .map_err(|e| e.context("factor of H_row"))?;
 
     let dead: Vec<Vec<usize>> = head_col.iter().map(|&f| cols.dead[f].clone()).collect();
-    let w0 = ops.zero_cols(w, &dead)?;
+    let w0 = ops
+        .zero_cols(w, &dead)
+        .context("sweep setup (dead inputs)")?;
     let gl = g.spec.group_len(n);
     let dynamic = dynamic_groups(&g.spec, n, g.static_groups);
     let hessian = g.spec.search == ScaleSearch::Hessian;
@@ -441,7 +443,9 @@ pub fn boa_quantize<'h>(
         cols.perm.iter().map(|p| static_col_group(p, gl)).collect()
     };
     let (wp, mode) = if dynamic {
-        let (wp, _) = ops.reorder(&w0, None, &row_perm, &col_perms)?;
+        let (wp, _) = ops
+            .reorder(&w0, None, &row_perm, &col_perms)
+            .context("sweep setup (the sweep order)")?;
         let mode = GridMode::Dynamic {
             g: gl,
             h: hessian.then_some(&cols.h_p),
@@ -461,7 +465,9 @@ pub fn boa_quantize<'h>(
             )
         })
         .context("scale search")?;
-        let (wp, grids) = ops.reorder(&w0, Some(&grids), &row_perm, &col_perms)?;
+        let (wp, grids) = ops
+            .reorder(&w0, Some(&grids), &row_perm, &col_perms)
+            .context("sweep setup (the sweep order)")?;
         let grids = grids.expect("reorder returns the grids it was given");
         (
             wp,
@@ -476,7 +482,9 @@ pub fn boa_quantize<'h>(
         ops.boa_sweep(wp, &cols.u, &rows.u, d_h, g.block_size, mode, g.spec.maxq())
     })
     .context("sweep")?;
-    let (w_hat, codes, grids) = ops.unorder(swept, &row_perm, &col_perms)?;
+    let (w_hat, codes, grids) = ops
+        .unorder(swept, &row_perm, &col_perms)
+        .context("sweep (back to the original order)")?;
     Ok(QuantizedLinear {
         d_out,
         d_in: n,

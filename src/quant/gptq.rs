@@ -336,11 +336,15 @@ pub fn gptq_quantize<'h>(
     .context("factor")?;
     let perm = &plan.perm[0];
     let g = opts.spec.group_len(d_in);
-    let w0 = ops.zero_cols(w, &plan.dead)?;
+    let w0 = ops
+        .zero_cols(w, &plan.dead)
+        .context("sweep setup (dead inputs)")?;
     let dynamic = dynamic_groups(&opts.spec, d_in, opts.static_groups);
     let hessian = opts.spec.search == ScaleSearch::Hessian;
     let (wp, col_group, mode_grids) = if dynamic {
-        let (wp, _) = ops.reorder(&w0, None, &identity(d_out), &plan.perm)?;
+        let (wp, _) = ops
+            .reorder(&w0, None, &identity(d_out), &plan.perm)
+            .context("sweep setup (the sweep order)")?;
         (wp, (0..d_in).map(|c| (c / g) as u32).collect(), None)
     } else {
         // Static grids from the original rows, each group over original columns (design.md §4.2).
@@ -355,7 +359,9 @@ pub fn gptq_quantize<'h>(
             )
         })
         .context("scale search")?;
-        let (wp, grids) = ops.reorder(&w0, Some(&grids), &identity(d_out), &plan.perm)?;
+        let (wp, grids) = ops
+            .reorder(&w0, Some(&grids), &identity(d_out), &plan.perm)
+            .context("sweep setup (the sweep order)")?;
         (wp, static_col_group(perm, g), grids)
     };
     drop(w0);
@@ -376,7 +382,9 @@ pub fn gptq_quantize<'h>(
     })
     .context("sweep")?;
     let error = swept.loss - plan.damp[0] * swept.delta_sq;
-    let (w_hat, codes, grids) = ops.unorder(swept, &identity(d_out), &plan.perm)?;
+    let (w_hat, codes, grids) = ops
+        .unorder(swept, &identity(d_out), &plan.perm)
+        .context("sweep (back to the original order)")?;
     Ok(QuantizedLinear {
         d_out,
         d_in,
