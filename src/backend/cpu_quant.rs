@@ -449,9 +449,10 @@ fn rtn_t<T: Real + IntoMat>(
 ) -> Result<(Mat, Codes)> {
     let g = grids_vec::<T>(grids)?;
     let ng = grids.n_groups();
-    if g.len() != rows * ng || col_group.len() != n || col_group.iter().any(|&k| k as usize >= ng) {
+    crate::ops::check_col_group("rtn", 0, col_group, n, ng)?;
+    if g.len() != rows * ng {
         bail!(
-            "rtn: grids [{} × {ng}] or col_group do not fit [{rows} × {n}]",
+            "rtn: grids [{} × {ng}] do not fit [{rows} × {n}]",
             grids.rows()
         );
     }

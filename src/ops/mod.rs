@@ -49,17 +49,8 @@ impl GridMode<'_> {
     pub fn check(&self, op: &str, n: usize) -> Result<()> {
         match self {
             GridMode::Static { grids, col_group } => {
-                let ng = grids.n_groups();
                 for (f, cg) in col_group.iter().enumerate() {
-                    if cg.len() != n {
-                        anyhow::bail!("{op}: col_group[{f}] maps {} columns of {n}", cg.len());
-                    }
-                    if let Some(c) = cg.iter().position(|&k| k as usize >= ng) {
-                        anyhow::bail!(
-                            "{op}: col_group[{f}] puts column {c} in group {} of {ng}",
-                            cg[c]
-                        );
-                    }
+                    check_col_group(op, f, cg, n, grids.n_groups())?;
                 }
             }
             GridMode::Dynamic { g, h, spec } => {
@@ -75,6 +66,21 @@ impl GridMode<'_> {
         }
         Ok(())
     }
+}
+
+/// A column map `col_group` (number `f` of its kind) for `n` columns and `n_groups` grids per row: one entry
+/// per column, each naming an existing group (a kernel would read a grid past the row's from the next row).
+pub fn check_col_group(op: &str, f: usize, cg: &[u32], n: usize, n_groups: usize) -> Result<()> {
+    if cg.len() != n {
+        anyhow::bail!("{op}: col_group[{f}] maps {} columns of {n}", cg.len());
+    }
+    if let Some(c) = cg.iter().position(|&k| k as usize >= n_groups) {
+        anyhow::bail!(
+            "{op}: col_group[{f}] puts column {c} in group {} of {n_groups}",
+            cg[c]
+        );
+    }
+    Ok(())
 }
 
 /// Bytes and calls that crossed between host and device, for `run --profile` (zero on a host backend).

@@ -727,12 +727,10 @@ impl QuantOps for CudaBackend {
 
     fn rtn(&self, w: &Mat, grids: &Grids, col_group: &[u32], maxq: u32) -> Result<(Mat, Codes)> {
         let (rows, n, ng) = (w.rows, w.cols, grids.n_groups());
-        if col_group.len() != n
-            || col_group.iter().any(|&k| k as usize >= ng)
-            || grids.rows() != rows
-        {
+        crate::ops::check_col_group("rtn", 0, col_group, n, ng)?;
+        if grids.rows() != rows {
             bail!(
-                "rtn: grids [{} × {ng}] or col_group do not fit {}",
+                "rtn: grids [{} × {ng}] do not fit {}",
                 grids.rows(),
                 w.describe()
             );
