@@ -71,15 +71,7 @@ pub struct BoaDynamicKernels {
 
 impl BoaDynamicKernels {
     pub fn load(module: &Arc<CudaModule>) -> std::result::Result<Self, CudaError> {
-        let get = |name: &'static str| {
-            module
-                .load_function(name)
-                .map_err(|e| CudaError::MissingKernel {
-                    module: MODULE,
-                    kernel: name,
-                    source: e,
-                })
-        };
+        let get = |name: &'static str| super::load_kernel(module, MODULE, name);
         Ok(BoaDynamicKernels {
             step_v1: get("boa_dyn_step_kernel")?,
             step_v2: get("boa_dyn_step_kernel_v2")?,

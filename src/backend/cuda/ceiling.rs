@@ -28,15 +28,7 @@ impl CudaBackend {
             op: "measure_ceilings",
             msg,
         })?;
-        let get = |name: &'static str| {
-            module
-                .load_function(name)
-                .map_err(|e| CudaError::MissingKernel {
-                    module: MODULE,
-                    kernel: name,
-                    source: e,
-                })
-        };
+        let get = |name: &'static str| super::load_kernel(&module, MODULE, name);
         let copy = get("ceiling_copy_kernel")?;
         let mma = get("ceiling_mma_kernel")?;
         let sms = self

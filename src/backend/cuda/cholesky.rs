@@ -24,15 +24,7 @@ pub struct CholeskyKernels {
 
 impl CholeskyKernels {
     pub fn load(module: &Arc<CudaModule>) -> Result<Self, CudaError> {
-        let load = |name: &'static str| {
-            module
-                .load_function(name)
-                .map_err(|e| CudaError::MissingKernel {
-                    module: MODULE,
-                    kernel: name,
-                    source: e,
-                })
-        };
+        let load = |name: &'static str| super::load_kernel(module, MODULE, name);
         Ok(CholeskyKernels {
             cholesky: load("cholesky_upper_inverse_kernel")?,
             reverse: load("reverse_kernel")?,

@@ -37,15 +37,7 @@ pub struct CoreKernels {
 
 impl CoreKernels {
     pub fn load(module: &Arc<CudaModule>) -> Result<Self, CudaError> {
-        let load = |name: &'static str| {
-            module
-                .load_function(name)
-                .map_err(|e| CudaError::MissingKernel {
-                    module: MODULE,
-                    kernel: name,
-                    source: e,
-                })
-        };
+        let load = |name: &'static str| super::load_kernel(module, MODULE, name);
         Ok(CoreKernels {
             diag: load("diag_kernel")?,
             permute_sym: load("permute_sym_kernel")?,

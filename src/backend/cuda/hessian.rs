@@ -90,15 +90,7 @@ pub struct HessianKernels {
 
 impl HessianKernels {
     pub fn load(module: &Arc<CudaModule>) -> Result<Self, CudaError> {
-        let get = |name: &'static str| {
-            module
-                .load_function(name)
-                .map_err(|e| CudaError::MissingKernel {
-                    module: MODULE,
-                    kernel: name,
-                    source: e,
-                })
-        };
+        let get = |name: &'static str| super::load_kernel(module, MODULE, name);
         Ok(HessianKernels {
             xxt_v1: get(XxtVariant::F32Tiled.kernel_name())?,
             xxt_v2: get(XxtVariant::Bf16Wmma.kernel_name())?,

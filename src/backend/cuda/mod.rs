@@ -86,6 +86,22 @@ pub enum CudaError {
     },
 }
 
+/// Kernel `kernel` of `module` (compiled from cuda/`stem`.cu), or the error naming both: what every kernel
+/// family's `load` asks of its module.
+pub(crate) fn load_kernel(
+    module: &Arc<CudaModule>,
+    stem: &'static str,
+    kernel: &'static str,
+) -> Result<cudarc::driver::CudaFunction, CudaError> {
+    module
+        .load_function(kernel)
+        .map_err(|e| CudaError::MissingKernel {
+            module: stem,
+            kernel,
+            source: e,
+        })
+}
+
 fn driver(what: &'static str) -> impl FnOnce(DriverError) -> CudaError {
     move |source| CudaError::Driver { what, source }
 }

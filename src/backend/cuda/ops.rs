@@ -86,24 +86,8 @@ pub struct OpsKernels {
 
 impl OpsKernels {
     pub fn load(module: &Arc<CudaModule>) -> Result<Self, CudaError> {
-        let get = |v: RmsNormVariant| {
-            module
-                .load_function(v.kernel_name())
-                .map_err(|e| CudaError::MissingKernel {
-                    module: MODULE,
-                    kernel: v.kernel_name(),
-                    source: e,
-                })
-        };
-        let get_named = |kernel: &'static str| {
-            module
-                .load_function(kernel)
-                .map_err(|e| CudaError::MissingKernel {
-                    module: MODULE,
-                    kernel,
-                    source: e,
-                })
-        };
+        let get = |v: RmsNormVariant| super::load_kernel(module, MODULE, v.kernel_name());
+        let get_named = |kernel: &'static str| super::load_kernel(module, MODULE, kernel);
         Ok(OpsKernels {
             rms_norm_v1: get(RmsNormVariant::Naive)?,
             rms_norm_v2: get(RmsNormVariant::WarpPerRow)?,

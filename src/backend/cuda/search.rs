@@ -86,15 +86,7 @@ pub struct SearchKernels {
 
 impl SearchKernels {
     pub fn load(module: &Arc<CudaModule>) -> Result<Self, CudaError> {
-        let get = |name: &'static str| {
-            module
-                .load_function(name)
-                .map_err(|e| CudaError::MissingKernel {
-                    module: MODULE,
-                    kernel: name,
-                    source: e,
-                })
-        };
+        let get = |name: &'static str| super::load_kernel(module, MODULE, name);
         Ok(SearchKernels {
             gather_w: get("search_gather_w_kernel")?,
             gather_h: get("search_gather_h_kernel")?,

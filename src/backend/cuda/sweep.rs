@@ -57,15 +57,7 @@ pub struct SweepKernels {
 
 impl SweepKernels {
     pub fn load(module: &Arc<CudaModule>) -> Result<Self, CudaError> {
-        let get = |name: &'static str| {
-            module
-                .load_function(name)
-                .map_err(|e| CudaError::MissingKernel {
-                    module: MODULE,
-                    kernel: name,
-                    source: e,
-                })
-        };
+        let get = |name: &'static str| super::load_kernel(module, MODULE, name);
         Ok(SweepKernels {
             gptq_block: get("gptq_block_kernel")?,
             gemm: get("sweep_trailing_gemm_kernel")?,
