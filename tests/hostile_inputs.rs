@@ -779,15 +779,45 @@ fn hostile_config_fields_are_refused() {
             serde_json::json!(-10000.0),
             "rope_theta",
         ),
-        (
-            "mlp_bias true",
-            "mlp_bias",
-            serde_json::json!(true),
-            "mlp_bias",
-        ),
     ] {
         edit_config(&m, |v| v[key] = value.clone());
         run_err(case, &m, &calib, &["config.json", needle]);
+        restore();
+    }
+    // Fields an architecture's block description refuses, and tensors it declares that the file lacks.
+    let arch = |a: &str| serde_json::json!([a]);
+    type Edit = Box<dyn Fn(&mut serde_json::Value)>;
+    let cases: Vec<(&str, Edit, Vec<&str>)> = vec![
+        (
+            "qwen2 mlp_bias",
+            Box::new(move |v| {
+                v["architectures"] = arch("Qwen2ForCausalLM");
+                v["mlp_bias"] = serde_json::json!(true);
+            }),
+            vec!["config.json", "mlp_bias", "Qwen2"],
+        ),
+        (
+            "llama mlp_bias without the biases",
+            Box::new(|v| v["mlp_bias"] = serde_json::json!(true)),
+            vec!["model.layers.0.mlp.gate_proj.bias", "missing"],
+        ),
+        (
+            "qwen3 without q_norm",
+            Box::new(move |v| v["architectures"] = arch("Qwen3ForCausalLM")),
+            vec!["model.layers.0.self_attn.q_norm.weight", "missing"],
+        ),
+        (
+            "mistral window shorter than --seqlen",
+            Box::new(move |v| {
+                v["architectures"] = arch("MistralForCausalLM");
+                v["sliding_window"] = serde_json::json!(32);
+            }),
+            vec!["--seqlen 64", "sliding_window 32", "not implemented"],
+        ),
+    ];
+    for (case, edit, needles) in cases {
+        edit_config(&m, edit);
+        run_err(case, &m, &calib, &needles);
         restore();
     }
 

@@ -23,6 +23,7 @@
 use crate::backend::cpu::{
     causal_attention_grouped, exp_f32, gemm_nt, max_lanes, rms_norm_row, rope_head, sum_exp_f64,
 };
+use crate::model::arch::{NormRole, Role};
 use crate::model::config::Config;
 use crate::model::llama::{BlockWeights, Linear, RopeTable};
 use rayon::prelude::*;
@@ -40,6 +41,9 @@ const FF_CHUNK: usize = 512;
 /// exactly, so the math is unchanged).
 pub struct FusedBlock {
     attn_norm: Vec<f32>,
+    /// Qwen3's per-head q/k norms [d_h], when the block has them.
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
     q: Linear,
     /// [k; v] [2·kvd × d] and its bias.
     kv: Vec<f32>,
@@ -67,18 +71,24 @@ fn stack(ls: &[&Linear]) -> (Vec<f32>, Option<Vec<f32>>) {
 
 impl FusedBlock {
     /// None when a linear is held packed (the generic path dequantizes those tile by tile).
-    pub fn new(w: BlockWeights) -> Option<FusedBlock> {
-        let all = [&w.q, &w.k, &w.v, &w.o, &w.gate, &w.up, &w.down];
-        if all.iter().any(|l| l.packed.is_some()) {
-            return None;
+    pub fn new(w: BlockWeights) -> anyhow::Result<Option<FusedBlock>> {
+        if w.linears.iter().any(|l| l.packed.is_some()) {
+            return Ok(None);
         }
-        let (kv, kv_bias) = stack(&[&w.k, &w.v]);
+        let (q, k, v, o) = (
+            w.get(Role::Q)?,
+            w.get(Role::K)?,
+            w.get(Role::V)?,
+            w.get(Role::O)?,
+        );
+        let (gate, up, down) = (w.get(Role::Gate)?, w.get(Role::Up)?, w.get(Role::Down)?);
+        let (kv, kv_bias) = stack(&[k, v]);
         // [gate; up] interleaved by FF_CHUNK rows: chunk c is [gate[c]; up[c]].
-        let d = w.gate.d_in;
+        let d = gate.d_in;
         let (mut gate_up, mut bias) = (Vec::new(), Vec::new());
-        for j0 in (0..w.gate.d_out).step_by(FF_CHUNK) {
-            let j1 = (j0 + FF_CHUNK).min(w.gate.d_out);
-            for l in [&w.gate, &w.up] {
+        for j0 in (0..gate.d_out).step_by(FF_CHUNK) {
+            let j1 = (j0 + FF_CHUNK).min(gate.d_out);
+            for l in [gate, up] {
                 gate_up.extend_from_slice(&l.w[j0 * d..j1 * d]);
                 match &l.b {
                     Some(b) => bias.extend_from_slice(&b[j0..j1]),
@@ -86,18 +96,25 @@ impl FusedBlock {
                 }
             }
         }
-        let gate_up_bias = (w.gate.b.is_some() || w.up.b.is_some()).then_some(bias);
-        Some(FusedBlock {
-            attn_norm: w.attn_norm,
-            q: w.q,
+        let gate_up_bias = (gate.b.is_some() || up.b.is_some()).then_some(bias);
+        let norm = |r: NormRole| -> anyhow::Result<Vec<f32>> {
+            w.norm(r)
+                .map(<[f32]>::to_vec)
+                .ok_or_else(|| anyhow::anyhow!("the block has no {r:?} norm"))
+        };
+        Ok(Some(FusedBlock {
+            attn_norm: norm(NormRole::Attn)?,
+            q_norm: w.norm(NormRole::Q).map(<[f32]>::to_vec),
+            k_norm: w.norm(NormRole::K).map(<[f32]>::to_vec),
+            q: q.clone(),
             kv,
             kv_bias,
-            o: w.o,
-            mlp_norm: w.mlp_norm,
+            o: o.clone(),
+            mlp_norm: norm(NormRole::Mlp)?,
             gate_up,
             gate_up_bias,
-            down: w.down,
-        })
+            down: down.clone(),
+        }))
     }
 }
 
@@ -215,6 +232,20 @@ pub fn block_forward_window(
     gemm_nt(kv, xn, &w.kv, t, d, 2 * kvd, false);
     add_bias(kv, w.kv_bias.as_deref());
     laps.lap(1);
+    // Qwen3: each head's query and key RMS-normalized before RoPE (one weight for every head).
+    let mut head_norm = |rows: &mut [f32], g: &Option<Vec<f32>>, width: usize, stride: usize| {
+        if let Some(g) = g {
+            for r in rows.chunks_mut(stride) {
+                for head in r[..width].chunks_mut(d_h) {
+                    ws.s.clear();
+                    ws.s.extend_from_slice(head);
+                    rms_norm_row(head, &ws.s, g, cfg.eps);
+                }
+            }
+        }
+    };
+    head_norm(q, &w.q_norm, qd, qd);
+    head_norm(kv, &w.k_norm, kvd, 2 * kvd);
     let half = d_h / 2;
     for (p, (qr, kvr)) in q.chunks_mut(qd).zip(kv.chunks_mut(2 * kvd)).enumerate() {
         let (c, s) = (

@@ -45,6 +45,10 @@ pub fn perplexity(
         .cfg
         .check_tensor_names(model.store.names())
         .map_err(|m| crate::error::file_err(model.dir.join("config.json"), m))?;
+    model
+        .cfg
+        .check_seqlen(opts.seqlen)
+        .map_err(|m| crate::input_err!("{m}"))?;
     windows::check_max_windows(opts.max_windows)?;
     let tok = Tokenizer::load(&model.dir)?;
     let text = text::read_all(&opts.data)?;
@@ -103,7 +107,7 @@ pub fn window_nll(
                 &mut x,
                 group,
                 |l| {
-                    cpu::FusedBlock::new(model.load_block(l)?)
+                    cpu::FusedBlock::new(model.load_block(l)?)?
                         .ok_or_else(|| anyhow::anyhow!("block {l} has packed linears"))
                 },
                 &norm,
@@ -151,6 +155,25 @@ pub fn window_nll(
     }
     bar.finish();
     Ok((nll, count))
+}
+
+/// The logits [t × vocab] of one window of token ids, through the generic forward on `be` (the
+/// comparison with other implementations; perplexity runs take the paths above).
+pub fn logits(be: &dyn Backend, model: &Model, ids: &[u32]) -> anyhow::Result<Vec<f32>> {
+    let c = &model.cfg;
+    anyhow::ensure!(!ids.is_empty(), "logits: no token ids");
+    c.check_seqlen(ids.len())
+        .map_err(|m| crate::input_err!("{m}"))?;
+    let rope = model.rope_table(ids.len());
+    let mut x = be.to_device(Tensor::Host(model.embed(ids)?))?;
+    for l in 0..c.n_layers {
+        let w = model.load_block(l)?;
+        let resident = ResidentWeights::upload_all(be, &w)?;
+        block_forward(be, &w, Some(&resident), c, &rope, &mut x, 1, None)?;
+    }
+    let h = be.rms_norm(&be.read(&x)?, &model.final_norm()?, c.d, c.eps)?;
+    let head = model.lm_head()?;
+    be.linear(&h, &head, None, ids.len(), c.d, c.vocab)
 }
 
 /// The NLL of one group of windows from the last block's output X: the final norm, then per window the

@@ -1,12 +1,11 @@
 //! config.json of a Hugging Face Llama-family model, validated so that later code can trust every shape.
 
+use super::arch::{self, BlockDesc, Dims};
 use crate::error::file_err;
 use serde::Deserialize;
 use std::path::Path;
 
-/// Architectures whose decoder is the Llama block (RMSNorm, RoPE rotate-half, GQA, SwiGLU).
-pub const SUPPORTED_ARCHITECTURES: &[&str] =
-    &["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"];
+pub use super::arch::SUPPORTED_ARCHITECTURES;
 
 #[derive(Debug, Clone, Deserialize)]
 pub struct RopeScaling {
@@ -22,8 +21,10 @@ pub struct RopeScaling {
     pub original_max_position_embeddings: usize,
 }
 
+/// config.json's fields that change the math; the architecture files (`model/arch`) read the ones that are
+/// theirs.
 #[derive(Debug, Clone, Deserialize)]
-struct RawConfig {
+pub struct RawConfig {
     #[serde(default)]
     architectures: Vec<String>,
     hidden_size: usize,
@@ -42,10 +43,16 @@ struct RawConfig {
     tie_word_embeddings: bool,
     vocab_size: usize,
     #[serde(default)]
-    attention_bias: bool,
+    pub attention_bias: bool,
     #[serde(default)]
-    mlp_bias: bool,
-    hidden_act: Option<String>,
+    pub mlp_bias: bool,
+    pub hidden_act: Option<String>,
+    pub sliding_window: Option<usize>,
+    #[serde(default)]
+    pub use_sliding_window: bool,
+    /// transformers ≥ 4.53: "full_attention" / "sliding_attention" per layer.
+    #[serde(default)]
+    pub layer_types: Vec<String>,
 }
 
 fn default_eps() -> f64 {
@@ -66,8 +73,8 @@ pub struct Config {
     pub rope_scaling: Option<RopeScaling>,
     pub tie_word_embeddings: bool,
     pub vocab: usize,
-    /// q/k/v carry a bias (Qwen2 always; Llama when attention_bias is set).
-    pub qkv_bias: bool,
+    /// The decoder block's linears, norms and attention (`model/arch`).
+    pub block: BlockDesc,
     /// The parsed config.json, kept so exports can copy it with additions.
     pub json: serde_json::Value,
 }
@@ -133,17 +140,6 @@ impl Config {
                 );
             }
         }
-        // Fields the Llama block here does not implement are refused, never ignored.
-        if let Some(act) = &raw.hidden_act
-            && !matches!(act.as_str(), "silu" | "swish")
-        {
-            return Err(format!(
-                "hidden_act {act:?} is not supported (the MLP here is SwiGLU: \"silu\")"
-            ));
-        }
-        if raw.mlp_bias {
-            return Err("mlp_bias true is not supported (the MLP here has no biases)".into());
-        }
         if !(raw.rms_norm_eps.is_finite() && raw.rms_norm_eps > 0.0) {
             return Err(format!(
                 "rms_norm_eps {} must be a positive number",
@@ -163,8 +159,17 @@ impl Config {
                 s.rope_type
             ));
         }
+        // Fields the block does not implement are refused by its description, never ignored.
+        let dims = Dims {
+            d: raw.hidden_size,
+            d_ff: raw.intermediate_size,
+            n_heads,
+            n_kv_heads,
+            d_h,
+        };
+        let block = arch::describe(&architecture, &raw, dims)?;
         Ok(Config {
-            qkv_bias: architecture == "Qwen2ForCausalLM" || raw.attention_bias,
+            block,
             architecture,
             d: raw.hidden_size,
             d_ff: raw.intermediate_size,
@@ -182,24 +187,19 @@ impl Config {
     }
 
     /// Refuses a bias tensor the architecture does not declare (the forward would use it but the output
-    /// would drop it, and transformers would ignore it): only q/k/v biases exist, when `qkv_bias`.
+    /// would drop it, and transformers would ignore it).
     pub fn check_tensor_names<'a>(
         &self,
         names: impl IntoIterator<Item = &'a String>,
     ) -> Result<(), String> {
+        let biases: Vec<String> = self.block.bias_names().collect();
         let declared = |n: &str| {
-            self.qkv_bias
-                && n.strip_prefix("model.layers.").is_some_and(|rest| {
-                    rest.split_once('.').is_some_and(|(l, p)| {
-                        l.parse::<usize>().is_ok_and(|l| l < self.n_layers)
-                            && matches!(
-                                p,
-                                "self_attn.q_proj.bias"
-                                    | "self_attn.k_proj.bias"
-                                    | "self_attn.v_proj.bias"
-                            )
-                    })
+            n.strip_prefix("model.layers.").is_some_and(|rest| {
+                rest.split_once('.').is_some_and(|(l, p)| {
+                    l.parse::<usize>().is_ok_and(|l| l < self.n_layers)
+                        && biases.iter().any(|b| b == p)
                 })
+            })
         };
         match names
             .into_iter()
@@ -209,13 +209,25 @@ impl Config {
                 "tensor {n} is a bias that {} does not declare ({}): the forward here would add it, \
                  but the output would drop it and transformers would ignore it",
                 self.architecture,
-                if self.qkv_bias {
-                    "only q/k/v carry biases"
+                if biases.is_empty() {
+                    "no linear carries a bias: attention_bias and mlp_bias are false".to_string()
                 } else {
-                    "no linear carries a bias: attention_bias is false"
+                    format!("only {} carry biases", biases.join(", "))
                 }
             )),
             None => Ok(()),
+        }
+    }
+
+    /// A window longer than the model's sliding window would need the windowed mask, which the attention
+    /// here does not implement: refused before any work rather than computed as full attention.
+    pub fn check_seqlen(&self, seqlen: usize) -> Result<(), String> {
+        match self.block.sliding_window {
+            Some(w) if seqlen > w => Err(format!(
+                "--seqlen {seqlen} is longer than the model's sliding_window {w}: sliding-window attention is \
+                 not implemented here (use --seqlen {w} or less, where it equals full causal attention)"
+            )),
+            _ => Ok(()),
         }
     }
 

@@ -1,7 +1,9 @@
-//! The Llama decoder block (Llama 1/2/3, Mistral, Qwen2, SmolLM): RMSNorm → q/k/v → RoPE → causal GQA
-//! attention → o (+ residual), RMSNorm → SwiGLU MLP (+ residual). Weights are held in f32 one block at a
-//! time; the forward runs on any `Backend` and can record the intermediates the quantizer needs.
+//! The decoder block of the Llama family (Llama 1/2/3, Mistral, Qwen2, Qwen3, SmolLM), driven by its
+//! description (`model/arch`): RMSNorm → q/k/v (→ per-head q/k RMSNorm) → RoPE → causal GQA attention → o
+//! (+ residual), RMSNorm → SwiGLU MLP (+ residual). Weights are held in f32 one block at a time; the forward
+//! runs on any `Backend` and can record the intermediates the quantizer needs.
 
+use super::arch::{BlockDesc, NormRole, Role};
 use super::config::Config;
 use super::packed::{GptqConfig, load_packed_linear};
 use super::weights::WeightStore;
@@ -62,55 +64,36 @@ impl Linear {
     }
 }
 
-/// The seven linear layers of a block, in the order the pipeline quantizes them.
-pub const LINEAR_NAMES: [&str; 7] = [
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-];
-
+/// A block's weights as its description (`Config::block`) lists them: linears and norms in that order.
 #[derive(Clone, Debug)]
 pub struct BlockWeights {
-    pub attn_norm: Vec<f32>,
-    pub q: Linear,
-    pub k: Linear,
-    pub v: Linear,
-    pub o: Linear,
-    pub mlp_norm: Vec<f32>,
-    pub gate: Linear,
-    pub up: Linear,
-    pub down: Linear,
+    pub desc: BlockDesc,
+    pub linears: Vec<Linear>,
+    pub norms: Vec<Vec<f32>>,
 }
 
 impl BlockWeights {
-    pub fn linear(&self, name: &str) -> &Linear {
-        match name {
-            "self_attn.q_proj" => &self.q,
-            "self_attn.k_proj" => &self.k,
-            "self_attn.v_proj" => &self.v,
-            "self_attn.o_proj" => &self.o,
-            "mlp.gate_proj" => &self.gate,
-            "mlp.up_proj" => &self.up,
-            "mlp.down_proj" => &self.down,
-            _ => panic!("unknown linear layer {name}"),
-        }
+    /// The linear with `role`; an error (not a panic) for a block that has none, e.g. a forward of one
+    /// architecture handed another's weights.
+    pub fn get(&self, role: Role) -> anyhow::Result<&Linear> {
+        self.desc
+            .linear(role)
+            .map(|(i, _)| &self.linears[i])
+            .ok_or_else(|| anyhow::anyhow!("the block has no {role:?} linear"))
     }
 
-    pub fn linear_mut(&mut self, name: &str) -> &mut Linear {
-        match name {
-            "self_attn.q_proj" => &mut self.q,
-            "self_attn.k_proj" => &mut self.k,
-            "self_attn.v_proj" => &mut self.v,
-            "self_attn.o_proj" => &mut self.o,
-            "mlp.gate_proj" => &mut self.gate,
-            "mlp.up_proj" => &mut self.up,
-            "mlp.down_proj" => &mut self.down,
-            _ => panic!("unknown linear layer {name}"),
-        }
+    pub fn norm(&self, role: NormRole) -> Option<&[f32]> {
+        self.desc.norm(role).map(|(i, _)| self.norms[i].as_slice())
+    }
+
+    fn required_norm(&self, role: NormRole) -> anyhow::Result<&[f32]> {
+        self.norm(role)
+            .ok_or_else(|| anyhow::anyhow!("the block has no {role:?} norm"))
+    }
+
+    /// (name, linear) in description order.
+    pub fn named(&self) -> impl Iterator<Item = (&'static str, &Linear)> {
+        self.desc.linears.iter().map(|d| d.name).zip(&self.linears)
     }
 }
 
@@ -144,7 +127,7 @@ pub enum Resident {
     Packed(PackedResident),
 }
 
-/// The weights of a block copied into a backend's own memory, in LINEAR_NAMES order, so the forward of many
+/// The weights of a block copied into a backend's own memory, in the description's order, so the forward of many
 /// chunks copies each weight once. Empty on host backends.
 #[derive(Default)]
 pub struct ResidentWeights {
@@ -165,10 +148,9 @@ impl ResidentWeights {
     /// For a forward of many chunks of a loaded block (eval): packed linears too.
     pub fn upload_all(be: &dyn Backend, w: &BlockWeights) -> anyhow::Result<ResidentWeights> {
         Ok(ResidentWeights {
-            w: LINEAR_NAMES
+            w: w.linears
                 .iter()
-                .map(|n| {
-                    let l = w.linear(n);
+                .map(|l| {
                     Ok(match &l.packed {
                         Some(p) => be.upload_packed(p)?.map(Resident::Packed),
                         None => be.upload_weight(&l.w)?.map(Resident::Dense),
@@ -183,10 +165,9 @@ impl ResidentWeights {
         up: impl Fn(&[f32]) -> anyhow::Result<Option<Tensor>>,
     ) -> anyhow::Result<ResidentWeights> {
         Ok(ResidentWeights {
-            w: LINEAR_NAMES
+            w: w.linears
                 .iter()
-                .map(|n| {
-                    let l = w.linear(n);
+                .map(|l| {
                     Ok(match l.packed {
                         Some(_) => None,
                         None => up(&l.w)?.map(Resident::Dense),
@@ -196,7 +177,7 @@ impl ResidentWeights {
         })
     }
 
-    /// Weights already in the backend's memory (LINEAR_NAMES order; None where the forward reads the host
+    /// Weights already in the backend's memory (description order; None where the forward reads the host
     /// values): the quantized block's Ŵ, which the quantizer left there.
     pub fn from_tensors(w: Vec<Option<Tensor>>) -> ResidentWeights {
         ResidentWeights {
@@ -226,7 +207,8 @@ impl ResidentWeights {
 pub struct BlockTrace {
     /// Input of q/k/v (after the attention RMSNorm) [n_seq·t × d].
     pub x_attn: Tensor,
-    /// Post-RoPE queries [n_seq·t × H·d_h] and keys [n_seq·t × H_kv·d_h].
+    /// The queries [n_seq·t × H·d_h] and keys [n_seq·t × H_kv·d_h] the scores read: after RoPE (and before
+    /// it, the q/k norm where the block has one).
     pub q: Tensor,
     pub k: Tensor,
     /// Input of o_proj (attention output) [n_seq·t × H·d_h].
@@ -259,56 +241,61 @@ pub fn block_forward(
         cfg.d
     );
     let (h, h_kv, d_h) = (cfg.n_heads, cfg.n_kv_heads, cfg.d_h);
-    let r = |i: usize| resident.and_then(|r| r.get(i));
+    // Linear `role` on `x`, its own resident copy when there is one; an error names the module.
+    let lin = |role: Role, x: &Tensor| -> anyhow::Result<Tensor> {
+        let (i, desc) = w
+            .desc
+            .linear(role)
+            .ok_or_else(|| anyhow::anyhow!("the block has no {role:?} linear"))?;
+        let r = resident.and_then(|r| r.get(i));
+        w.linears[i]
+            .forward_t(be, x, m, r)
+            .with_context(|| format!("forward of {}", desc.name))
+    };
 
     // Each step names the module it runs (an error then says where in the block the device failed).
     use anyhow::Context as _;
     let of = |what: &'static str| move || format!("forward of {what}");
     let xa = be
-        .rms_norm_t(x, &w.attn_norm, cfg.d, cfg.eps)
+        .rms_norm_t(x, w.required_norm(NormRole::Attn)?, cfg.d, cfg.eps)
         .with_context(of("input_layernorm"))?;
-    let mut q =
-        w.q.forward_t(be, &xa, m, r(0))
-            .with_context(of(LINEAR_NAMES[0]))?;
-    let mut k =
-        w.k.forward_t(be, &xa, m, r(1))
-            .with_context(of(LINEAR_NAMES[1]))?;
-    let v =
-        w.v.forward_t(be, &xa, m, r(2))
-            .with_context(of(LINEAR_NAMES[2]))?;
+    let mut q = lin(Role::Q, &xa)?;
+    let mut k = lin(Role::K, &xa)?;
+    let v = lin(Role::V, &xa)?;
+    // Qwen3's per-head norms: rows of d_h, one weight for every head.
+    if let Some(g) = w.norm(NormRole::Q) {
+        q = be
+            .rms_norm_t(&q, g, d_h, cfg.eps)
+            .with_context(of("self_attn.q_norm"))?;
+    }
+    if let Some(g) = w.norm(NormRole::K) {
+        k = be
+            .rms_norm_t(&k, g, d_h, cfg.eps)
+            .with_context(of("self_attn.k_norm"))?;
+    }
     be.rope_t(&mut q, t, h, d_h, &rope.cos, &rope.sin)
-        .with_context(of("RoPE of self_attn.q_proj's output"))?;
+        .with_context(of("RoPE of the queries"))?;
     be.rope_t(&mut k, t, h_kv, d_h, &rope.cos, &rope.sin)
-        .with_context(of("RoPE of self_attn.k_proj's output"))?;
+        .with_context(of("RoPE of the keys"))?;
     let attn = be
         .causal_attention_t(&q, &k, &v, n_seq, t, h, h_kv, d_h)
         .with_context(of("the attention (self_attn.o_proj's input)"))?;
     drop(v);
-    let o =
-        w.o.forward_t(be, &attn, m, r(3))
-            .with_context(of(LINEAR_NAMES[3]))?;
+    let o = lin(Role::O, &attn)?;
     be.add_t(x, &o)
         .with_context(of("the residual add after self_attn.o_proj"))?;
     drop(o);
 
     let xm = be
-        .rms_norm_t(x, &w.mlp_norm, cfg.d, cfg.eps)
+        .rms_norm_t(x, w.required_norm(NormRole::Mlp)?, cfg.d, cfg.eps)
         .with_context(of("post_attention_layernorm"))?;
-    let gate = w
-        .gate
-        .forward_t(be, &xm, m, r(4))
-        .with_context(of(LINEAR_NAMES[4]))?;
-    let up =
-        w.up.forward_t(be, &xm, m, r(5))
-            .with_context(of(LINEAR_NAMES[5]))?;
+    let gate = lin(Role::Gate, &xm)?;
+    let up = lin(Role::Up, &xm)?;
     let act = be
         .swiglu_t(&gate, &up)
         .with_context(of("SwiGLU (mlp.down_proj's input)"))?;
     drop((gate, up));
-    let down = w
-        .down
-        .forward_t(be, &act, m, r(6))
-        .with_context(of(LINEAR_NAMES[6]))?;
+    let down = lin(Role::Down, &act)?;
     be.add_t(x, &down)
         .with_context(of("the residual add after mlp.down_proj"))?;
 
@@ -430,57 +417,35 @@ impl Model {
 
     /// Every tensor of block l with its expected shape (a packed linear's g_idx only when stored).
     pub fn block_shapes(&self, l: usize) -> Vec<(String, Vec<usize>)> {
-        let c = &self.cfg;
+        let desc = &self.cfg.block;
         let p = format!("model.layers.{l}.");
-        let (qd, kvd) = (c.n_heads * c.d_h, c.n_kv_heads * c.d_h);
-        let mut v = vec![
-            (format!("{p}input_layernorm.weight"), vec![c.d]),
-            (format!("{p}post_attention_layernorm.weight"), vec![c.d]),
-        ];
-        for (name, d_out, d_in) in self.linear_shapes() {
+        let mut v: Vec<(String, Vec<usize>)> = desc
+            .norms
+            .iter()
+            .map(|n| (format!("{p}{}.weight", n.name), vec![n.len]))
+            .collect();
+        for ld in &desc.linears {
+            let name = ld.name;
             match &self.gptq {
                 Some(q) if self.is_packed(&format!("{p}{name}")) => {
-                    for (suffix, shape) in q.tensor_shapes(d_out, d_in) {
+                    for (suffix, shape) in q.tensor_shapes(ld.d_out, ld.d_in) {
                         let n = format!("{p}{name}.{suffix}");
                         if suffix != "g_idx" || self.store.contains(&n) {
                             v.push((n, shape));
                         }
                     }
                 }
-                _ => v.push((format!("{p}{name}.weight"), vec![d_out, d_in])),
+                _ => v.push((format!("{p}{name}.weight"), vec![ld.d_out, ld.d_in])),
             }
-            if c.qkv_bias
-                && matches!(
-                    name,
-                    "self_attn.q_proj" | "self_attn.k_proj" | "self_attn.v_proj"
-                )
-            {
-                v.push((
-                    format!("{p}{name}.bias"),
-                    vec![if name == "self_attn.q_proj" { qd } else { kvd }],
-                ));
+            if ld.bias {
+                v.push((format!("{p}{name}.bias"), vec![ld.d_out]));
             }
         }
         v
     }
 
-    /// (name, d_out, d_in) of the seven linear layers of a block.
-    pub fn linear_shapes(&self) -> [(&'static str, usize, usize); 7] {
-        let c = &self.cfg;
-        let (qd, kvd) = (c.n_heads * c.d_h, c.n_kv_heads * c.d_h);
-        [
-            (LINEAR_NAMES[0], qd, c.d),
-            (LINEAR_NAMES[1], kvd, c.d),
-            (LINEAR_NAMES[2], kvd, c.d),
-            (LINEAR_NAMES[3], c.d, qd),
-            (LINEAR_NAMES[4], c.d_ff, c.d),
-            (LINEAR_NAMES[5], c.d_ff, c.d),
-            (LINEAR_NAMES[6], c.d, c.d_ff),
-        ]
-    }
-
     pub fn load_block(&self, l: usize) -> anyhow::Result<BlockWeights> {
-        let c = &self.cfg;
+        let desc = &self.cfg.block;
         let p = format!("model.layers.{l}.");
         let lin = |name: &str, d_out: usize, d_in: usize| -> anyhow::Result<Linear> {
             let prefix = format!("{p}{name}");
@@ -509,23 +474,18 @@ impl Model {
                 packed,
             })
         };
-        let [q, k, v, o, gate, up, down] = self
-            .linear_shapes()
-            .map(|(n, d_out, d_in)| lin(n, d_out, d_in));
         Ok(BlockWeights {
-            attn_norm: self
-                .store
-                .f32(&format!("{p}input_layernorm.weight"), &[c.d])?,
-            q: q?,
-            k: k?,
-            v: v?,
-            o: o?,
-            mlp_norm: self
-                .store
-                .f32(&format!("{p}post_attention_layernorm.weight"), &[c.d])?,
-            gate: gate?,
-            up: up?,
-            down: down?,
+            desc: desc.clone(),
+            linears: desc
+                .linears
+                .iter()
+                .map(|d| lin(d.name, d.d_out, d.d_in))
+                .collect::<anyhow::Result<_>>()?,
+            norms: desc
+                .norms
+                .iter()
+                .map(|n| self.store.f32(&format!("{p}{}.weight", n.name), &[n.len]))
+                .collect::<anyhow::Result<_>>()?,
         })
     }
 

@@ -1,5 +1,7 @@
-//! Model files: config.json, safetensors weights, GGUF import, and the Llama block.
+//! Model files: config.json, the block description of each architecture, safetensors weights, GGUF import,
+//! and the Llama-family block.
 
+pub mod arch;
 pub mod config;
 pub mod gguf;
 pub mod llama;

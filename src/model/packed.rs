@@ -230,7 +230,8 @@ pub fn inspect(dir: &Path) -> anyhow::Result<CheckpointSummary> {
     let mut act_order = false;
     for l in 0..c.n_layers {
         let mut any = false;
-        for (name, _, d_in) in model.linear_shapes() {
+        for ld in &c.block.linears {
+            let (name, d_in) = (ld.name, ld.d_in);
             let prefix = format!("model.layers.{l}.{name}");
             if model.is_packed(&prefix) {
                 any = true;

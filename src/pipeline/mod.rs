@@ -21,7 +21,7 @@ use crate::export::gptq_packed::{OutFormat, linear_entries, quantization_config}
 use crate::export::hf_folder::{OutFolder, shard_contents, write_shard_file};
 use crate::export::safetensors_out::TensorEntry;
 use crate::model::Model;
-use crate::model::llama::{BlockWeights, LINEAR_NAMES, ResidentWeights, block_forward};
+use crate::model::llama::{BlockWeights, ResidentWeights, block_forward};
 use crate::nvtx::ranged;
 use crate::progress::Progress;
 use anyhow::Context;
@@ -376,7 +376,16 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                     // W is quantized where the FP forward read it (the device copy on a GPU).
                     let weights = quantize_block::weight_mats(&w, &mut resident);
                     let quantized = ranged(c"quantize block", || {
-                        quantize_block::quantize_block(be, &weights, stats.as_ref(), cfg, opts, l)
+                        let norms = quantize_block::QkNorms::of(&w);
+                        quantize_block::quantize_block(
+                            be,
+                            &weights,
+                            stats.as_ref(),
+                            cfg,
+                            norms,
+                            opts,
+                            l,
+                        )
                     })?;
                     if be.traffic().source.is_empty() {
                         floor_bytes = 0;
@@ -387,8 +396,9 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                     drop(weights);
                     let packed = quantized
                         .iter()
-                        .zip(LINEAR_NAMES)
-                        .map(|((q, _), name)| {
+                        .zip(&cfg.block.linears)
+                        .map(|((q, _), ld)| {
+                            let name = ld.name;
                             be.pack(q)
                                 .with_context(|| format!("layer {l} {name}: packing"))
                         })
@@ -583,11 +593,11 @@ fn join_load(
 
 /// NaN or Inf in a weight would poison every Hessian downstream: name the tensor instead.
 fn check_finite(w: &BlockWeights, l: usize) -> anyhow::Result<()> {
-    for name in LINEAR_NAMES {
-        if let Some(i) = w.linear(name).w.iter().position(|v| !v.is_finite()) {
+    for (name, lin) in w.named() {
+        if let Some(i) = lin.w.iter().position(|v| !v.is_finite()) {
             return Err(crate::input_err!(
                 "tensor model.layers.{l}.{name}.weight has a non-finite value ({}) at index {i}",
-                w.linear(name).w[i]
+                lin.w[i]
             ));
         }
     }
@@ -620,10 +630,11 @@ fn install_quantized(
 ) -> anyhow::Result<ResidentWeights> {
     use crate::ops::MatData;
     let mut resident = Vec::with_capacity(quantized.len());
-    for ((q, _), name) in quantized.into_iter().zip(LINEAR_NAMES) {
+    let names: Vec<&str> = w.desc.linears.iter().map(|d| d.name).collect();
+    for (((q, _), name), lin) in quantized.into_iter().zip(names).zip(&mut w.linears) {
         match q.w_hat.data {
             MatData::F32(Tensor::Host(v)) => {
-                w.linear_mut(name).w = v;
+                lin.w = v;
                 resident.push(None);
             }
             MatData::F32(t) => resident.push(Some(t)),
@@ -633,7 +644,7 @@ fn install_quantized(
     Ok(ResidentWeights::from_tensors(resident))
 }
 
-/// Block l with each linear's weight replaced by its quantized form (`quantized`, in LINEAR_NAMES order):
+/// Block l with each linear's weight replaced by its quantized form (`quantized`, in the description's order):
 /// dequantized in `dtype` for the fake format, packed tensors otherwise.
 fn quantized_entries<'a>(
     model: &'a Model,
@@ -650,10 +661,10 @@ fn quantized_entries<'a>(
             .to_string();
         match short
             .strip_suffix(".weight")
-            .and_then(|n| LINEAR_NAMES.iter().position(|&x| x == n))
+            .and_then(|n| model.cfg.block.index_of(n))
         {
             Some(i) => out.extend(linear_entries(
-                &format!("model.layers.{l}.{}", LINEAR_NAMES[i]),
+                &format!("model.layers.{l}.{}", model.cfg.block.linears[i].name),
                 &quantized[i],
                 format,
                 dtype,

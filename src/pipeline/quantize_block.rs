@@ -1,15 +1,19 @@
-//! Quantizes the seven linear layers of one block from its statistics: q/k/v by BoA (or GPTQ/RTN per
-//! --method), o and the MLP by GPTQ (RTN for --method rtn). Device-agnostic: it calls `quant/` and `QuantOps`
+//! Quantizes the linears of one block, as its description lists them, from its statistics: the attention
+//! projections q/k/v by BoA (or GPTQ/RTN per --method), the others by GPTQ (RTN for --method rtn), each on
+//! the covariance of the input it reads. Device-agnostic: it calls `quant/` and `QuantOps`
 //! only, on weights and statistics that stay where the backend keeps them.
 
 use super::options::{Method, RunOptions, ScaleSearchArg, VRowHessian};
 use super::stats::BlockStats;
 use crate::model::Config;
-use crate::model::llama::{BlockWeights, LINEAR_NAMES};
+use crate::model::arch::{NormRole, Role};
+use crate::model::llama::BlockWeights;
 use crate::ops::{Mat, QuantOps, QuantSpec, QuantizedLinear, Result, ScaleSearch};
 use crate::quant::boa::{BoaOptions, ColHessian, boa_quantize};
 use crate::quant::gptq::{GptqOptions, gptq_quantize};
-use crate::quant::hessian::{RopeAverage, group_means, k_row_hessians, q_row_hessians};
+use crate::quant::hessian::{
+    RopeAverage, group_means, k_row_hessians, q_row_hessians, scale_by_norm_weight,
+};
 use crate::quant::plan::FactorCache;
 use crate::quant::rtn::rtn_quantize;
 use anyhow::Context;
@@ -71,32 +75,45 @@ fn relative_errors(
     Ok((rel(forms[1]), rel(after)))
 }
 
-/// Quantizes every linear of the block. `weights` holds each linear's W (LINEAR_NAMES order) where the backend
+/// The per-head q/k norm weights of a block that has them (Qwen3), for BoA's row Hessians.
+#[derive(Clone, Copy, Default)]
+pub struct QkNorms<'a> {
+    pub q: Option<&'a [f32]>,
+    pub k: Option<&'a [f32]>,
+}
+
+impl<'a> QkNorms<'a> {
+    pub fn of(w: &'a BlockWeights) -> QkNorms<'a> {
+        QkNorms {
+            q: w.norm(NormRole::Q),
+            k: w.norm(NormRole::K),
+        }
+    }
+}
+
+/// Quantizes every linear of the block. `weights` holds each linear's W (description order) where the backend
 /// keeps it (the copy the FP forward read); the results' Ŵ stay there too, for the next forward.
 pub fn quantize_block(
     ops: &dyn QuantOps,
     weights: &[Mat],
     stats: Option<&BlockStats>,
     cfg: &Config,
+    norms: QkNorms<'_>,
     opts: &RunOptions,
     layer: usize,
 ) -> Result<Vec<(QuantizedLinear, LinearReport)>> {
     let g = gptq_options(opts, opts.seqlen);
-    // q/k (and v under GPTQ) share the attention input's plan, gate/up the MLP input's.
+    // Linears that read the same input share its plan (q/k, and v under GPTQ; gate/up).
     let factors = FactorCache::new();
     let rope = RopeAverage::new(&cfg.inv_freq(), opts.seqlen);
-    let mut out = Vec::with_capacity(LINEAR_NAMES.len());
-    for (i, name) in LINEAR_NAMES.into_iter().enumerate() {
+    let desc = &cfg.block;
+    let mut out = Vec::with_capacity(desc.linears.len());
+    for (i, ld) in desc.linears.iter().enumerate() {
+        let name = ld.name;
         let start = Instant::now();
         let w = &weights[i];
         let ctx = || format!("layer {layer} {name}");
-        let h: Option<&Mat> = stats.map(|s| match i {
-            0..=2 => &s.h_attn,
-            3 => &s.h_o,
-            4 | 5 => &s.h_mlp,
-            _ => &s.h_down,
-        });
-        let is_qkv = i <= 2;
+        let h: Option<&Mat> = stats.map(|s| s.h_col(ld.role.input()));
         let (q, method) = match (opts.method, h) {
             (Method::Rtn, _) | (_, None) => {
                 let hs = h.filter(|_| opts.scale_search == ScaleSearchArg::Hessian);
@@ -105,7 +122,7 @@ pub fn quantize_block(
                     "rtn",
                 )
             }
-            (Method::Boa, Some(h)) if is_qkv => {
+            (Method::Boa, Some(h)) if ld.role.is_attention_projection() => {
                 let a = stats
                     .and_then(|s| s.attn.as_ref())
                     .context("BoA needs the attention statistics")?;
@@ -113,18 +130,21 @@ pub fn quantize_block(
                 let mut b = BoaOptions::new(g.clone());
                 b.act_order_col = opts.act_order;
                 b.act_order_row = opts.act_order_row;
-                let q = match i {
+                let q = match ld.role {
                     // W_Q and W_K share H_col (and its plan, through `factors`); W_V's per-head H_col are its own.
-                    0 | 1 => {
-                        let (h_row, heads) = if i == 0 {
+                    Role::Q | Role::K => {
+                        let (mut h_row, heads, norm) = if ld.role == Role::Q {
                             let c_k = ops.read_f64(&a.c_k).context("H_row")?;
                             let hr = q_row_hessians(&c_k, cfg.n_heads, cfg.n_kv_heads, &rope);
-                            (hr, cfg.n_heads)
+                            (hr, cfg.n_heads, norms.q)
                         } else {
                             let c_q = ops.read_f64(&a.c_q).context("H_row")?;
                             let means = group_means(&c_q, cfg.n_heads, d_h, cfg.n_kv_heads);
-                            (k_row_hessians(&means, &rope), cfg.n_kv_heads)
+                            (k_row_hessians(&means, &rope), cfg.n_kv_heads, norms.k)
                         };
+                        if let Some(g) = norm {
+                            scale_by_norm_weight(&mut h_row, g);
+                        }
                         let h_row = ops.hessian(h_row, heads, d_h).context("H_row")?;
                         boa_quantize(
                             ops,
@@ -146,9 +166,13 @@ pub fn quantize_block(
                                 );
                                 ops.hessian(id, cfg.n_kv_heads, d_h).context("H_row")?
                             }
-                            VRowHessian::Wout => ops
-                                .wout_row_hessians(&weights[3], cfg.n_heads, cfg.n_kv_heads, d_h)
-                                .context("H_row")?,
+                            VRowHessian::Wout => {
+                                let (o, _) = desc
+                                    .linear(Role::O)
+                                    .context("W_out's row Hessians need o_proj")?;
+                                ops.wout_row_hessians(&weights[o], cfg.n_heads, cfg.n_kv_heads, d_h)
+                                    .context("H_row")?
+                            }
                         };
                         boa_quantize(
                             ops,
@@ -195,15 +219,12 @@ pub fn weight_mats(
     w: &BlockWeights,
     resident: &mut crate::model::llama::ResidentWeights,
 ) -> Vec<Mat> {
-    LINEAR_NAMES
+    w.linears
         .iter()
         .enumerate()
-        .map(|(i, name)| {
-            let l = w.linear(name);
-            match resident.take(i) {
-                Some(t) => Mat::tensor(t, 1, l.d_out, l.d_in),
-                None => Mat::f32(l.w.clone(), 1, l.d_out, l.d_in),
-            }
+        .map(|(i, l)| match resident.take(i) {
+            Some(t) => Mat::tensor(t, 1, l.d_out, l.d_in),
+            None => Mat::f32(l.w.clone(), 1, l.d_out, l.d_in),
         })
         .collect()
 }

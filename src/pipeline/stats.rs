@@ -4,6 +4,7 @@
 
 use crate::backend::{AttnShape, Backend, Tensor};
 use crate::model::Config;
+use crate::model::arch::Input;
 use crate::model::llama::{BlockTrace, BlockWeights, ResidentWeights, RopeTable, block_forward};
 use crate::ops::{Mat, Result};
 use crate::quant::hessian::Accumulator;
@@ -22,6 +23,18 @@ pub struct BlockStats {
     /// Time in the block forward vs. in accumulating statistics.
     pub forward_time: Duration,
     pub stats_time: Duration,
+}
+
+impl BlockStats {
+    /// H_col of the linears that read `input`.
+    pub fn h_col(&self, input: Input) -> &Mat {
+        match input {
+            Input::Attn => &self.h_attn,
+            Input::AttnOut => &self.h_o,
+            Input::Mlp => &self.h_mlp,
+            Input::MlpAct => &self.h_down,
+        }
+    }
 }
 
 pub struct AttnStats {

@@ -16,7 +16,6 @@ use crate::data::text;
 use crate::error::file_err;
 use crate::export::out_guard::{Input, check_out};
 use crate::model::Model;
-use crate::model::llama::LINEAR_NAMES;
 use crate::progress::Progress;
 
 /// The largest finite f16.
@@ -39,20 +38,19 @@ pub fn before_work(opts: &RunOptions, model: &Model, progress: &Progress) -> any
     layers
         .check(cfg.n_layers)
         .map_err(|m| crate::input_err!("{m}"))?;
-    if let Some(g) = opts.group_size {
-        let (name, _, d_in) = model
-            .linear_shapes()
-            .into_iter()
-            .min_by_key(|l| l.2)
-            .expect("seven linears");
-        if g > d_in {
-            return Err(crate::input_err!(
-                "--group-size {g} is larger than the input width {d_in} of {name} (use at most {d_in}, or -1)"
-            ));
-        }
+    if let Some(g) = opts.group_size
+        && let Some(l) = cfg.block.linears.iter().min_by_key(|l| l.d_in)
+        && g > l.d_in
+    {
+        let (name, d_in) = (l.name, l.d_in);
+        return Err(crate::input_err!(
+            "--group-size {g} is larger than the input width {d_in} of {name} (use at most {d_in}, or -1)"
+        ));
     }
     cfg.check_tensor_names(model.store.names())
         .map_err(|m| file_err(model.dir.join("config.json"), m))?;
+    cfg.check_seqlen(opts.seqlen)
+        .map_err(|m| crate::input_err!("{m}"))?;
     let needs_calib = opts.needs_calibration();
     // Existence and kind of every calibration path now, read or not: a typo is an error, never ignored.
     if !opts.calib.is_empty() {
@@ -94,9 +92,12 @@ pub fn scan_tensors(model: &Model, layers: &LayerSet, wbits: u32) -> anyhow::Res
     let quantized: std::collections::HashSet<String> = layers
         .iter()
         .flat_map(|l| {
-            LINEAR_NAMES
+            model
+                .cfg
+                .block
+                .linears
                 .iter()
-                .map(move |n| format!("model.layers.{l}.{n}.weight"))
+                .map(move |d| format!("model.layers.{l}.{}.weight", d.name))
         })
         .collect();
     // A scale is at most the weight range over maxq (≤ 2·max|w|/maxq); GPTQ's updates can widen a later

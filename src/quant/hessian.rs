@@ -181,6 +181,27 @@ pub fn k_row_hessians(c_q_group_mean: &[f64], rope: &RopeAverage) -> Vec<f64> {
     rope.apply_all(c_q_group_mean)
 }
 
+/// H_row of W_Q or W_K behind a per-head RMSNorm with weight g [d_h] (Qwen3's q_norm/k_norm), in place on
+/// stacked [d_h × d_h] matrices: H[a, b] ← g_a · H[a, b] · g_b.
+///
+/// Why: the scores read n(q) = g ⊙ q / r(q), r² = mean(q²) + ε, so a change Δq of the projection's output
+/// reaches them as J Δq with J = diag(g) (I − q qᵀ/(d_h r²)) / r. The bracket removes the part of Δq along q
+/// (the norm undoes a change of length): dropping it, J ≈ diag(g)/r, and H_row = E[Jᵀ M J] ≈ E[1/r²] diag(g)
+/// M diag(g) with M the RoPE-averaged covariance of the other side (`q_row_hessians`, `k_row_hessians`). A
+/// scalar per head leaves BoA's solution unchanged (its updates are ratios of U_row and the damping is
+/// relative), so E[1/r²] drops out; diag(g) stays. What is dropped is a rank-one projection per token, a
+/// fraction ~1/d_h of Δq's energy (design.md §4.3, "q/k norm").
+pub fn scale_by_norm_weight(h: &mut [f64], g: &[f32]) {
+    let d = g.len();
+    for m in h.chunks_mut(d * d) {
+        for (a, row) in m.chunks_mut(d).enumerate() {
+            for (b, v) in row.iter_mut().enumerate() {
+                *v *= f64::from(g[a]) * f64::from(g[b]);
+            }
+        }
+    }
+}
+
 /// H_row for W_V from the paper's Table 1: W_out,hᵀ W_out,h [d_h × d_h] per KV head, averaged
 /// over the query heads sharing the KV head. `w_o` is o_proj [d_model × n_heads·d_h] (y = W_o x).
 pub fn v_row_hessians_from_wout(

@@ -1,0 +1,102 @@
+"""Small random models of every architecture boa-cuda supports, with transformers' own logits on them.
+
+For each architecture: a config of that architecture (every option that changes the math switched on
+somewhere: GQA, Llama 3 rope scaling, q/k/v/o and MLP biases, tied embeddings, Qwen3's q/k norm and an
+explicit head_dim), a model built with `from_config` (no hub) whose parameters — norms and biases too — are
+drawn at random so no term is an identity, `save_pretrained` into OUT/<name>/ with the given tokenizer.json,
+and OUT/<name>/reference.safetensors holding the token ids of the first windows of the text and transformers'
+f32 logits on them. Prints one JSON line per model: name, architecture, windows, seqlen, summed next-token
+NLL and perplexity.
+
+    python scripts/hf_reference.py --out DIR --tokenizer demo/smollm2-135m/tokenizer.json \
+        --text data/texts/<file> [--seqlen 64] [--windows 2] [--only NAME ...]
+"""
+import argparse, json, math, os, shutil
+
+import torch
+from safetensors.torch import save_file
+from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedTokenizerFast,
+                          Qwen2Config, Qwen3Config)
+
+
+def common(vocab):
+    return dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
+
+
+def configs(vocab):
+    c = common(vocab)
+    return {
+        # Llama 3.x: GQA, untied head, rope scaling with a short original context so the scaled band is used.
+        "llama3": LlamaConfig(**c, tie_word_embeddings=False,
+                              rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                               "original_max_position_embeddings": 32}),
+        # Llama with every bias switch on (q/k/v/o and the MLP).
+        "llama_bias": LlamaConfig(**c, tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+        # Mistral: a sliding window longer than the windows evaluated here (then it is full attention).
+        "mistral": MistralConfig(**c, sliding_window=256, tie_word_embeddings=False,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        # Qwen2: q/k/v biases, tied embeddings.
+        "qwen2": Qwen2Config(**c, tie_word_embeddings=True, use_sliding_window=False,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+        # Qwen3: per-head q/k RMSNorm before RoPE, head_dim (32) ≠ hidden_size / heads (16).
+        "qwen3": Qwen3Config(**c, head_dim=32, tie_word_embeddings=True, attention_bias=False,
+                             use_sliding_window=False,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    }
+
+
+def randomize(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.25 * r)  # norms: around 1, never all ones
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * r)
+            elif "embed_tokens" in name or "lm_head" in name:
+                p.copy_(0.2 * r)
+            else:
+                p.copy_(r / math.sqrt(p.shape[-1]))  # unit-variance outputs
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--text", required=True)
+    ap.add_argument("--seqlen", type=int, default=64)
+    ap.add_argument("--windows", type=int, default=2)
+    ap.add_argument("--only", nargs="*")
+    a = ap.parse_args()
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    tok = PreTrainedTokenizerFast(tokenizer_file=a.tokenizer)
+    ids = tok(open(a.text, encoding="utf-8").read())["input_ids"]
+    n = a.windows
+    assert len(ids) >= n * a.seqlen, "text too short"
+    wins = torch.tensor(ids[: n * a.seqlen]).view(n, a.seqlen)
+    for i, (name, cfg) in enumerate(configs(len(tok)).items()):
+        if a.only and name not in a.only:
+            continue
+        torch.manual_seed(1000 + i)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+        randomize(model, 2000 + i)
+        d = os.path.join(a.out, name)
+        model.save_pretrained(d, safe_serialization=True)
+        shutil.copy(a.tokenizer, os.path.join(d, "tokenizer.json"))
+        with torch.inference_mode():
+            logits = model(wins).logits.float().contiguous()
+        lp = torch.log_softmax(logits[:, :-1].double(), dim=-1)
+        nll = -lp.gather(-1, wins[:, 1:, None]).sum().item()
+        save_file({"ids": wins.to(torch.int64).contiguous(), "logits": logits},
+                  os.path.join(d, "reference.safetensors"))
+        print(json.dumps({"name": name, "architecture": cfg.architectures[0] if cfg.architectures else
+                          type(model).__name__, "windows": n, "seqlen": a.seqlen, "nll": nll,
+                          "perplexity": math.exp(nll / (n * (a.seqlen - 1)))}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

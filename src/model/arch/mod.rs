@@ -1,0 +1,292 @@
+//! One block description per architecture: which linears a decoder block has (name, shape, bias), what each
+//! one is to the quantizer (an attention projection BoA treats head-wise, or a GPTQ linear) and which input
+//! covariance it reads, and which norms sit where. The forward, the statistics, the quantization plan, export,
+//! validation and resume all iterate this description instead of naming layers; adding an architecture is a
+//! file here that builds its `BlockDesc` and refuses the config fields it does not implement.
+
+mod llama;
+mod qwen3;
+
+use super::config::RawConfig;
+
+/// What a linear is in the block's math.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    Q,
+    K,
+    V,
+    O,
+    Gate,
+    Up,
+    Down,
+}
+
+/// The input whose covariance H_col = (2/N) X Xᵀ a linear's quantizer reads; linears that share an input share
+/// its statistic (and, under GPTQ, its factorization).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Input {
+    /// The attention norm's output (q/k/v).
+    Attn,
+    /// The attention's output (o).
+    AttnOut,
+    /// The MLP norm's output (gate/up).
+    Mlp,
+    /// The MLP activation's output (down).
+    MlpAct,
+}
+
+impl Role {
+    pub fn input(self) -> Input {
+        match self {
+            Role::Q | Role::K | Role::V => Input::Attn,
+            Role::O => Input::AttnOut,
+            Role::Gate | Role::Up => Input::Mlp,
+            Role::Down => Input::MlpAct,
+        }
+    }
+
+    /// q/k/v: BoA quantizes these head-wise with attention-aware row Hessians.
+    pub fn is_attention_projection(self) -> bool {
+        matches!(self, Role::Q | Role::K | Role::V)
+    }
+}
+
+/// A linear of the block: `name` is its path under `model.layers.{l}.` without `.weight`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LinearDesc {
+    pub name: &'static str,
+    pub role: Role,
+    pub d_out: usize,
+    pub d_in: usize,
+    pub bias: bool,
+}
+
+/// Where a norm sits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NormRole {
+    /// Before the attention (input_layernorm).
+    Attn,
+    /// Before the MLP (post_attention_layernorm in the Llama family).
+    Mlp,
+    /// Per-head RMSNorm of the queries before RoPE (Qwen3), weight [d_h] shared by every head.
+    Q,
+    /// The same for the keys.
+    K,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NormDesc {
+    pub name: &'static str,
+    pub role: NormRole,
+    pub len: usize,
+}
+
+/// A decoder block, as the config declares it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockDesc {
+    /// In the order the pipeline quantizes them (attention, then MLP: each reads the previous ones' outputs).
+    pub linears: Vec<LinearDesc>,
+    pub norms: Vec<NormDesc>,
+    /// Keys further back than this many positions are masked, in some or all layers; None: full causal.
+    pub sliding_window: Option<usize>,
+}
+
+impl BlockDesc {
+    pub fn linear(&self, role: Role) -> Option<(usize, &LinearDesc)> {
+        self.linears
+            .iter()
+            .enumerate()
+            .find(|(_, l)| l.role == role)
+    }
+
+    pub fn index_of(&self, name: &str) -> Option<usize> {
+        self.linears.iter().position(|l| l.name == name)
+    }
+
+    pub fn norm(&self, role: NormRole) -> Option<(usize, &NormDesc)> {
+        self.norms.iter().enumerate().find(|(_, n)| n.role == role)
+    }
+
+    /// Per-head q/k RMSNorm before RoPE (the scores see normalized projections: design.md §4.3).
+    pub fn qk_norm(&self) -> bool {
+        self.norm(NormRole::Q).is_some()
+    }
+
+    /// Every tensor name of the block's linears' biases (under `model.layers.{l}.`).
+    pub fn bias_names(&self) -> impl Iterator<Item = String> + '_ {
+        self.linears
+            .iter()
+            .filter(|l| l.bias)
+            .map(|l| format!("{}.bias", l.name))
+    }
+}
+
+/// The shapes every architecture here shares (the config's validated numbers).
+#[derive(Clone, Copy, Debug)]
+pub struct Dims {
+    pub d: usize,
+    pub d_ff: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub d_h: usize,
+}
+
+/// Architectures with a block description, by the name config.json's `architectures` gives.
+pub const SUPPORTED_ARCHITECTURES: &[&str] = &[
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+];
+
+/// The block of `architecture`, or why this config cannot be run here (a field that changes the math and is
+/// not implemented is refused, never ignored).
+pub fn describe(architecture: &str, raw: &RawConfig, dims: Dims) -> Result<BlockDesc, String> {
+    match architecture {
+        "LlamaForCausalLM" | "MistralForCausalLM" | "Qwen2ForCausalLM" => {
+            llama::describe(architecture, raw, dims)
+        }
+        "Qwen3ForCausalLM" => qwen3::describe(raw, dims),
+        a => Err(format!(
+            "unsupported architecture {a}; supported: {}",
+            SUPPORTED_ARCHITECTURES.join(", ")
+        )),
+    }
+}
+
+/// The attention and SwiGLU MLP linears of the Llama family, with the given biases.
+pub(super) fn llama_linears(dims: Dims, qkv_bias: bool, o_bias: bool) -> Vec<LinearDesc> {
+    let (qd, kvd) = (dims.n_heads * dims.d_h, dims.n_kv_heads * dims.d_h);
+    let l = |name, role, d_out, d_in, bias| LinearDesc {
+        name,
+        role,
+        d_out,
+        d_in,
+        bias,
+    };
+    vec![
+        l("self_attn.q_proj", Role::Q, qd, dims.d, qkv_bias),
+        l("self_attn.k_proj", Role::K, kvd, dims.d, qkv_bias),
+        l("self_attn.v_proj", Role::V, kvd, dims.d, qkv_bias),
+        l("self_attn.o_proj", Role::O, dims.d, qd, o_bias),
+        l("mlp.gate_proj", Role::Gate, dims.d_ff, dims.d, false),
+        l("mlp.up_proj", Role::Up, dims.d_ff, dims.d, false),
+        l("mlp.down_proj", Role::Down, dims.d, dims.d_ff, false),
+    ]
+}
+
+/// input_layernorm and post_attention_layernorm.
+pub(super) fn pre_norms(d: usize) -> Vec<NormDesc> {
+    vec![
+        NormDesc {
+            name: "input_layernorm",
+            role: NormRole::Attn,
+            len: d,
+        },
+        NormDesc {
+            name: "post_attention_layernorm",
+            role: NormRole::Mlp,
+            len: d,
+        },
+    ]
+}
+
+/// The activation fields of the SwiGLU MLP: SiLU only.
+pub(super) fn check_silu(raw: &RawConfig) -> Result<(), String> {
+    match raw.hidden_act.as_deref() {
+        None | Some("silu") | Some("swish") => Ok(()),
+        Some(act) => Err(format!(
+            "hidden_act {act:?} is not supported (the MLP here is SwiGLU: \"silu\")"
+        )),
+    }
+}
+
+/// The window of a config whose attention slides in some layer: Mistral's `sliding_window` whenever set,
+/// Qwen's only with `use_sliding_window`, and any architecture whose `layer_types` name a sliding layer.
+/// It changes the attention only when a window (--seqlen) is longer; that is checked when a run or an eval
+/// starts (`Config::check_seqlen`).
+pub(super) fn sliding_window(raw: &RawConfig, declared_by_field: bool) -> Option<usize> {
+    let by_layer_types = raw
+        .layer_types
+        .iter()
+        .any(|t| t.as_str() == "sliding_attention");
+    raw.sliding_window
+        .filter(|_| declared_by_field || raw.use_sliding_window || by_layer_types)
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::model::config::Config;
+
+    fn parse(extra: &str) -> Result<Config, String> {
+        Config::parse(&format!(
+            r#"{{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, {extra}}}"#
+        ))
+    }
+
+    #[test]
+    fn sliding_window_is_declared_the_way_each_architecture_declares_it() {
+        let window = |extra: &str| parse(extra).unwrap().block.sliding_window;
+        let w = r#""sliding_window": 16"#;
+        assert_eq!(
+            window(&format!(r#""architectures": ["MistralForCausalLM"], {w}"#)),
+            Some(16)
+        );
+        assert_eq!(
+            window(&format!(r#""architectures": ["LlamaForCausalLM"], {w}"#)),
+            None
+        );
+        assert_eq!(
+            window(&format!(r#""architectures": ["Qwen2ForCausalLM"], {w}"#)),
+            None
+        );
+        let qwen_on = r#""architectures": ["Qwen2ForCausalLM"], "use_sliding_window": true"#;
+        assert_eq!(window(&format!("{qwen_on}, {w}")), Some(16));
+        let by_types = r#""architectures": ["Qwen3ForCausalLM"], "sliding_window": 8,
+            "layer_types": ["full_attention", "sliding_attention"]"#;
+        assert_eq!(window(by_types), Some(8));
+        let c = parse(&format!(r#""architectures": ["MistralForCausalLM"], {w}"#)).unwrap();
+        assert!(c.check_seqlen(16).is_ok());
+        assert!(
+            c.check_seqlen(17)
+                .unwrap_err()
+                .contains("sliding_window 16")
+        );
+    }
+
+    #[test]
+    fn each_architecture_declares_its_biases_and_norms() {
+        let names = |extra: &str| {
+            let c = parse(extra).unwrap();
+            let b: Vec<String> = c.block.bias_names().collect();
+            let n: Vec<&str> = c.block.norms.iter().map(|n| n.name).collect();
+            (b, n)
+        };
+        let (b, n) = names(r#""architectures": ["Qwen2ForCausalLM"]"#);
+        assert_eq!(
+            b,
+            [
+                "self_attn.q_proj.bias",
+                "self_attn.k_proj.bias",
+                "self_attn.v_proj.bias"
+            ]
+        );
+        assert_eq!(n, ["input_layernorm", "post_attention_layernorm"]);
+        let (b, _) = names(
+            r#""architectures": ["LlamaForCausalLM"], "attention_bias": true, "mlp_bias": true"#,
+        );
+        assert_eq!(b.len(), 7);
+        let (b, n) = names(r#""architectures": ["Qwen3ForCausalLM"], "head_dim": 32"#);
+        assert!(b.is_empty());
+        assert_eq!(n[2..], ["self_attn.q_norm", "self_attn.k_norm"]);
+        let c = parse(r#""architectures": ["Qwen3ForCausalLM"], "head_dim": 32"#).unwrap();
+        assert_eq!(c.block.linears[0].d_out, 4 * 32);
+        assert_eq!(c.block.linears[3].d_in, 4 * 32);
+        assert!(
+            parse(r#""architectures": ["Qwen3ForCausalLM"], "hidden_act": "gelu""#)
+                .unwrap_err()
+                .contains("hidden_act")
+        );
+    }
+}
