@@ -19,6 +19,8 @@ const WINDOWS: usize = 2;
 /// max |Δlogit| / max |logit|: both sides are f32 with different summation orders (faer's blocked GEMMs vs
 /// MKL/oneDNN, our softmax vs torch's) through 2 blocks.
 const LOGITS_TOL: f64 = 1e-5;
+/// The CUDA forward: f32 kernels and cuBLAS SGEMM (which may reorder sums differently again).
+const CUDA_LOGITS_TOL: f64 = 1e-5;
 /// |Δppl| / ppl of the CPU eval path (f32 activations, f64 log-sum-exp) against transformers' (f32 logits,
 /// f64 log-softmax here).
 const PPL_TOL: f64 = 1e-6;
@@ -163,6 +165,50 @@ fn forward_matches_transformers() {
     assert!(
         failures.is_empty(),
         "{failures:?} differ from transformers beyond logits {LOGITS_TOL:e} / ppl {PPL_TOL:e}:\n{}",
+        table.join("\n")
+    );
+}
+
+/// The same logits through the CUDA backend (on the CPU emulator in CI: profiling/emu/check.sh), with its
+/// default forward GEMM precision; skipped with the reason where there is no device.
+#[test]
+fn forward_matches_transformers_on_cuda() {
+    use boa_cuda::backend::Backend;
+    let be = match boa_cuda::backend::cuda::CudaBackend::new(0) {
+        Ok(b) => b,
+        Err(why) => {
+            println!("skipped: {why}");
+            return;
+        }
+    };
+    println!("device: {}", be.name());
+    let root = references();
+    let mut table = Vec::new();
+    let mut failures = Vec::new();
+    for name in ARCHS {
+        let dir = root.join(name);
+        let model = Model::open(&dir).unwrap_or_else(|e| panic!("{name}: {e:#}"));
+        let r = reference(&dir);
+        let per_win = SEQLEN * r.vocab;
+        let (mut max_diff, mut max_ref) = (0f64, 0f64);
+        for (w, ids) in r.ids.iter().enumerate() {
+            let ours = boa_cuda::eval::logits(&be, &model, ids).unwrap();
+            for (&a, &b) in ours.iter().zip(&r.logits[w * per_win..(w + 1) * per_win]) {
+                max_diff = max_diff.max((a as f64 - b as f64).abs());
+                max_ref = max_ref.max((b as f64).abs());
+            }
+        }
+        let rel = max_diff / max_ref;
+        table.push(format!("{name:<11} logits max rel {rel:.2e}"));
+        if !(rel <= CUDA_LOGITS_TOL) {
+            failures.push(name);
+        }
+    }
+    println!("{}", table.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{failures:?} differ from transformers beyond {CUDA_LOGITS_TOL:e} on {}:\n{}",
+        be.name(),
         table.join("\n")
     );
 }
