@@ -200,7 +200,7 @@ fn forward_matches_transformers_on_cuda() {
         }
         let rel = max_diff / max_ref;
         table.push(format!("{name:<11} logits max rel {rel:.2e}"));
-        if !(rel <= CUDA_LOGITS_TOL) {
+        if rel.is_nan() || rel > CUDA_LOGITS_TOL {
             failures.push(name);
         }
     }
