@@ -15,8 +15,8 @@ import argparse, json, math, os, shutil
 
 import torch
 from safetensors.torch import save_file
-from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedTokenizerFast,
-                          Qwen2Config, Qwen3Config)
+from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig,
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen3Config)
 
 
 def common(vocab):
@@ -45,16 +45,28 @@ def configs(vocab):
         "qwen3": Qwen3Config(**c, head_dim=32, tie_word_embeddings=True, attention_bias=False,
                              use_sliding_window=False,
                              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+        # Gemma 3: sandwich norms (1 + w), GeGLU, √d embedding scale, q/k norm, scores scaled by
+        # query_pre_attn_scalar (≠ head_dim), local and global layers with their own RoPE (linear scaling
+        # on the global one), a sliding window longer than the windows here.
+        "gemma3": Gemma3TextConfig(**{**c, "num_hidden_layers": 3}, head_dim=32, query_pre_attn_scalar=24,
+                                   sliding_window=256, tie_word_embeddings=True,
+                                   layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                   rope_parameters={
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                       "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                          "rope_theta": 1000000.0}}),
     }
 
 
 def randomize(model, seed):
     g = torch.Generator().manual_seed(seed)
+    # Gemma's norms scale by (1 + w): around 1 either way, never all ones.
+    offset = 0.0 if model.config.model_type.startswith("gemma") else 1.0
     with torch.no_grad():
         for name, p in model.named_parameters():
             r = torch.randn(p.shape, generator=g)
             if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.25 * r)  # norms: around 1, never all ones
+                p.copy_(offset + 0.25 * r)
             elif name.endswith(".bias"):
                 p.copy_(0.1 * r)
             elif "embed_tokens" in name or "lm_head" in name:

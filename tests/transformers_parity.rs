@@ -13,7 +13,14 @@ use safetensors::SafeTensors;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-const ARCHS: [&str; 5] = ["llama3", "llama_bias", "mistral", "qwen2", "qwen3"];
+const ARCHS: [&str; 6] = [
+    "llama3",
+    "llama_bias",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma3",
+];
 const SEQLEN: usize = 64;
 const WINDOWS: usize = 2;
 /// max |Δlogit| / max |logit|: both sides are f32 with different summation orders (faer's blocked GEMMs vs

@@ -357,6 +357,22 @@ impl Backend for CpuBackend {
     }
 }
 
+/// gelu_tanh(gate) ⊙ up in f32 with transformers' "gelu_pytorch_tanh":
+/// ½ g (1 + tanh(√(2/π) (g + 0.044715 g³))).
+pub fn geglu(gate: &[f32], up: &[f32]) -> Result<Vec<f32>> {
+    ensure!(gate.len() == up.len(), "gate.len() != up.len()");
+    const BETA: f32 = 0.797_884_6; // √(2/π)
+    let mut out = vec![0f32; gate.len()];
+    out.par_chunks_mut(4096)
+        .zip(gate.par_chunks(4096).zip(up.par_chunks(4096)))
+        .for_each(|(o, (g, u))| {
+            for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+                *o = 0.5 * g * (1.0 + (BETA * (g + 0.044715 * g * g * g)).tanh()) * u;
+            }
+        });
+    Ok(out)
+}
+
 /// e^x in f32 that the compiler vectorizes (libm's expf does not), within 2 ulp of it for the range that
 /// matters, and exactly 0 below −87: results that would be denormal are flushed, because denormal
 /// arithmetic costs ~100 cycles per operation on x86 and attention rows are full of tiny probabilities.

@@ -95,6 +95,12 @@ pub trait Backend: QuantOps + Send + Sync {
     /// SwiGLU: silu(gate) ⊙ up, elementwise.
     fn swiglu(&self, gate: &[f32], up: &[f32]) -> Result<Vec<f32>>;
 
+    /// GeGLU: gelu_tanh(gate) ⊙ up, elementwise (Gemma's MLP). On the host unless a backend has its own
+    /// (the CUDA backend has no kernel for it yet, so Gemma's activations make a round trip there).
+    fn geglu(&self, gate: &[f32], up: &[f32]) -> Result<Vec<f32>> {
+        cpu::geglu(gate, up)
+    }
+
     /// (free, total) bytes of the device's own memory; None when the device is the host.
     fn device_memory(&self) -> Option<(u64, u64)> {
         None
@@ -258,6 +264,12 @@ pub trait Backend: QuantOps + Send + Sync {
     /// `swiglu` on tensors.
     fn swiglu_t(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         let y = self.swiglu(&self.read(gate)?, &self.read(up)?)?;
+        self.to_device(Tensor::Host(y))
+    }
+
+    /// `geglu` on tensors.
+    fn geglu_t(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        let y = self.geglu(&self.read(gate)?, &self.read(up)?)?;
         self.to_device(Tensor::Host(y))
     }
 

@@ -78,7 +78,7 @@ pub fn window_nll(
 ) -> anyhow::Result<(f64, usize)> {
     let c = &model.cfg;
     let t = wins[0].len();
-    let rope = model.rope_table(t);
+    let ropes = model.rope_tables(t);
     let norm = model.final_norm()?;
     let head = model.lm_head()?;
     // A device backend keeps the LM head (and, when tied, the embedding table: the same matrix) in its own
@@ -95,7 +95,7 @@ pub fn window_nll(
     let mut bar = progress.bar("eval", (n_chunks * (c.n_layers + 1)) as u64, "blocks");
     let (mut nll, mut count) = (0f64, 0usize);
     // The CPU backend on a model without packed linears takes the fused window-parallel path (eval::cpu).
-    let fused = be.name() == "cpu" && model.gptq.is_none();
+    let fused = be.name() == "cpu" && model.gptq.is_none() && c.block.is_llama_like();
     if fused {
         for group in wins.chunks(chunk) {
             let ids: Vec<u32> = group.iter().flat_map(|w| w.iter().copied()).collect();
@@ -103,7 +103,7 @@ pub fn window_nll(
             let mut x = model.embed(&ids)?;
             nll += cpu::chunk_nll(
                 c,
-                &rope,
+                ropes.layer(0),
                 &mut x,
                 group,
                 |l| {
@@ -132,7 +132,9 @@ pub fn window_nll(
         for group in pass.chunks(chunk) {
             let ids: Vec<u32> = group.iter().flat_map(|w| w.iter().copied()).collect();
             count += group.len() * (t - 1);
-            xs.push(match table_t.as_ref().or(head_t.as_ref()) {
+            // A scaled embedding (Gemma) is gathered on the host: the device table is the unscaled head.
+            let table = table_t.as_ref().or(head_t.as_ref());
+            xs.push(match table.filter(|_| c.block.embed_scale.is_none()) {
                 Some(table) => {
                     model.check_ids(&ids)?;
                     be.embed_t(table, &ids, c.d)?
@@ -144,7 +146,16 @@ pub fn window_nll(
             let w = model.load_block(l)?;
             let resident = ResidentWeights::upload_all(be, &w)?;
             for (x, group) in xs.iter_mut().zip(pass.chunks(chunk)) {
-                block_forward(be, &w, Some(&resident), c, &rope, x, group.len(), None)?;
+                block_forward(
+                    be,
+                    &w,
+                    Some(&resident),
+                    c,
+                    ropes.layer(l),
+                    x,
+                    group.len(),
+                    None,
+                )?;
                 bar.inc(1);
             }
         }
@@ -164,12 +175,12 @@ pub fn logits(be: &dyn Backend, model: &Model, ids: &[u32]) -> anyhow::Result<Ve
     anyhow::ensure!(!ids.is_empty(), "logits: no token ids");
     c.check_seqlen(ids.len())
         .map_err(|m| crate::input_err!("{m}"))?;
-    let rope = model.rope_table(ids.len());
+    let ropes = model.rope_tables(ids.len());
     let mut x = be.to_device(Tensor::Host(model.embed(ids)?))?;
     for l in 0..c.n_layers {
         let w = model.load_block(l)?;
         let resident = ResidentWeights::upload_all(be, &w)?;
-        block_forward(be, &w, Some(&resident), c, &rope, &mut x, 1, None)?;
+        block_forward(be, &w, Some(&resident), c, ropes.layer(l), &mut x, 1, None)?;
     }
     let h = be.rms_norm(&be.read(&x)?, &model.final_norm()?, c.d, c.eps)?;
     let head = model.lm_head()?;

@@ -29,16 +29,16 @@ pub struct RawConfig {
     architectures: Vec<String>,
     hidden_size: usize,
     intermediate_size: usize,
-    num_hidden_layers: usize,
+    pub num_hidden_layers: usize,
     num_attention_heads: usize,
     num_key_value_heads: Option<usize>,
     head_dim: Option<usize>,
     #[serde(default = "default_eps")]
     rms_norm_eps: f64,
-    rope_theta: Option<f64>,
-    rope_scaling: Option<RopeScaling>,
-    /// transformers ≥ 5 writes theta and scaling here instead ({"rope_theta", "rope_type", "factor", …}).
-    rope_parameters: Option<serde_json::Value>,
+    pub rope_theta: Option<f64>,
+    /// transformers ≥ 5 writes theta and scaling here instead ({"rope_theta", "rope_type", "factor", …}), or,
+    /// for models whose layer types differ (Gemma 3), one such object per layer type.
+    pub rope_parameters: Option<serde_json::Value>,
     #[serde(default)]
     tie_word_embeddings: bool,
     vocab_size: usize,
@@ -53,6 +53,16 @@ pub struct RawConfig {
     /// transformers ≥ 4.53: "full_attention" / "sliding_attention" per layer.
     #[serde(default)]
     pub layer_types: Vec<String>,
+    /// Gemma: the activation's field name, the scores' scale, soft-capping, the local layers' RoPE base.
+    pub hidden_activation: Option<String>,
+    pub query_pre_attn_scalar: Option<f64>,
+    pub final_logit_softcapping: Option<f64>,
+    pub attn_logit_softcapping: Option<f64>,
+    #[serde(default)]
+    pub use_bidirectional_attention: bool,
+    pub rope_local_base_freq: Option<f64>,
+    #[serde(rename = "rope_scaling")]
+    pub rope_scaling_json: Option<serde_json::Value>,
 }
 
 fn default_eps() -> f64 {
@@ -130,7 +140,13 @@ impl Config {
             ));
         }
         let mut rope_theta = raw.rope_theta;
-        let mut rope_scaling = raw.rope_scaling.clone();
+        let mut rope_scaling: Option<RopeScaling> = match &raw.rope_scaling_json {
+            Some(v) if !v.is_null() => Some(
+                serde_json::from_value(v.clone())
+                    .map_err(|e| format!("invalid rope_scaling: {e}"))?,
+            ),
+            _ => None,
+        };
         if let Some(p) = &raw.rope_parameters {
             rope_theta = rope_theta.or(p.get("rope_theta").and_then(|v| v.as_f64()));
             if rope_scaling.is_none() && p.get("rope_type").is_some_and(|t| t != "default") {
@@ -151,14 +167,6 @@ impl Config {
         {
             return Err(format!("rope_theta {t} must be a positive number"));
         }
-        if let Some(s) = &rope_scaling
-            && !matches!(s.rope_type.as_str(), "llama3" | "default")
-        {
-            return Err(format!(
-                "unsupported rope_scaling type {:?} (supported: llama3)",
-                s.rope_type
-            ));
-        }
         // Fields the block does not implement are refused by its description, never ignored.
         let dims = Dims {
             d: raw.hidden_size,
@@ -168,6 +176,16 @@ impl Config {
             d_h,
         };
         let block = arch::describe(&architecture, &raw, dims)?;
+        // A per-layer RoPE (`BlockDesc::layer_rope`) was checked by the description.
+        if block.layer_rope.is_none()
+            && let Some(s) = &rope_scaling
+            && !matches!(s.rope_type.as_str(), "llama3" | "default")
+        {
+            return Err(format!(
+                "unsupported rope_scaling type {:?} (supported: llama3)",
+                s.rope_type
+            ));
+        }
         Ok(Config {
             block,
             architecture,
@@ -228,6 +246,16 @@ impl Config {
                  not implemented here (use --seqlen {w} or less, where it equals full causal attention)"
             )),
             _ => Ok(()),
+        }
+    }
+
+    /// Layer l's RoPE inverse frequencies: its own (`BlockDesc::layer_rope`) or the config's one RoPE.
+    pub fn inv_freq_for(&self, l: usize) -> Vec<f64> {
+        match self.block.layer_rope.as_ref().and_then(|r| r.get(l)) {
+            Some(r) => (0..self.d_h / 2)
+                .map(|i| 1.0 / r.theta.powf((2 * i) as f64 / self.d_h as f64) / r.linear_factor)
+                .collect(),
+            None => self.inv_freq(),
         }
     }
 

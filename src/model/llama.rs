@@ -3,7 +3,7 @@
 //! (+ residual), RMSNorm → SwiGLU MLP (+ residual). Weights are held in f32 one block at a time; the forward
 //! runs on any `Backend` and can record the intermediates the quantizer needs.
 
-use super::arch::{BlockDesc, NormRole, Role};
+use super::arch::{Activation, BlockDesc, NormRole, Role};
 use super::config::Config;
 use super::packed::{GptqConfig, load_packed_linear};
 use super::weights::WeightStore;
@@ -117,6 +117,18 @@ impl RopeTable {
             }
         }
         RopeTable { t, cos, sin }
+    }
+}
+
+/// The RoPE tables of a model's layers (`Model::rope_tables`).
+pub struct RopeTables {
+    tables: Vec<RopeTable>,
+    of_layer: Vec<usize>,
+}
+
+impl RopeTables {
+    pub fn layer(&self, l: usize) -> &RopeTable {
+        &self.tables[self.of_layer[l.min(self.of_layer.len() - 1)]]
     }
 }
 
@@ -281,21 +293,36 @@ pub fn block_forward(
         .causal_attention_t(&q, &k, &v, n_seq, t, h, h_kv, d_h)
         .with_context(of("the attention (self_attn.o_proj's input)"))?;
     drop(v);
-    let o = lin(Role::O, &attn)?;
+    let mut o = lin(Role::O, &attn)?;
+    if let Some(g) = w.norm(NormRole::AttnOut) {
+        o = be
+            .rms_norm_t(&o, g, cfg.d, cfg.eps)
+            .with_context(of("post_attention_layernorm"))?;
+    }
     be.add_t(x, &o)
         .with_context(of("the residual add after self_attn.o_proj"))?;
     drop(o);
 
     let xm = be
         .rms_norm_t(x, w.required_norm(NormRole::Mlp)?, cfg.d, cfg.eps)
-        .with_context(of("post_attention_layernorm"))?;
+        .with_context(of("the MLP's input norm"))?;
     let gate = lin(Role::Gate, &xm)?;
     let up = lin(Role::Up, &xm)?;
-    let act = be
-        .swiglu_t(&gate, &up)
-        .with_context(of("SwiGLU (mlp.down_proj's input)"))?;
+    let act = match w.desc.act {
+        Activation::Silu => be
+            .swiglu_t(&gate, &up)
+            .with_context(of("SwiGLU (mlp.down_proj's input)"))?,
+        Activation::GeluTanh => be
+            .geglu_t(&gate, &up)
+            .with_context(of("GeGLU (mlp.down_proj's input)"))?,
+    };
     drop((gate, up));
-    let down = lin(Role::Down, &act)?;
+    let mut down = lin(Role::Down, &act)?;
+    if let Some(g) = w.norm(NormRole::MlpOut) {
+        down = be
+            .rms_norm_t(&down, g, cfg.d, cfg.eps)
+            .with_context(of("post_feedforward_layernorm"))?;
+    }
     be.add_t(x, &down)
         .with_context(of("the residual add after mlp.down_proj"))?;
 
@@ -484,7 +511,21 @@ impl Model {
             norms: desc
                 .norms
                 .iter()
-                .map(|n| self.store.f32(&format!("{p}{}.weight", n.name), &[n.len]))
+                .map(|n| {
+                    let mut g = self.store.f32(&format!("{p}{}.weight", n.name), &[n.len])?;
+                    // (offset + w), and the query scale folded into the q norm (both exact in the
+                    // forward's f32, as transformers computes them).
+                    let scale = if n.role == NormRole::Q {
+                        desc.q_scale
+                    } else {
+                        1.0
+                    };
+                    if desc.norm_offset != 0.0 || scale != 1.0 {
+                        g.iter_mut()
+                            .for_each(|v| *v = (*v + desc.norm_offset) * scale);
+                    }
+                    Ok(g)
+                })
                 .collect::<anyhow::Result<_>>()?,
         })
     }
@@ -504,6 +545,9 @@ impl Model {
             let id = id as usize;
             let row = &bytes[id * c.d * elt..(id + 1) * c.d * elt];
             out.extend(super::weights::to_f32(e.dtype, row).map_err(|m| file_err(&self.dir, m))?);
+        }
+        if let Some(s) = c.block.embed_scale {
+            out.iter_mut().for_each(|v| *v *= s);
         }
         Ok(out)
     }
@@ -525,8 +569,14 @@ impl Model {
             .f32("model.embed_tokens.weight", &[self.cfg.vocab, self.cfg.d])
     }
 
+    /// The final norm's weight as the forward applies it (with the description's offset).
     pub fn final_norm(&self) -> anyhow::Result<Vec<f32>> {
-        self.store.f32("model.norm.weight", &[self.cfg.d])
+        let mut g = self.store.f32("model.norm.weight", &[self.cfg.d])?;
+        let off = self.cfg.block.norm_offset;
+        if off != 0.0 {
+            g.iter_mut().for_each(|v| *v += off);
+        }
+        Ok(g)
     }
 
     /// The output projection [vocab × d] (the embedding matrix when tied).
@@ -538,7 +588,26 @@ impl Model {
             .f32("lm_head.weight", &[self.cfg.vocab, self.cfg.d])
     }
 
+    /// The config's one RoPE table (layer 0's where layers differ).
     pub fn rope_table(&self, t: usize) -> RopeTable {
-        RopeTable::new(&self.cfg.inv_freq(), t)
+        RopeTable::new(&self.cfg.inv_freq_for(0), t)
+    }
+
+    /// Each layer's RoPE table for windows of t tokens (one table per distinct RoPE).
+    pub fn rope_tables(&self, t: usize) -> RopeTables {
+        let (mut freqs, mut tables, mut of_layer) = (Vec::new(), Vec::new(), Vec::new());
+        for l in 0..self.cfg.n_layers {
+            let f = self.cfg.inv_freq_for(l);
+            let i = match freqs.iter().position(|g: &Vec<f64>| *g == f) {
+                Some(i) => i,
+                None => {
+                    tables.push(RopeTable::new(&f, t));
+                    freqs.push(f);
+                    freqs.len() - 1
+                }
+            };
+            of_layer.push(i);
+        }
+        RopeTables { tables, of_layer }
     }
 }

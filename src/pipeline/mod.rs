@@ -247,7 +247,9 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                 // the table, gathered there, so X never crosses PCIe.
                 let x = match &calib_ids {
                     Some(flat) => {
-                        let table = if placement.embed_on_device {
+                        // A scaled embedding (Gemma) is gathered on the host (the table is also the head).
+                        let table = if placement.embed_on_device && cfg.block.embed_scale.is_none()
+                        {
                             be.upload_weight(&model.embed_table()?)?
                         } else {
                             None
@@ -277,7 +279,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
         if start == 0 {
             timings.calibration_data = t0.elapsed().as_secs_f64();
         }
-        let rope = model.rope_table(opts.seqlen);
+        let ropes = model.rope_tables(opts.seqlen);
         let out_dtype = model.store.main_dtype();
 
         let base_total = timings.total;
@@ -312,6 +314,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
             let (mut last_save, mut save_cost) = (Instant::now(), 0.0);
             let mut writing = None;
             for l in start..cfg.n_layers {
+                let rope = ropes.layer(l);
                 let t_block = Instant::now();
                 let traffic_block = be.traffic();
                 let mut traffic_save = crate::ops::Traffic::default();
@@ -338,7 +341,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                     if let Some((w, resident)) = &w {
                         let t = Instant::now();
                         ranged(c"forward", || {
-                            forward_all(be, w, resident, &model.cfg, &rope, &mut x)
+                            forward_all(be, w, resident, &model.cfg, rope, &mut x)
                         })
                         .with_context(|| format!("layer {l}: forward"))?;
                         timings.forward += t.elapsed().as_secs_f64();
@@ -359,7 +362,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                                 &w,
                                 Some(&resident),
                                 cfg,
-                                &rope,
+                                rope,
                                 &x,
                                 opts.method == Method::Boa,
                             )
@@ -426,7 +429,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                     if needs_calib && l < last_needed {
                         let t = Instant::now();
                         ranged(c"forward", || {
-                            forward_all(be, &w, &resident, cfg, &rope, &mut x)
+                            forward_all(be, &w, &resident, cfg, rope, &mut x)
                         })
                         .with_context(|| format!("layer {l}: forward of the quantized block"))?;
                         timings.forward += t.elapsed().as_secs_f64();

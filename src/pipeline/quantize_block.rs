@@ -105,7 +105,7 @@ pub fn quantize_block(
     let g = gptq_options(opts, opts.seqlen);
     // Linears that read the same input share its plan (q/k, and v under GPTQ; gate/up).
     let factors = FactorCache::new();
-    let rope = RopeAverage::new(&cfg.inv_freq(), opts.seqlen);
+    let rope = RopeAverage::new(&cfg.inv_freq_for(layer), opts.seqlen);
     let desc = &cfg.block;
     let mut out = Vec::with_capacity(desc.linears.len());
     for (i, ld) in desc.linears.iter().enumerate() {

@@ -2,7 +2,7 @@
 //! RMSNorm → SwiGLU MLP (+ residual). They differ in biases (Qwen2: q/k/v always; Llama: `attention_bias`
 //! on q/k/v/o and `mlp_bias` on the MLP) and in the sliding window (Mistral's whenever set).
 
-use super::{BlockDesc, Dims, check_silu, llama_linears, pre_norms, sliding_window};
+use super::{Activation, BlockDesc, Dims, check_silu, llama_linears, pre_norms, sliding_window};
 use crate::model::config::RawConfig;
 
 pub(super) fn describe(
@@ -34,5 +34,10 @@ pub(super) fn describe(
             "Qwen2ForCausalLM" => sliding_window(raw, false),
             _ => None,
         },
+        act: Activation::Silu,
+        norm_offset: 0.0,
+        q_scale: 1.0,
+        embed_scale: None,
+        layer_rope: None,
     })
 }

@@ -4,6 +4,7 @@
 //! validation and resume all iterate this description instead of naming layers; adding an architecture is a
 //! file here that builds its `BlockDesc` and refuses the config fields it does not implement.
 
+mod gemma3;
 mod llama;
 mod qwen3;
 
@@ -66,8 +67,12 @@ pub struct LinearDesc {
 pub enum NormRole {
     /// Before the attention (input_layernorm).
     Attn,
-    /// Before the MLP (post_attention_layernorm in the Llama family).
+    /// On the attention's output, before the residual add (Gemma's post_attention_layernorm).
+    AttnOut,
+    /// Before the MLP (post_attention_layernorm in the Llama family, pre_feedforward_layernorm in Gemma).
     Mlp,
+    /// On the MLP's output, before the residual add (Gemma's post_feedforward_layernorm).
+    MlpOut,
     /// Per-head RMSNorm of the queries before RoPE (Qwen3), weight [d_h] shared by every head.
     Q,
     /// The same for the keys.
@@ -82,13 +87,41 @@ pub struct NormDesc {
 }
 
 /// A decoder block, as the config declares it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct BlockDesc {
     /// In the order the pipeline quantizes them (attention, then MLP: each reads the previous ones' outputs).
     pub linears: Vec<LinearDesc>,
     pub norms: Vec<NormDesc>,
     /// Keys further back than this many positions are masked, in some or all layers; None: full causal.
     pub sliding_window: Option<usize>,
+    /// The MLP's gate activation: act(gate) ⊙ up.
+    pub act: Activation,
+    /// Every RMSNorm here (the final one too) scales by (offset + w): 0 in the Llama family, 1 in Gemma,
+    /// whose checkpoints store w − 1. Applied to the weights when they are loaded.
+    pub norm_offset: f32,
+    /// A factor on the queries (folded into the q norm's weight at load): Gemma scales scores by
+    /// query_pre_attn_scalar^−½ instead of d_h^−½.
+    pub q_scale: f32,
+    /// Around the blocks: the embedding rows are multiplied by this (Gemma: √d); the tied LM head is not.
+    pub embed_scale: Option<f32>,
+    /// RoPE per layer (Gemma: local layers' base differs from global ones'); None: the config's one RoPE.
+    pub layer_rope: Option<Vec<RopeSpec>>,
+}
+
+/// The MLP activations here.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    /// SwiGLU: silu(gate) ⊙ up.
+    Silu,
+    /// GeGLU with the tanh approximation of GELU ("gelu_pytorch_tanh").
+    GeluTanh,
+}
+
+/// One layer's RoPE: θ_i = theta^(−2i/d_h) / linear_factor.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RopeSpec {
+    pub theta: f64,
+    pub linear_factor: f64,
 }
 
 impl BlockDesc {
@@ -110,6 +143,16 @@ impl BlockDesc {
     /// Per-head q/k RMSNorm before RoPE (the scores see normalized projections: design.md §4.3).
     pub fn qk_norm(&self) -> bool {
         self.norm(NormRole::Q).is_some()
+    }
+
+    /// The Llama block exactly (SwiGLU, pre-norms only, unscaled queries): what the fused CPU eval forward
+    /// implements. Other blocks take the generic forward.
+    pub fn is_llama_like(&self) -> bool {
+        self.act == Activation::Silu
+            && self.norm(NormRole::AttnOut).is_none()
+            && self.norm(NormRole::MlpOut).is_none()
+            && self.q_scale == 1.0
+            && self.norm_offset == 0.0
     }
 
     /// Every tensor name of the block's linears' biases (under `model.layers.{l}.`).
@@ -137,6 +180,7 @@ pub const SUPPORTED_ARCHITECTURES: &[&str] = &[
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
 ];
 
 /// The block of `architecture`, or why this config cannot be run here (a field that changes the math and is
@@ -147,6 +191,7 @@ pub fn describe(architecture: &str, raw: &RawConfig, dims: Dims) -> Result<Block
             llama::describe(architecture, raw, dims)
         }
         "Qwen3ForCausalLM" => qwen3::describe(raw, dims),
+        "Gemma3ForCausalLM" => gemma3::describe(raw, dims),
         a => Err(format!(
             "unsupported architecture {a}; supported: {}",
             SUPPORTED_ARCHITECTURES.join(", ")

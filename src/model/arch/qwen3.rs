@@ -4,7 +4,8 @@
 //! (design.md §4.3, "q/k norm").
 
 use super::{
-    BlockDesc, Dims, NormDesc, NormRole, check_silu, llama_linears, pre_norms, sliding_window,
+    Activation, BlockDesc, Dims, NormDesc, NormRole, check_silu, llama_linears, pre_norms,
+    sliding_window,
 };
 use crate::model::config::RawConfig;
 
@@ -30,5 +31,10 @@ pub(super) fn describe(raw: &RawConfig, dims: Dims) -> Result<BlockDesc, String>
         linears: llama_linears(dims, raw.attention_bias, raw.attention_bias),
         norms,
         sliding_window: sliding_window(raw, false),
+        act: Activation::Silu,
+        norm_offset: 0.0,
+        q_scale: 1.0,
+        embed_scale: None,
+        layer_rope: None,
     })
 }
