@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The test command: fetches the demo model, unpacks the texts (data/texts.tar.xz) and installs the reference
-# venv (scripts/install_pyref.sh) if needed (tests need all three and fail without them), then runs every
-# test in release mode (the forward passes are too slow unoptimized).
+# The test command: fetches the demo model and Gemma 3 270M Q4_K_M, unpacks the texts (data/texts.tar.xz)
+# and installs the reference venv (scripts/install_pyref.sh) if needed (tests need all four and fail without
+# them), then runs every test in release mode (the forward passes are too slow unoptimized).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/fetch_demo.sh
+# The real K-quant file every GGUF decoder is checked on (tests/gguf_kquant.rs); 253 MB, cached.
+BOA_GEMMA3_GGUF="${BOA_GEMMA3_GGUF:-$(scripts/fetch_gemma3.sh | tail -n1)}"
+export BOA_GEMMA3_GGUF
 python3 scripts/texts.py >/dev/null
 # transformers and the gguf package, the references of tests/transformers_parity.rs (cached venv).
 BOA_PYREF_PYTHON="${BOA_PYREF_PYTHON:-$(scripts/install_pyref.sh | tail -n1)}"

@@ -47,7 +47,7 @@ enum Cmd {
         #[arg(long, num_args = 1.., default_values = ["9,64,576", "2,128,2048"])]
         sweep_shape: Vec<String>,
     },
-    /// Convert a llama-architecture GGUF (F32/F16/BF16/Q8_0/Q4_0/Q4_1 tensors) to an HF folder.
+    /// Convert a llama-architecture GGUF (F32/F16/BF16, Q4/5/8_0, Q4/5_1, Q2_K…Q6_K tensors) to an HF folder.
     ImportGguf {
         /// The .gguf file.
         file: PathBuf,

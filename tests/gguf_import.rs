@@ -1005,12 +1005,14 @@ fn dequant_input(id: u8, n: u32, data: &[u8]) -> Vec<u8> {
 
 /// The body of the gguf_dequant fuzz target on stable Rust: seeded random type ids, element counts and
 /// data sizes (most near a valid size, where the off-by-one bugs live). Never a panic; a success gives
-/// exactly the values asked for, and only where `check_dequantizable` agrees. Run by scripts/fuzz.sh.
+/// exactly the values asked for, and only where `check_dequantizable` agrees; every `SUPPORTED` type
+/// (the K-quants among them) decodes any bytes of the right size, every other type and size is refused.
+/// Run by scripts/fuzz.sh.
 #[test]
 #[ignore]
 fn fuzz_gguf_dequant() {
     use boa_cuda::model::gguf::GgmlType;
-    use boa_cuda::model::gguf::dequant::{check_dequantizable, dequantize};
+    use boa_cuda::model::gguf::dequant::{SUPPORTED, check_dequantizable, dequantize};
     use rand::{RngExt, SeedableRng};
     let seed: u64 = std::env::var("BOA_FUZZ_SEED")
         .ok()
@@ -1040,13 +1042,21 @@ fn fuzz_gguf_dequant() {
             _ => len,
         };
         let data: Vec<u8> = (0..len).map(|_| rng.random()).collect();
+        let decodable = SUPPORTED.contains(&ty) && n % block == 0 && len == n / block * size;
         let r = std::panic::catch_unwind(|| dequantize("fuzz", ty, &data, n));
         match r {
             Ok(Ok(v)) => {
                 assert_eq!(v.len(), n, "{ty} n={n} len={len}");
+                assert!(
+                    decodable,
+                    "{ty} n={n} len={len} decoded but should be refused"
+                );
                 decoded += 1;
             }
-            Ok(Err(_)) => assert!(check_dequantizable("fuzz", ty, data.len(), n).is_err()),
+            Ok(Err(e)) => {
+                assert!(check_dequantizable("fuzz", ty, data.len(), n).is_err());
+                assert!(!decodable, "{ty} n={n} len={len} refused: {e}");
+            }
             Err(_) => {
                 let c = std::env::temp_dir().join(format!("boa-fuzz-crash-dequant-{seed}-{n_in}"));
                 std::fs::write(&c, dequant_input(ty_id(ty), n as u32, &data)).unwrap();
@@ -1089,6 +1099,16 @@ fn write_fuzz_seed() {
         std::fs::write(
             d.join(format!("type{ty}.bin")),
             dequant_input(ty as u8, values.len() as u32, &bytes),
+        )
+        .unwrap();
+    }
+    // Q5_0, Q5_1 and the K-quants Q2_K…Q6_K: two blocks of random bytes each (every pattern decodes).
+    for id in [6u8, 7, 10, 11, 12, 13, 14] {
+        let ty = boa_cuda::model::gguf::GgmlType::from_id(id.into()).unwrap();
+        let bytes: Vec<u8> = (0..2 * ty.type_size()).map(|_| rng.next() as u8).collect();
+        std::fs::write(
+            d.join(format!("type{id}.bin")),
+            dequant_input(id, 2 * ty.block_size() as u32, &bytes),
         )
         .unwrap();
     }

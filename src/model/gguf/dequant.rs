@@ -1,30 +1,42 @@
-//! ggml tensor types → f32 (CPU, rayon over chunks of blocks).
+//! ggml tensor types → f32 (CPU, rayon over chunks of blocks); the 256-value K-quants are in `kquant`.
+//! Bit-exact with gguf-py's `gguf.quants.dequantize` (tests/gguf_kquant.rs).
 //!
-//! Block layouts (ggml-common.h), all little-endian, `d`/`m` are f16:
+//! Block layouts of the 32-value types (ggml-common.h), all little-endian, `d`/`m` are f16, `qh` a u32:
 //!
 //! ```text
 //! Q8_0  { d; i8 qs[32] }                      x[i] = qs[i]·d
 //! Q4_0  { d; u8 qs[16] }                      x[i] = ((qs[i] & 15) − 8)·d,  x[i+16] = ((qs[i] >> 4) − 8)·d
 //! Q4_1  { d; m; u8 qs[16] }                   x[i] = (qs[i] & 15)·d + m,    x[i+16] = (qs[i] >> 4)·d + m
+//! Q5_0  { d; qh; u8 qs[16] }                  x[i] = (q[i] − 16)·d
+//! Q5_1  { d; m; qh; u8 qs[16] }               x[i] = q[i]·d + m
 //! ```
 //!
-//! i.e. the low nibbles are elements 0..15 of the block and the high nibbles elements 16..31.
+//! i.e. the low nibbles are elements 0..15 of the block and the high nibbles elements 16..31; a 5-bit q[i]
+//! is that nibble with bit i of `qh` as its fifth bit (q[i] = nibble | ((qh >> i) & 1) << 4).
 
 use anyhow::Result;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
+use super::kquant;
 use super::reader::GgmlType;
 use crate::input_err;
 
 /// Types `dequantize` handles.
-pub const SUPPORTED: [GgmlType; 6] = [
+pub const SUPPORTED: [GgmlType; 13] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
     GgmlType::Q8_0,
     GgmlType::Q4_0,
     GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
 ];
 
 /// Blocks per rayon task: 32K elements, enough work to amortise scheduling.
@@ -60,6 +72,27 @@ fn dequant_block_q4_1(b: &[u8], out: &mut [f32]) {
     }
 }
 
+/// The 32 five-bit values of a Q5_0/Q5_1 block: nibbles from `qs` (16 bytes), fifth bits from `qh`.
+fn q5_values(qh: &[u8], qs: &[u8]) -> [u8; 32] {
+    let qh = u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]);
+    std::array::from_fn(|i| ((qs[i % 16] >> (4 * (i / 16))) & 15) | ((((qh >> i) & 1) as u8) << 4))
+}
+
+fn dequant_block_q5_0(b: &[u8], out: &mut [f32]) {
+    let d = f16_at(b, 0);
+    for (o, q) in out.iter_mut().zip(q5_values(&b[2..6], &b[6..22])) {
+        *o = (i32::from(q) - 16) as f32 * d;
+    }
+}
+
+fn dequant_block_q5_1(b: &[u8], out: &mut [f32]) {
+    let d = f16_at(b, 0);
+    let m = f16_at(b, 2);
+    for (o, q) in out.iter_mut().zip(q5_values(&b[4..8], &b[8..24])) {
+        *o = f32::from(q) * d + m;
+    }
+}
+
 fn dequant_block_f32(b: &[u8], out: &mut [f32]) {
     out[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
 }
@@ -83,6 +116,13 @@ fn block_fn(ty: GgmlType) -> Option<BlockFn> {
         GgmlType::Q8_0 => dequant_block_q8_0,
         GgmlType::Q4_0 => dequant_block_q4_0,
         GgmlType::Q4_1 => dequant_block_q4_1,
+        GgmlType::Q5_0 => dequant_block_q5_0,
+        GgmlType::Q5_1 => dequant_block_q5_1,
+        GgmlType::Q2_K => kquant::dequant_block_q2_k,
+        GgmlType::Q3_K => kquant::dequant_block_q3_k,
+        GgmlType::Q4_K => kquant::dequant_block_q4_k,
+        GgmlType::Q5_K => kquant::dequant_block_q5_k,
+        GgmlType::Q6_K => kquant::dequant_block_q6_k,
         _ => return None,
     })
 }
@@ -147,11 +187,24 @@ mod tests {
     }
 
     #[test]
+    fn q5_0_fifth_bit() {
+        // d = 1; nibble of element i = i % 16, qh bit i set for odd i: element i = (i % 16) + 16·(i odd) − 16.
+        let mut b = Vec::new();
+        b.extend(f16::from_f32(1.0).to_le_bytes());
+        b.extend(0xaaaa_aaaau32.to_le_bytes());
+        b.extend((0..16u8).map(|i| i | (i << 4)));
+        let x = dequantize("t", GgmlType::Q5_0, &b, 32).unwrap();
+        for (i, &v) in x.iter().enumerate() {
+            assert_eq!(v, (i % 16 + 16 * (i % 2)) as f32 - 16.0, "element {i}");
+        }
+    }
+
+    #[test]
     fn unsupported_type_is_named() {
-        let e = dequantize("blk.0.attn_q.weight", GgmlType::Q4_K, &[0; 144], 256).unwrap_err();
+        let e = dequantize("blk.0.attn_q.weight", GgmlType::IQ4_XS, &[0; 136], 256).unwrap_err();
         let msg = e.to_string();
         assert!(
-            msg.contains("blk.0.attn_q.weight") && msg.contains("Q4_K"),
+            msg.contains("blk.0.attn_q.weight") && msg.contains("IQ4_XS"),
             "{msg}"
         );
     }

@@ -1,10 +1,12 @@
 //! GGUF (llama.cpp's single-file format, v2/v3) reading and conversion to a Hugging Face folder.
 //!
-//! `reader` parses and validates the container, `dequant` turns ggml blocks into f32, `tokenizer` rebuilds a
-//! `tokenizer.json` from the embedded vocabulary, and `import` ties them together (`import_gguf`).
+//! `reader` parses and validates the container, `dequant` turns ggml blocks into f32 (`kquant` holds the
+//! 256-value K-quant blocks), `tokenizer` rebuilds a `tokenizer.json` from the embedded vocabulary, and
+//! `import` ties them together (`import_gguf`).
 
 pub mod dequant;
 pub mod import;
+pub mod kquant;
 pub mod reader;
 pub mod tokenizer;
 
