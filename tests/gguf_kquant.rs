@@ -3,9 +3,11 @@
 //! Gemma 3 270M Q4_K_M file (Q4_K, Q6_K, Q5_0, Q8_0, F32; scripts/fetch_gemma3.sh). Plus `import-gguf` on a
 //! llama GGUF of K-quant and Q5 tensors, and the K-quant row-length rule.
 //!
-//! Python: $BOA_PYREF_PYTHON, default /root/.cache/boa-cuda/pyref/bin/python (scripts/install_pyref.sh), running
+//! Python: $BOA_PYREF_PYTHON, default ~/.cache/boa-cuda/pyref/bin/python (scripts/install_pyref.sh), running
 //! scripts/gguf_reference.py. A missing interpreter or model file fails the test with the command that fixes
 //! it; nothing is skipped.
+
+mod common;
 
 use std::io::{BufReader, Read};
 use std::path::{Path, PathBuf};
@@ -23,21 +25,7 @@ fn repo() -> &'static Path {
 
 /// The pyref venv's python with `gguf` importable, or a failure that says how to make it.
 fn pyref_python() -> PathBuf {
-    let py = std::env::var_os("BOA_PYREF_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/root/.cache/boa-cuda/pyref/bin/python"));
-    let ok = Command::new(&py)
-        .args(["-c", "import gguf, numpy"])
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(
-        ok,
-        "{} cannot import gguf: run scripts/install_pyref.sh (or set BOA_PYREF_PYTHON to a python with the \
-         gguf package)",
-        py.display()
-    );
-    py
+    common::pyref_python("gguf, numpy")
 }
 
 /// scripts/fetch_gemma3.sh's output: $BOA_GEMMA3_GGUF, default ~/.cache/boa-cuda/gemma3/gemma-3-270m-q4_k_m.gguf.

@@ -33,19 +33,7 @@ const CUDA_LOGITS_TOL: f64 = 1e-5;
 const PPL_TOL: f64 = 1e-6;
 
 fn python() -> PathBuf {
-    let p = std::env::var_os("BOA_PYREF_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var("HOME").unwrap_or_default())
-                .join(".cache/boa-cuda/pyref/bin/python")
-        });
-    assert!(
-        p.is_file(),
-        "the reference venv's python is missing at {}: run scripts/install_pyref.sh (scripts/test.sh does), \
-         or set BOA_PYREF_PYTHON",
-        p.display()
-    );
-    p
+    common::pyref_python("torch, transformers, safetensors")
 }
 
 fn calib_text() -> PathBuf {

@@ -88,6 +88,30 @@ pub fn demo_model() -> PathBuf {
     p
 }
 
+/// The reference venv's python (scripts/install_pyref.sh: transformers, torch, the gguf package), checked to
+/// import `modules` (e.g. "gguf, numpy"). $BOA_PYREF_PYTHON, default ~/.cache/boa-cuda/pyref/bin/python. A
+/// missing venv fails the test: scripts/test.sh installs it, so a test never passes for want of it.
+pub fn pyref_python(modules: &str) -> PathBuf {
+    let py = std::env::var_os("BOA_PYREF_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var("HOME").unwrap_or_default())
+                .join(".cache/boa-cuda/pyref/bin/python")
+        });
+    let ok = Command::new(&py)
+        .args(["-c", &format!("import {modules}")])
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        ok,
+        "{} cannot import {modules}: run scripts/install_pyref.sh (scripts/test.sh does), or set \
+         BOA_PYREF_PYTHON to a python that has them",
+        py.display()
+    );
+    py
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Seeded mutation fuzzing on stable Rust (the cargo-fuzz targets in fuzz/ need nightly). Used by the
 // #[ignore]d `fuzz_*` tests; scripts/fuzz.sh runs them for a bounded time.
