@@ -1,6 +1,6 @@
-//! The decoder block of the Llama family (Llama 1/2/3, Mistral, Qwen2, Qwen3, SmolLM), driven by its
-//! description (`model/arch`): RMSNorm → q/k/v (→ per-head q/k RMSNorm) → RoPE → causal GQA attention → o
-//! (+ residual), RMSNorm → SwiGLU MLP (+ residual). Weights are held in f32 one block at a time; the forward
+//! The decoder block of the Llama family (Llama 1/2/3, Mistral, Qwen2, Qwen3, Gemma 3, SmolLM), driven by
+//! its description (`model/arch`): RMSNorm → q/k/v (→ per-head q/k RMSNorm) → RoPE → causal GQA attention →
+//! o (→ RMSNorm) (+ residual), RMSNorm → SwiGLU or GeGLU MLP (→ RMSNorm) (+ residual). Weights are held in f32 one block at a time; the forward
 //! runs on any `Backend` and can record the intermediates the quantizer needs.
 
 use super::arch::{Activation, BlockDesc, NormRole, Role};
