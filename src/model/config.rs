@@ -1,6 +1,7 @@
 //! config.json of a Hugging Face Llama-family model, validated so that later code can trust every shape.
 
 use super::arch::{self, BlockDesc, Dims};
+use super::raw_config::RawConfig;
 use crate::error::file_err;
 use serde::Deserialize;
 use std::path::Path;
@@ -19,54 +20,6 @@ pub struct RopeScaling {
     pub high_freq_factor: f64,
     #[serde(default)]
     pub original_max_position_embeddings: usize,
-}
-
-/// config.json's fields that change the math; the architecture files (`model/arch`) read the ones that are
-/// theirs.
-#[derive(Debug, Clone, Deserialize)]
-pub struct RawConfig {
-    #[serde(default)]
-    architectures: Vec<String>,
-    hidden_size: usize,
-    intermediate_size: usize,
-    pub num_hidden_layers: usize,
-    num_attention_heads: usize,
-    num_key_value_heads: Option<usize>,
-    head_dim: Option<usize>,
-    #[serde(default = "default_eps")]
-    rms_norm_eps: f64,
-    pub rope_theta: Option<f64>,
-    /// transformers ≥ 5 writes theta and scaling here instead ({"rope_theta", "rope_type", "factor", …}), or,
-    /// for models whose layer types differ (Gemma 3), one such object per layer type.
-    pub rope_parameters: Option<serde_json::Value>,
-    #[serde(default)]
-    tie_word_embeddings: bool,
-    vocab_size: usize,
-    #[serde(default)]
-    pub attention_bias: bool,
-    #[serde(default)]
-    pub mlp_bias: bool,
-    pub hidden_act: Option<String>,
-    pub sliding_window: Option<usize>,
-    #[serde(default)]
-    pub use_sliding_window: bool,
-    /// transformers ≥ 4.53: "full_attention" / "sliding_attention" per layer.
-    #[serde(default)]
-    pub layer_types: Vec<String>,
-    /// Gemma: the activation's field name, the scores' scale, soft-capping, the local layers' RoPE base.
-    pub hidden_activation: Option<String>,
-    pub query_pre_attn_scalar: Option<f64>,
-    pub final_logit_softcapping: Option<f64>,
-    pub attn_logit_softcapping: Option<f64>,
-    #[serde(default)]
-    pub use_bidirectional_attention: bool,
-    pub rope_local_base_freq: Option<f64>,
-    #[serde(rename = "rope_scaling")]
-    pub rope_scaling_json: Option<serde_json::Value>,
-}
-
-fn default_eps() -> f64 {
-    1e-6
 }
 
 #[derive(Debug, Clone)]
@@ -281,5 +234,82 @@ impl Config {
             }
         }
         f
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Config;
+
+    fn parse(extra: &str) -> Result<Config, String> {
+        Config::parse(&format!(
+            r#"{{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, {extra}}}"#
+        ))
+    }
+
+    #[test]
+    fn sliding_window_is_declared_the_way_each_architecture_declares_it() {
+        let window = |extra: &str| parse(extra).unwrap().block.sliding_window;
+        let w = r#""sliding_window": 16"#;
+        assert_eq!(
+            window(&format!(r#""architectures": ["MistralForCausalLM"], {w}"#)),
+            Some(16)
+        );
+        assert_eq!(
+            window(&format!(r#""architectures": ["LlamaForCausalLM"], {w}"#)),
+            None
+        );
+        assert_eq!(
+            window(&format!(r#""architectures": ["Qwen2ForCausalLM"], {w}"#)),
+            None
+        );
+        let qwen_on = r#""architectures": ["Qwen2ForCausalLM"], "use_sliding_window": true"#;
+        assert_eq!(window(&format!("{qwen_on}, {w}")), Some(16));
+        let by_types = r#""architectures": ["Qwen3ForCausalLM"], "sliding_window": 8,
+            "layer_types": ["full_attention", "sliding_attention"]"#;
+        assert_eq!(window(by_types), Some(8));
+        let c = parse(&format!(r#""architectures": ["MistralForCausalLM"], {w}"#)).unwrap();
+        assert!(c.check_seqlen(16).is_ok());
+        assert!(
+            c.check_seqlen(17)
+                .unwrap_err()
+                .contains("sliding_window 16")
+        );
+    }
+
+    #[test]
+    fn each_architecture_declares_its_biases_and_norms() {
+        let names = |extra: &str| {
+            let c = parse(extra).unwrap();
+            let b: Vec<String> = c.block.bias_names().collect();
+            let n: Vec<&str> = c.block.norms.iter().map(|n| n.name).collect();
+            (b, n)
+        };
+        let (b, n) = names(r#""architectures": ["Qwen2ForCausalLM"]"#);
+        assert_eq!(
+            b,
+            [
+                "self_attn.q_proj.bias",
+                "self_attn.k_proj.bias",
+                "self_attn.v_proj.bias"
+            ]
+        );
+        assert_eq!(n, ["input_layernorm", "post_attention_layernorm"]);
+        let (b, _) = names(
+            r#""architectures": ["LlamaForCausalLM"], "attention_bias": true, "mlp_bias": true"#,
+        );
+        assert_eq!(b.len(), 7);
+        let (b, n) = names(r#""architectures": ["Qwen3ForCausalLM"], "head_dim": 32"#);
+        assert!(b.is_empty());
+        assert_eq!(n[2..], ["self_attn.q_norm", "self_attn.k_norm"]);
+        let c = parse(r#""architectures": ["Qwen3ForCausalLM"], "head_dim": 32"#).unwrap();
+        assert_eq!(c.block.linears[0].d_out, 4 * 32);
+        assert_eq!(c.block.linears[3].d_in, 4 * 32);
+        assert!(
+            parse(r#""architectures": ["Qwen3ForCausalLM"], "hidden_act": "gelu""#)
+                .unwrap_err()
+                .contains("hidden_act")
+        );
     }
 }

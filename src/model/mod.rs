@@ -6,6 +6,7 @@ pub mod config;
 pub mod gguf;
 pub mod llama;
 pub mod packed;
+pub mod raw_config;
 pub mod synth;
 pub mod weights;
 

@@ -9,7 +9,7 @@
 use super::{
     Activation, BlockDesc, Dims, NormDesc, NormRole, RopeSpec, llama_linears, sliding_window,
 };
-use crate::model::config::RawConfig;
+use crate::model::raw_config::RawConfig;
 
 pub(super) fn describe(raw: &RawConfig, dims: Dims) -> Result<BlockDesc, String> {
     let act = raw

@@ -3,7 +3,7 @@
 //! on q/k/v/o and `mlp_bias` on the MLP) and in the sliding window (Mistral's whenever set).
 
 use super::{Activation, BlockDesc, Dims, check_silu, llama_linears, pre_norms, sliding_window};
-use crate::model::config::RawConfig;
+use crate::model::raw_config::RawConfig;
 
 pub(super) fn describe(
     architecture: &str,

@@ -8,7 +8,7 @@ mod gemma3;
 mod llama;
 mod qwen3;
 
-use super::config::RawConfig;
+use super::raw_config::RawConfig;
 
 /// What a linear is in the block's math.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -257,81 +257,4 @@ pub(super) fn sliding_window(raw: &RawConfig, declared_by_field: bool) -> Option
         .any(|t| t.as_str() == "sliding_attention");
     raw.sliding_window
         .filter(|_| declared_by_field || raw.use_sliding_window || by_layer_types)
-}
-
-#[cfg(test)]
-mod tests {
-    use crate::model::config::Config;
-
-    fn parse(extra: &str) -> Result<Config, String> {
-        Config::parse(&format!(
-            r#"{{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, {extra}}}"#
-        ))
-    }
-
-    #[test]
-    fn sliding_window_is_declared_the_way_each_architecture_declares_it() {
-        let window = |extra: &str| parse(extra).unwrap().block.sliding_window;
-        let w = r#""sliding_window": 16"#;
-        assert_eq!(
-            window(&format!(r#""architectures": ["MistralForCausalLM"], {w}"#)),
-            Some(16)
-        );
-        assert_eq!(
-            window(&format!(r#""architectures": ["LlamaForCausalLM"], {w}"#)),
-            None
-        );
-        assert_eq!(
-            window(&format!(r#""architectures": ["Qwen2ForCausalLM"], {w}"#)),
-            None
-        );
-        let qwen_on = r#""architectures": ["Qwen2ForCausalLM"], "use_sliding_window": true"#;
-        assert_eq!(window(&format!("{qwen_on}, {w}")), Some(16));
-        let by_types = r#""architectures": ["Qwen3ForCausalLM"], "sliding_window": 8,
-            "layer_types": ["full_attention", "sliding_attention"]"#;
-        assert_eq!(window(by_types), Some(8));
-        let c = parse(&format!(r#""architectures": ["MistralForCausalLM"], {w}"#)).unwrap();
-        assert!(c.check_seqlen(16).is_ok());
-        assert!(
-            c.check_seqlen(17)
-                .unwrap_err()
-                .contains("sliding_window 16")
-        );
-    }
-
-    #[test]
-    fn each_architecture_declares_its_biases_and_norms() {
-        let names = |extra: &str| {
-            let c = parse(extra).unwrap();
-            let b: Vec<String> = c.block.bias_names().collect();
-            let n: Vec<&str> = c.block.norms.iter().map(|n| n.name).collect();
-            (b, n)
-        };
-        let (b, n) = names(r#""architectures": ["Qwen2ForCausalLM"]"#);
-        assert_eq!(
-            b,
-            [
-                "self_attn.q_proj.bias",
-                "self_attn.k_proj.bias",
-                "self_attn.v_proj.bias"
-            ]
-        );
-        assert_eq!(n, ["input_layernorm", "post_attention_layernorm"]);
-        let (b, _) = names(
-            r#""architectures": ["LlamaForCausalLM"], "attention_bias": true, "mlp_bias": true"#,
-        );
-        assert_eq!(b.len(), 7);
-        let (b, n) = names(r#""architectures": ["Qwen3ForCausalLM"], "head_dim": 32"#);
-        assert!(b.is_empty());
-        assert_eq!(n[2..], ["self_attn.q_norm", "self_attn.k_norm"]);
-        let c = parse(r#""architectures": ["Qwen3ForCausalLM"], "head_dim": 32"#).unwrap();
-        assert_eq!(c.block.linears[0].d_out, 4 * 32);
-        assert_eq!(c.block.linears[3].d_in, 4 * 32);
-        assert!(
-            parse(r#""architectures": ["Qwen3ForCausalLM"], "hidden_act": "gelu""#)
-                .unwrap_err()
-                .contains("hidden_act")
-        );
-    }
 }

@@ -7,7 +7,7 @@ use super::{
     Activation, BlockDesc, Dims, NormDesc, NormRole, check_silu, llama_linears, pre_norms,
     sliding_window,
 };
-use crate::model::config::RawConfig;
+use crate::model::raw_config::RawConfig;
 
 pub(super) fn describe(raw: &RawConfig, dims: Dims) -> Result<BlockDesc, String> {
     check_silu(raw)?;
