@@ -344,30 +344,28 @@ impl Backend for CpuBackend {
     }
 
     fn swiglu(&self, gate: &[f32], up: &[f32]) -> Result<Vec<f32>> {
-        ensure!(gate.len() == up.len(), "gate.len() != up.len()");
-        let mut out = vec![0f32; gate.len()];
-        out.par_chunks_mut(4096)
-            .zip(gate.par_chunks(4096).zip(up.par_chunks(4096)))
-            .for_each(|(o, (g, u))| {
-                for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-                    *o = g / (1.0 + exp_f32(-g)) * u;
-                }
-            });
-        Ok(out)
+        gated(gate, up, |g| g / (1.0 + exp_f32(-g)))
     }
 }
 
 /// gelu_tanh(gate) ⊙ up in f32 with transformers' "gelu_pytorch_tanh":
 /// ½ g (1 + tanh(√(2/π) (g + 0.044715 g³))).
 pub fn geglu(gate: &[f32], up: &[f32]) -> Result<Vec<f32>> {
-    ensure!(gate.len() == up.len(), "gate.len() != up.len()");
     const BETA: f32 = 0.797_884_6; // √(2/π)
+    gated(gate, up, |g| {
+        0.5 * g * (1.0 + (BETA * (g + 0.044715 * g * g * g)).tanh())
+    })
+}
+
+/// act(gate) ⊙ up, elementwise, rayon over chunks: the gated MLPs' activation.
+fn gated(gate: &[f32], up: &[f32], act: impl Fn(f32) -> f32 + Sync) -> Result<Vec<f32>> {
+    ensure!(gate.len() == up.len(), "gate.len() != up.len()");
     let mut out = vec![0f32; gate.len()];
     out.par_chunks_mut(4096)
         .zip(gate.par_chunks(4096).zip(up.par_chunks(4096)))
         .for_each(|(o, (g, u))| {
             for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-                *o = 0.5 * g * (1.0 + (BETA * (g + 0.044715 * g * g * g)).tanh()) * u;
+                *o = act(g) * u;
             }
         });
     Ok(out)
