@@ -8,6 +8,9 @@
 //! it; nothing is skipped.
 
 mod common;
+#[path = "common/gguf_writer.rs"]
+mod gguf_writer;
+use gguf_writer::{Kv, Tensor};
 
 use std::io::{BufReader, Read};
 use std::path::{Path, PathBuf};
@@ -297,69 +300,23 @@ fn gemma3_270m_every_tensor_matches_gguf_py() {
 // ---------------------------------------------------------------------------------------------------------
 // A tiny llama GGUF whose matrices are K-quants and Q5s (d = d_ff = 256, 2 heads of 128, 1 KV head).
 
-enum Kv {
-    Str(&'static str),
-    U32(u32),
-    F32(f32),
-    StrArr(Vec<&'static str>),
-}
-
-/// GGUF v3 bytes (test-only writer, independent of the reader): (ggml dims fastest first, type, data).
+/// GGUF bytes from (name, ggml dims fastest first, type, data) through the shared test writer.
 fn gguf_bytes(kvs: &[(&str, Kv)], tensors: &[(String, Vec<u64>, GgmlType, Vec<u8>)]) -> Vec<u8> {
-    fn put_str(b: &mut Vec<u8>, s: &str) {
-        b.extend((s.len() as u64).to_le_bytes());
-        b.extend(s.as_bytes());
-    }
-    let mut b = b"GGUF".to_vec();
-    b.extend(3u32.to_le_bytes());
-    b.extend((tensors.len() as u64).to_le_bytes());
-    b.extend((kvs.len() as u64).to_le_bytes());
-    for (k, v) in kvs {
-        put_str(&mut b, k);
-        match v {
-            Kv::Str(s) => {
-                b.extend(8u32.to_le_bytes());
-                put_str(&mut b, s);
-            }
-            Kv::U32(x) => {
-                b.extend(4u32.to_le_bytes());
-                b.extend(x.to_le_bytes());
-            }
-            Kv::F32(x) => {
-                b.extend(6u32.to_le_bytes());
-                b.extend(x.to_le_bytes());
-            }
-            Kv::StrArr(a) => {
-                b.extend(9u32.to_le_bytes());
-                b.extend(8u32.to_le_bytes());
-                b.extend((a.len() as u64).to_le_bytes());
-                for s in a {
-                    put_str(&mut b, s);
-                }
-            }
-        }
-    }
-    let mut offset = 0u64;
-    for (name, dims, ty, data) in tensors {
-        put_str(&mut b, name);
-        b.extend((dims.len() as u32).to_le_bytes());
-        for d in dims {
-            b.extend(d.to_le_bytes());
-        }
-        b.extend(ty.id().to_le_bytes());
-        b.extend(offset.to_le_bytes());
-        offset = (offset + data.len() as u64).next_multiple_of(32);
-    }
-    for (_, _, _, data) in tensors {
-        b.resize(b.len().next_multiple_of(32), 0);
-        b.extend(data);
-    }
-    b
+    let tensors: Vec<Tensor> = tensors
+        .iter()
+        .map(|(name, dims, ty, data)| Tensor {
+            name: name.clone(),
+            dims: dims.clone(),
+            ty: ty.id(),
+            data: data.clone(),
+        })
+        .collect();
+    gguf_writer::gguf_bytes(kvs, &tensors)
 }
 
 fn llama_kvs() -> Vec<(&'static str, Kv)> {
     vec![
-        ("general.architecture", Kv::Str("llama")),
+        ("general.architecture", Kv::Str("llama".into())),
         ("llama.block_count", Kv::U32(1)),
         ("llama.context_length", Kv::U32(256)),
         ("llama.embedding_length", Kv::U32(256)),
@@ -367,10 +324,10 @@ fn llama_kvs() -> Vec<(&'static str, Kv)> {
         ("llama.attention.head_count", Kv::U32(2)),
         ("llama.attention.head_count_kv", Kv::U32(1)),
         ("llama.attention.layer_norm_rms_epsilon", Kv::F32(1e-5)),
-        ("tokenizer.ggml.model", Kv::Str("gpt2")),
+        ("tokenizer.ggml.model", Kv::Str("gpt2".into())),
         (
             "tokenizer.ggml.tokens",
-            Kv::StrArr(vec!["a", "b", "c", "d"]),
+            Kv::StrArr(["a", "b", "c", "d"].map(String::from).to_vec()),
         ),
         ("tokenizer.ggml.merges", Kv::StrArr(vec![])),
     ]

@@ -5,6 +5,7 @@
 
 mod common;
 
+use boa_cuda::backend::Backend;
 use boa_cuda::backend::cpu::CpuBackend;
 use boa_cuda::model::Model;
 use boa_cuda::progress::Progress;
@@ -96,6 +97,27 @@ fn reference(dir: &Path) -> Reference {
     }
 }
 
+impl Reference {
+    /// transformers' logits of window w [SEQLEN × vocab].
+    fn window(&self, w: usize) -> &[f32] {
+        let n = SEQLEN * self.vocab;
+        &self.logits[w * n..(w + 1) * n]
+    }
+}
+
+/// max |Δlogit| / max |logit| of `model`'s generic forward on `be` against transformers, over every window.
+fn logits_max_rel(be: &dyn Backend, model: &Model, r: &Reference) -> f64 {
+    let (mut max_diff, mut max_ref) = (0f64, 0f64);
+    for (w, ids) in r.ids.iter().enumerate() {
+        let ours = boa_cuda::eval::logits(be, model, ids).unwrap();
+        for (&a, &b) in ours.iter().zip(r.window(w)) {
+            max_diff = max_diff.max((a as f64 - b as f64).abs());
+            max_ref = max_ref.max((b as f64).abs());
+        }
+    }
+    max_diff / max_ref
+}
+
 /// Σ −log softmax(logits_i)[ids_{i+1}] in f64, as the reference script sums it.
 fn nll(logits: &[f32], ids: &[u32], vocab: usize) -> f64 {
     logits
@@ -126,18 +148,10 @@ fn forward_matches_transformers() {
         let dir = root.join(name);
         let model = Model::open(&dir).unwrap_or_else(|e| panic!("{name}: {e:#}"));
         let r = reference(&dir);
-        let per_win = SEQLEN * r.vocab;
-        let (mut max_diff, mut max_ref, mut hf_nll) = (0f64, 0f64, 0f64);
-        for (w, ids) in r.ids.iter().enumerate() {
-            let ours = boa_cuda::eval::logits(&CpuBackend, &model, ids).unwrap();
-            let theirs = &r.logits[w * per_win..(w + 1) * per_win];
-            for (&a, &b) in ours.iter().zip(theirs) {
-                max_diff = max_diff.max((a as f64 - b as f64).abs());
-                max_ref = max_ref.max((b as f64).abs());
-            }
-            hf_nll += nll(theirs, ids, r.vocab);
-        }
-        let rel = max_diff / max_ref;
+        let rel = logits_max_rel(&CpuBackend, &model, &r);
+        let hf_nll: f64 = (r.ids.iter().enumerate())
+            .map(|(w, ids)| nll(r.window(w), ids, r.vocab))
+            .sum();
         // The eval path (the fused CPU forward, a separate implementation) on the same windows.
         let wins: Vec<&[u32]> = r.ids.iter().map(Vec::as_slice).collect();
         let (our_nll, count) =
@@ -168,7 +182,6 @@ fn forward_matches_transformers() {
 /// default forward GEMM precision; skipped with the reason where there is no device.
 #[test]
 fn forward_matches_transformers_on_cuda() {
-    use boa_cuda::backend::Backend;
     let be = match boa_cuda::backend::cuda::CudaBackend::new(0) {
         Ok(b) => b,
         Err(why) => {
@@ -183,17 +196,7 @@ fn forward_matches_transformers_on_cuda() {
     for name in ARCHS {
         let dir = root.join(name);
         let model = Model::open(&dir).unwrap_or_else(|e| panic!("{name}: {e:#}"));
-        let r = reference(&dir);
-        let per_win = SEQLEN * r.vocab;
-        let (mut max_diff, mut max_ref) = (0f64, 0f64);
-        for (w, ids) in r.ids.iter().enumerate() {
-            let ours = boa_cuda::eval::logits(&be, &model, ids).unwrap();
-            for (&a, &b) in ours.iter().zip(&r.logits[w * per_win..(w + 1) * per_win]) {
-                max_diff = max_diff.max((a as f64 - b as f64).abs());
-                max_ref = max_ref.max((b as f64).abs());
-            }
-        }
-        let rel = max_diff / max_ref;
+        let rel = logits_max_rel(&be, &model, &reference(&dir));
         table.push(format!("{name:<11} logits max rel {rel:.2e}"));
         if rel.is_nan() || rel > CUDA_LOGITS_TOL {
             failures.push(name);
@@ -290,8 +293,7 @@ fn every_method_quantizes_every_architecture_to_a_loadable_checkpoint() {
             let (mut num, mut den) = (0f64, 0f64);
             for (w, ids) in r.ids.iter().enumerate() {
                 let ours = boa_cuda::eval::logits(&CpuBackend, &q, ids).unwrap();
-                let fp = &r.logits[w * SEQLEN * r.vocab..(w + 1) * SEQLEN * r.vocab];
-                for (&a, &b) in ours.iter().zip(fp) {
+                for (&a, &b) in ours.iter().zip(r.window(w)) {
                     num += (a as f64 - b as f64).powi(2);
                     den += (b as f64).powi(2);
                 }
