@@ -633,8 +633,12 @@ fn install_quantized(
 ) -> anyhow::Result<ResidentWeights> {
     use crate::ops::MatData;
     let mut resident = Vec::with_capacity(quantized.len());
-    let names: Vec<&str> = w.desc.linears.iter().map(|d| d.name).collect();
-    for (((q, _), name), lin) in quantized.into_iter().zip(names).zip(&mut w.linears) {
+    for (((q, _), desc), lin) in quantized
+        .into_iter()
+        .zip(&w.desc.linears)
+        .zip(&mut w.linears)
+    {
+        let name = desc.name;
         match q.w_hat.data {
             MatData::F32(Tensor::Host(v)) => {
                 lin.w = v;
