@@ -2,7 +2,7 @@
 
 For each architecture: a config of that architecture (every option that changes the math switched on
 somewhere: GQA, Llama 3 rope scaling, q/k/v/o and MLP biases, tied embeddings, Qwen3's q/k norm and an
-explicit head_dim), a model built with `from_config` (no hub) whose parameters — norms and biases too — are
+explicit head_dim, mixtures of experts with and without renormalized top-k), a model built with `from_config` (no hub) whose parameters — norms and biases too — are
 drawn at random so no term is an identity, `save_pretrained` into OUT/<name>/ with the given tokenizer.json,
 and OUT/<name>/reference.safetensors holding the token ids of the first windows of the text and transformers'
 f32 logits on them. Prints one JSON line per model: name, architecture, windows, seqlen, summed next-token
@@ -15,8 +15,8 @@ import argparse, json, math, os, shutil
 
 import torch
 from safetensors.torch import save_file
-from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig,
-                          PreTrainedTokenizerFast, Qwen2Config, Qwen3Config)
+from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig,
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
 
 def common(vocab):
@@ -35,8 +35,8 @@ def configs(vocab):
         # Llama with every bias switch on (q/k/v/o and the MLP).
         "llama_bias": LlamaConfig(**c, tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
                                   rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
-        # Mistral: a sliding window longer than the windows evaluated here (then it is full attention).
-        "mistral": MistralConfig(**c, sliding_window=256, tie_word_embeddings=False,
+        # Mistral: a sliding window (40) shorter than the windows evaluated here, in every layer.
+        "mistral": MistralConfig(**c, sliding_window=40, tie_word_embeddings=False,
                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
         # Qwen2: q/k/v biases, tied embeddings.
         "qwen2": Qwen2Config(**c, tie_word_embeddings=True, use_sliding_window=False,
@@ -47,14 +47,23 @@ def configs(vocab):
                              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
         # Gemma 3: sandwich norms (1 + w), GeGLU, √d embedding scale, q/k norm, scores scaled by
         # query_pre_attn_scalar (≠ head_dim), local and global layers with their own RoPE (linear scaling
-        # on the global one), a sliding window longer than the windows here.
+        # on the global one), the local layers' sliding window (24) shorter than the windows here.
         "gemma3": Gemma3TextConfig(**{**c, "num_hidden_layers": 3}, head_dim=32, query_pre_attn_scalar=24,
-                                   sliding_window=256, tie_word_embeddings=True,
+                                   sliding_window=24, tie_word_embeddings=True,
                                    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
                                    rope_parameters={
                                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                        "full_attention": {"rope_type": "linear", "factor": 4.0,
                                                           "rope_theta": 1000000.0}}),
+        # Qwen3-MoE: Qwen3's attention, 8 experts of 48, top-2 of the softmax kept as they are
+        # (norm_topk_prob false; Mixtral covers the renormalized case).
+        "qwen3_moe": Qwen3MoeConfig(**c, head_dim=32, moe_intermediate_size=48, num_experts=8,
+                                    num_experts_per_tok=2, norm_topk_prob=False, tie_word_embeddings=False,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+        # Mixtral: Mistral's attention, 4 experts of intermediate_size, top-2 renormalized.
+        "mixtral": MixtralConfig(**{**c, "intermediate_size": 96}, num_local_experts=4, num_experts_per_tok=2,
+                                 sliding_window=None, tie_word_embeddings=False,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
     }
 
 

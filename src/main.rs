@@ -5,7 +5,9 @@ use boa_cuda::backend::{Device, GemmPrecision, select_backend};
 use boa_cuda::eval::{EvalOptions, perplexity};
 use boa_cuda::export::gptq_packed::OutFormat;
 use boa_cuda::model::Model;
-use boa_cuda::pipeline::options::{LayerSet, Method, RunOptions, ScaleSearchArg, VRowHessian};
+use boa_cuda::pipeline::options::{
+    LayerSet, Method, MoeHessian, RunOptions, ScaleSearchArg, VRowHessian,
+};
 use boa_cuda::progress::Progress;
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -200,6 +202,15 @@ struct RunArgs {
     /// README's 128 × 512 table, and the only one with BoA < GPTQ at 2 bits) or wout (the paper's Table 1).
     #[arg(long, value_enum, default_value_t = VRowHessian::Identity)]
     v_row_hessian: VRowHessian,
+    /// Mixture-of-experts models: an expert's H_col counts each token routed to it once (tokens) or weighs
+    /// it by its router probability squared (router).
+    #[arg(long, value_enum, default_value_t = MoeHessian::Tokens)]
+    moe_hessian: MoeHessian,
+    /// Mixture-of-experts models: an expert routed fewer calibration tokens than this falls back to GPTQ on
+    /// every token's MLP-input statistic for gate/up and RTN for down_proj (report.json lists each expert's
+    /// tokens).
+    #[arg(long, default_value_t = 64)]
+    moe_min_tokens: usize,
     /// Calibration windows.
     #[arg(long, default_value_t = 128)]
     nsamples: usize,
@@ -296,6 +307,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 static_groups: a.static_groups,
                 scale_search,
                 v_row_hessian: a.v_row_hessian,
+                moe_hessian: a.moe_hessian,
+                moe_min_tokens: a.moe_min_tokens,
                 nsamples: a.nsamples,
                 seqlen,
                 seed: a.seed,
@@ -592,6 +605,8 @@ fn bench_quant(
                 static_groups: false,
                 scale_search: ScaleSearchArg::Hessian,
                 v_row_hessian: VRowHessian::Identity,
+                moe_hessian: MoeHessian::Tokens,
+                moe_min_tokens: 64,
                 nsamples,
                 seqlen,
                 seed: 0,

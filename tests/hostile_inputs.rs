@@ -807,12 +807,22 @@ fn hostile_config_fields_are_refused() {
             vec!["model.layers.0.self_attn.q_norm.weight", "missing"],
         ),
         (
-            "mistral window shorter than --seqlen",
+            "mixtral without its router and experts",
             Box::new(move |v| {
-                v["architectures"] = arch("MistralForCausalLM");
-                v["sliding_window"] = serde_json::json!(32);
+                v["architectures"] = arch("MixtralForCausalLM");
+                v["num_local_experts"] = serde_json::json!(2);
+                v["num_experts_per_tok"] = serde_json::json!(1);
             }),
-            vec!["--seqlen 64", "sliding_window 32", "not implemented"],
+            vec!["model.layers.0.block_sparse_moe.gate.weight", "missing"],
+        ),
+        (
+            "moe with more experts per token than experts",
+            Box::new(move |v| {
+                v["architectures"] = arch("MixtralForCausalLM");
+                v["num_local_experts"] = serde_json::json!(2);
+                v["num_experts_per_tok"] = serde_json::json!(3);
+            }),
+            vec!["config.json", "num_experts_per_tok=3"],
         ),
     ];
     for (case, edit, needles) in cases {
@@ -824,6 +834,30 @@ fn hostile_config_fields_are_refused() {
     // A bias in the weights that the architecture does not declare: the forward used it, the output
     // dropped it.
     let orig_w = fs::read(m.join("model.safetensors")).unwrap();
+    // Experts stored fused (transformers ≥ 5's in-memory layout) are named as such, not as missing experts.
+    edit_config(&m, |v| {
+        v["architectures"] = arch("MixtralForCausalLM");
+        v["num_local_experts"] = serde_json::json!(2);
+        v["num_experts_per_tok"] = serde_json::json!(1);
+    });
+    rewrite(
+        &m,
+        |_, d, sh, b| Some((d, sh.to_vec(), b.to_vec())),
+        vec![(
+            "model.layers.0.mlp.experts.gate_up_proj".to_string(),
+            Dtype::F32,
+            vec![2, 4, 64],
+            vec![0u8; 2 * 4 * 64 * 4],
+        )],
+    );
+    run_err(
+        "fused experts",
+        &m,
+        &calib,
+        &["stored fused", "not supported"],
+    );
+    restore();
+    fs::write(m.join("model.safetensors"), &orig_w).unwrap();
     for (name, len) in [
         ("model.layers.0.self_attn.o_proj.bias", 64),
         ("model.layers.1.self_attn.q_proj.bias", 64),

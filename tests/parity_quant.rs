@@ -190,7 +190,9 @@ fn xxt_add(acc: &mut [f64], x: &[f32], m: usize, d: usize, ld: usize, c0: usize)
 
 /// W_V's column sums of one sequence: per KV head, Σ over its query heads of (A_h X)ᵀ (A_h X).
 fn v_col_ref(acc: &mut [f64], x: &[f32], q: &[f32], k: &[f32], s: AttnShape) {
-    let AttnShape { t, h, h_kv, d_h, d } = s;
+    let AttnShape {
+        t, h, h_kv, d_h, d, ..
+    } = s;
     let gs = h / h_kv;
     for head in 0..h {
         let kvh = head / gs;
@@ -483,6 +485,7 @@ fn parity_statistics(ops: &dyn QuantOps, at: &Place, xxt_tol: f64, attn_tol: f64
                 h_kv: 1,
                 d_h: 64,
                 d: 64,
+                window: None,
             },
         ),
         (
@@ -493,6 +496,7 @@ fn parity_statistics(ops: &dyn QuantOps, at: &Place, xxt_tol: f64, attn_tol: f64
                 h_kv: 2,
                 d_h: 64,
                 d: 100,
+                window: None,
             },
         ),
         (
@@ -503,6 +507,7 @@ fn parity_statistics(ops: &dyn QuantOps, at: &Place, xxt_tol: f64, attn_tol: f64
                 h_kv: 2,
                 d_h: 128,
                 d: 130,
+                window: None,
             },
         ),
         // Past one 64-row / 64-key tile of attn_x v2 (130 = 2·64 + 2), d past 256 columns.
@@ -514,6 +519,7 @@ fn parity_statistics(ops: &dyn QuantOps, at: &Place, xxt_tol: f64, attn_tol: f64
                 h_kv: 1,
                 d_h: 128,
                 d: 260,
+                window: None,
             },
         ),
         (
@@ -524,6 +530,7 @@ fn parity_statistics(ops: &dyn QuantOps, at: &Place, xxt_tol: f64, attn_tol: f64
                 h_kv: 1,
                 d_h: 64,
                 d: 72,
+                window: None,
             },
         ),
         // d_h not a multiple of 16 (v2 pads it), d = 2·128 + 1.
@@ -535,6 +542,7 @@ fn parity_statistics(ops: &dyn QuantOps, at: &Place, xxt_tol: f64, attn_tol: f64
                 h_kv: 2,
                 d_h: 72,
                 d: 257,
+                window: None,
             },
         ),
         (
@@ -545,10 +553,13 @@ fn parity_statistics(ops: &dyn QuantOps, at: &Place, xxt_tol: f64, attn_tol: f64
                 h_kv: 1,
                 d_h: 136,
                 d: 40,
+                window: None,
             },
         ),
     ] {
-        let AttnShape { t, h, h_kv, d_h, d } = s;
+        let AttnShape {
+            t, h, h_kv, d_h, d, ..
+        } = s;
         let x = randn(&mut rng, n_seq * t * d, 1.0);
         // Scores of a few units: the softmax is neither uniform nor one-hot.
         let q = randn(&mut rng, n_seq * t * h * d_h, 1.5);

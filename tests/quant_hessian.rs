@@ -19,6 +19,10 @@ fn values(acc: Accumulator) -> Vec<f64> {
     CpuBackend.read_f64(&m).unwrap()
 }
 
+fn widen(v: &[f32]) -> Vec<f64> {
+    v.iter().map(|&x| x as f64).collect()
+}
+
 fn close(a: &[f64], b: &[f64], rtol: f64, what: &str) {
     assert_eq!(a.len(), b.len(), "{what}: lengths");
     let scale = b.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
@@ -181,8 +185,43 @@ fn gqa_grouping_of_query_key_statistics() {
     }
 }
 
+/// softmax(q_i · k_j / √d_h) over the keys query i sees (j ≤ i, and i − j < window), from the definition.
+fn brute_probs(qh: &[f32], kh: &[f32], t: usize, d_h: usize, window: Option<usize>) -> Vec<f32> {
+    let mut p = vec![0f32; t * t];
+    for i in 0..t {
+        let seen = |j: usize| j <= i && window.is_none_or(|w| i - j < w);
+        let s: Vec<f64> = (0..t)
+            .map(|j| {
+                let dot: f64 = (0..d_h)
+                    .map(|c| qh[i * d_h + c] as f64 * kh[j * d_h + c] as f64)
+                    .sum();
+                dot / (d_h as f64).sqrt()
+            })
+            .collect();
+        let max = (0..t)
+            .filter(|&j| seen(j))
+            .map(|j| s[j])
+            .fold(f64::MIN, f64::max);
+        let z: f64 = (0..t)
+            .filter(|&j| seen(j))
+            .map(|j| (s[j] - max).exp())
+            .sum();
+        for j in (0..t).filter(|&j| seen(j)) {
+            p[i * t + j] = ((s[j] - max).exp() / z) as f32;
+        }
+    }
+    p
+}
+
 #[test]
 fn v_column_statistic_matches_brute_force() {
+    // Full causal attention, and a sliding window of 3 keys.
+    for window in [None, Some(3)] {
+        v_column_statistic_case(window);
+    }
+}
+
+fn v_column_statistic_case(window: Option<usize>) {
     let (n_heads, n_kv, d_h, d, t) = (4, 2, 4, 6, 9);
     let mut r = rng(4);
     let mut acc = Accumulator::v_col(&CpuBackend, d, n_heads, n_kv).unwrap();
@@ -192,6 +231,7 @@ fn v_column_statistic_matches_brute_force() {
         h_kv: n_kv,
         d_h,
         d,
+        window,
     };
     let mut brute = vec![0.0; n_kv * d * d];
     let n_seq = 2;
@@ -203,7 +243,15 @@ fn v_column_statistic_matches_brute_force() {
         for h in 0..n_heads {
             let qh = gather_head(&q, t, n_heads, d_h, h);
             let kh = gather_head(&k, t, n_kv, d_h, h / 2);
-            probs.extend(causal_softmax_probs(&qh, &kh, t, d_h));
+            let p = brute_probs(&qh, &kh, t, d_h, window);
+            // The library's own probabilities agree with the definition.
+            close(
+                &widen(&causal_softmax_probs(&qh, &kh, t, d_h, window)),
+                &widen(&p),
+                1e-5,
+                "probabilities",
+            );
+            probs.extend(p);
         }
         let host = |v: &[f32]| Tensor::Host(v.to_vec());
         acc.add_v_col(&CpuBackend, &host(&x), &host(&q), &host(&k), shape, 1)
@@ -229,5 +277,10 @@ fn v_column_statistic_matches_brute_force() {
             }
         }
     }
-    close(&values(acc), &brute, 1e-5, "V H_col");
+    close(
+        &values(acc),
+        &brute,
+        1e-5,
+        &format!("V H_col (window {window:?})"),
+    );
 }

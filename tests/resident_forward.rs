@@ -12,7 +12,7 @@ use boa_cuda::model::Model;
 use boa_cuda::model::llama::{ResidentWeights, block_forward, block_forward_host};
 use boa_cuda::model::synth::{SynthSpec, write_model};
 use boa_cuda::ops::QuantOps;
-use boa_cuda::pipeline::stats::{BlockStats, collect};
+use boa_cuda::pipeline::stats::{BlockStats, MoeStats, collect};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -42,7 +42,7 @@ fn all_stats(ops: &dyn QuantOps, s: &BlockStats) -> Vec<(&'static str, Vec<f64>)
         ("h_attn", r(&s.h_attn)),
         ("h_o", r(&s.h_o)),
         ("h_mlp", r(&s.h_mlp)),
-        ("h_down", r(&s.h_down)),
+        ("h_down", r(s.h_down.as_ref().unwrap())),
         ("c_k", r(&a.c_k)),
         ("c_q", r(&a.c_q)),
         ("v_col", r(&a.v_col)),
@@ -86,8 +86,28 @@ fn statistics_over_chunks_match_one_chunk() {
     let x = host_tensors(&chunks);
     let whole = vec![Tensor::Host(chunks.concat())];
     let cpu = CpuBackend;
-    let got = collect(&cpu, &w, None, &model.cfg, &rope, &x, true).unwrap();
-    let want = collect(&cpu, &w, None, &model.cfg, &rope, &whole, true).unwrap();
+    let got = collect(
+        &cpu,
+        &w,
+        None,
+        &model.cfg,
+        &rope,
+        &x,
+        true,
+        MoeStats::default(),
+    )
+    .unwrap();
+    let want = collect(
+        &cpu,
+        &w,
+        None,
+        &model.cfg,
+        &rope,
+        &whole,
+        true,
+        MoeStats::default(),
+    )
+    .unwrap();
     // The same f64 sums in other 512-token chunks: rounding only.
     compare_stats((&cpu, &got), (&cpu, &want), 1e-6, "chunks of 2");
     for (c, t) in chunks.iter().zip(&x) {
@@ -238,7 +258,17 @@ fn resident_forward_and_statistics_on_cuda() {
         .iter()
         .map(|c| be.to_device(Tensor::Host(c.clone())).unwrap())
         .collect();
-    let got = collect(&be, &w, Some(&resident), cfg, &rope, &xs, true).unwrap();
+    let got = collect(
+        &be,
+        &w,
+        Some(&resident),
+        cfg,
+        &rope,
+        &xs,
+        true,
+        MoeStats::default(),
+    )
+    .unwrap();
     let want = collect(
         &CpuBackend,
         &w,
@@ -247,6 +277,7 @@ fn resident_forward_and_statistics_on_cuda() {
         &rope,
         &host_tensors(&chunks),
         true,
+        MoeStats::default(),
     )
     .unwrap();
     compare_stats((&be, &got), (&CpuBackend, &want), 1e-2, "cuda device sums");
@@ -258,7 +289,17 @@ fn resident_forward_and_statistics_on_cuda() {
         .map(|c| be.to_host(be.duplicate(c).unwrap(), true).unwrap())
         .collect();
     assert!(parked.iter().all(|c| matches!(c, Tensor::Pinned(_))));
-    let from_parked = collect(&be, &w, Some(&resident), cfg, &rope, &parked, true).unwrap();
+    let from_parked = collect(
+        &be,
+        &w,
+        Some(&resident),
+        cfg,
+        &rope,
+        &parked,
+        true,
+        MoeStats::default(),
+    )
+    .unwrap();
     compare_stats(
         (&be, &from_parked),
         (&be, &got),

@@ -14,13 +14,15 @@ use safetensors::SafeTensors;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-const ARCHS: [&str; 6] = [
+const ARCHS: [&str; 8] = [
     "llama3",
     "llama_bias",
     "mistral",
     "qwen2",
     "qwen3",
     "gemma3",
+    "qwen3_moe",
+    "mixtral",
 ];
 const SEQLEN: usize = 64;
 const WINDOWS: usize = 2;
@@ -228,6 +230,7 @@ fn every_method_quantizes_every_architecture_to_a_loadable_checkpoint() {
         let dir = root.join(name);
         let fp = eval_ppl(&dir, &calib);
         let r = reference(&dir);
+        let n_linears = Model::open(&dir).unwrap().cfg.block.linears.len();
         table.push(format!("{name:<11} {:<6} {fp:>12.4e}", "fp"));
         for method in ["rtn", "gptq", "boa"] {
             let out = tmp.path().join(format!("{name}-{method}"));
@@ -258,11 +261,12 @@ fn every_method_quantizes_every_architecture_to_a_loadable_checkpoint() {
             let (mut attn, mut mlp) = (Vec::new(), Vec::new());
             for layer in report["layers"].as_array().unwrap() {
                 let lins = layer["linears"].as_array().unwrap();
-                assert_eq!(lins.len(), 7, "{name} {method}");
+                assert_eq!(lins.len(), n_linears, "{name} {method}");
                 for lin in lins {
                     let lname = lin["name"].as_str().unwrap();
-                    // RTN with min-max scales reads no calibration, so it reports no errors.
-                    if method == "rtn" {
+                    // RTN with min-max scales reads no calibration, so it reports no errors (nor does an
+                    // under-routed expert's down_proj, which falls back to it).
+                    if method == "rtn" || lin["method"] == "rtn" {
                         continue;
                     }
                     let e = lin["error"].as_f64().unwrap();
@@ -289,24 +293,146 @@ fn every_method_quantizes_every_architecture_to_a_loadable_checkpoint() {
             assert!(ppl.is_finite(), "{name} {method}: ppl {ppl}");
             // ‖Δlogits‖² / ‖logits‖² against the FP model's (transformers') on its windows: the whole
             // model's output error, a steadier measure than the perplexity of a random model.
-            let q = Model::open(&out).unwrap_or_else(|e| panic!("{name} {method}: {e:#}"));
-            let (mut num, mut den) = (0f64, 0f64);
-            for (w, ids) in r.ids.iter().enumerate() {
-                let ours = boa_cuda::eval::logits(&CpuBackend, &q, ids).unwrap();
-                for (&a, &b) in ours.iter().zip(r.window(w)) {
-                    num += (a as f64 - b as f64).powi(2);
-                    den += (b as f64).powi(2);
-                }
-            }
             table.push(format!(
                 "{name:<11} {method:<6} {ppl:>12.4e} {:>16.4e} {:>14} {:>14}",
-                num / den,
+                logits_rel_err2(&out, &r),
                 mean(&attn),
                 mean(&mlp)
             ));
         }
     }
     println!("{}", table.join("\n"));
+}
+
+/// ‖Δlogits‖² / ‖logits‖² of the checkpoint in `out` against the FP model's (transformers') on its windows:
+/// the whole model's output error, a steadier measure than the perplexity of a random model.
+fn logits_rel_err2(out: &Path, r: &Reference) -> f64 {
+    let q = Model::open(out).unwrap_or_else(|e| panic!("{}: {e:#}", out.display()));
+    let (mut num, mut den) = (0f64, 0f64);
+    for (w, ids) in r.ids.iter().enumerate() {
+        let ours = boa_cuda::eval::logits(&CpuBackend, &q, ids).unwrap();
+        for (&a, &b) in ours.iter().zip(r.window(w)) {
+            num += (a as f64 - b as f64).powi(2);
+            den += (b as f64).powi(2);
+        }
+    }
+    num / den
+}
+
+/// The experts of the MoE models: each quantized by GPTQ on the tokens routed to it (every routed token
+/// counted once, or weighted by its router probability squared), with the fallback when too few arrive.
+/// Prints the tokens each expert received and its linears' errors, and the model's output error of each
+/// variant.
+#[test]
+fn moe_experts_are_quantized_on_the_tokens_routed_to_them() {
+    let root = references();
+    let tmp = tempfile::tempdir().unwrap();
+    let calib = calib_text();
+    const NSAMPLES: usize = 32;
+    let nsamples = NSAMPLES.to_string();
+    let mut summary = vec![format!(
+        "{:<10} {:<26} {:>16}",
+        "model", "expert statistics", "logits rel err²"
+    )];
+    for name in ["qwen3_moe", "mixtral"] {
+        let dir = root.join(name);
+        let r = reference(&dir);
+        let cfg = Model::open(&dir).unwrap().cfg;
+        let moe = cfg.block.moe.clone().unwrap();
+        let variants: [(&str, &[&str]); 3] = [
+            ("routed tokens", &["--moe-hessian", "tokens"]),
+            ("router-weighted", &["--moe-hessian", "router"]),
+            // Every expert below the threshold: the fallback everywhere.
+            ("fallback (all experts)", &["--moe-min-tokens", "1000000"]),
+        ];
+        for (label, extra) in variants {
+            let out = tmp
+                .path()
+                .join(format!("{name}-{}", label.replace(' ', "_")));
+            let mut args = vec![
+                "run",
+                "--model",
+                s(&dir),
+                "--calib",
+                s(&calib),
+                "--method",
+                "gptq",
+                "--wbits",
+                "3",
+                "--nsamples",
+                &nsamples,
+                "--seqlen",
+                "64",
+                "--out",
+                s(&out),
+                "--quiet",
+            ];
+            args.extend_from_slice(extra);
+            let (code, _, err) = run(&args);
+            assert_eq!(code, 0, "{name} {label}: {err}");
+            let report: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap())
+                    .unwrap();
+            let fallback = label.starts_with("fallback");
+            let mut rows = Vec::new();
+            for layer in report["layers"].as_array().unwrap() {
+                let l = layer["layer"].as_u64().unwrap();
+                let lins = layer["linears"].as_array().unwrap();
+                // Every token reaches top_k experts: the routed counts add up.
+                let gates: Vec<&serde_json::Value> = lins
+                    .iter()
+                    .filter(|x| {
+                        x["name"].as_str().unwrap().contains(".experts.")
+                            && x["name"].as_str().unwrap().ends_with(if name == "mixtral" {
+                                ".w1"
+                            } else {
+                                ".gate_proj"
+                            })
+                    })
+                    .collect();
+                assert_eq!(gates.len(), moe.n_experts, "{name} layer {l}");
+                let routed: u64 = gates.iter().map(|g| g["tokens"].as_u64().unwrap()).sum();
+                assert_eq!(
+                    routed as usize,
+                    NSAMPLES * 64 * moe.top_k,
+                    "{name} layer {l}: routed tokens"
+                );
+                for lin in lins.iter().filter(|x| x["tokens"].is_u64()) {
+                    let lname = lin["name"].as_str().unwrap();
+                    let is_down = lname.ends_with(".down_proj") || lname.ends_with(".w2");
+                    // The fallback: gate/up by GPTQ on every token's statistic, down_proj by RTN.
+                    let expected = if fallback && is_down { "rtn" } else { "gptq" };
+                    assert_eq!(lin["method"], expected, "{name} {label} layer {l} {lname}");
+                    if !fallback {
+                        let e = lin["error"].as_f64().unwrap();
+                        assert!(
+                            e < lin["rtn_error"].as_f64().unwrap(),
+                            "{name} {label} layer {l} {lname}: error {e} not below RTN's"
+                        );
+                    }
+                    rows.push(format!(
+                        "  layer {l} {lname:<32} tokens {:>5}  error {:>10}  rtn {:>10}",
+                        lin["tokens"],
+                        lin["error"]
+                            .as_f64()
+                            .map_or("-".into(), |e| format!("{e:.4e}")),
+                        lin["rtn_error"]
+                            .as_f64()
+                            .map_or("-".into(), |e| format!("{e:.4e}")),
+                    ));
+                }
+            }
+            if label == "routed tokens" {
+                println!("{name}: each expert's calibration tokens and errors (GPTQ 3-bit)");
+                println!("{}", rows.join("\n"));
+            }
+            summary.push(format!(
+                "{name:<10} {label:<26} {:>16.4e}",
+                logits_rel_err2(&out, &r)
+            ));
+        }
+    }
+    println!("{}", summary.join("\n"));
 }
 
 /// `boa-cuda eval --json` on the first windows of the calibration text (a loaded checkpoint evaluates).

@@ -270,51 +270,7 @@ impl Backend for CpuBackend {
         h_kv: usize,
         d_h: usize,
     ) -> Result<Vec<f32>> {
-        ensure!(
-            h_kv > 0 && h.is_multiple_of(h_kv),
-            "attention: h={h} is not a multiple of h_kv={h_kv}"
-        );
-        ensure!(
-            q.len() == n_seq * t * h * d_h,
-            "q.len() != n_seq * t * h * d_h"
-        );
-        ensure!(
-            k.len() == n_seq * t * h_kv * d_h,
-            "k.len() != n_seq * t * h_kv * d_h"
-        );
-        ensure!(v.len() == k.len(), "v.len() != k.len()");
-        let heads: Vec<Vec<f32>> = (0..n_seq * h)
-            .into_par_iter()
-            .map(|sh| {
-                let (s, head) = (sh / h, sh % h);
-                let kvh = head / (h / h_kv);
-                let qh = gather_head(&q[s * t * h * d_h..(s + 1) * t * h * d_h], t, h, d_h, head);
-                let kh = gather_head(
-                    &k[s * t * h_kv * d_h..(s + 1) * t * h_kv * d_h],
-                    t,
-                    h_kv,
-                    d_h,
-                    kvh,
-                );
-                let vh = gather_head(
-                    &v[s * t * h_kv * d_h..(s + 1) * t * h_kv * d_h],
-                    t,
-                    h_kv,
-                    d_h,
-                    kvh,
-                );
-                causal_attention_head(&qh, &kh, &vh, t, d_h)
-            })
-            .collect();
-        let mut out = vec![0f32; n_seq * t * h * d_h];
-        for (sh, o) in heads.iter().enumerate() {
-            let (s, head) = (sh / h, sh % h);
-            for i in 0..t {
-                let dst = (s * t + i) * h * d_h + head * d_h;
-                out[dst..dst + d_h].copy_from_slice(&o[i * d_h..(i + 1) * d_h]);
-            }
-        }
-        Ok(out)
+        attention(q, k, v, n_seq, (t, h, h_kv, d_h), None)
     }
 
     fn attention_probs(
@@ -326,26 +282,94 @@ impl Backend for CpuBackend {
         h_kv: usize,
         d_h: usize,
     ) -> Result<Vec<f32>> {
-        ensure!(
-            h_kv > 0 && h.is_multiple_of(h_kv),
-            "attention: h={h} is not a multiple of h_kv={h_kv}"
-        );
-        ensure!(q.len() == t * h * d_h, "q.len() != t * h * d_h");
-        ensure!(k.len() == t * h_kv * d_h, "k.len() != t * h_kv * d_h");
-        let heads: Vec<Vec<f32>> = (0..h)
-            .into_par_iter()
-            .map(|head| {
-                let qh = gather_head(q, t, h, d_h, head);
-                let kh = gather_head(k, t, h_kv, d_h, head / (h / h_kv));
-                causal_softmax_probs(&qh, &kh, t, d_h)
-            })
-            .collect();
-        Ok(heads.concat())
+        attention_probs(q, k, (t, h, h_kv, d_h), None)
     }
 
     fn swiglu(&self, gate: &[f32], up: &[f32]) -> Result<Vec<f32>> {
         gated(gate, up, |g| g / (1.0 + exp_f32(-g)))
     }
+}
+
+/// Causal softmax attention with GQA (`Backend::causal_attention`), each query attending to at most `window`
+/// keys (itself included) when the layer's attention slides.
+pub fn attention(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    n_seq: usize,
+    (t, h, h_kv, d_h): (usize, usize, usize, usize),
+    window: Option<usize>,
+) -> Result<Vec<f32>> {
+    ensure!(
+        h_kv > 0 && h.is_multiple_of(h_kv),
+        "attention: h={h} is not a multiple of h_kv={h_kv}"
+    );
+    ensure!(
+        q.len() == n_seq * t * h * d_h,
+        "q.len() != n_seq * t * h * d_h"
+    );
+    ensure!(
+        k.len() == n_seq * t * h_kv * d_h,
+        "k.len() != n_seq * t * h_kv * d_h"
+    );
+    ensure!(v.len() == k.len(), "v.len() != k.len()");
+    let heads: Vec<Vec<f32>> = (0..n_seq * h)
+        .into_par_iter()
+        .map(|sh| {
+            let (s, head) = (sh / h, sh % h);
+            let kvh = head / (h / h_kv);
+            let qh = gather_head(&q[s * t * h * d_h..(s + 1) * t * h * d_h], t, h, d_h, head);
+            let kh = gather_head(
+                &k[s * t * h_kv * d_h..(s + 1) * t * h_kv * d_h],
+                t,
+                h_kv,
+                d_h,
+                kvh,
+            );
+            let vh = gather_head(
+                &v[s * t * h_kv * d_h..(s + 1) * t * h_kv * d_h],
+                t,
+                h_kv,
+                d_h,
+                kvh,
+            );
+            causal_attention_head(&qh, &kh, &vh, t, d_h, window)
+        })
+        .collect();
+    let mut out = vec![0f32; n_seq * t * h * d_h];
+    for (sh, o) in heads.iter().enumerate() {
+        let (s, head) = (sh / h, sh % h);
+        for i in 0..t {
+            let dst = (s * t + i) * h * d_h + head * d_h;
+            out[dst..dst + d_h].copy_from_slice(&o[i * d_h..(i + 1) * d_h]);
+        }
+    }
+    Ok(out)
+}
+
+/// The softmax probabilities of every query head of one sequence (`Backend::attention_probs`), under the
+/// causal mask and, when the layer slides, its window.
+pub fn attention_probs(
+    q: &[f32],
+    k: &[f32],
+    (t, h, h_kv, d_h): (usize, usize, usize, usize),
+    window: Option<usize>,
+) -> Result<Vec<f32>> {
+    ensure!(
+        h_kv > 0 && h.is_multiple_of(h_kv),
+        "attention: h={h} is not a multiple of h_kv={h_kv}"
+    );
+    ensure!(q.len() == t * h * d_h, "q.len() != t * h * d_h");
+    ensure!(k.len() == t * h_kv * d_h, "k.len() != t * h_kv * d_h");
+    let heads: Vec<Vec<f32>> = (0..h)
+        .into_par_iter()
+        .map(|head| {
+            let qh = gather_head(q, t, h, d_h, head);
+            let kh = gather_head(k, t, h_kv, d_h, head / (h / h_kv));
+            causal_softmax_probs(&qh, &kh, t, d_h, window)
+        })
+        .collect();
+    Ok(heads.concat())
 }
 
 /// gelu_tanh(gate) ⊙ up in f32 with transformers' "gelu_pytorch_tanh":
@@ -486,10 +510,14 @@ pub fn sum_exp_f64(x: &[f32], shift: f32) -> f64 {
 }
 
 /// Scores S [rows × width] of queries i0.. against keys 0..width → causal softmax probabilities in place
-/// (row r sees keys 0..=i0+r; the rest is set to 0).
-fn causal_softmax_rows(s: &mut [f32], width: usize, i0: usize, scale: f32) {
+/// (row r sees keys 0..=i0+r, and with a window only the last `window` of them; the rest is set to 0).
+fn causal_softmax_rows(s: &mut [f32], width: usize, i0: usize, scale: f32, window: Option<usize>) {
     for (r, row) in s.chunks_mut(width).enumerate() {
-        let (live, masked) = row.split_at_mut(i0 + r + 1);
+        let i = i0 + r;
+        let lo = window.map_or(0, |w| (i + 1).saturating_sub(w));
+        let (row, masked) = row.split_at_mut(i + 1);
+        let (before, live) = row.split_at_mut(lo);
+        before.iter_mut().for_each(|v| *v = 0.0);
         let max = max_lanes(live) * scale;
         for v in live.iter_mut() {
             *v = exp_f32(*v * scale - max);
@@ -507,6 +535,7 @@ fn causal_prob_blocks(
     kh: &[f32],
     t: usize,
     d_h: usize,
+    window: Option<usize>,
     mut f: impl FnMut(usize, usize, &[f32]),
 ) {
     let scale = 1.0 / (d_h as f32).sqrt();
@@ -524,15 +553,22 @@ fn causal_prob_blocks(
             i1,
             false,
         );
-        causal_softmax_rows(&mut s, i1, i0, scale);
+        causal_softmax_rows(&mut s, i1, i0, scale, window);
         f(i0, rows, &s);
     }
 }
 
-/// A = softmax(Q Kᵀ / sqrt(d_h)) with the causal mask, [t × t] row-major (entries above the diagonal are 0).
-pub fn causal_softmax_probs(qh: &[f32], kh: &[f32], t: usize, d_h: usize) -> Vec<f32> {
+/// A = softmax(Q Kᵀ / sqrt(d_h)) with the causal mask (and a sliding window's), [t × t] row-major (masked
+/// entries are 0).
+pub fn causal_softmax_probs(
+    qh: &[f32],
+    kh: &[f32],
+    t: usize,
+    d_h: usize,
+    window: Option<usize>,
+) -> Vec<f32> {
     let mut p = vec![0f32; t * t];
-    causal_prob_blocks(qh, kh, t, d_h, |i0, rows, s| {
+    causal_prob_blocks(qh, kh, t, d_h, window, |i0, rows, s| {
         let w = i0 + rows;
         for r in 0..rows {
             p[(i0 + r) * t..(i0 + r) * t + w].copy_from_slice(&s[r * w..(r + 1) * w]);
@@ -542,9 +578,16 @@ pub fn causal_softmax_probs(qh: &[f32], kh: &[f32], t: usize, d_h: usize) -> Vec
 }
 
 /// One head's causal attention output [t × d_h] = A V, block by block (A is never stored whole).
-pub fn causal_attention_head(qh: &[f32], kh: &[f32], vh: &[f32], t: usize, d_h: usize) -> Vec<f32> {
+pub fn causal_attention_head(
+    qh: &[f32],
+    kh: &[f32],
+    vh: &[f32],
+    t: usize,
+    d_h: usize,
+    window: Option<usize>,
+) -> Vec<f32> {
     let mut o = vec![0f32; t * d_h];
-    causal_prob_blocks(qh, kh, t, d_h, |i0, rows, s| {
+    causal_prob_blocks(qh, kh, t, d_h, window, |i0, rows, s| {
         let w = i0 + rows;
         gemm_nn(
             &mut o[i0 * d_h..(i0 + rows) * d_h],
@@ -615,7 +658,7 @@ pub fn causal_attention_grouped(
             let sm = MatMut::from_row_major_slice_mut(s, n, i1);
             matmul(sm, Accum::Replace, qm, k.transpose(), 1.0f32, Par::Seq);
             for sj in s.chunks_mut(rows * i1) {
-                causal_softmax_rows(sj, i1, i0, scale);
+                causal_softmax_rows(sj, i1, i0, scale, None);
             }
             let p = MatRef::from_row_major_slice(s, n, i1);
             let v = MatRef::from_row_major_slice_with_stride(&kv[vc..], i1, d_h, kv_width);

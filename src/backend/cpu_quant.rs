@@ -4,8 +4,7 @@
 //! accumulators' f64-chunked sums, faer's f64 Cholesky, `search_grids_rows`, `gptq_block_sweep`, `boa_sweep`),
 //! and every CUDA kernel is checked against it.
 
-use super::Backend;
-use super::cpu::CpuBackend;
+use super::cpu::{self, CpuBackend};
 use crate::ops::{
     AttnShape, Codes, Grid, GridMode, Grids, Mat, MatData, Packed, QuantOps, QuantSpec,
     QuantizedLinear, Result, ScaleSearch, Swept, Tensor,
@@ -525,7 +524,9 @@ impl QuantOps for CpuBackend {
         s: AttnShape,
         n_seq: usize,
     ) -> Result<()> {
-        let AttnShape { t, h, h_kv, d_h, d } = s;
+        let AttnShape {
+            t, h, h_kv, d_h, d, ..
+        } = s;
         let (x, q, k) = (host(x, "X")?, host(q, "Q")?, host(k, "K")?);
         if acc.batch != h_kv
             || acc.rows != d
@@ -544,7 +545,7 @@ impl QuantOps for CpuBackend {
         for i in 0..n_seq {
             let qs = &q[i * t * h * d_h..(i + 1) * t * h * d_h];
             let ks = &k[i * t * h_kv * d_h..(i + 1) * t * h_kv * d_h];
-            let probs = self.attention_probs(qs, ks, t, h, h_kv, d_h)?;
+            let probs = cpu::attention_probs(qs, ks, (t, h, h_kv, d_h), s.window)?;
             add_v_col_sequence(sums, &x[i * t * d..(i + 1) * t * d], &probs, t, d, h, h_kv);
         }
         Ok(())

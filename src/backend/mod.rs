@@ -235,7 +235,8 @@ pub trait Backend: QuantOps + Send + Sync {
         update_on_host(self, x, |v| self.rope(v, t, n_heads, d_h, cos, sin))
     }
 
-    /// `causal_attention` on tensors.
+    /// `causal_attention` on tensors, each query attending to at most `window` keys (itself included) when
+    /// the layer's attention slides.
     #[allow(clippy::too_many_arguments)]
     fn causal_attention_t(
         &self,
@@ -247,7 +248,11 @@ pub trait Backend: QuantOps + Send + Sync {
         h: usize,
         h_kv: usize,
         d_h: usize,
+        window: Option<usize>,
     ) -> Result<Tensor> {
+        if let Some(w) = window.filter(|&w| w < t) {
+            return windowed_attention_on_host(self, (q, k, v), n_seq, (t, h, h_kv, d_h), w);
+        }
         let o = self.causal_attention(
             &self.read(q)?,
             &self.read(k)?,
@@ -300,4 +305,24 @@ fn update_on_host<B: Backend + ?Sized>(
             Ok(())
         }
     }
+}
+
+/// Sliding-window attention on the host for any backend: the CPU backend's own, and a device backend's route
+/// (no kernel masks a window yet: a round trip of q, k, v and the output per windowed layer).
+pub fn windowed_attention_on_host<B: Backend + ?Sized>(
+    be: &B,
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    n_seq: usize,
+    (t, h, h_kv, d_h): (usize, usize, usize, usize),
+    window: usize,
+) -> Result<Tensor> {
+    let o = cpu::attention(
+        &be.read(q)?,
+        &be.read(k)?,
+        &be.read(v)?,
+        n_seq,
+        (t, h, h_kv, d_h),
+        Some(window),
+    )?;
+    be.to_device(Tensor::Host(o))
 }

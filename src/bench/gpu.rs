@@ -460,6 +460,7 @@ pub fn bench_quant_ops(
                 h_kv: (h / gs).max(1),
                 d_h: s.d_h,
                 d: s.d,
+                window: None,
             };
             let x = b.place_t(randn(&mut rng, m * s.d))?;
             let q = b.place_t(randn(&mut rng, m * a.h * s.d_h))?;
@@ -746,6 +747,7 @@ fn attn_x_rows(
             h_kv: s.h_kv,
             d_h: s.d_h,
             d: s.d,
+            window: None,
         };
         let x = randn(&mut rng, t * s.d);
         let q = randn(&mut rng, t * s.h * s.d_h);

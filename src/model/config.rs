@@ -190,18 +190,6 @@ impl Config {
         }
     }
 
-    /// A window longer than the model's sliding window would need the windowed mask, which the attention
-    /// here does not implement: refused before any work rather than computed as full attention.
-    pub fn check_seqlen(&self, seqlen: usize) -> Result<(), String> {
-        match self.block.sliding_window {
-            Some(w) if seqlen > w => Err(format!(
-                "--seqlen {seqlen} is longer than the model's sliding_window {w}: sliding-window attention is \
-                 not implemented here (use --seqlen {w} or less, where it equals full causal attention)"
-            )),
-            _ => Ok(()),
-        }
-    }
-
     /// Layer l's RoPE inverse frequencies: its own (`BlockDesc::layer_rope`) or the config's one RoPE.
     pub fn inv_freq_for(&self, l: usize) -> Vec<f64> {
         match self.block.layer_rope.as_ref().and_then(|r| r.get(l)) {
@@ -264,17 +252,27 @@ mod tests {
             window(&format!(r#""architectures": ["Qwen2ForCausalLM"], {w}"#)),
             None
         );
+        // Qwen: only with use_sliding_window, then the layers from max_window_layers on (default 28) or
+        // those layer_types marks.
         let qwen_on = r#""architectures": ["Qwen2ForCausalLM"], "use_sliding_window": true"#;
-        assert_eq!(window(&format!("{qwen_on}, {w}")), Some(16));
+        assert_eq!(window(&format!("{qwen_on}, {w}")), None);
+        let c = parse(&format!("{qwen_on}, {w}, \"max_window_layers\": 1")).unwrap();
+        assert_eq!(
+            (c.block.window_at(0), c.block.window_at(1)),
+            (None, Some(16))
+        );
         let by_types = r#""architectures": ["Qwen3ForCausalLM"], "sliding_window": 8,
             "layer_types": ["full_attention", "sliding_attention"]"#;
-        assert_eq!(window(by_types), Some(8));
+        assert_eq!(window(by_types), None);
+        let c = parse(&format!("{by_types}, \"use_sliding_window\": true")).unwrap();
+        assert_eq!(
+            (c.block.window_at(0), c.block.window_at(1)),
+            (None, Some(8))
+        );
         let c = parse(&format!(r#""architectures": ["MistralForCausalLM"], {w}"#)).unwrap();
-        assert!(c.check_seqlen(16).is_ok());
-        assert!(
-            c.check_seqlen(17)
-                .unwrap_err()
-                .contains("sliding_window 16")
+        assert_eq!(
+            (c.block.window_at(0), c.block.window_at(1)),
+            (Some(16), Some(16))
         );
     }
 
@@ -311,5 +309,58 @@ mod tests {
                 .unwrap_err()
                 .contains("hidden_act")
         );
+    }
+
+    #[test]
+    fn moe_blocks_list_every_expert_and_refuse_what_they_do_not_implement() {
+        let c = parse(
+            r#""architectures": ["Qwen3MoeForCausalLM"], "head_dim": 32, "num_experts": 8,
+               "num_experts_per_tok": 2, "moe_intermediate_size": 24, "norm_topk_prob": true"#,
+        )
+        .unwrap();
+        let m = c.block.moe.as_ref().unwrap();
+        assert_eq!(
+            (m.n_experts, m.top_k, m.renormalize, m.router),
+            (8, 2, true, "mlp.gate")
+        );
+        assert_eq!(c.block.linears.len(), 4 + 3 * 8);
+        let down = &c.block.linears[4 + 3 * 7 + 2];
+        assert_eq!(
+            (down.name.as_str(), down.expert, down.d_out, down.d_in),
+            ("mlp.experts.7.down_proj", Some(7), 64, 24)
+        );
+        assert!(!c.block.is_llama_like());
+        // transformers 5 writes num_local_experts for Qwen3-MoE too; Mixtral's experts are w1/w3/w2.
+        let c = parse(
+            r#""architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 2"#,
+        )
+        .unwrap();
+        assert_eq!(c.block.linears[4].name, "block_sparse_moe.experts.0.w1");
+        assert_eq!(c.block.linears[5].name, "block_sparse_moe.experts.0.w3");
+        assert!(c.block.moe.as_ref().unwrap().renormalize);
+        for (extra, why) in [
+            (
+                r#""num_experts": 4, "num_experts_per_tok": 5, "moe_intermediate_size": 8"#,
+                "between 1",
+            ),
+            (
+                r#""num_experts_per_tok": 2, "moe_intermediate_size": 8"#,
+                "num_experts",
+            ),
+            (
+                r#""num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8, "mlp_only_layers": [0]"#,
+                "dense layers",
+            ),
+            (
+                r#""num_experts": 4, "num_experts_per_tok": 2"#,
+                "moe_intermediate_size",
+            ),
+        ] {
+            let e = parse(&format!(
+                r#""architectures": ["Qwen3MoeForCausalLM"], {extra}"#
+            ))
+            .unwrap_err();
+            assert!(e.contains(why), "{extra}: {e}");
+        }
     }
 }

@@ -67,9 +67,13 @@ impl Linear {
 /// A block's weights as its description (`Config::block`) lists them: linears and norms in that order.
 #[derive(Clone, Debug)]
 pub struct BlockWeights {
+    /// The layer these are the weights of (its attention window and RoPE may be its own).
+    pub layer: usize,
     pub desc: BlockDesc,
     pub linears: Vec<Linear>,
     pub norms: Vec<Vec<f32>>,
+    /// An MoE block's router weight [n_experts × d] (never quantized).
+    pub router: Option<Vec<f32>>,
 }
 
 impl BlockWeights {
@@ -92,8 +96,12 @@ impl BlockWeights {
     }
 
     /// (name, linear) in description order.
-    pub fn named(&self) -> impl Iterator<Item = (&'static str, &Linear)> {
-        self.desc.linears.iter().map(|d| d.name).zip(&self.linears)
+    pub fn named(&self) -> impl Iterator<Item = (&str, &Linear)> {
+        self.desc
+            .linears
+            .iter()
+            .map(|d| d.name.as_str())
+            .zip(&self.linears)
     }
 }
 
@@ -209,7 +217,7 @@ impl ResidentWeights {
         }
     }
 
-    fn get(&self, i: usize) -> Option<&Resident> {
+    pub(super) fn get(&self, i: usize) -> Option<&Resident> {
         self.w.get(i).and_then(Option::as_ref)
     }
 }
@@ -227,8 +235,10 @@ pub struct BlockTrace {
     pub attn_out: Tensor,
     /// Input of gate/up (after the MLP RMSNorm) [n_seq·t × d].
     pub x_mlp: Tensor,
-    /// Input of down_proj (SwiGLU output) [n_seq·t × d_ff].
+    /// Input of down_proj (SwiGLU output) [n_seq·t × d_ff]; empty in an MoE block.
     pub act: Tensor,
+    /// An MoE block's experts' inputs on the tokens routed to each, by expert.
+    pub experts: Vec<super::moe::ExpertTrace>,
 }
 
 /// One block forward on X [n_seq·t × d], in place, wherever the backend keeps X. `resident` holds copies of
@@ -290,7 +300,17 @@ pub fn block_forward(
     be.rope_t(&mut k, t, h_kv, d_h, &rope.cos, &rope.sin)
         .with_context(of("RoPE of the keys"))?;
     let attn = be
-        .causal_attention_t(&q, &k, &v, n_seq, t, h, h_kv, d_h)
+        .causal_attention_t(
+            &q,
+            &k,
+            &v,
+            n_seq,
+            t,
+            h,
+            h_kv,
+            d_h,
+            w.desc.window_at(w.layer),
+        )
         .with_context(of("the attention (self_attn.o_proj's input)"))?;
     drop(v);
     let mut o = lin(Role::O, &attn)?;
@@ -306,18 +326,28 @@ pub fn block_forward(
     let xm = be
         .rms_norm_t(x, w.required_norm(NormRole::Mlp)?, cfg.d, cfg.eps)
         .with_context(of("the MLP's input norm"))?;
-    let gate = lin(Role::Gate, &xm)?;
-    let up = lin(Role::Up, &xm)?;
-    let act = match w.desc.act {
-        Activation::Silu => be
-            .swiglu_t(&gate, &up)
-            .with_context(of("SwiGLU (mlp.down_proj's input)"))?,
-        Activation::GeluTanh => be
-            .geglu_t(&gate, &up)
-            .with_context(of("GeGLU (mlp.down_proj's input)"))?,
+    let (mut down, act, experts) = match &w.desc.moe {
+        Some(moe) => {
+            let (y, experts) =
+                super::moe::sparse_mlp(be, w, resident, moe, &xm, m, trace.is_some())
+                    .with_context(of("the experts (mlp)"))?;
+            (y, Tensor::default(), experts)
+        }
+        None => {
+            let gate = lin(Role::Gate, &xm)?;
+            let up = lin(Role::Up, &xm)?;
+            let act = match w.desc.act {
+                Activation::Silu => be
+                    .swiglu_t(&gate, &up)
+                    .with_context(of("SwiGLU (mlp.down_proj's input)"))?,
+                Activation::GeluTanh => be
+                    .geglu_t(&gate, &up)
+                    .with_context(of("GeGLU (mlp.down_proj's input)"))?,
+            };
+            drop((gate, up));
+            (lin(Role::Down, &act)?, act, Vec::new())
+        }
     };
-    drop((gate, up));
-    let mut down = lin(Role::Down, &act)?;
     if let Some(g) = w.norm(NormRole::MlpOut) {
         down = be
             .rms_norm_t(&down, g, cfg.d, cfg.eps)
@@ -334,6 +364,7 @@ pub fn block_forward(
             attn_out: attn,
             x_mlp: xm,
             act,
+            experts,
         };
     }
     Ok(())
@@ -389,6 +420,23 @@ impl Model {
         let c = &self.cfg;
         let check = |name: &str, shape: &[usize]| -> anyhow::Result<()> {
             match self.store.entry(name) {
+                // transformers ≥ 5 holds experts fused in memory ([n_experts × 2·d_e × d] gate_up_proj); its
+                // save_pretrained writes them per expert, but other tools may store the fused form.
+                None if self.cfg.block.moe.is_some()
+                    && self
+                        .store
+                        .names()
+                        .any(|n| n.ends_with(".experts.gate_up_proj")) =>
+                {
+                    Err(file_err(
+                        &self.dir,
+                        format!(
+                            "tensor {name} is missing: the experts are stored fused \
+                             (mlp.experts.gate_up_proj / down_proj), which is not supported; save the \
+                             model with transformers' save_pretrained, which writes one tensor per expert"
+                        ),
+                    ))
+                }
                 None => Err(file_err(&self.dir, format!("tensor {name} is missing"))),
                 Some(e) if e.shape != shape => Err(file_err(
                     &self.dir,
@@ -451,8 +499,14 @@ impl Model {
             .iter()
             .map(|n| (format!("{p}{}.weight", n.name), vec![n.len]))
             .collect();
+        if let Some(m) = &desc.moe {
+            v.push((
+                format!("{p}{}.weight", m.router),
+                vec![m.n_experts, self.cfg.d],
+            ));
+        }
         for ld in &desc.linears {
-            let name = ld.name;
+            let name = &ld.name;
             match &self.gptq {
                 Some(q) if self.is_packed(&format!("{p}{name}")) => {
                     for (suffix, shape) in q.tensor_shapes(ld.d_out, ld.d_in) {
@@ -502,12 +556,20 @@ impl Model {
             })
         };
         Ok(BlockWeights {
+            layer: l,
             desc: desc.clone(),
             linears: desc
                 .linears
                 .iter()
-                .map(|d| lin(d.name, d.d_out, d.d_in))
+                .map(|d| lin(&d.name, d.d_out, d.d_in))
                 .collect::<anyhow::Result<_>>()?,
+            router: match &desc.moe {
+                Some(m) => Some(self.store.f32(
+                    &format!("{p}{}.weight", m.router),
+                    &[m.n_experts, self.cfg.d],
+                )?),
+                None => None,
+            },
             norms: desc
                 .norms
                 .iter()

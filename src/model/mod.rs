@@ -5,6 +5,7 @@ pub mod arch;
 pub mod config;
 pub mod gguf;
 pub mod llama;
+pub mod moe;
 pub mod packed;
 pub mod raw_config;
 pub mod synth;

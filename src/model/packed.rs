@@ -231,7 +231,7 @@ pub fn inspect(dir: &Path) -> anyhow::Result<CheckpointSummary> {
     for l in 0..c.n_layers {
         let mut any = false;
         for ld in &c.block.linears {
-            let (name, d_in) = (ld.name, ld.d_in);
+            let (name, d_in) = (ld.name.as_str(), ld.d_in);
             let prefix = format!("model.layers.{l}.{name}");
             if model.is_packed(&prefix) {
                 any = true;

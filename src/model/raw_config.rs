@@ -31,6 +31,8 @@ pub struct RawConfig {
     pub sliding_window: Option<usize>,
     #[serde(default)]
     pub use_sliding_window: bool,
+    /// Qwen2/3 without `layer_types`: the layers from this one on slide (transformers' default 28).
+    pub max_window_layers: Option<usize>,
     /// transformers ≥ 4.53: "full_attention" / "sliding_attention" per layer.
     #[serde(default)]
     pub layer_types: Vec<String>,
@@ -42,6 +44,17 @@ pub struct RawConfig {
     #[serde(default)]
     pub use_bidirectional_attention: bool,
     pub rope_local_base_freq: Option<f64>,
+    /// Mixture of experts (Qwen3-MoE: num_experts, Mixtral and transformers 5's Qwen3-MoE:
+    /// num_local_experts).
+    pub num_experts: Option<usize>,
+    pub num_local_experts: Option<usize>,
+    pub num_experts_per_tok: Option<usize>,
+    #[serde(default)]
+    pub norm_topk_prob: bool,
+    pub moe_intermediate_size: Option<usize>,
+    pub decoder_sparse_step: Option<usize>,
+    #[serde(default)]
+    pub mlp_only_layers: Vec<usize>,
     #[serde(rename = "rope_scaling")]
     pub rope_scaling_json: Option<serde_json::Value>,
 }

@@ -84,4 +84,6 @@ pub struct AttnShape {
     pub d_h: usize,
     /// Block input width (hidden size).
     pub d: usize,
+    /// The sliding window of the layer, if its attention slides (`BlockDesc::window_at`).
+    pub window: Option<usize>,
 }

@@ -6,6 +6,11 @@
 //! the largest linear, and one forward chunk's intermediates. When that does not fit the device, X moves to
 //! pinned host memory and the device keeps two chunks of it (one in use, one in flight); when even that does
 //! not fit, the run is refused up front with the breakdown, instead of failing hours in.
+//!
+//! A mixture-of-experts block holds its experts' weights and, from the one FP forward, every expert's two
+//! input covariances. When a GPU cannot hold them all, the plan takes the experts in groups (the largest
+//! power-of-two share that fits; the block's FP forward then runs once per group) before it moves X off the
+//! device.
 
 use crate::model::config::Config;
 use std::fmt;
@@ -23,6 +28,16 @@ pub struct ModelShape {
     pub n_heads: usize,
     pub n_kv_heads: usize,
     pub d_h: usize,
+    /// A mixture-of-experts MLP (then `d_ff` is unused).
+    pub experts: Option<ExpertShape>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpertShape {
+    pub n_experts: usize,
+    pub top_k: usize,
+    /// Each expert's intermediate size.
+    pub d_expert: usize,
 }
 
 impl ModelShape {
@@ -34,6 +49,11 @@ impl ModelShape {
             n_heads: cfg.n_heads,
             n_kv_heads: cfg.n_kv_heads,
             d_h: cfg.d_h,
+            experts: cfg.block.moe.as_ref().map(|m| ExpertShape {
+                n_experts: m.n_experts,
+                top_k: m.top_k,
+                d_expert: m.d_expert,
+            }),
         }
     }
 
@@ -41,14 +61,39 @@ impl ModelShape {
         self.n_kv_heads * self.d_h
     }
 
-    /// The (d_out, d_in) of q, k, v, o, gate, up, down.
+    /// The MLP's intermediate size: the dense one's, or one expert's.
+    fn d_mlp(&self) -> usize {
+        self.experts.map_or(self.d_ff, |e| e.d_expert)
+    }
+
+    /// The (d_out, d_in) of q, k, v, o, then gate, up, down of the MLP (of one expert in an MoE block).
     fn linears(&self) -> [(usize, usize); 7] {
-        let (d, f, q, kv) = (self.d, self.d_ff, self.n_heads * self.d_h, self.d_kv());
+        let (d, f, q, kv) = (self.d, self.d_mlp(), self.n_heads * self.d_h, self.d_kv());
         [(q, d), (kv, d), (kv, d), (d, q), (f, d), (f, d), (d, f)]
     }
 
+    /// The attention's weights, the norms and an MoE block's router.
+    fn attention_params(&self) -> usize {
+        let router = self.experts.map_or(0, |e| e.n_experts * self.d);
+        self.linears()[..4]
+            .iter()
+            .map(|(o, i)| o * i)
+            .sum::<usize>()
+            + 2 * self.d
+            + router
+    }
+
+    /// One MLP's weights (one expert's in an MoE block).
+    fn mlp_params(&self) -> usize {
+        3 * self.d * self.d_mlp()
+    }
+
+    fn n_mlps(&self) -> usize {
+        self.experts.map_or(1, |e| e.n_experts)
+    }
+
     pub fn block_params(&self) -> usize {
-        self.linears().iter().map(|(o, i)| o * i).sum::<usize>() + 2 * self.d
+        self.attention_params() + self.n_mlps() * self.mlp_params()
     }
 }
 
@@ -103,6 +148,8 @@ pub struct MemoryPlan {
     /// Pinned host memory for X when it is streamed.
     pub host_bytes: u64,
     pub budget: u64,
+    /// An MoE block's experts held (weights and statistics) at once: all of them unless they do not fit.
+    pub expert_group: Option<usize>,
 }
 
 impl MemoryPlan {
@@ -145,7 +192,6 @@ pub fn plan(
     max_chunk_seqs: usize,
 ) -> Result<MemoryPlan, String> {
     let x_bytes = (calib.nsamples * calib.seqlen * shape.d * F32) as u64;
-    let fixed = fixed_items(shape, calib.nsamples > 0, target);
     let mut chunk_options = Vec::new();
     let mut c = max_chunk_seqs.clamp(1, calib.nsamples.max(1));
     loop {
@@ -155,6 +201,11 @@ pub fn plan(
         }
         c /= 2;
     }
+    // All experts at once, then (a GPU only: the host holds one block in any case) halves of them.
+    let mut groups = vec![shape.n_mlps()];
+    while target == Target::Gpu && shape.experts.is_some() && groups[groups.len() - 1] > 1 {
+        groups.push(groups[groups.len() - 1] / 2);
+    }
     let chunk_tokens = |seqs: usize| {
         if calib.nsamples > 0 {
             seqs * calib.seqlen
@@ -162,9 +213,9 @@ pub fn plan(
             0
         }
     };
-    let with = |seqs: usize, first: (&'static str, u64)| {
+    let with = |seqs: usize, group: usize, first: (&'static str, u64)| {
         let mut items = vec![first];
-        items.extend(fixed.iter().copied());
+        items.extend(fixed_items(shape, calib.nsamples > 0, target, group));
         items.push((
             "forward chunk intermediates (f32)",
             forward_workspace(shape, chunk_tokens(seqs)),
@@ -172,37 +223,38 @@ pub fn plan(
         items
     };
     let fits = |items: &[(&'static str, u64)]| items.iter().map(|(_, b)| b).sum::<u64>() <= budget;
-    // Smaller chunks cost a little GEMM efficiency; moving X off the device costs two PCIe copies of it per
-    // block. So every chunk size is tried with X on the device before X moves.
-    for &seqs in &chunk_options {
-        let items = with(seqs, (X_ON_DEVICE, x_bytes));
-        if fits(&items) {
-            return Ok(MemoryPlan {
-                target,
-                items,
-                activations: Activations::Device,
-                chunk_seqs: seqs,
-                host_bytes: 0,
-                budget,
-            });
+    let made = |items, activations, seqs, group, host_bytes| MemoryPlan {
+        target,
+        items,
+        activations,
+        chunk_seqs: seqs,
+        host_bytes,
+        budget,
+        expert_group: shape.experts.map(|_| group),
+    };
+    // Smaller chunks cost a little GEMM efficiency; expert groups cost a forward of the block per group;
+    // moving X off the device costs two PCIe copies of it per block. So every chunk size and then every
+    // expert group is tried with X on the device before X moves.
+    for &group in &groups {
+        for &seqs in &chunk_options {
+            let items = with(seqs, group, (X_ON_DEVICE, x_bytes));
+            if fits(&items) {
+                return Ok(made(items, Activations::Device, seqs, group, 0));
+            }
         }
     }
-    let mut tightest = with(1, (X_ON_DEVICE, x_bytes));
+    let last = groups[groups.len() - 1];
+    let mut tightest = with(1, last, (X_ON_DEVICE, x_bytes));
     if target == Target::Gpu && x_bytes > 0 {
-        for &seqs in &chunk_options {
-            let chunk_x = (chunk_tokens(seqs) * shape.d * F32) as u64;
-            let items = with(seqs, (X_STREAMED, 2 * chunk_x));
-            if fits(&items) {
-                return Ok(MemoryPlan {
-                    target,
-                    items,
-                    activations: Activations::HostStreamed,
-                    chunk_seqs: seqs,
-                    host_bytes: x_bytes,
-                    budget,
-                });
+        for &group in &groups {
+            for &seqs in &chunk_options {
+                let chunk_x = (chunk_tokens(seqs) * shape.d * F32) as u64;
+                let items = with(seqs, group, (X_STREAMED, 2 * chunk_x));
+                if fits(&items) {
+                    return Ok(made(items, Activations::HostStreamed, seqs, group, x_bytes));
+                }
+                tightest = items;
             }
-            tightest = items;
         }
     }
     let items = tightest;
@@ -225,17 +277,29 @@ pub fn plan(
     ))
 }
 
-/// Everything but X and the forward chunk: block weights, statistics, quantization workspace, reserve.
-fn fixed_items(shape: &ModelShape, with_stats: bool, target: Target) -> Vec<(&'static str, u64)> {
+/// Everything but X and the forward chunk: block weights, statistics, quantization workspace, reserve, with
+/// `group` of an MoE block's experts held at once.
+fn fixed_items(
+    shape: &ModelShape,
+    with_stats: bool,
+    target: Target,
+    group: usize,
+) -> Vec<(&'static str, u64)> {
     let wb = F32 as u64;
     let sb = target.stat_bytes() as u64;
-    let (d, f) = (shape.d as u64, shape.d_ff as u64);
-    let blocks = (shape.block_params() as u64) * wb * target.resident_blocks() as u64;
-    // Input covariances of q/k/v, o, gate/up and down; V's per-KV-group H_col; q/k row Hessians.
+    let (d, f) = (shape.d as u64, shape.d_mlp() as u64);
+    let held = shape.attention_params() + group * shape.mlp_params();
+    let blocks = held as u64 * wb * target.resident_blocks() as u64;
+    // Input covariances of q/k/v, o and the MLP input; V's per-KV-group H_col; q/k row Hessians; down's
+    // input covariance, or each held expert's two (its routed inputs and its activation).
     let stats = if with_stats {
         let dh = shape.d_h as u64;
         let heads = (shape.n_heads + shape.n_kv_heads) as u64;
-        (3 * d * d + f * f + shape.n_kv_heads as u64 * d * d + heads * dh * dh) * sb
+        let mlp = match shape.experts {
+            None => f * f,
+            Some(_) => group as u64 * (d * d + f * f),
+        };
+        (3 * d * d + mlp + shape.n_kv_heads as u64 * d * d + heads * dh * dh) * sb
     } else {
         0
     };
@@ -254,15 +318,13 @@ fn fixed_items(shape: &ModelShape, with_stats: bool, target: Target) -> Vec<(&'s
         })
         .max()
         .unwrap_or(0);
+    let weights_name = match (target, shape.experts) {
+        (Target::Gpu, None) => "block weights ×2 (current + prefetch)",
+        (Target::Gpu, Some(_)) => "block weights ×2 (attention, router, the experts held)",
+        (Target::Cpu, _) => "block weights (f32)",
+    };
     vec![
-        (
-            if target == Target::Gpu {
-                "block weights ×2 (current + prefetch)"
-            } else {
-                "block weights (f32)"
-            },
-            blocks,
-        ),
+        (weights_name, blocks),
         ("block statistics", stats),
         ("quantization workspace (largest linear)", work),
         (RESERVE, target.reserve()),
@@ -272,8 +334,14 @@ fn fixed_items(shape: &ModelShape, with_stats: bool, target: Target) -> Vec<(&'s
 /// f32 intermediates of one forward chunk at the statistics forward's peak: the chunk's copy, the normed
 /// inputs, q, k, v, the attention output and the MLP's down output (6·d + 2·d_kv), gate, up and act (3·d_ff).
 /// Attention probabilities are formed tile by tile (flash style) and need no t×t buffer per head.
+/// An MoE block has, per token, its router logits and, for each of its top-k experts, the gathered input,
+/// gate, up, act and output rows instead.
 fn forward_workspace(shape: &ModelShape, tokens: usize) -> u64 {
-    let per_token = 6 * shape.d + 2 * shape.d_kv() + 3 * shape.d_ff;
+    let mlp = match shape.experts {
+        None => 3 * shape.d_ff,
+        Some(e) => e.n_experts + e.top_k * (3 * e.d_expert + 2 * shape.d),
+    };
+    let per_token = 6 * shape.d + 2 * shape.d_kv() + mlp;
     (tokens * per_token * F32) as u64
 }
 
@@ -297,6 +365,9 @@ impl fmt::Display for MemoryPlan {
                 ),
             }
         )?;
+        if let Some(g) = self.expert_group {
+            writeln!(f, "  experts held at once: {g}")?;
+        }
         for (name, bytes) in self.items.iter().filter(|(_, b)| *b > 0) {
             writeln!(f, "  {:>8.2} GiB  {name}", *bytes as f64 / GIB)?;
         }
@@ -323,7 +394,92 @@ mod tests {
             n_heads,
             n_kv_heads: n_kv,
             d_h: d / n_heads,
+            experts: None,
         }
+    }
+
+    /// (name, shape, published parameter count of the whole model, vocabulary).
+    fn moe_shapes() -> [(&'static str, ModelShape, f64, usize); 3] {
+        let moe = |d, n_layers, n_heads, n_kv, n_experts, top_k, d_expert| ModelShape {
+            d,
+            d_ff: 0,
+            n_layers,
+            n_heads,
+            n_kv_heads: n_kv,
+            d_h: 128,
+            experts: Some(ExpertShape {
+                n_experts,
+                top_k,
+                d_expert,
+            }),
+        };
+        [
+            // config.json of Qwen3-30B-A3B, Mixtral-8x7B-v0.1, Qwen3-235B-A22B.
+            (
+                "Qwen3-30B-A3B",
+                moe(2048, 48, 32, 4, 128, 8, 768),
+                30.5e9,
+                151936,
+            ),
+            (
+                "Mixtral 8x7B",
+                moe(4096, 32, 32, 8, 8, 2, 14336),
+                46.7e9,
+                32000,
+            ),
+            (
+                "Qwen3-235B-A22B",
+                moe(4096, 94, 64, 4, 128, 8, 1536),
+                235e9,
+                151936,
+            ),
+        ]
+    }
+
+    #[test]
+    fn moe_block_params_match_the_published_model_sizes() {
+        for (name, s, total, vocab) in moe_shapes() {
+            // Untied embeddings and head.
+            let n = (s.block_params() * s.n_layers + 2 * vocab * s.d) as f64;
+            assert!((n / total - 1.0).abs() < 0.02, "{name}: {n:.4e}");
+        }
+    }
+
+    #[test]
+    fn moe_shapes_fit_80gb_and_141gb_with_every_expert_held() {
+        for (name, s, _, _) in moe_shapes() {
+            let e = s.experts.unwrap();
+            for budget in [80 * GB, 141 * GB] {
+                let p = plan(&s, CALIB, Target::Gpu, budget, 8)
+                    .unwrap_or_else(|m| panic!("{name}: {m}"));
+                println!("{name}, {} GB: {p}", budget / GB);
+                assert!(p.device_bytes() <= budget, "{name}: {p}");
+                assert_eq!(p.expert_group, Some(e.n_experts), "{name} at {budget}: {p}");
+                assert_eq!(
+                    p.activations,
+                    Activations::Device,
+                    "{name} at {budget}: {p}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn experts_that_do_not_fit_are_taken_in_groups_before_x_moves() {
+        // 235B-class: 2 × 10 GB of f32 block weights and 9.7 GB of expert statistics do not fit 24 GB.
+        let (name, s, _, _) = moe_shapes()[2];
+        let p = plan(&s, CALIB, Target::Gpu, 24 * GB, 8).unwrap_or_else(|m| panic!("{name}: {m}"));
+        println!("{name}, 24 GB: {p}");
+        let g = p.expert_group.unwrap();
+        assert!(g < 128 && g.is_power_of_two(), "{p}");
+        assert_eq!(p.activations, Activations::Device, "{p}");
+        assert!(p.device_bytes() <= 24 * GB, "{p}");
+        // Twice the group would not have fit.
+        let full = plan(&s, CALIB, Target::Gpu, u64::MAX, 8).unwrap();
+        assert!(full.device_bytes() > 24 * GB);
+        // The host plan holds the whole block: no groups there.
+        let cpu = plan(&s, CALIB, Target::Cpu, 1 << 40, 8).unwrap();
+        assert_eq!(cpu.expert_group, Some(128));
     }
 
     fn shapes() -> [(&'static str, ModelShape); 4] {

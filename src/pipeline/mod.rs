@@ -25,7 +25,7 @@ use crate::model::llama::{BlockWeights, ResidentWeights, block_forward};
 use crate::nvtx::ranged;
 use crate::progress::Progress;
 use anyhow::Context;
-use options::{Method, RunOptions};
+use options::{Method, MoeHessian, RunOptions};
 use report::{LayerReport, RunReport, Timings};
 use std::time::Instant;
 
@@ -73,6 +73,16 @@ fn state_memory_plan(
                 crate::input_err!("{m}{why}")
             })?;
             progress.line(p.to_string().trim_end());
+            if let (Some(g), Some(m)) = (p.expert_group, &cfg.block.moe)
+                && g < m.n_experts
+            {
+                return Err(crate::input_err!(
+                    "the {} experts of a block do not fit the GPU at once (the plan holds {g}); the \
+                     pipeline does not run experts in groups yet: use a GPU with more memory, fewer \
+                     --nsamples/--seqlen, or --device cpu",
+                    m.n_experts
+                ));
+            }
             Ok(Placement {
                 parked: p.activations == Activations::HostStreamed,
                 chunk_seqs: p.chunk_seqs,
@@ -365,6 +375,10 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                                 rope,
                                 &x,
                                 opts.method == Method::Boa,
+                                stats::MoeStats {
+                                    min_tokens: opts.moe_min_tokens,
+                                    router_weighted: opts.moe_hessian == MoeHessian::Router,
+                                },
                             )
                             .with_context(|| format!("layer {l}: statistics"))?,
                         ),
@@ -401,7 +415,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                         .iter()
                         .zip(&cfg.block.linears)
                         .map(|((q, _), ld)| {
-                            let name = ld.name;
+                            let name = &ld.name;
                             be.pack(q)
                                 .with_context(|| format!("layer {l} {name}: packing"))
                         })
@@ -638,7 +652,7 @@ fn install_quantized(
         .zip(&w.desc.linears)
         .zip(&mut w.linears)
     {
-        let name = desc.name;
+        let name = &desc.name;
         match q.w_hat.data {
             MatData::F32(Tensor::Host(v)) => {
                 lin.w = v;

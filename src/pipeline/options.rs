@@ -26,6 +26,15 @@ pub enum VRowHessian {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
+pub enum MoeHessian {
+    /// Every token routed to an expert counts once in its H_col.
+    Tokens,
+    /// Each routed token weighted by its router probability squared (how its error reaches the output).
+    Router,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum ScaleSearchArg {
     /// Shrink the range over 100 steps, keep the smallest Hessian-weighted error (default).
     Hessian,
@@ -140,6 +149,10 @@ pub struct RunOptions {
     pub static_groups: bool,
     pub scale_search: ScaleSearchArg,
     pub v_row_hessian: VRowHessian,
+    /// Mixture-of-experts models: how an expert's H_col weighs its routed tokens, and how few routed
+    /// calibration tokens make an expert fall back (gate/up on every token's statistic, down_proj RTN).
+    pub moe_hessian: MoeHessian,
+    pub moe_min_tokens: usize,
     pub nsamples: usize,
     pub seqlen: usize,
     pub seed: u64,

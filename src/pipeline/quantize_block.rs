@@ -30,6 +30,9 @@ pub struct LinearReport {
     pub rtn_error: f64,
     pub error: f64,
     pub seconds: f64,
+    /// An expert's linears: the calibration tokens routed to it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<usize>,
 }
 
 pub fn spec(opts: &RunOptions) -> QuantSpec {
@@ -105,22 +108,31 @@ pub fn quantize_block(
     let g = gptq_options(opts, opts.seqlen);
     // Linears that read the same input share its plan (q/k, and v under GPTQ; gate/up).
     let factors = FactorCache::new();
-    let rope = RopeAverage::new(&cfg.inv_freq_for(layer), opts.seqlen);
+    // The offsets between a query and the keys it sees: fewer than the window where the layer slides.
+    let offsets = cfg
+        .block
+        .window_at(layer)
+        .map_or(opts.seqlen, |w| w.min(opts.seqlen));
+    let rope = RopeAverage::new(&cfg.inv_freq_for(layer), offsets);
     let desc = &cfg.block;
     let mut out = Vec::with_capacity(desc.linears.len());
     for (i, ld) in desc.linears.iter().enumerate() {
-        let name = ld.name;
+        let name = ld.name.as_str();
         let start = Instant::now();
         let w = &weights[i];
         let ctx = || format!("layer {layer} {name}");
-        let h: Option<&Mat> = stats.map(|s| s.h_col(ld.role.input()));
+        // None for an expert's down_proj that too few tokens reached (BlockStats::h_col): RTN.
+        let h: Option<&Mat> = stats.and_then(|s| s.h_col(ld));
+        let tokens = ld.expert.and_then(|e| stats.map(|s| s.experts[e].tokens));
         let (q, method) = match (opts.method, h) {
             (Method::Rtn, _) | (_, None) => {
                 let hs = h.filter(|_| opts.scale_search == ScaleSearchArg::Hessian);
-                (
-                    rtn_quantize(ops, w, hs, &spec(opts)).with_context(ctx)?,
-                    "rtn",
-                )
+                let mut sp = spec(opts);
+                // An under-routed expert's down_proj has no H to weigh the scale search with.
+                if hs.is_none() && sp.search == ScaleSearch::Hessian {
+                    sp.search = ScaleSearch::Mse;
+                }
+                (rtn_quantize(ops, w, hs, &sp).with_context(ctx)?, "rtn")
             }
             (Method::Boa, Some(h)) if ld.role.is_attention_projection() => {
                 let a = stats
@@ -207,6 +219,7 @@ pub fn quantize_block(
                 rtn_error,
                 error,
                 seconds,
+                tokens,
             },
         ));
     }

@@ -120,9 +120,15 @@ impl RunReport {
         }
     }
 
-    /// Mean relative error over all quantized linears: (RTN min-max, method).
+    /// Mean relative error over all quantized linears that have one: (RTN min-max, method). An expert's
+    /// down_proj with too few routed tokens has no statistic, so no error.
     pub fn mean_errors(&self) -> (f64, f64) {
-        let all: Vec<&LinearReport> = self.layers.iter().flat_map(|l| &l.linears).collect();
+        let all: Vec<&LinearReport> = self
+            .layers
+            .iter()
+            .flat_map(|l| &l.linears)
+            .filter(|r| r.error.is_finite())
+            .collect();
         let n = all.len().max(1) as f64;
         (
             all.iter().map(|r| r.rtn_error).sum::<f64>() / n,

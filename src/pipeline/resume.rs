@@ -115,6 +115,8 @@ struct LinearRecord {
     rtn_error: u64,
     error: u64,
     seconds: f64,
+    #[serde(default)]
+    tokens: Option<usize>,
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -168,6 +170,7 @@ fn to_record(r: &LayerReport) -> LayerRecord {
                 rtn_error: l.rtn_error.to_bits(),
                 error: l.error.to_bits(),
                 seconds: l.seconds,
+                tokens: l.tokens,
             })
             .collect(),
     }
@@ -195,6 +198,7 @@ fn from_record(r: LayerRecord, path: &Path) -> anyhow::Result<LayerReport> {
                 rtn_error: f64::from_bits(l.rtn_error),
                 error: f64::from_bits(l.error),
                 seconds: l.seconds,
+                tokens: l.tokens,
             })
         })
         .collect::<anyhow::Result<_>>()?;

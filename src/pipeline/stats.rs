@@ -4,7 +4,7 @@
 
 use crate::backend::{AttnShape, Backend, Tensor};
 use crate::model::Config;
-use crate::model::arch::Input;
+use crate::model::arch::{Input, LinearDesc};
 use crate::model::llama::{BlockTrace, BlockWeights, ResidentWeights, RopeTable, block_forward};
 use crate::ops::{Mat, Result};
 use crate::quant::hessian::Accumulator;
@@ -16,7 +16,10 @@ pub struct BlockStats {
     pub h_attn: Mat,
     pub h_o: Mat,
     pub h_mlp: Mat,
-    pub h_down: Mat,
+    /// None in a mixture-of-experts block (each expert's down_proj has its own, in `experts`).
+    pub h_down: Option<Mat>,
+    /// An MoE block's per-expert statistics, by expert.
+    pub experts: Vec<ExpertStats>,
     /// BoA only: post-RoPE key covariances per KV head, query covariances per query head [heads × d_h × d_h],
     /// and V's attention-weighted H_col per KV head [h_kv × d × d].
     pub attn: Option<AttnStats>,
@@ -25,14 +28,45 @@ pub struct BlockStats {
     pub stats_time: Duration,
 }
 
+/// One expert's H_col on the tokens routed to it. With fewer than `MoeStats::min_tokens` of them both are
+/// None: its gate/up then read the MLP input's covariance over every token, and its down_proj (whose input
+/// exists only on routed tokens) falls back to RTN.
+pub struct ExpertStats {
+    pub tokens: usize,
+    pub h_in: Option<Mat>,
+    pub h_act: Option<Mat>,
+}
+
+/// How an MoE block's expert statistics are gathered.
+#[derive(Clone, Copy, Debug)]
+pub struct MoeStats {
+    /// An expert routed fewer calibration tokens than this gets the documented fallback (`ExpertStats`).
+    pub min_tokens: usize,
+    /// Weight each routed token by its router probability squared (the factor its error reaches the block's
+    /// output with) instead of counting every routed token once.
+    pub router_weighted: bool,
+}
+
+impl Default for MoeStats {
+    /// `boa-cuda run`'s defaults.
+    fn default() -> Self {
+        MoeStats {
+            min_tokens: 64,
+            router_weighted: false,
+        }
+    }
+}
+
 impl BlockStats {
-    /// H_col of the linears that read `input`.
-    pub fn h_col(&self, input: Input) -> &Mat {
-        match input {
-            Input::Attn => &self.h_attn,
-            Input::AttnOut => &self.h_o,
-            Input::Mlp => &self.h_mlp,
-            Input::MlpAct => &self.h_down,
+    /// H_col of linear `ld`; None when it has none (an under-routed expert's down_proj).
+    pub fn h_col(&self, ld: &LinearDesc) -> Option<&Mat> {
+        match ld.input() {
+            Input::Attn => Some(&self.h_attn),
+            Input::AttnOut => Some(&self.h_o),
+            Input::Mlp => Some(&self.h_mlp),
+            Input::MlpAct => self.h_down.as_ref(),
+            Input::Expert(e) => Some(self.experts.get(e)?.h_in.as_ref().unwrap_or(&self.h_mlp)),
+            Input::ExpertAct(e) => self.experts.get(e)?.h_act.as_ref(),
         }
     }
 }
@@ -58,7 +92,9 @@ struct Sums {
     h_attn: Accumulator,
     h_o: Accumulator,
     h_mlp: Accumulator,
-    h_down: Accumulator,
+    h_down: Option<Accumulator>,
+    /// Per expert: (gate/up input, down input).
+    experts: Vec<(Accumulator, Accumulator)>,
     attn: Option<(Accumulator, Accumulator, Accumulator)>,
 }
 
@@ -74,6 +110,7 @@ pub fn collect(
     rope: &RopeTable,
     x: &[Tensor],
     attention_aware: bool,
+    moe: MoeStats,
 ) -> Result<BlockStats> {
     let (d, t) = (cfg.d, rope.t);
     let (h, h_kv, d_h) = (cfg.n_heads, cfg.n_kv_heads, cfg.d_h);
@@ -82,6 +119,7 @@ pub fn collect(
     const H_O: &str = "H_col of self_attn.o_proj";
     const H_MLP: &str = "H_col of mlp.gate_proj and up_proj";
     const H_DOWN: &str = "H_col of mlp.down_proj";
+    const H_EXPERT: &str = "an expert's H_col";
     const C_K: &str = "the key covariances (H_row of self_attn.q_proj)";
     const C_Q: &str = "the query covariances (H_row of self_attn.k_proj)";
     const V_COL: &str = "the per-head H_col of self_attn.v_proj";
@@ -90,7 +128,17 @@ pub fn collect(
         h_attn: Accumulator::xxt(be, d).with_context(of(H_ATTN))?,
         h_o: Accumulator::xxt(be, h * d_h).with_context(of(H_O))?,
         h_mlp: Accumulator::xxt(be, d).with_context(of(H_MLP))?,
-        h_down: Accumulator::xxt(be, cfg.d_ff).with_context(of(H_DOWN))?,
+        h_down: match &cfg.block.moe {
+            None => Some(Accumulator::xxt(be, cfg.d_ff).with_context(of(H_DOWN))?),
+            Some(_) => None,
+        },
+        experts: match &cfg.block.moe {
+            Some(m) => (0..m.n_experts)
+                .map(|_| Ok((Accumulator::xxt(be, d)?, Accumulator::xxt(be, m.d_expert)?)))
+                .collect::<Result<_>>()
+                .with_context(of(H_EXPERT))?,
+            None => Vec::new(),
+        },
         attn: match attention_aware {
             true => Some((
                 Accumulator::heads(be, h_kv, d_h).with_context(of(C_K))?,
@@ -100,6 +148,7 @@ pub fn collect(
             false => None,
         },
     };
+    let d_e = cfg.block.moe.as_ref().map_or(0, |m| m.d_expert);
     let chunk_ctx = |i: usize| move || format!("staging chunk {i} of the block's input");
     let (mut forward_time, mut stats_time) = (Duration::ZERO, Duration::ZERO);
     // A chunk already on the device is copied when its turn comes.
@@ -126,11 +175,43 @@ pub fn collect(
             .with_context(of(H_ATTN))?;
         s.h_o.add_xxt(be, &tr.attn_out, m).with_context(of(H_O))?;
         s.h_mlp.add_xxt(be, &tr.x_mlp, m).with_context(of(H_MLP))?;
-        s.h_down.add_xxt(be, &tr.act, m).with_context(of(H_DOWN))?;
+        if let Some(a) = &mut s.h_down {
+            a.add_xxt(be, &tr.act, m).with_context(of(H_DOWN))?;
+        }
+        for ((h_in, h_act), et) in s.experts.iter_mut().zip(&tr.experts) {
+            let n = et.weights.len();
+            if n == 0 {
+                continue;
+            }
+            if moe.router_weighted {
+                let scaled = |x: &Tensor, d: usize| -> Result<Tensor> {
+                    let mut v = be.read(x)?.into_owned();
+                    for (row, p) in v.chunks_mut(d).zip(&et.weights) {
+                        row.iter_mut().for_each(|a| *a *= p);
+                    }
+                    be.to_device(Tensor::Host(v))
+                };
+                h_in.add_xxt(be, &scaled(&et.x, d)?, n)
+                    .with_context(of(H_EXPERT))?;
+                h_act
+                    .add_xxt(be, &scaled(&et.act, d_e)?, n)
+                    .with_context(of(H_EXPERT))?;
+            } else {
+                h_in.add_xxt(be, &et.x, n).with_context(of(H_EXPERT))?;
+                h_act.add_xxt(be, &et.act, n).with_context(of(H_EXPERT))?;
+            }
+        }
         if let Some((c_k, c_q, v_col)) = &mut s.attn {
             c_k.add_heads(be, &tr.k, m).with_context(of(C_K))?;
             c_q.add_heads(be, &tr.q, m).with_context(of(C_Q))?;
-            let shape = AttnShape { t, h, h_kv, d_h, d };
+            let shape = AttnShape {
+                t,
+                h,
+                h_kv,
+                d_h,
+                d,
+                window: w.desc.window_at(w.layer),
+            };
             v_col
                 .add_v_col(be, &tr.x_attn, &tr.q, &tr.k, shape, ns)
                 .with_context(of(V_COL))?;
@@ -143,7 +224,30 @@ pub fn collect(
         h_attn: s.h_attn.finish(be).with_context(of(H_ATTN))?,
         h_o: s.h_o.finish(be).with_context(of(H_O))?,
         h_mlp: s.h_mlp.finish(be).with_context(of(H_MLP))?,
-        h_down: s.h_down.finish(be).with_context(of(H_DOWN))?,
+        h_down: match s.h_down {
+            Some(a) => Some(a.finish(be).with_context(of(H_DOWN))?),
+            None => None,
+        },
+        experts: s
+            .experts
+            .into_iter()
+            .map(|(h_in, h_act)| {
+                let tokens = h_in.n_tokens();
+                Ok(match tokens >= moe.min_tokens.max(1) {
+                    true => ExpertStats {
+                        tokens,
+                        h_in: Some(h_in.finish(be)?),
+                        h_act: Some(h_act.finish(be)?),
+                    },
+                    false => ExpertStats {
+                        tokens,
+                        h_in: None,
+                        h_act: None,
+                    },
+                })
+            })
+            .collect::<Result<_>>()
+            .with_context(of(H_EXPERT))?,
         attn: match s.attn {
             Some((c_k, c_q, v_col)) => Some(AttnStats {
                 c_k: c_k.finish(be).with_context(of(C_K))?,

@@ -42,15 +42,13 @@ pub fn before_work(opts: &RunOptions, model: &Model, progress: &Progress) -> any
         && let Some(l) = cfg.block.linears.iter().min_by_key(|l| l.d_in)
         && g > l.d_in
     {
-        let (name, d_in) = (l.name, l.d_in);
+        let (name, d_in) = (l.name.as_str(), l.d_in);
         return Err(crate::input_err!(
             "--group-size {g} is larger than the input width {d_in} of {name} (use at most {d_in}, or -1)"
         ));
     }
     cfg.check_tensor_names(model.store.names())
         .map_err(|m| file_err(model.dir.join("config.json"), m))?;
-    cfg.check_seqlen(opts.seqlen)
-        .map_err(|m| crate::input_err!("{m}"))?;
     let needs_calib = opts.needs_calibration();
     // Existence and kind of every calibration path now, read or not: a typo is an error, never ignored.
     if !opts.calib.is_empty() {

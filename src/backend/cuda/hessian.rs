@@ -379,7 +379,9 @@ impl super::CudaBackend {
         s: AttnShape,
         launches: usize,
     ) -> Result<(f64, Vec<f32>), CudaError> {
-        let AttnShape { t, h, h_kv, d_h, d } = s;
+        let AttnShape {
+            t, h, h_kv, d_h, d, ..
+        } = s;
         if h == 0 || t == 0 || d == 0 {
             return Err(CudaError::Shape {
                 op: "time_attn_x",

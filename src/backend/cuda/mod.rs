@@ -825,7 +825,18 @@ impl Backend for CudaBackend {
         h: usize,
         h_kv: usize,
         d_h: usize,
+        window: Option<usize>,
     ) -> crate::ops::Result<Tensor> {
+        // The kernels mask causally only: a sliding window takes the host route.
+        if let Some(w) = window.filter(|&w| w < t) {
+            return crate::backend::windowed_attention_on_host(
+                self,
+                (q, k, v),
+                n_seq,
+                (t, h, h_kv, d_h),
+                w,
+            );
+        }
         self.try_causal_attention_t(q, k, v, n_seq, t, h, h_kv, d_h)
             .map_err(|e| {
  anyhow::anyhow!(

@@ -413,7 +413,8 @@ impl QuantOps for CudaBackend {
         s: AttnShape,
         n_seq: usize,
     ) -> Result<()> {
-        if s.d_h > ATTN_MAX_DH {
+        // Wider heads than the kernels take, or a sliding window (they mask causally only): on the host.
+        if s.d_h > ATTN_MAX_DH || s.window.is_some_and(|w| w < s.t) {
             let host = |t: &Tensor| -> Result<Tensor> {
                 Ok(Tensor::Host(
                     crate::backend::Backend::read(self, t)?.into_owned(),

@@ -723,7 +723,9 @@ impl CudaBackend {
         (x, q, k): (&CudaView<f32>, &CudaView<f32>, &CudaView<f32>),
         s: AttnShape,
     ) -> Result<(), CudaError> {
-        let AttnShape { t, h, h_kv, d_h, d } = s;
+        let AttnShape {
+            t, h, h_kv, d_h, d, ..
+        } = s;
         let hk = &self.quant.hessian;
         launch_softmax_stats(
             &self.stream,
@@ -778,7 +780,9 @@ impl CudaBackend {
         s: AttnShape,
         n_seq: usize,
     ) -> Result<(), CudaError> {
-        let AttnShape { t, h, h_kv, d_h, d } = s;
+        let AttnShape {
+            t, h, h_kv, d_h, d, ..
+        } = s;
         let (xs, qs, ks, st) = (t * d, t * h * d_h, t * h_kv * d_h, 2 * h * t);
         let hk = &self.quant.hessian;
         let blas = self
@@ -851,7 +855,9 @@ impl CudaBackend {
         s: AttnShape,
         n_seq: usize,
     ) -> Result<(), CudaError> {
-        let AttnShape { t, h, h_kv, d_h, d } = s;
+        let AttnShape {
+            t, h, h_kv, d_h, d, ..
+        } = s;
         let (xs, qs, ks) = (t * d, t * h * d_h, t * h_kv * d_h);
         if h_kv == 0
             || !h.is_multiple_of(h_kv)

@@ -7,7 +7,7 @@
 //! - interleaved local (sliding-window) and global layers, each kind with its own RoPE base.
 
 use super::{
-    Activation, BlockDesc, Dims, NormDesc, NormRole, RopeSpec, llama_linears, sliding_window,
+    Activation, BlockDesc, Dims, NormDesc, NormRole, RopeSpec, Sliding, llama_linears, sliding,
 };
 use crate::model::raw_config::RawConfig;
 
@@ -61,6 +61,7 @@ pub(super) fn describe(raw: &RawConfig, dims: Dims) -> Result<BlockDesc, String>
         ));
     }
     let norm = |name, role, len| NormDesc { name, role, len };
+    let (sliding_window, sliding_layers) = sliding(raw, Sliding::LayerTypes);
     Ok(BlockDesc {
         linears: llama_linears(dims, raw.attention_bias, raw.attention_bias),
         norms: vec![
@@ -71,13 +72,15 @@ pub(super) fn describe(raw: &RawConfig, dims: Dims) -> Result<BlockDesc, String>
             norm("self_attn.q_norm", NormRole::Q, dims.d_h),
             norm("self_attn.k_norm", NormRole::K, dims.d_h),
         ],
-        sliding_window: sliding_window(raw, false),
+        sliding_window,
+        sliding_layers,
         act: Activation::GeluTanh,
         norm_offset: 1.0,
         // The attention divides by √d_h; Gemma wants √query_pre_attn_scalar.
         q_scale: (dims.d_h as f64 / scalar).sqrt() as f32,
         embed_scale: Some((dims.d as f64).sqrt() as f32),
         layer_rope: Some(layer_rope),
+        moe: None,
     })
 }
 

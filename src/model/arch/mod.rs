@@ -6,7 +6,9 @@
 
 mod gemma3;
 mod llama;
+mod mixtral;
 mod qwen3;
+mod qwen3_moe;
 
 use super::raw_config::RawConfig;
 
@@ -34,6 +36,10 @@ pub enum Input {
     Mlp,
     /// The MLP activation's output (down).
     MlpAct,
+    /// The MLP norm's output on the tokens routed to expert e (its gate/up).
+    Expert(usize),
+    /// Expert e's activation on its routed tokens (its down).
+    ExpertAct(usize),
 }
 
 impl Role {
@@ -55,11 +61,39 @@ impl Role {
 /// A linear of the block: `name` is its path under `model.layers.{l}.` without `.weight`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LinearDesc {
-    pub name: &'static str,
+    pub name: String,
     pub role: Role,
     pub d_out: usize,
     pub d_in: usize,
     pub bias: bool,
+    /// The expert of a mixture-of-experts MLP this linear belongs to (its gate/up/down see only the tokens
+    /// routed to it).
+    pub expert: Option<usize>,
+}
+
+impl LinearDesc {
+    /// The input whose covariance this linear's quantizer reads.
+    pub fn input(&self) -> Input {
+        match (self.expert, self.role) {
+            (Some(e), Role::Down) => Input::ExpertAct(e),
+            (Some(e), _) => Input::Expert(e),
+            (None, r) => r.input(),
+        }
+    }
+}
+
+/// A sparse mixture-of-experts MLP: a router (kept in full precision) picks `top_k` of `n_experts` SwiGLU
+/// experts per token, softmax(router logits) over all experts, the top k kept (renormalized to sum 1 when
+/// `renormalize`), and the block adds Σ_k p_k · expert_k(x).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MoeDesc {
+    /// The router's weight [n_experts × d] under `model.layers.{l}.` without `.weight`.
+    pub router: &'static str,
+    pub n_experts: usize,
+    pub top_k: usize,
+    pub renormalize: bool,
+    /// Each expert's intermediate size.
+    pub d_expert: usize,
 }
 
 /// Where a norm sits.
@@ -92,8 +126,10 @@ pub struct BlockDesc {
     /// In the order the pipeline quantizes them (attention, then MLP: each reads the previous ones' outputs).
     pub linears: Vec<LinearDesc>,
     pub norms: Vec<NormDesc>,
-    /// Keys further back than this many positions are masked, in some or all layers; None: full causal.
+    /// Keys this many positions back or further are masked in the layers `sliding_layers` marks; None:
+    /// full causal attention everywhere.
     pub sliding_window: Option<usize>,
+    pub sliding_layers: Vec<bool>,
     /// The MLP's gate activation: act(gate) ⊙ up.
     pub act: Activation,
     /// Every RMSNorm here (the final one too) scales by (offset + w): 0 in the Llama family, 1 in Gemma,
@@ -106,6 +142,8 @@ pub struct BlockDesc {
     pub embed_scale: Option<f32>,
     /// RoPE per layer (Gemma: local layers' base differs from global ones'); None: the config's one RoPE.
     pub layer_rope: Option<Vec<RopeSpec>>,
+    /// A mixture-of-experts MLP instead of the dense one (its experts' linears are in `linears`).
+    pub moe: Option<MoeDesc>,
 }
 
 /// The MLP activations here.
@@ -140,6 +178,12 @@ impl BlockDesc {
         self.norms.iter().enumerate().find(|(_, n)| n.role == role)
     }
 
+    /// Layer l's attention window, if it slides.
+    pub fn window_at(&self, l: usize) -> Option<usize> {
+        self.sliding_window
+            .filter(|_| self.sliding_layers.get(l).copied().unwrap_or(false))
+    }
+
     /// Per-head q/k RMSNorm before RoPE (the scores see normalized projections: design.md §4.3).
     pub fn qk_norm(&self) -> bool {
         self.norm(NormRole::Q).is_some()
@@ -153,6 +197,7 @@ impl BlockDesc {
             && self.norm(NormRole::MlpOut).is_none()
             && self.q_scale == 1.0
             && self.norm_offset == 0.0
+            && self.moe.is_none()
     }
 
     /// Every tensor name of the block's linears' biases (under `model.layers.{l}.`).
@@ -181,6 +226,8 @@ pub const SUPPORTED_ARCHITECTURES: &[&str] = &[
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Gemma3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 ];
 
 /// The block of `architecture`, or why this config cannot be run here (a field that changes the math and is
@@ -192,6 +239,8 @@ pub fn describe(architecture: &str, raw: &RawConfig, dims: Dims) -> Result<Block
         }
         "Qwen3ForCausalLM" => qwen3::describe(raw, dims),
         "Gemma3ForCausalLM" => gemma3::describe(raw, dims),
+        "Qwen3MoeForCausalLM" => qwen3_moe::describe(raw, dims),
+        "MixtralForCausalLM" => mixtral::describe(raw, dims),
         a => Err(format!(
             "unsupported architecture {a}; supported: {}",
             SUPPORTED_ARCHITECTURES.join(", ")
@@ -202,12 +251,13 @@ pub fn describe(architecture: &str, raw: &RawConfig, dims: Dims) -> Result<Block
 /// The attention and SwiGLU MLP linears of the Llama family, with the given biases.
 pub(super) fn llama_linears(dims: Dims, qkv_bias: bool, o_bias: bool) -> Vec<LinearDesc> {
     let (qd, kvd) = (dims.n_heads * dims.d_h, dims.n_kv_heads * dims.d_h);
-    let l = |name, role, d_out, d_in, bias| LinearDesc {
-        name,
+    let l = |name: &str, role, d_out, d_in, bias| LinearDesc {
+        name: name.into(),
         role,
         d_out,
         d_in,
         bias,
+        expert: None,
     };
     vec![
         l("self_attn.q_proj", Role::Q, qd, dims.d, qkv_bias),
@@ -246,15 +296,88 @@ pub(super) fn check_silu(raw: &RawConfig) -> Result<(), String> {
     }
 }
 
-/// The window of a config whose attention slides in some layer: Mistral's `sliding_window` whenever set,
-/// Qwen's only with `use_sliding_window`, and any architecture whose `layer_types` name a sliding layer.
-/// It changes the attention only when a window (--seqlen) is longer; that is checked when a run or an eval
-/// starts (`Config::check_seqlen`).
-pub(super) fn sliding_window(raw: &RawConfig, declared_by_field: bool) -> Option<usize> {
-    let by_layer_types = raw
-        .layer_types
-        .iter()
-        .any(|t| t.as_str() == "sliding_attention");
-    raw.sliding_window
-        .filter(|_| declared_by_field || raw.use_sliding_window || by_layer_types)
+/// Which layers' attention slides, as transformers decides it for each architecture.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Sliding {
+    /// Every layer whenever `sliding_window` is set (Mistral, Mixtral; transformers ignores their
+    /// `layer_types`).
+    AllLayers,
+    /// Only with `use_sliding_window`, then the `layer_types` entries marked sliding (by default transformers
+    /// marks the layers from `max_window_layers` on) (Qwen2/3).
+    Qwen,
+    /// The `layer_types` entries marked sliding (Gemma 3).
+    LayerTypes,
+}
+
+/// The window and the layers it applies to; (None, []) when no layer slides. Query i attends to keys j with
+/// i − window < j ≤ i (transformers' sliding_window_overlay on the causal mask).
+pub(super) fn sliding(raw: &RawConfig, rule: Sliding) -> (Option<usize>, Vec<bool>) {
+    let n = raw.num_hidden_layers;
+    let by_types = |i: usize| {
+        raw.layer_types
+            .get(i)
+            .is_some_and(|t| t == "sliding_attention")
+    };
+    let layers: Vec<bool> = match rule {
+        Sliding::AllLayers => vec![true; n],
+        Sliding::Qwen if !raw.use_sliding_window => vec![false; n],
+        Sliding::Qwen if raw.layer_types.is_empty() => (0..n)
+            .map(|i| i >= raw.max_window_layers.unwrap_or(28))
+            .collect(),
+        Sliding::Qwen | Sliding::LayerTypes => (0..n).map(by_types).collect(),
+    };
+    match raw.sliding_window {
+        Some(w) if layers.iter().any(|&s| s) => (Some(w), layers),
+        _ => (None, Vec::new()),
+    }
+}
+
+/// The q/k/v/o linears of the Llama family followed by `n_experts` SwiGLU experts of intermediate size `d_e`,
+/// named `{prefix}.{e}.{gate}` etc.
+pub(super) fn moe_linears(
+    dims: Dims,
+    attn_bias: bool,
+    prefix: &str,
+    [gate, up, down]: [&str; 3],
+    n_experts: usize,
+    d_e: usize,
+) -> Vec<LinearDesc> {
+    let mut v: Vec<LinearDesc> = llama_linears(dims, attn_bias, attn_bias)
+        .into_iter()
+        .take(4)
+        .collect();
+    for e in 0..n_experts {
+        for (name, role, d_out, d_in) in [
+            (gate, Role::Gate, d_e, dims.d),
+            (up, Role::Up, d_e, dims.d),
+            (down, Role::Down, dims.d, d_e),
+        ] {
+            v.push(LinearDesc {
+                name: format!("{prefix}.{e}.{name}"),
+                role,
+                d_out,
+                d_in,
+                bias: false,
+                expert: Some(e),
+            });
+        }
+    }
+    v
+}
+
+/// The router fields every MoE config here shares: experts, experts per token (both positive, k ≤ n).
+pub(super) fn moe_counts(raw: &RawConfig) -> Result<(usize, usize), String> {
+    let n = raw
+        .num_experts
+        .or(raw.num_local_experts)
+        .ok_or("a mixture-of-experts config needs num_experts (or num_local_experts)")?;
+    let k = raw
+        .num_experts_per_tok
+        .ok_or("a mixture-of-experts config needs num_experts_per_tok")?;
+    if n == 0 || k == 0 || k > n {
+        return Err(format!(
+            "num_experts_per_tok={k} must be between 1 and the number of experts ({n})"
+        ));
+    }
+    Ok((n, k))
 }

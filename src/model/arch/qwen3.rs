@@ -4,8 +4,8 @@
 //! (design.md §4.3, "q/k norm").
 
 use super::{
-    Activation, BlockDesc, Dims, NormDesc, NormRole, check_silu, llama_linears, pre_norms,
-    sliding_window,
+    Activation, BlockDesc, Dims, NormDesc, NormRole, Sliding, check_silu, llama_linears, pre_norms,
+    sliding,
 };
 use crate::model::raw_config::RawConfig;
 
@@ -27,14 +27,17 @@ pub(super) fn describe(raw: &RawConfig, dims: Dims) -> Result<BlockDesc, String>
             len: dims.d_h,
         },
     ]);
+    let (sliding_window, sliding_layers) = sliding(raw, Sliding::Qwen);
     Ok(BlockDesc {
         linears: llama_linears(dims, raw.attention_bias, raw.attention_bias),
         norms,
-        sliding_window: sliding_window(raw, false),
+        sliding_window,
+        sliding_layers,
         act: Activation::Silu,
         norm_offset: 0.0,
         q_scale: 1.0,
         embed_scale: None,
         layer_rope: None,
+        moe: None,
     })
 }

@@ -1,0 +1,157 @@
+//! The sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral): route each token to its top-k experts, run each
+//! expert's SwiGLU on the rows routed to it, and add the outputs weighted by the router's probabilities.
+//!
+//! Routing (a softmax over [m × n_experts] logits and a top-k) and the gather/scatter of rows run on the host;
+//! the experts' linears and activations run on the backend, on each linear's resident copy where it has one
+//! (so the quantized forward reads Ŵ where the quantizer left it). The sums follow transformers'
+//! order (experts in ascending index, each adding into the output), so the f32 results agree closely.
+
+use super::arch::{MoeDesc, Role};
+use super::llama::{BlockWeights, ResidentWeights};
+use crate::backend::{Backend, Tensor};
+use anyhow::{Context, Result};
+
+/// One expert's share of a block forward, kept for its statistics.
+#[derive(Default)]
+pub struct ExpertTrace {
+    /// The MLP input's rows routed to the expert [n × d].
+    pub x: Tensor,
+    /// Its activation (down_proj's input) on them [n × d_expert].
+    pub act: Tensor,
+    /// Each routed row's router probability (after the top-k renormalization).
+    pub weights: Vec<f32>,
+}
+
+/// For each expert, the (token, probability) pairs routed to it, tokens ascending.
+pub fn route(
+    logits: &[f32],
+    n_experts: usize,
+    top_k: usize,
+    renormalize: bool,
+) -> Vec<Vec<(usize, f32)>> {
+    let mut routed = vec![Vec::new(); n_experts];
+    let mut p = vec![0f32; n_experts];
+    let mut order: Vec<usize> = (0..n_experts).collect();
+    for (tok, row) in logits.chunks_exact(n_experts).enumerate() {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0f32;
+        for (pi, &z) in p.iter_mut().zip(row) {
+            *pi = (z - max).exp();
+            sum += *pi;
+        }
+        p.iter_mut().for_each(|v| *v /= sum);
+        // Largest first; ties to the lower index (a stable sort from index order).
+        order.iter_mut().enumerate().for_each(|(i, o)| *o = i);
+        order.sort_by(|&a, &b| p[b].total_cmp(&p[a]));
+        let top = &order[..top_k];
+        let norm = match renormalize {
+            true => top.iter().map(|&e| p[e]).sum::<f32>(),
+            false => 1.0,
+        };
+        for &e in top {
+            routed[e].push((tok, p[e] / norm));
+        }
+    }
+    routed
+}
+
+/// The MLP of an MoE block on its input `xm` [m × d]: Σ_k p_k · down_k(silu(gate_k x) ⊙ up_k x) per token,
+/// and, with `trace`, each expert's routed inputs.
+pub fn sparse_mlp(
+    be: &dyn Backend,
+    w: &BlockWeights,
+    resident: Option<&ResidentWeights>,
+    moe: &MoeDesc,
+    xm: &Tensor,
+    m: usize,
+    trace: bool,
+) -> Result<(Tensor, Vec<ExpertTrace>)> {
+    let router = w
+        .router
+        .as_deref()
+        .context("the MoE block has no router weight")?;
+    let d = router.len() / moe.n_experts;
+    let x = be.read(xm)?;
+    anyhow::ensure!(x.len() == m * d, "sparse_mlp: x is not [m={m} × d={d}]");
+    let logits = be.linear(&x, router, None, m, d, moe.n_experts)?;
+    let routed = route(&logits, moe.n_experts, moe.top_k, moe.renormalize);
+    // Each expert's gate, up and down in the description.
+    let mut idx = vec![[usize::MAX; 3]; moe.n_experts];
+    for (i, ld) in w.desc.linears.iter().enumerate() {
+        if let Some(e) = ld.expert {
+            let slot = match ld.role {
+                Role::Gate => 0,
+                Role::Up => 1,
+                _ => 2,
+            };
+            idx[e][slot] = i;
+        }
+    }
+    let mut out = vec![0f32; m * d];
+    let mut traces = Vec::with_capacity(if trace { moe.n_experts } else { 0 });
+    for (e, rows) in routed.iter().enumerate() {
+        if rows.is_empty() {
+            if trace {
+                traces.push(ExpertTrace::default());
+            }
+            continue;
+        }
+        anyhow::ensure!(
+            idx[e].iter().all(|&i| i < w.linears.len()),
+            "expert {e} lacks a gate, up or down linear"
+        );
+        let n = rows.len();
+        let mut xe = Vec::with_capacity(n * d);
+        for &(tok, _) in rows {
+            xe.extend_from_slice(&x[tok * d..(tok + 1) * d]);
+        }
+        let xe = be.to_device(Tensor::Host(xe))?;
+        let lin = |slot: usize, x: &Tensor| {
+            let i = idx[e][slot];
+            w.linears[i]
+                .forward_t(be, x, n, resident.and_then(|r| r.get(i)))
+                .with_context(|| format!("forward of {}", w.desc.linears[i].name))
+        };
+        let gate = lin(0, &xe)?;
+        let up = lin(1, &xe)?;
+        let act = be.swiglu_t(&gate, &up)?;
+        drop((gate, up));
+        let y = lin(2, &act)?;
+        let y = be.read(&y)?;
+        for (r, &(tok, p)) in rows.iter().enumerate() {
+            let src = &y[r * d..(r + 1) * d];
+            for (o, &v) in out[tok * d..(tok + 1) * d].iter_mut().zip(src) {
+                *o += v * p;
+            }
+        }
+        if trace {
+            traces.push(ExpertTrace {
+                x: xe,
+                act,
+                weights: rows.iter().map(|&(_, p)| p).collect(),
+            });
+        }
+    }
+    Ok((be.to_device(Tensor::Host(out))?, traces))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::route;
+
+    #[test]
+    fn routes_each_token_to_its_top_k_with_renormalized_probabilities() {
+        // Two tokens over three experts.
+        let logits = [0.0, 1.0, 2.0, 3.0, 0.0, 0.0];
+        let r = route(&logits, 3, 2, true);
+        assert!(r[0].iter().map(|&(t, _)| t).eq([1]));
+        assert!(r[1].iter().map(|&(t, _)| t).eq([0, 1]));
+        assert!(r[2].iter().map(|&(t, _)| t).eq([0]));
+        let (p1, p2) = (r[1][0].1, r[2][0].1);
+        assert!((p1 + p2 - 1.0).abs() < 1e-6 && (p2 / p1 - 1f32.exp()).abs() < 1e-5);
+        // Without renormalization the kept probabilities are the softmax's own.
+        let r = route(&logits, 3, 2, false);
+        let z: f32 = [0f32, 1.0, 2.0].iter().map(|v| v.exp()).sum();
+        assert!((r[2][0].1 - 2f32.exp() / z).abs() < 1e-6);
+    }
+}
