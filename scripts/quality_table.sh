@@ -3,13 +3,19 @@
 # speeches before 2000 (128 windows × 512 tokens, seed 0), evaluated on the 2001–2016 speeches and on
 # Moby-Dick (perplexity, seqlen 512, the first $EVAL_WINDOWS windows of each). Resumable: finished entries
 # in $OUT/results.jsonl are skipped. Usage: scripts/quality_table.sh [OUT_DIR]
+#
+# Another model: MODEL (a Hugging Face folder; default the demo model, fetched), SETTINGS ("bits group"
+# pairs separated by ';', group -1 = per-channel) and PASSES (method lists separated by ';', run one after the
+# other; boa-wout = BoA with the W_out V row Hessian). scripts/quality_table_gemma3.sh is one such call.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-target/quality}
 nsamples=${NSAMPLES:-128}
 eval_windows=${EVAL_WINDOWS:-40}
+settings=${SETTINGS:-"3 -1;2 64;3 64;4 -1"}
+passes=${PASSES:-"rtn gptq boa;boa-wout"}
 mkdir -p "$out"
-scripts/fetch_demo.sh
+if [[ -z ${MODEL:-} ]]; then scripts/fetch_demo.sh; fi
 python3 scripts/texts.py >/dev/null
 texts=data/texts
 # A private copy, so rebuilding while the table runs cannot mix two versions in one table; a resumed table
@@ -19,7 +25,7 @@ if [[ ! -x "$out/boa-cuda" ]]; then
   cp target/release/boa-cuda "$out/boa-cuda"
 fi
 bin=$out/boa-cuda
-model=demo/smollm2-135m
+model=${MODEL:-demo/smollm2-135m}
 sotu=$texts/sotu
 calib=$(ls $sotu | awk -F_ '$1 < 2000' | sed "s|^|$sotu/|")
 speeches=$(ls $sotu | awk -F_ '$1 >= 2001 && $1 <= 2016' | sed "s|^|$sotu/|")
@@ -41,8 +47,10 @@ print(json.dumps(dict(name=sys.argv[1], speeches=s['perplexity'], moby=m['perple
 evaluate fp "$model" '{}'
 # Two passes: the table's three methods first (BoA with the default V row Hessian, the identity), then the
 # variant the issue asks to compare (W_out).
-for pass in "rtn gptq boa" "boa-wout"; do
-  for setting in "3 -1" "2 64" "3 64" "4 -1"; do
+IFS=';' read -ra pass_list <<< "$passes"
+IFS=';' read -ra setting_list <<< "$settings"
+for pass in "${pass_list[@]}"; do
+  for setting in "${setting_list[@]}"; do
     set -- $setting
     # boa-wout: BoA with the paper's V row Hessian (W_outᵀW_out) instead of the default identity.
     for method in $pass; do
@@ -60,7 +68,7 @@ for pass in "rtn gptq boa" "boa-wout"; do
   done
 done
 
-python3 - "$results" "$nsamples" "$eval_windows" <<'PY'
+python3 - "$results" "$nsamples" "$eval_windows" "$settings" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 fp = next(r for r in rows if r["name"] == "fp")
@@ -69,7 +77,8 @@ print(f"FP: 2001-2016 speeches {fp['speeches']:.2f}, Moby-Dick {fp['moby']:.2f}\
 print("| setting | method | 2001–2016 speeches | Moby-Dick | run time (s) |")
 print("|---|---|---|---|---|")
 ok = True
-for bits, group in [(2, 64), (3, -1), (3, 64), (4, -1)]:
+settings = sorted(tuple(map(int, s.split())) for s in sys.argv[4].split(";"))
+for bits, group in settings:
     ppl = {}
     for m in ["rtn", "gptq", "boa", "boa-wout"]:
         r = next((r for r in rows if r["name"] == f"w{bits}-g{group}-{m}"), None)

@@ -49,7 +49,8 @@ enum Cmd {
         #[arg(long, num_args = 1.., default_values = ["9,64,576", "2,128,2048"])]
         sweep_shape: Vec<String>,
     },
-    /// Convert a llama-architecture GGUF (F32/F16/BF16, Q4/5/8_0, Q4/5_1, Q2_K…Q6_K tensors) to an HF folder.
+    /// Convert a llama- or gemma3-architecture GGUF (F32/F16/BF16, Q4/5/8_0, Q4/5_1, Q2_K…Q6_K tensors) to an
+    /// HF folder.
     ImportGguf {
         /// The .gguf file.
         file: PathBuf,

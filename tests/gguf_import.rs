@@ -556,7 +556,7 @@ fn hostile_ggufs_give_clear_errors() {
     let bert = synthetic("bert").bytes;
     expect_err(
         &write_file(&dir, "bert.gguf", &bert),
-        "general.architecture is \"bert\"; only \"llama\" is supported",
+        "general.architecture is \"bert\"; only \"llama\" and \"gemma3\" are supported",
     );
 
     // Through the binary: one line, exit code 2, nothing at --out.
@@ -573,16 +573,16 @@ fn hostile_ggufs_give_clear_errors() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(
-        err.starts_with("error:") && err.contains("only \"llama\" is supported"),
+        err.starts_with("error:") && err.contains("only \"llama\" and \"gemma3\" are supported"),
         "{err}"
     );
     assert!(!err.contains("panicked") && !out.join("model.safetensors").exists());
 
-    // SentencePiece vocabularies are refused by name.
+    // SentencePiece vocabularies are refused by name outside Gemma 3.
     let spm = synthetic_with("llama", "llama", "default", false).bytes;
     expect_err(
         &write_file(&dir, "spm.gguf", &spm),
-        "only BPE vocabularies (\"gpt2\") are supported for now",
+        "SentencePiece), supported only for Gemma 3",
     );
 
     std::fs::remove_dir_all(&dir).unwrap();

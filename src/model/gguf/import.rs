@@ -1,12 +1,11 @@
-//! `import_gguf`: a llama-architecture GGUF → a Hugging Face folder (config.json, model.safetensors,
-//! tokenizer.json, tokenizer_config.json, generation_config.json).
+//! `import_gguf`: a llama- or gemma3-architecture GGUF → a Hugging Face folder (config.json,
+//! model.safetensors, tokenizer.json, tokenizer_config.json, generation_config.json).
 //!
-//! Two layout facts matter:
-//! * GGUF dims are fastest-first, so a GGUF [576, 1536] tensor is the row-major HF [1536, 576] matrix and its
-//!   bytes are already in HF order: only the shape is reversed.
-//! * convert_hf_to_gguf.py permutes the rows of q_proj/k_proj so llama.cpp can use interleaved (GPT-J style)
-//!   RoPE: `w.reshape(n_head, 2, rows/n_head/2, cols).swapaxes(1, 2)`. `unpermute_qk` inverts it (with
-//!   head_count for Q and head_count_kv for K).
+//! GGUF dims are fastest-first, so a GGUF [576, 1536] tensor is the row-major HF [1536, 576] matrix and its
+//! bytes are already in HF order: only the shape is reversed. What convert_hf_to_gguf.py changed per
+//! architecture (llama's Q/K row permutation, Gemma's norm weights + 1) is in `arch`; the permutation is
+//! `w.reshape(n_head, 2, rows/n_head/2, cols).swapaxes(1, 2)`, which `unpermute_qk` inverts (with
+//! head_count for Q and head_count_kv for K).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -16,6 +15,9 @@ use anyhow::{Context, Result};
 use rayon::prelude::*;
 use serde_json::json;
 
+use super::arch::{
+    Arch, Fixup, SpecialIds, config_json, expected_shape, hf_name, hparams, layer_parts,
+};
 use super::dequant::{check_dequantizable, dequantize};
 use super::reader::{GgufFile, TensorInfo};
 use super::tokenizer::build_tokenizer;
@@ -72,167 +74,6 @@ pub struct ImportSummary {
     pub warnings: Vec<String>,
 }
 
-/// Model hyper-parameters read from `llama.*` keys.
-#[derive(Debug, Clone)]
-struct LlamaHparams {
-    n_layer: usize,
-    d: usize,
-    d_ff: usize,
-    n_head: usize,
-    n_kv_head: usize,
-    head_dim: usize,
-    eps: f64,
-    theta: f64,
-    ctx: u64,
-}
-
-fn hparams(g: &GgufFile) -> Result<LlamaHparams> {
-    let int = |k: &str| -> Result<usize> { Ok(g.require_u64(k)? as usize) };
-    let n_head = int("llama.attention.head_count")?;
-    let d = int("llama.embedding_length")?;
-    let h = LlamaHparams {
-        n_layer: int("llama.block_count")?,
-        d,
-        d_ff: int("llama.feed_forward_length")?,
-        n_head,
-        n_kv_head: g
-            .get_u64("llama.attention.head_count_kv")?
-            .map_or(n_head, |v| v as usize),
-        head_dim: match g.get_u64("llama.attention.key_length")? {
-            Some(v) => v as usize,
-            None if n_head > 0 => d / n_head,
-            None => 0,
-        },
-        eps: g.require_f64("llama.attention.layer_norm_rms_epsilon")?,
-        theta: g.get_f64("llama.rope.freq_base")?.unwrap_or(10000.0),
-        ctx: g.get_u64("llama.context_length")?.unwrap_or(2048),
-    };
-    let bad = |msg: String| Err(file_err(&g.path, msg));
-    if h.n_layer == 0
-        || h.d == 0
-        || h.d_ff == 0
-        || h.n_head == 0
-        || h.n_kv_head == 0
-        || h.head_dim == 0
-    {
-        return bad(format!("zero-sized llama hyper-parameter: {h:?}"));
-    }
-    let huge = [h.d, h.d_ff, h.n_head, h.n_kv_head, h.head_dim]
-        .iter()
-        .any(|&v| v > 1 << 20);
-    if huge
-        || h.n_layer > 10_000
-        || !h.n_head.is_multiple_of(h.n_kv_head)
-        || !h.head_dim.is_multiple_of(2)
-    {
-        return bad(format!(
-            "inconsistent llama hyper-parameters (need layers ≤ 10000, sizes ≤ 2^20, head_count a multiple \
-             of head_count_kv, even head_dim): {h:?}"
-        ));
-    }
-    // Keys the Llama block would otherwise ignore or write as nonsense into config.json.
-    if let Some(n) = g.get_u64("llama.rope.dimension_count")?
-        && n != h.head_dim as u64
-    {
-        return bad(format!(
-            "llama.rope.dimension_count {n} differs from the head dimension {}: partial rotary \
-             embeddings are not supported",
-            h.head_dim
-        ));
-    }
-    if h.ctx == 0 {
-        return bad("llama.context_length is 0: a model needs a positive context length".into());
-    }
-    if !(h.eps.is_finite() && h.eps > 0.0) {
-        return bad(format!(
-            "llama.attention.layer_norm_rms_epsilon {} must be a positive number",
-            h.eps
-        ));
-    }
-    if !(h.theta.is_finite() && h.theta > 0.0) {
-        return bad(format!(
-            "llama.rope.freq_base {} must be a positive number",
-            h.theta
-        ));
-    }
-    if let Some(n) = g.get_u64("llama.expert_count")?
-        && n > 0
-    {
-        return bad(format!(
-            "mixture-of-experts llama GGUFs ({n} experts) are not supported"
-        ));
-    }
-    if let Some(t) = g.get_str("llama.rope.scaling.type")?
-        && t != "none"
-    {
-        return bad(format!(
-            "RoPE scaling {t:?} (llama.rope.scaling.type) is not supported yet"
-        ));
-    }
-    Ok(h)
-}
-
-/// How a GGUF tensor becomes an HF tensor.
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Fixup {
-    None,
-    /// Undo the Q/K row permutation with this many heads.
-    Unpermute(usize),
-}
-
-/// GGUF tensor name → (HF name, fixup), or None for a name this importer does not know.
-fn hf_name(name: &str, h: &LlamaHparams) -> Option<(String, Fixup)> {
-    let (base, suffix) = name.rsplit_once('.')?;
-    if suffix != "weight" {
-        return None;
-    }
-    let fixed = match base {
-        "token_embd" => Some("model.embed_tokens"),
-        "output_norm" => Some("model.norm"),
-        "output" => Some("lm_head"),
-        _ => None,
-    };
-    if let Some(f) = fixed {
-        return Some((format!("{f}.weight"), Fixup::None));
-    }
-    let rest = base.strip_prefix("blk.")?;
-    let (layer_text, part) = rest.split_once('.')?;
-    let layer: usize = layer_text.parse().ok()?;
-    // "blk.01" or "blk.+1" would parse too; only the canonical spelling maps.
-    if layer >= h.n_layer || layer.to_string() != layer_text {
-        return None;
-    }
-    let (hf, fix) = match part {
-        "attn_q" => ("self_attn.q_proj", Fixup::Unpermute(h.n_head)),
-        "attn_k" => ("self_attn.k_proj", Fixup::Unpermute(h.n_kv_head)),
-        "attn_v" => ("self_attn.v_proj", Fixup::None),
-        "attn_output" => ("self_attn.o_proj", Fixup::None),
-        "ffn_gate" => ("mlp.gate_proj", Fixup::None),
-        "ffn_up" => ("mlp.up_proj", Fixup::None),
-        "ffn_down" => ("mlp.down_proj", Fixup::None),
-        "attn_norm" => ("input_layernorm", Fixup::None),
-        "ffn_norm" => ("post_attention_layernorm", Fixup::None),
-        _ => return None,
-    };
-    Some((format!("model.layers.{layer}.{hf}.weight"), fix))
-}
-
-/// Expected row-major shape of each HF tensor.
-fn expected_shape(hf: &str, h: &LlamaHparams, vocab: usize) -> Vec<usize> {
-    let (q, kv) = (h.n_head * h.head_dim, h.n_kv_head * h.head_dim);
-    let part = hf.rsplit('.').nth(1).unwrap_or("");
-    match part {
-        "embed_tokens" | "lm_head" => vec![vocab, h.d],
-        "norm" | "input_layernorm" | "post_attention_layernorm" => vec![h.d],
-        "q_proj" => vec![q, h.d],
-        "k_proj" | "v_proj" => vec![kv, h.d],
-        "o_proj" => vec![h.d, q],
-        "gate_proj" | "up_proj" => vec![h.d_ff, h.d],
-        "down_proj" => vec![h.d, h.d_ff],
-        _ => vec![],
-    }
-}
-
 /// The checks `unpermute_qk` makes on a matrix of `len` values.
 fn check_unpermute(len: usize, rows: usize, cols: usize, n_head: usize) -> Result<()> {
     if n_head == 0 || !rows.is_multiple_of(2 * n_head) || rows.checked_mul(cols) != Some(len) {
@@ -280,9 +121,9 @@ fn json_bytes(v: &serde_json::Value) -> Vec<u8> {
     s.into_bytes()
 }
 
-/// Convert the llama-architecture GGUF `gguf` into a new Hugging Face folder `out_dir` (refused if it
-/// exists). Weights are dequantized to f32 and written as `dtype`. Fails, leaving nothing at `out_dir`, on
-/// any architecture but llama, on tensor types `dequant` does not handle, and on unknown or missing tensors.
+/// Convert the llama- or gemma3-architecture GGUF `gguf` into a new Hugging Face folder `out_dir` (refused
+/// if it exists). Weights are dequantized to f32 and written as `dtype`. Fails, leaving nothing at `out_dir`,
+/// on any other architecture, on tensor types `dequant` does not handle, and on unknown or missing tensors.
 pub fn import_gguf(gguf: &Path, out_dir: &Path, dtype: OutDType) -> Result<ImportSummary> {
     import_gguf_to(gguf, out_dir, dtype, false)
 }
@@ -323,23 +164,9 @@ pub fn import_gguf_to(
 fn import_into(gguf: &Path, out_dir: &Path, dtype: OutDType) -> Result<ImportSummary> {
     let t0 = Instant::now();
     let g = GgufFile::open(gguf)?;
-    match g.get_str("general.architecture")? {
-        Some("llama") => {}
-        Some(other) => {
-            return Err(file_err(
-                gguf,
-                format!("general.architecture is {other:?}; only \"llama\" is supported"),
-            ));
-        }
-        None => {
-            return Err(file_err(
-                gguf,
-                "general.architecture is missing; only \"llama\" is supported",
-            ));
-        }
-    }
-    let h = hparams(&g)?;
-    let tok = build_tokenizer(&g)?;
+    let arch = Arch::of(&g)?;
+    let h = hparams(&g, arch)?;
+    let tok = build_tokenizer(&g, arch, h.ctx)?;
     let mut warnings = tok.warnings.clone();
 
     // Map every tensor before dequantizing anything, so naming errors come first and cheaply.
@@ -355,8 +182,9 @@ fn import_into(gguf: &Path, out_dir: &Path, dtype: OutDType) -> Result<ImportSum
             file_err(
                 gguf,
                 format!(
-                    "tensor {} has no Hugging Face Llama counterpart known to this importer",
-                    t.name
+                    "tensor {} has no Hugging Face {} counterpart known to this importer",
+                    t.name,
+                    arch.key()
                 ),
             )
         })?;
@@ -374,17 +202,7 @@ fn import_into(gguf: &Path, out_dir: &Path, dtype: OutDType) -> Result<ImportSum
         "model.norm.weight".to_owned(),
     ];
     for l in 0..h.n_layer {
-        for p in [
-            "self_attn.q_proj",
-            "self_attn.k_proj",
-            "self_attn.v_proj",
-            "self_attn.o_proj",
-            "mlp.gate_proj",
-            "mlp.up_proj",
-            "mlp.down_proj",
-            "input_layernorm",
-            "post_attention_layernorm",
-        ] {
+        for p in layer_parts(arch) {
             required.push(format!("model.layers.{l}.{p}.weight"));
         }
     }
@@ -393,7 +211,8 @@ fn import_into(gguf: &Path, out_dir: &Path, dtype: OutDType) -> Result<ImportSum
             return Err(file_err(
                 gguf,
                 format!(
-                    "no GGUF tensor maps to {r} (llama.block_count = {})",
+                    "no GGUF tensor maps to {r} ({}.block_count = {})",
+                    arch.key(),
                     h.n_layer
                 ),
             ));
@@ -444,6 +263,7 @@ fn import_into(gguf: &Path, out_dir: &Path, dtype: OutDType) -> Result<ImportSum
                     Fixup::Unpermute(n_head) => {
                         unpermute_qk(&w, rows, cols, n_head).expect("checked above")
                     }
+                    Fixup::MinusOne => w.into_iter().map(|v| v - 1.0).collect(),
                     Fixup::None => w,
                 };
                 dtype.encode(&w)
@@ -461,33 +281,12 @@ fn import_into(gguf: &Path, out_dir: &Path, dtype: OutDType) -> Result<ImportSum
     let bytes_written: u64 = entries.iter().map(|e| e.len() as u64).sum();
     drop(entries);
 
-    let config = json!({
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": h.d,
-        "intermediate_size": h.d_ff,
-        "num_hidden_layers": h.n_layer,
-        "num_attention_heads": h.n_head,
-        "num_key_value_heads": h.n_kv_head,
-        "head_dim": h.head_dim,
-        "rms_norm_eps": h.eps,
-        "rope_theta": h.theta,
-        "rope_scaling": null,
-        "max_position_embeddings": h.ctx,
-        "vocab_size": vocab,
-        "tie_word_embeddings": tie,
-        "bos_token_id": tok.bos_id,
-        "eos_token_id": tok.eos_id,
-        "pad_token_id": tok.pad_id,
-        "torch_dtype": dtype.torch_name(),
-        "attention_bias": false,
-        "attention_dropout": 0.0,
-        "mlp_bias": false,
-        "hidden_act": "silu",
-        "initializer_range": 0.02,
-        "pretraining_tp": 1,
-        "use_cache": true,
-    });
+    let ids = SpecialIds {
+        bos: tok.bos_id,
+        eos: tok.eos_id,
+        pad: tok.pad_id,
+    };
+    let config = config_json(&h, vocab, tie, &ids, dtype.torch_name());
     write_atomic(out_dir, "config.json", &json_bytes(&config))?;
     let tk_json = tok
         .tokenizer

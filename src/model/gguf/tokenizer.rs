@@ -1,8 +1,9 @@
 //! Rebuild a Hugging Face `tokenizer.json` (+ `tokenizer_config.json`) from a GGUF's `tokenizer.ggml.*` keys.
 //!
-//! Only byte-level BPE vocabularies (`tokenizer.ggml.model` = "gpt2": GPT-2, Llama 3, SmolLM, Qwen…) are
-//! supported. The pre-tokenizer is chosen from `tokenizer.ggml.pre`, mirroring llama.cpp's
-//! `llm_tokenizer_bpe` regex sets (llama-vocab.cpp) with the equivalent HF pre-tokenizers:
+//! Two kinds are supported: Gemma's SentencePiece vocabulary (`tokenizer.ggml.model` = "llama" in a gemma3
+//! file; `gemma_vocab`) and byte-level BPE (`tokenizer.ggml.model` = "gpt2": GPT-2, Llama 3, SmolLM, Qwen…).
+//! The BPE pre-tokenizer is chosen from `tokenizer.ggml.pre`, mirroring llama.cpp's `llm_tokenizer_bpe` regex
+//! sets (llama-vocab.cpp) with the equivalent HF pre-tokenizers:
 //!
 //! | pre                                      | HF pre_tokenizer                                                    |
 //! |------------------------------------------|---------------------------------------------------------------------|
@@ -23,6 +24,8 @@ use tokenizers::processors::PostProcessorWrapper;
 use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
 
+use super::arch::Arch;
+use super::gemma_vocab::gemma_tokenizer;
 use super::reader::{GgufFile, Value};
 use crate::error::file_err;
 
@@ -103,26 +106,39 @@ fn pre_tokenizer(pre: &str, warnings: &mut Vec<String>) -> Result<PreTokenizerWr
     })
 }
 
-/// Build the tokenizer of `g`. Errors name the key that is missing or wrong.
-pub fn build_tokenizer(g: &GgufFile) -> Result<GgufTokenizer> {
-    let model = g.require_str("tokenizer.ggml.model")?;
-    match model {
-        "gpt2" => {}
-        "llama" => {
-            return Err(file_err(
-                &g.path,
-                "tokenizer.ggml.model is \"llama\" (SentencePiece); only BPE vocabularies (\"gpt2\") are supported for now",
-            ));
-        }
-        other => {
-            return Err(file_err(
-                &g.path,
-                format!(
-                    "tokenizer.ggml.model is {other:?}; only BPE vocabularies (\"gpt2\") are supported"
-                ),
-            ));
-        }
+/// Which tokenizer a file's `tokenizer.ggml.model` describes.
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    ByteLevel,
+    Gemma,
+}
+
+fn kind(g: &GgufFile, arch: Arch) -> Result<Kind> {
+    match (g.require_str("tokenizer.ggml.model")?, arch) {
+        ("gpt2", _) => Ok(Kind::ByteLevel),
+        ("llama", Arch::Gemma3) => Ok(Kind::Gemma),
+        ("llama", _) => Err(file_err(
+            &g.path,
+            format!(
+                "tokenizer.ggml.model is \"llama\" (SentencePiece), supported only for Gemma 3; a {} file \
+                 needs a BPE vocabulary (\"gpt2\")",
+                arch.key()
+            ),
+        )),
+        (other, _) => Err(file_err(
+            &g.path,
+            format!(
+                "tokenizer.ggml.model is {other:?}; only BPE vocabularies (\"gpt2\") and Gemma's \
+                 SentencePiece one (\"llama\") are supported"
+            ),
+        )),
     }
+}
+
+/// Build the tokenizer of `g`, a file of architecture `arch` with context length `ctx`. Errors name the key
+/// that is missing or wrong.
+pub fn build_tokenizer(g: &GgufFile, arch: Arch, ctx: u64) -> Result<GgufTokenizer> {
+    let kind = kind(g, arch)?;
     let mut warnings = Vec::new();
     let tokens = string_array(g, "tokenizer.ggml.tokens")?;
     let n_vocab = tokens.len();
@@ -153,6 +169,94 @@ pub fn build_tokenizer(g: &GgufFile) -> Result<GgufTokenizer> {
                 .collect::<Result<_>>()?
         }
     };
+    let unk_id = token_id(g, "tokenizer.ggml.unknown_token_id", n_vocab)?;
+    let mut tk = match kind {
+        Kind::ByteLevel => byte_level_tokenizer(g, &tokens, &token_types, &mut warnings)?,
+        Kind::Gemma => gemma_tokenizer(
+            &tokens,
+            &token_types,
+            unk_id.map(|i| tokens[i as usize].as_str()),
+            &mut warnings,
+        )?,
+    };
+    let bos_id = token_id(g, "tokenizer.ggml.bos_token_id", n_vocab)?;
+    let eos_id = token_id(g, "tokenizer.ggml.eos_token_id", n_vocab)?;
+    let pad_id = token_id(g, "tokenizer.ggml.padding_token_id", n_vocab)?;
+    // Without the key, llama.cpp adds no BOS for BPE vocabularies and one for SentencePiece ones (and
+    // transformers follows it).
+    let add_bos = g
+        .get_bool("tokenizer.ggml.add_bos_token")?
+        .unwrap_or(kind == Kind::Gemma)
+        && bos_id.is_some();
+    let add_eos = g.get_bool("tokenizer.ggml.add_eos_token")?.unwrap_or(false) && eos_id.is_some();
+    let name = |id: Option<u32>| id.map(|i| tokens[i as usize].clone());
+    let post: PostProcessorWrapper = if add_bos || add_eos || kind == Kind::Gemma {
+        let mut single = Vec::new();
+        let mut pair = Vec::new();
+        let mut special = Vec::new();
+        if add_bos {
+            let b = tokens[bos_id.unwrap() as usize].clone();
+            single.push(format!("{b}:0"));
+            special.push((b, bos_id.unwrap()));
+        }
+        single.push("$A:0".to_owned());
+        if add_eos {
+            let e = tokens[eos_id.unwrap() as usize].clone();
+            single.push(format!("{e}:0"));
+            special.push((e, eos_id.unwrap()));
+        }
+        pair.extend(single.iter().cloned());
+        pair.extend(
+            single
+                .iter()
+                .map(|s| s.replace(":0", ":1").replace("$A", "$B")),
+        );
+        let tmpl_err = |e: String| anyhow::anyhow!("post-processor template: {e}");
+        let mut b = TemplateProcessing::builder();
+        b.try_single(single).map_err(tmpl_err)?;
+        b.try_pair(pair).map_err(tmpl_err)?;
+        b.special_tokens(special);
+        b.build().map_err(|e| tmpl_err(e.to_string()))?.into()
+    } else {
+        // What SmolLM2's own tokenizer.json has: only fixes offsets, adds nothing.
+        ByteLevel::new(true, false, true).into()
+    };
+    tk.with_post_processor(Some(post));
+
+    let mut config = json!({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "clean_up_tokenization_spaces": false,
+        "model_max_length": ctx,
+        "bos_token": name(bos_id),
+        "eos_token": name(eos_id),
+        "unk_token": name(unk_id),
+        "pad_token": name(pad_id),
+    });
+    if let Some(Value::Str(t)) = g.get("tokenizer.chat_template") {
+        config["chat_template"] = json!(t);
+    }
+    Ok(GgufTokenizer {
+        tokenizer: tk,
+        config,
+        bos_id,
+        eos_id,
+        pad_id,
+        vocab_size: n_vocab,
+        warnings,
+    })
+}
+
+/// A byte-level BPE tokenizer from the file's vocabulary and merges; control and user-defined tokens become
+/// special tokens.
+fn byte_level_tokenizer(
+    g: &GgufFile,
+    tokens: &[String],
+    token_types: &[i64],
+    warnings: &mut Vec<String>,
+) -> Result<Tokenizer> {
+    let n_vocab = tokens.len();
     let merges: Vec<(String, String)> = string_array(g, "tokenizer.ggml.merges")?
         .into_iter()
         .enumerate()
@@ -191,80 +295,17 @@ pub fn build_tokenizer(g: &GgufFile) -> Result<GgufTokenizer> {
 
     let pre = g.get_str("tokenizer.ggml.pre")?.unwrap_or("default");
     let mut tk = Tokenizer::new(bpe);
-    tk.with_pre_tokenizer(Some(pre_tokenizer(pre, &mut warnings)?));
+    tk.with_pre_tokenizer(Some(pre_tokenizer(pre, warnings)?));
     tk.with_decoder(Some(ByteLevelDecoder::default()));
 
     let specials: Vec<AddedToken> = tokens
         .iter()
-        .zip(&token_types)
+        .zip(token_types)
         .filter(|(_, ty)| matches!(**ty, TOKEN_TYPE_CONTROL | TOKEN_TYPE_USER_DEFINED))
         .map(|(t, _)| AddedToken::from(t.clone(), true))
         .collect();
     tk.add_special_tokens(specials)
         .map_err(|e| anyhow::anyhow!("adding special tokens: {e}"))?;
 
-    let bos_id = token_id(g, "tokenizer.ggml.bos_token_id", n_vocab)?;
-    let eos_id = token_id(g, "tokenizer.ggml.eos_token_id", n_vocab)?;
-    let unk_id = token_id(g, "tokenizer.ggml.unknown_token_id", n_vocab)?;
-    let pad_id = token_id(g, "tokenizer.ggml.padding_token_id", n_vocab)?;
-    // llama.cpp defaults add_bos to false for BPE vocabularies without the key.
-    let add_bos = g.get_bool("tokenizer.ggml.add_bos_token")?.unwrap_or(false) && bos_id.is_some();
-    let add_eos = g.get_bool("tokenizer.ggml.add_eos_token")?.unwrap_or(false) && eos_id.is_some();
-    let name = |id: Option<u32>| id.map(|i| tokens[i as usize].clone());
-    let post: PostProcessorWrapper = if add_bos || add_eos {
-        let mut single = Vec::new();
-        let mut pair = Vec::new();
-        let mut special = Vec::new();
-        if add_bos {
-            let b = tokens[bos_id.unwrap() as usize].clone();
-            single.push(format!("{b}:0"));
-            special.push((b, bos_id.unwrap()));
-        }
-        single.push("$A:0".to_owned());
-        if add_eos {
-            let e = tokens[eos_id.unwrap() as usize].clone();
-            single.push(format!("{e}:0"));
-            special.push((e, eos_id.unwrap()));
-        }
-        pair.extend(single.iter().cloned());
-        pair.extend(
-            single
-                .iter()
-                .map(|s| s.replace(":0", ":1").replace("$A", "$B")),
-        );
-        let tmpl_err = |e: String| anyhow::anyhow!("post-processor template: {e}");
-        let mut b = TemplateProcessing::builder();
-        b.try_single(single).map_err(tmpl_err)?;
-        b.try_pair(pair).map_err(tmpl_err)?;
-        b.special_tokens(special);
-        b.build().map_err(|e| tmpl_err(e.to_string()))?.into()
-    } else {
-        // What SmolLM2's own tokenizer.json has: only fixes offsets, adds nothing.
-        ByteLevel::new(true, false, true).into()
-    };
-    tk.with_post_processor(Some(post));
-
-    let mut config = json!({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": add_bos,
-        "add_eos_token": add_eos,
-        "clean_up_tokenization_spaces": false,
-        "model_max_length": g.get_u64("llama.context_length")?.unwrap_or(2048),
-        "bos_token": name(bos_id),
-        "eos_token": name(eos_id),
-        "unk_token": name(unk_id),
-        "pad_token": name(pad_id),
-    });
-    if let Some(Value::Str(t)) = g.get("tokenizer.chat_template") {
-        config["chat_template"] = json!(t);
-    }
-    Ok(GgufTokenizer {
-        tokenizer: tk,
-        config,
-        bos_id,
-        eos_id,
-        pad_id,
-        vocab_size: n_vocab,
-        warnings,
-    })
+    Ok(tk)
 }

@@ -1,0 +1,541 @@
+//! What differs between the GGUF architectures `import_gguf` reads: the hyper-parameter keys, the tensor
+//! names, what convert_hf_to_gguf.py did to each tensor on the way (which the import undoes), and
+//! config.json.
+//!
+//! * llama: convert_hf_to_gguf.py permutes the rows of q_proj/k_proj so llama.cpp can use interleaved (GPT-J
+//!   style) RoPE; `Fixup::Unpermute` inverts it.
+//! * gemma3: no permutation (llama.cpp runs Gemma with NEOX RoPE, HF's half-split layout), but every RMSNorm
+//!   weight — the q/k norms and the sandwich norms included — was stored as w + 1 so llama.cpp can scale by
+//!   the weight alone; `Fixup::MinusOne` restores HF's w (transformers' GGUF loader, Gemma2TensorProcessor,
+//!   does the same `w - 1` in f32). llama.cpp hard-codes what the file does not say: every 6th layer global
+//!   (unless `gemma3.attention.sliding_window_pattern` says otherwise), local RoPE base 10000, and scores
+//!   scaled by head_dim^−½ except on the 27B (62 layers), which uses (hidden / heads)^−½.
+
+use anyhow::Result;
+use serde_json::json;
+
+use super::reader::{GgufFile, Value};
+use crate::error::file_err;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    Llama,
+    Gemma3,
+}
+
+impl Arch {
+    pub fn of(g: &GgufFile) -> Result<Arch> {
+        const SUPPORTED: &str = "only \"llama\" and \"gemma3\" are supported";
+        match g.get_str("general.architecture")? {
+            Some("llama") => Ok(Arch::Llama),
+            Some("gemma3") => Ok(Arch::Gemma3),
+            Some(other) => Err(file_err(
+                &g.path,
+                format!("general.architecture is {other:?}; {SUPPORTED}"),
+            )),
+            None => Err(file_err(
+                &g.path,
+                format!("general.architecture is missing; {SUPPORTED}"),
+            )),
+        }
+    }
+
+    /// The prefix of the architecture's keys (`llama.block_count`).
+    pub fn key(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Gemma3 => "gemma3",
+        }
+    }
+
+    fn hf_architecture(self) -> &'static str {
+        match self {
+            Arch::Llama => "LlamaForCausalLM",
+            Arch::Gemma3 => "Gemma3ForCausalLM",
+        }
+    }
+}
+
+/// Model hyper-parameters read from the `{arch}.*` keys.
+#[derive(Debug, Clone)]
+pub struct Hparams {
+    pub arch: Arch,
+    pub n_layer: usize,
+    pub d: usize,
+    pub d_ff: usize,
+    pub n_head: usize,
+    pub n_kv_head: usize,
+    pub head_dim: usize,
+    pub eps: f64,
+    pub theta: f64,
+    pub ctx: u64,
+    pub gemma: Option<GemmaHparams>,
+}
+
+/// What only Gemma 3 has.
+#[derive(Debug, Clone)]
+pub struct GemmaHparams {
+    pub sliding_window: usize,
+    /// Per layer: true for a local (sliding-window) layer.
+    pub sliding: Vec<bool>,
+    pub query_pre_attn_scalar: f64,
+    /// Linear RoPE scaling factor of the global layers (Gemma 3 4B and larger), 1 for none.
+    pub rope_linear_factor: f64,
+}
+
+/// llama.cpp's RoPE base of Gemma 3's local layers (not stored in the file).
+const GEMMA3_LOCAL_ROPE_BASE: f64 = 10_000.0;
+/// llama.cpp's Gemma 3 default: every 6th layer is global.
+const GEMMA3_SWA_PATTERN: u64 = 6;
+/// Gemma 3 27B: the one size whose scores llama.cpp scales by (hidden / heads)^−½.
+const GEMMA3_27B_LAYERS: usize = 62;
+
+pub fn hparams(g: &GgufFile, arch: Arch) -> Result<Hparams> {
+    let a = arch.key();
+    let k = |name: &str| format!("{a}.{name}");
+    let int = |name: &str| -> Result<usize> { Ok(g.require_u64(&k(name))? as usize) };
+    let bad = |msg: String| Err(file_err(&g.path, msg));
+    let n_head = int("attention.head_count")?;
+    let d = int("embedding_length")?;
+    let mut h = Hparams {
+        arch,
+        n_layer: int("block_count")?,
+        d,
+        d_ff: int("feed_forward_length")?,
+        n_head,
+        n_kv_head: g
+            .get_u64(&k("attention.head_count_kv"))?
+            .map_or(n_head, |v| v as usize),
+        head_dim: match g.get_u64(&k("attention.key_length"))? {
+            Some(v) => v as usize,
+            None if n_head > 0 => d / n_head,
+            None => 0,
+        },
+        eps: g.require_f64(&k("attention.layer_norm_rms_epsilon"))?,
+        theta: g.get_f64(&k("rope.freq_base"))?.unwrap_or(match arch {
+            Arch::Llama => 10_000.0,
+            Arch::Gemma3 => 1_000_000.0,
+        }),
+        ctx: g.get_u64(&k("context_length"))?.unwrap_or(2048),
+        gemma: None,
+    };
+    if h.n_layer == 0
+        || h.d == 0
+        || h.d_ff == 0
+        || h.n_head == 0
+        || h.n_kv_head == 0
+        || h.head_dim == 0
+    {
+        return bad(format!("zero-sized {a} hyper-parameter: {h:?}"));
+    }
+    let huge = [h.d, h.d_ff, h.n_head, h.n_kv_head, h.head_dim]
+        .iter()
+        .any(|&v| v > 1 << 20);
+    if huge
+        || h.n_layer > 10_000
+        || !h.n_head.is_multiple_of(h.n_kv_head)
+        || !h.head_dim.is_multiple_of(2)
+    {
+        return bad(format!(
+            "inconsistent {a} hyper-parameters (need layers ≤ 10000, sizes ≤ 2^20, head_count a multiple \
+             of head_count_kv, even head_dim): {h:?}"
+        ));
+    }
+    // Keys the block would otherwise ignore or write as nonsense into config.json.
+    if let Some(n) = g.get_u64(&k("rope.dimension_count"))?
+        && n != h.head_dim as u64
+    {
+        return bad(format!(
+            "{a}.rope.dimension_count {n} differs from the head dimension {}: partial rotary \
+             embeddings are not supported",
+            h.head_dim
+        ));
+    }
+    if let Some(n) = g.get_u64(&k("attention.value_length"))?
+        && n != h.head_dim as u64
+    {
+        return bad(format!(
+            "{a}.attention.value_length {n} differs from the key length {}: different query/key and \
+             value head sizes are not supported",
+            h.head_dim
+        ));
+    }
+    if h.ctx == 0 {
+        return bad(format!(
+            "{a}.context_length is 0: a model needs a positive context length"
+        ));
+    }
+    if !(h.eps.is_finite() && h.eps > 0.0) {
+        return bad(format!(
+            "{a}.attention.layer_norm_rms_epsilon {} must be a positive number",
+            h.eps
+        ));
+    }
+    if !(h.theta.is_finite() && h.theta > 0.0) {
+        return bad(format!(
+            "{a}.rope.freq_base {} must be a positive number",
+            h.theta
+        ));
+    }
+    if let Some(n) = g.get_u64(&k("expert_count"))?
+        && n > 0
+    {
+        return bad(format!(
+            "mixture-of-experts {a} GGUFs ({n} experts) are not supported"
+        ));
+    }
+    let scaling = g.get_str(&k("rope.scaling.type"))?;
+    match (arch, scaling) {
+        (_, None | Some("none")) => {}
+        (Arch::Gemma3, Some("linear")) => {}
+        (_, Some(t)) => {
+            return bad(format!(
+                "RoPE scaling {t:?} ({a}.rope.scaling.type) is not supported yet"
+            ));
+        }
+    }
+    if arch == Arch::Gemma3 {
+        h.gemma = Some(gemma_hparams(g, &h, scaling == Some("linear"))?);
+    }
+    Ok(h)
+}
+
+fn gemma_hparams(g: &GgufFile, h: &Hparams, linear: bool) -> Result<GemmaHparams> {
+    let bad = |msg: String| Err(file_err(&g.path, msg));
+    for key in [
+        "gemma3.final_logit_softcapping",
+        "gemma3.attn_logit_softcapping",
+    ] {
+        if g.get(key).is_some() {
+            return bad(format!(
+                "{key} is set: logit soft-capping is not implemented"
+            ));
+        }
+    }
+    let sliding_window = g.require_u64("gemma3.attention.sliding_window")? as usize;
+    if sliding_window == 0 {
+        return bad("gemma3.attention.sliding_window is 0".into());
+    }
+    const PATTERN: &str = "gemma3.attention.sliding_window_pattern";
+    let sliding: Vec<bool> = match g.get(PATTERN) {
+        None => every_nth_global(h.n_layer, GEMMA3_SWA_PATTERN),
+        Some(Value::Array(a)) => {
+            if a.len() != h.n_layer {
+                return bad(format!(
+                    "{PATTERN} has {} entries for {} layers",
+                    a.len(),
+                    h.n_layer
+                ));
+            }
+            a.iter()
+                .map(|v| {
+                    v.as_bool().ok_or_else(|| {
+                        file_err(&g.path, format!("{PATTERN} holds a {}", v.type_name()))
+                    })
+                })
+                .collect::<Result<_>>()?
+        }
+        Some(v) => match v.as_u64() {
+            Some(n) => every_nth_global(h.n_layer, n),
+            None => {
+                return bad(format!(
+                    "{PATTERN} is a {}, expected an integer or an array of booleans",
+                    v.type_name()
+                ));
+            }
+        },
+    };
+    let rope_linear_factor = if linear {
+        let f = g.require_f64("gemma3.rope.scaling.factor")?;
+        if !(f.is_finite() && f > 0.0) {
+            return bad(format!(
+                "gemma3.rope.scaling.factor {f} must be a positive number"
+            ));
+        }
+        f
+    } else {
+        1.0
+    };
+    let query_pre_attn_scalar = if h.n_layer == GEMMA3_27B_LAYERS {
+        h.d as f64 / h.n_head as f64
+    } else {
+        h.head_dim as f64
+    };
+    Ok(GemmaHparams {
+        sliding_window,
+        sliding,
+        query_pre_attn_scalar,
+        rope_linear_factor,
+    })
+}
+
+/// llama.cpp's `set_swa_pattern(n)`: layer l is local unless l % n == n − 1; n = 0 makes every layer local.
+fn every_nth_global(n_layer: usize, n: u64) -> Vec<bool> {
+    (0..n_layer as u64)
+        .map(|l| n == 0 || l % n < n - 1)
+        .collect()
+}
+
+/// How a GGUF tensor becomes an HF tensor.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Fixup {
+    None,
+    /// Undo the Q/K row permutation with this many heads.
+    Unpermute(usize),
+    /// Undo Gemma's stored w + 1 of a norm weight.
+    MinusOne,
+}
+
+/// GGUF tensor name → (HF name, fixup), or None for a name this importer does not know.
+pub fn hf_name(name: &str, h: &Hparams) -> Option<(String, Fixup)> {
+    let gemma = h.arch == Arch::Gemma3;
+    let norm_fix = if gemma { Fixup::MinusOne } else { Fixup::None };
+    let (base, suffix) = name.rsplit_once('.')?;
+    if suffix != "weight" {
+        return None;
+    }
+    let fixed = match base {
+        "token_embd" => Some(("model.embed_tokens", Fixup::None)),
+        "output_norm" => Some(("model.norm", norm_fix)),
+        "output" => Some(("lm_head", Fixup::None)),
+        _ => None,
+    };
+    if let Some((f, fix)) = fixed {
+        return Some((format!("{f}.weight"), fix));
+    }
+    let rest = base.strip_prefix("blk.")?;
+    let (layer_text, part) = rest.split_once('.')?;
+    let layer: usize = layer_text.parse().ok()?;
+    // "blk.01" or "blk.+1" would parse too; only the canonical spelling maps.
+    if layer >= h.n_layer || layer.to_string() != layer_text {
+        return None;
+    }
+    let (q_fix, k_fix) = if gemma {
+        (Fixup::None, Fixup::None)
+    } else {
+        (Fixup::Unpermute(h.n_head), Fixup::Unpermute(h.n_kv_head))
+    };
+    let (hf, fix) = match (part, gemma) {
+        ("attn_q", _) => ("self_attn.q_proj", q_fix),
+        ("attn_k", _) => ("self_attn.k_proj", k_fix),
+        ("attn_v", _) => ("self_attn.v_proj", Fixup::None),
+        ("attn_output", _) => ("self_attn.o_proj", Fixup::None),
+        ("ffn_gate", _) => ("mlp.gate_proj", Fixup::None),
+        ("ffn_up", _) => ("mlp.up_proj", Fixup::None),
+        ("ffn_down", _) => ("mlp.down_proj", Fixup::None),
+        ("attn_norm", _) => ("input_layernorm", norm_fix),
+        ("ffn_norm", false) => ("post_attention_layernorm", Fixup::None),
+        // Gemma's ffn_norm is the MLP's input norm; its post_attention_norm normalizes the attention's
+        // output before the residual add.
+        ("ffn_norm", true) => ("pre_feedforward_layernorm", norm_fix),
+        ("post_attention_norm", true) => ("post_attention_layernorm", norm_fix),
+        ("post_ffw_norm", true) => ("post_feedforward_layernorm", norm_fix),
+        ("attn_q_norm", true) => ("self_attn.q_norm", norm_fix),
+        ("attn_k_norm", true) => ("self_attn.k_norm", norm_fix),
+        _ => return None,
+    };
+    Some((format!("model.layers.{layer}.{hf}.weight"), fix))
+}
+
+/// The tensors of one layer (names under `model.layers.{l}.`, without `.weight`) that must be present.
+pub fn layer_parts(arch: Arch) -> &'static [&'static str] {
+    const LINEARS_AND_NORMS: [&str; 9] = [
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+        "input_layernorm",
+        "post_attention_layernorm",
+    ];
+    const GEMMA3: [&str; 13] = [
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+        "input_layernorm",
+        "post_attention_layernorm",
+        "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+        "self_attn.q_norm",
+        "self_attn.k_norm",
+    ];
+    match arch {
+        Arch::Llama => &LINEARS_AND_NORMS,
+        Arch::Gemma3 => &GEMMA3,
+    }
+}
+
+/// Expected row-major shape of each HF tensor.
+pub fn expected_shape(hf: &str, h: &Hparams, vocab: usize) -> Vec<usize> {
+    let (q, kv) = (h.n_head * h.head_dim, h.n_kv_head * h.head_dim);
+    let part = hf.rsplit('.').nth(1).unwrap_or("");
+    match part {
+        "embed_tokens" | "lm_head" => vec![vocab, h.d],
+        "norm"
+        | "input_layernorm"
+        | "post_attention_layernorm"
+        | "pre_feedforward_layernorm"
+        | "post_feedforward_layernorm" => vec![h.d],
+        "q_norm" | "k_norm" => vec![h.head_dim],
+        "q_proj" => vec![q, h.d],
+        "k_proj" | "v_proj" => vec![kv, h.d],
+        "o_proj" => vec![h.d, q],
+        "gate_proj" | "up_proj" => vec![h.d_ff, h.d],
+        "down_proj" => vec![h.d, h.d_ff],
+        _ => vec![],
+    }
+}
+
+/// Token ids config.json and generation_config.json name.
+pub struct SpecialIds {
+    pub bos: Option<u32>,
+    pub eos: Option<u32>,
+    pub pad: Option<u32>,
+}
+
+/// config.json of the imported model, in the form transformers 5 writes for the architecture.
+pub fn config_json(
+    h: &Hparams,
+    vocab: usize,
+    tie: bool,
+    ids: &SpecialIds,
+    torch_dtype: &str,
+) -> serde_json::Value {
+    let mut c = json!({
+        "architectures": [h.arch.hf_architecture()],
+        "hidden_size": h.d,
+        "intermediate_size": h.d_ff,
+        "num_hidden_layers": h.n_layer,
+        "num_attention_heads": h.n_head,
+        "num_key_value_heads": h.n_kv_head,
+        "head_dim": h.head_dim,
+        "rms_norm_eps": h.eps,
+        "max_position_embeddings": h.ctx,
+        "vocab_size": vocab,
+        "tie_word_embeddings": tie,
+        "bos_token_id": ids.bos,
+        "eos_token_id": ids.eos,
+        "pad_token_id": ids.pad,
+        "torch_dtype": torch_dtype,
+        "attention_bias": false,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": true,
+    });
+    let extra = match &h.gemma {
+        None => json!({
+            "model_type": "llama",
+            "rope_theta": h.theta,
+            "rope_scaling": null,
+            "mlp_bias": false,
+            "hidden_act": "silu",
+            "pretraining_tp": 1,
+        }),
+        Some(gm) => {
+            let global = if gm.rope_linear_factor == 1.0 {
+                json!({"rope_type": "default", "rope_theta": h.theta})
+            } else {
+                json!({"rope_type": "linear", "factor": gm.rope_linear_factor, "rope_theta": h.theta})
+            };
+            let layer_types: Vec<&str> = gm
+                .sliding
+                .iter()
+                .map(|&s| {
+                    if s {
+                        "sliding_attention"
+                    } else {
+                        "full_attention"
+                    }
+                })
+                .collect();
+            json!({
+                "model_type": "gemma3_text",
+                "hidden_activation": "gelu_pytorch_tanh",
+                "query_pre_attn_scalar": gm.query_pre_attn_scalar,
+                "sliding_window": gm.sliding_window,
+                "layer_types": layer_types,
+                "rope_parameters": {
+                    "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_ROPE_BASE},
+                    "full_attention": global,
+                },
+                "final_logit_softcapping": null,
+                "attn_logit_softcapping": null,
+                "use_bidirectional_attention": false,
+            })
+        }
+    };
+    if let (Some(c), Some(e)) = (c.as_object_mut(), extra.as_object()) {
+        c.extend(e.clone());
+    }
+    c
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gemma3_pattern_makes_every_sixth_layer_global() {
+        let s = every_nth_global(18, 6);
+        let global: Vec<usize> = (0..18).filter(|&l| !s[l]).collect();
+        assert_eq!(global, vec![5, 11, 17]);
+        assert!(every_nth_global(3, 0).iter().all(|&x| x));
+    }
+
+    #[test]
+    fn gemma3_names_keep_q_k_rows_and_undo_the_norm_offset() {
+        let h = Hparams {
+            arch: Arch::Gemma3,
+            n_layer: 2,
+            d: 8,
+            d_ff: 16,
+            n_head: 2,
+            n_kv_head: 1,
+            head_dim: 4,
+            eps: 1e-6,
+            theta: 1e6,
+            ctx: 32,
+            gemma: None,
+        };
+        let map = |n: &str| hf_name(n, &h);
+        let l = |p: &str| format!("model.layers.1.{p}.weight");
+        assert_eq!(
+            map("blk.1.attn_q.weight"),
+            Some((l("self_attn.q_proj"), Fixup::None))
+        );
+        for (gguf, hf) in [
+            ("attn_norm", "input_layernorm"),
+            ("post_attention_norm", "post_attention_layernorm"),
+            ("ffn_norm", "pre_feedforward_layernorm"),
+            ("post_ffw_norm", "post_feedforward_layernorm"),
+            ("attn_q_norm", "self_attn.q_norm"),
+            ("attn_k_norm", "self_attn.k_norm"),
+        ] {
+            assert_eq!(
+                map(&format!("blk.1.{gguf}.weight")),
+                Some((l(hf), Fixup::MinusOne)),
+                "{gguf}"
+            );
+        }
+        assert_eq!(
+            map("output_norm.weight"),
+            Some(("model.norm.weight".into(), Fixup::MinusOne))
+        );
+        // Llama has no sandwich norms; its ffn_norm is the MLP's input norm under HF's Llama name.
+        let llama = Hparams {
+            arch: Arch::Llama,
+            ..h
+        };
+        assert_eq!(hf_name("blk.0.post_ffw_norm.weight", &llama), None);
+        assert_eq!(
+            hf_name("blk.0.attn_q.weight", &llama).map(|x| x.1),
+            Some(Fixup::Unpermute(2))
+        );
+    }
+}
