@@ -217,7 +217,7 @@ impl ResidentWeights {
         }
     }
 
-    pub(super) fn get(&self, i: usize) -> Option<&Resident> {
+    fn get(&self, i: usize) -> Option<&Resident> {
         self.w.get(i).and_then(Option::as_ref)
     }
 }
@@ -328,9 +328,24 @@ pub fn block_forward(
         .with_context(of("the MLP's input norm"))?;
     let (mut down, act, experts) = match &w.desc.moe {
         Some(moe) => {
-            let (y, experts) =
-                super::moe::sparse_mlp(be, w, resident, moe, &xm, m, trace.is_some())
-                    .with_context(of("the experts (mlp)"))?;
+            let router = w
+                .router
+                .as_deref()
+                .context("the MoE block has no router weight")?;
+            let expert_lin = |i: usize, x: &Tensor, n: usize| {
+                w.linears[i].forward_t(be, x, n, resident.and_then(|r| r.get(i)))
+            };
+            let (y, experts) = super::moe::sparse_mlp(
+                be,
+                &w.desc.linears,
+                router,
+                &expert_lin,
+                moe,
+                &xm,
+                m,
+                trace.is_some(),
+            )
+            .with_context(of("the experts (mlp)"))?;
             (y, Tensor::default(), experts)
         }
         None => {

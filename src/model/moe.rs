@@ -6,8 +6,7 @@
 //! (so the quantized forward reads Ŵ where the quantizer left it). The sums follow transformers'
 //! order (experts in ascending index, each adding into the output), so the f32 results agree closely.
 
-use super::arch::{MoeDesc, Role};
-use super::llama::{BlockWeights, ResidentWeights};
+use super::arch::{LinearDesc, MoeDesc, Role};
 use crate::backend::{Backend, Tensor};
 use anyhow::{Context, Result};
 
@@ -56,20 +55,19 @@ pub fn route(
 }
 
 /// The MLP of an MoE block on its input `xm` [m × d]: Σ_k p_k · down_k(silu(gate_k x) ⊙ up_k x) per token,
-/// and, with `trace`, each expert's routed inputs.
+/// and, with `trace`, each expert's routed inputs. `linears` is the block's description; `lin(i, x, n)` runs
+/// its linear i on n rows (the block forward's own, on the resident copy).
+#[allow(clippy::too_many_arguments)]
 pub fn sparse_mlp(
     be: &dyn Backend,
-    w: &BlockWeights,
-    resident: Option<&ResidentWeights>,
+    linears: &[LinearDesc],
+    router: &[f32],
+    lin: &dyn Fn(usize, &Tensor, usize) -> Result<Tensor>,
     moe: &MoeDesc,
     xm: &Tensor,
     m: usize,
     trace: bool,
 ) -> Result<(Tensor, Vec<ExpertTrace>)> {
-    let router = w
-        .router
-        .as_deref()
-        .context("the MoE block has no router weight")?;
     let d = router.len() / moe.n_experts;
     let x = be.read(xm)?;
     anyhow::ensure!(x.len() == m * d, "sparse_mlp: x is not [m={m} × d={d}]");
@@ -77,7 +75,7 @@ pub fn sparse_mlp(
     let routed = route(&logits, moe.n_experts, moe.top_k, moe.renormalize);
     // Each expert's gate, up and down in the description.
     let mut idx = vec![[usize::MAX; 3]; moe.n_experts];
-    for (i, ld) in w.desc.linears.iter().enumerate() {
+    for (i, ld) in linears.iter().enumerate() {
         if let Some(e) = ld.expert {
             let slot = match ld.role {
                 Role::Gate => 0,
@@ -97,7 +95,7 @@ pub fn sparse_mlp(
             continue;
         }
         anyhow::ensure!(
-            idx[e].iter().all(|&i| i < w.linears.len()),
+            idx[e].iter().all(|&i| i < linears.len()),
             "expert {e} lacks a gate, up or down linear"
         );
         let n = rows.len();
@@ -108,9 +106,7 @@ pub fn sparse_mlp(
         let xe = be.to_device(Tensor::Host(xe))?;
         let lin = |slot: usize, x: &Tensor| {
             let i = idx[e][slot];
-            w.linears[i]
-                .forward_t(be, x, n, resident.and_then(|r| r.get(i)))
-                .with_context(|| format!("forward of {}", w.desc.linears[i].name))
+            lin(i, x, n).with_context(|| format!("forward of {}", linears[i].name))
         };
         let gate = lin(0, &xe)?;
         let up = lin(1, &xe)?;
