@@ -8,7 +8,7 @@ use boa_cuda::backend::{Device, GemmPrecision};
 use boa_cuda::export::gptq_packed::OutFormat;
 use boa_cuda::model::Model;
 use boa_cuda::model::synth::{SynthSpec, write_model};
-use boa_cuda::pipeline::options::{Method, RunOptions, ScaleSearchArg, VRowHessian};
+use boa_cuda::pipeline::options::{Method, MoeHessian, RunOptions, ScaleSearchArg, VRowHessian};
 use libfuzzer_sys::fuzz_target;
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -35,6 +35,8 @@ fn checkpoint() -> &'static PathBuf {
             static_groups: false,
             scale_search: ScaleSearchArg::Minmax,
             v_row_hessian: VRowHessian::Identity,
+            moe_hessian: MoeHessian::Tokens,
+            moe_min_tokens: 64,
             nsamples: 1,
             seqlen: 2,
             seed: 0,
