@@ -5,6 +5,7 @@ Same protocol as `boa-cuda eval`: the text's token ids from the folder's tokeniz
 windows of --seqlen from the start, mean next-token NLL over all windows (log-softmax in f64), exp.
 Loaders:
   gptqmodel           GPTQModel.load(DIR, device="cpu"), its automatic kernel and dtype (bfloat16);
+  gptqmodel-f16       the same in float16 (closer to f32 than bfloat16: a tighter comparison);
   transformers        AutoModelForCausalLM.from_pretrained(DIR), the folder's own quantization_config
                       (transformers hands it to optimum + GPTQModel and picks the kernel);
   transformers-torch  the same with GPTQConfig(backend="torch"), GPTQModel's pure-torch kernel.
@@ -35,6 +36,9 @@ def load(folder, loader):
         from gptqmodel import GPTQModel
         # GPTQModel's own default dtype: bfloat16 on the CPU (its TorchLinear kernel refuses float32).
         return GPTQModel.load(folder, device="cpu").model
+    if loader == "gptqmodel-f16":
+        from gptqmodel import GPTQModel
+        return GPTQModel.load(folder, device="cpu", dtype=torch.float16).model
     from transformers import AutoModelForCausalLM, GPTQConfig
     kw = {}
     if loader == "transformers-torch":
