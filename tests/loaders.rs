@@ -1,5 +1,5 @@
 //! Our packed GPTQ checkpoints as users load them: GPTQModel 7.7.0 (`GPTQModel.load`) and transformers 5.24
-//! + optimum 2.3.0 (`from_pretrained`), in the venv of scripts/install_loaders.sh, through
+//! with optimum 2.3.0 (`from_pretrained`), in the venv of scripts/install_loaders.sh, through
 //! scripts/check_loaders.py. Each must give `boa-cuda eval`'s perplexity on the same window. A missing venv
 //! fails the test (scripts/test.sh installs it), never skips it.
 //!
@@ -135,10 +135,11 @@ fn gptq_checkpoints_load_in_gptqmodel_and_transformers() {
         let want = ours(d, &text);
         for r in rows.iter().filter(|r| r["dir"] == s(d)) {
             let loader = r["loader"].as_str().unwrap();
-            let tol = if loader == "transformers" {
-                TOL_F32
-            } else {
-                TOL_F16
+            let tol = match (loader == "transformers", d.ends_with("w2")) {
+                (true, false) => TOL_F32,
+                (false, false) => TOL_F16,
+                (true, true) => TOL_2BIT_F32,
+                (false, true) => TOL_2BIT_F16,
             };
             match r["perplexity"].as_f64() {
                 Some(p) => {
