@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command: fetches the demo model and Gemma 3 270M Q4_K_M, unpacks the texts (data/texts.tar.xz)
-# and installs the reference venv (scripts/install_pyref.sh) if needed (tests need all four and fail without
-# them), then runs every test in release mode (the forward passes are too slow unoptimized).
+# and installs the reference and loader venvs (scripts/install_pyref.sh, install_loaders.sh) if needed (tests
+# need all five and fail without them), then runs every test in release mode (the forward passes are too
+# slow unoptimized).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/fetch_demo.sh
@@ -12,4 +13,7 @@ python3 scripts/texts.py >/dev/null
 # transformers and the gguf package, the references of tests/transformers_parity.rs (cached venv).
 BOA_PYREF_PYTHON="${BOA_PYREF_PYTHON:-$(scripts/install_pyref.sh | tail -n1)}"
 export BOA_PYREF_PYTHON
+# GPTQModel and transformers + optimum, the loaders of tests/loaders.rs (a second cached venv).
+BOA_LOADERS_PYTHON="${BOA_LOADERS_PYTHON:-$(scripts/install_loaders.sh | tail -n1)}"
+export BOA_LOADERS_PYTHON
 cargo test --release "$@"

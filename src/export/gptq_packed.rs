@@ -119,7 +119,11 @@ pub fn linear_entries(
     ])
 }
 
-/// The `quantization_config` block of config.json, also written as quantize_config.json.
+/// The `quantization_config` block of config.json, also written as quantize_config.json: the fields
+/// transformers' `GPTQConfig` and GPTQModel's `QuantizeConfig` read (GPTQModel 7.7 writes the same names:
+/// `method`/`quant_method`, `format`/`checkpoint_format`, `pack_dtype`, `lm_head`, `meta`). `meta.quantizer`
+/// names the producer as GPTQModel's "name:version" list does; it is ours, never another tool's (GPTQModel
+/// trusts its own name for asymmetric v1, which we never write).
 #[allow(clippy::too_many_arguments)]
 pub fn quantization_config(
     format: OutFormat,
@@ -129,17 +133,32 @@ pub fn quantization_config(
     sym: bool,
     damp: f64,
     static_groups: bool,
+    method: &str,
 ) -> serde_json::Value {
     serde_json::json!({
         "quant_method": "gptq",
+        "method": "gptq",
         "bits": bits,
         "group_size": group_size.map(|g| g as i64).unwrap_or(-1),
         "desc_act": desc_act,
         "sym": sym,
+        // lm_head (and the embeddings) are written unquantized.
+        "lm_head": false,
         "damp_percent": damp,
         "static_groups": static_groups,
         // A block's statistics come from one forward of the unquantized block (not linear by linear).
         "true_sequential": false,
+        "format": format.name(),
         "checkpoint_format": format.name(),
+        // qweight/qzeros are int32 words (design.md §9).
+        "pack_dtype": "int32",
+        "meta": {
+            "quantizer": [format!("{}:{}", env!("CARGO_PKG_NAME"), env!("CARGO_PKG_VERSION"))],
+            // BoA's output is GPTQ's format; which algorithm chose the codes is ours to record.
+            "boa_cuda_method": method,
+            "damp_percent": damp,
+            "static_groups": static_groups,
+            "true_sequential": false,
+        },
     })
 }

@@ -8,14 +8,30 @@ use half::{bf16, f16};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-/// Files copied from the input model folder when present.
-pub const TOKENIZER_FILES: [&str; 5] = [
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "generation_config.json",
-    "chat_template.jinja",
-];
+/// Files of the input folder that a run rewrites, so they are not copied through: config.json and
+/// quantize_config.json (rewritten with the quantization config), report.json (a fake-quant input's own).
+fn is_rewritten(name: &str) -> bool {
+    matches!(name, "config.json" | "quantize_config.json" | "report.json")
+}
+
+/// Weights in any format, at any depth (Llama 3 folders hold the original checkpoint under original/).
+fn is_weights(name: &str) -> bool {
+    [
+        ".safetensors",
+        ".safetensors.index.json",
+        ".bin",
+        ".bin.index.json",
+        ".pt",
+        ".pth",
+        ".gguf",
+        ".ckpt",
+        ".h5",
+        ".msgpack",
+        ".onnx",
+    ]
+    .iter()
+    .any(|ext| name.ends_with(ext))
+}
 
 pub struct OutFolder {
     pub out: PathBuf,
@@ -162,16 +178,11 @@ impl OutFolder {
             .map_err(|e| file_err(&path, format!("cannot write: {e}")))
     }
 
-    /// Copies the tokenizer and generation files that exist in `src`.
-    pub fn copy_tokenizer_files(&self, src: &Path) -> anyhow::Result<()> {
-        for f in TOKENIZER_FILES {
-            let p = src.join(f);
-            if p.is_file() {
-                std::fs::copy(&p, self.tmp.join(f))
-                    .map_err(|e| file_err(&p, format!("cannot copy: {e}")))?;
-            }
-        }
-        Ok(())
+    /// Copies every other file of the input folder `src` (tokenizer, generation config, chat templates,
+    /// README, licence, …; subfolders such as additional_chat_templates/ too), so the output serves as the
+    /// input did. Hidden files (tool state) are left behind.
+    pub fn copy_model_files(&self, src: &Path) -> anyhow::Result<()> {
+        copy_tree(src, &self.tmp, true)
     }
 
     /// Writes the shard index and renames the temporary folder to `out` (replacing it when forced).
@@ -221,4 +232,27 @@ pub fn shard_contents(entries: &[TensorEntry<'_>]) -> Vec<(String, u64)> {
         .iter()
         .map(|e| (e.name.clone(), e.len() as u64))
         .collect()
+}
+
+/// The files of `src` into `dst`, weights skipped (the run writes its own), and at the `top` (the model
+/// folder itself) the files the run rewrites. Links are followed: a Hugging Face cache folder links every file to a blob.
+fn copy_tree(src: &Path, dst: &Path, top: bool) -> anyhow::Result<()> {
+    let entries = std::fs::read_dir(src).map_err(|e| file_err(src, format!("cannot list: {e}")))?;
+    for e in entries {
+        let e = e.map_err(|e| file_err(src, format!("cannot list: {e}")))?;
+        let name = e.file_name().to_string_lossy().into_owned();
+        let path = e.path();
+        if name.starts_with('.') || is_weights(&name) || (top && is_rewritten(&name)) {
+            continue;
+        }
+        let to = dst.join(&name);
+        if path.is_dir() {
+            std::fs::create_dir_all(&to)
+                .map_err(|e| file_err(&to, format!("cannot create: {e}")))?;
+            copy_tree(&path, &to, false)?;
+        } else if path.is_file() {
+            std::fs::copy(&path, &to).map_err(|e| file_err(&path, format!("cannot copy: {e}")))?;
+        }
+    }
+    Ok(())
 }

@@ -523,12 +523,13 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                 opts.sym,
                 opts.damp,
                 opts.static_groups,
+                opts.method.name(),
             );
             config["quantization_config"] = q.clone();
             folder.write_json("quantize_config.json", &q)?;
         }
         folder.write_json("config.json", &config)?;
-        folder.copy_tokenizer_files(&model.dir)?;
+        folder.copy_model_files(&model.dir)?;
         timings.total = base_total + t_start.elapsed().as_secs_f64();
         let mut report = RunReport::new(opts, be.name(), reports, timings, n_seq * opts.seqlen);
         report.traffic = traffic;

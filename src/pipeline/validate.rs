@@ -47,6 +47,12 @@ pub fn before_work(opts: &RunOptions, model: &Model, progress: &Progress) -> any
             "--group-size {g} is larger than the input width {d_in} of {name} (use at most {d_in}, or -1)"
         ));
     }
+    if opts.format != crate::export::gptq_packed::OutFormat::Fake
+        && let Some(w) = loader_warning(opts.wbits, opts.group_size, &cfg.block.linears)
+    {
+        // Not silenced by --quiet: the checkpoint is written, but some loaders will refuse it.
+        eprintln!("warning: {w}");
+    }
     cfg.check_tensor_names(model.store.names())
         .map_err(|m| file_err(model.dir.join("config.json"), m))?;
     let needs_calib = opts.needs_calibration();
@@ -77,6 +83,44 @@ pub fn before_work(opts: &RunOptions, model: &Model, progress: &Progress) -> any
         layers,
         needs_calib,
     })
+}
+
+/// Why third-party loaders will refuse the packed checkpoint on the CPU (measured with GPTQModel 7.7.0 and
+/// transformers 5.24 + optimum 2.3.0, README "Loader matrix"), or None. GPTQModel's 4-bit CPU kernels
+/// (TorchFused, TorchAten: torch's _weight_int4pack_mm_cpu) need a group of 32–256 columns that divides
+/// d_in; per-channel (a group of d_in) and a trailing partial group fail there. At other widths its kernel
+/// check refuses a partial group unless the kernel pads.
+pub fn loader_warning(
+    wbits: u32,
+    group_size: Option<usize>,
+    linears: &[crate::model::arch::LinearDesc],
+) -> Option<String> {
+    let bad = linears.iter().find(|l| match group_size {
+        Some(g) => l.d_in % g != 0 || (wbits == 4 && !(32..=256).contains(&g)),
+        None => wbits == 4 && !(32..=256).contains(&l.d_in),
+    })?;
+    let why = match group_size {
+        Some(g) if bad.d_in % g != 0 => format!(
+            "{} has d_in {}, not a multiple of --group-size {g}",
+            bad.name, bad.d_in
+        ),
+        Some(g) => format!("--group-size {g} is outside 32-256"),
+        None => format!(
+            "per-channel scales make {}'s group its d_in {}, outside 32-256",
+            bad.name, bad.d_in
+        ),
+    };
+    let fails = if wbits == 4 {
+        "GPTQModel.load and transformers' from_pretrained fail on the CPU (4-bit TorchFused kernel: \
+         \"_weight_int4pack_mm_cpu\")"
+    } else {
+        "GPTQModel's kernels that do not pad a partial group refuse it (\"in_features must be divisible by \
+         group_size\")"
+    };
+    Some(format!(
+        "{why}: {fails}; it loads with GPTQConfig(backend=\"torch\") / backend=BACKEND.TORCH, or choose a \
+         --group-size of 32-256 that divides every d_in"
+    ))
 }
 
 /// Every tensor finite; every linear to be quantized within what f16 scales can store.

@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""Perplexity of packed GPTQ folders as third-party loaders see them (tests/loaders.rs, README loader matrix).
+
+Same protocol as `boa-cuda eval`: the text's token ids from the folder's tokenizer.json, non-overlapping
+windows of --seqlen from the start, mean next-token NLL over all windows (log-softmax in f64), exp.
+Loaders:
+  gptqmodel           GPTQModel.load(DIR, device="cpu"), its automatic kernel and dtype (bfloat16);
+  gptqmodel-f16       the same in float16 (closer to f32 than bfloat16: a tighter comparison);
+  transformers        AutoModelForCausalLM.from_pretrained(DIR), the folder's own quantization_config
+                      (transformers hands it to optimum + GPTQModel and picks the kernel);
+  transformers-torch  the same with GPTQConfig(backend="torch"), GPTQModel's pure-torch kernel.
+Prints one JSON object per folder and loader: {"dir", "loader", "dtype", "kernel", "perplexity"} or {"dir", "loader",
+"error"} (the exception's first line); a loader that refuses a folder is a result, not a crash.
+
+usage: check_loaders.py --data TEXT [--seqlen 128] [--max-windows 2] --loader NAME [--loader NAME…] DIR…
+needs: the venv of scripts/install_loaders.sh.
+"""
+import argparse, contextlib, io, json, logging, math, os, sys, warnings
+
+warnings.filterwarnings("ignore")
+os.environ.setdefault("GPTQMODEL_NO_BANNER", "1")
+
+
+def windows(folder, text, seqlen, max_windows):
+    import torch
+    from transformers import PreTrainedTokenizerFast
+    tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(folder, "tokenizer.json"))
+    ids = tok(text)["input_ids"]
+    n = min(len(ids) // seqlen, max_windows)
+    return torch.tensor(ids[: n * seqlen]).view(n, seqlen)
+
+
+def load(folder, loader):
+    import torch
+    if loader == "gptqmodel":
+        from gptqmodel import GPTQModel
+        # GPTQModel's own default dtype: bfloat16 on the CPU (its TorchLinear kernel refuses float32).
+        return GPTQModel.load(folder, device="cpu").model
+    if loader == "gptqmodel-f16":
+        from gptqmodel import GPTQModel
+        return GPTQModel.load(folder, device="cpu", dtype=torch.float16).model
+    from transformers import AutoModelForCausalLM, GPTQConfig
+    kw = {}
+    if loader == "transformers-torch":
+        kw["quantization_config"] = GPTQConfig(bits=json.load(open(os.path.join(folder, "config.json")))
+                                               ["quantization_config"]["bits"], backend="torch")
+    elif loader != "transformers":
+        raise SystemExit(f"unknown loader {loader!r}")
+    # transformers' default dtype: the config's (float32 for the demo model).
+    return AutoModelForCausalLM.from_pretrained(folder, device_map="cpu", **kw)
+
+
+def perplexity(model, wins):
+    import torch
+    nll = 0.0
+    with torch.inference_mode():
+        for w in wins:
+            x = w[None]
+            lp = torch.log_softmax(model(x).logits[0, :-1].double(), dim=-1)
+            nll -= lp.gather(-1, x[0, 1:, None]).sum().item()
+    return math.exp(nll / (wins.shape[0] * (wins.shape[1] - 1)))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--seqlen", type=int, default=128)
+    ap.add_argument("--max-windows", type=int, default=2)
+    ap.add_argument("--loader", action="append", required=True)
+    ap.add_argument("dirs", nargs="+")
+    a = ap.parse_args()
+    text = open(a.data, encoding="utf-8").read()
+    logging.disable(logging.WARNING)
+    for d in a.dirs:
+        wins = windows(d, text, a.seqlen, a.max_windows)
+        for loader in a.loader:
+            row = {"dir": d, "loader": loader}
+            # The loaders log freely on stdout; only our JSON lines go there.
+            with contextlib.redirect_stdout(io.StringIO()):
+                try:
+                    model = load(d, loader)
+                    row["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+                    row["kernel"] = type(model.model.layers[0].self_attn.q_proj).__name__
+                    row["perplexity"] = perplexity(model, wins)
+                except Exception as e:  # a refusal is the measurement
+                    row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
