@@ -6,7 +6,7 @@ use boa_cuda::eval::{EvalOptions, perplexity};
 use boa_cuda::export::gptq_packed::OutFormat;
 use boa_cuda::model::Model;
 use boa_cuda::pipeline::options::{
-    LayerSet, Method, MoeHessian, RunOptions, ScaleSearchArg, VRowHessian,
+    GroupSize, LayerSet, Method, MoeHessian, RunOptions, ScaleSearchArg, VRowHessian,
 };
 use boa_cuda::progress::Progress;
 use clap::{Parser, Subcommand};
@@ -180,9 +180,11 @@ struct RunArgs {
     /// Bits per weight: 2, 3, 4 or 8.
     #[arg(long, default_value_t = 4)]
     wbits: u32,
-    /// Input columns per scale/zero group; -1 for one scale per output channel.
-    #[arg(long, default_value_t = -1, allow_negative_numbers = true)]
-    group_size: i64,
+    /// Input columns per scale/zero group (a multiple of 16), -1 for one scale per output channel, or auto:
+    /// the largest of 128, 64, 32 dividing every quantized linear's input width (the layout GPTQModel's
+    /// and transformers' kernels load), else per-channel.
+    #[arg(long, default_value = "auto", allow_negative_numbers = true, value_parser = GroupSize::parse)]
+    group_size: GroupSize,
     /// Symmetric quantization (zero at the middle of the grid).
     #[arg(long)]
     sym: bool,
@@ -278,15 +280,6 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 .map(LayerSet::parse)
                 .transpose()
                 .map_err(|m| boa_cuda::input_err!("{m}"))?;
-            let group_size = match a.group_size {
-                -1 => None,
-                g if g > 0 => Some(g as usize),
-                g => {
-                    return Err(boa_cuda::input_err!(
-                        "--group-size {g} is not supported (use -1 or a multiple of 16)"
-                    ));
-                }
-            };
             let seqlen = a
                 .seqlen
                 .unwrap_or(if a.device == Device::Cuda { 2048 } else { 512 });
@@ -301,7 +294,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 out: a.out,
                 method: a.method,
                 wbits: a.wbits,
-                group_size,
+                group_size: a.group_size,
                 sym: a.sym,
                 act_order: a.act_order,
                 act_order_row: a.act_order_row,
@@ -599,7 +592,7 @@ fn bench_quant(
                 out: out.clone(),
                 method,
                 wbits,
-                group_size: None,
+                group_size: GroupSize::PerChannel,
                 sym: false,
                 act_order: false,
                 act_order_row: false,

@@ -3,9 +3,10 @@
 //! scripts/check_loaders.py. Each must give `boa-cuda eval`'s perplexity on the same window. A missing venv
 //! fails the test (scripts/test.sh installs it), never skips it.
 //!
-//! The demo model, RTN with groups of 64 (every d_in of SmolLM2, 576 and 1536, is a multiple, so GPTQModel's
-//! 4-bit CPU kernel takes it; see `loader_warning`), at every bit width in the default format and
-//! asymmetric grid, plus the symmetric 4-bit grid in both formats: six checkpoints, twelve loads.
+//! The demo model, RTN with the default layout (auto: groups of 64, the largest of 128/64/32 dividing
+//! SmolLM2's d_in 576 and 1536, which GPTQModel's 4-bit CPU kernel takes; see `loader_warning`), at every
+//! bit width in the default format and asymmetric grid, plus the symmetric 4-bit grid in the v1 format:
+//! five checkpoints, ten loads.
 
 mod common;
 
@@ -73,12 +74,11 @@ fn gptq_checkpoints_load_in_gptqmodel_and_transformers() {
     let py = loaders_python();
     let tmp = tempfile::tempdir().unwrap();
     let text = texts_dir().join("moby-dick.txt");
-    let variants: [(&str, &[&str]); 6] = [
+    let variants: [(&str, &[&str]); 5] = [
         ("w2", &["--wbits", "2"]),
         ("w3", &["--wbits", "3"]),
         ("w4", &["--wbits", "4"]),
         ("w8", &["--wbits", "8"]),
-        ("w4-sym", &["--wbits", "4", "--sym"]),
         ("w4-sym-v1", &["--wbits", "4", "--sym", "--format", "gptq"]),
     ];
     let model = demo_model();
@@ -93,14 +93,15 @@ fn gptq_checkpoints_load_in_gptqmodel_and_transformers() {
             s(&out),
             "--method",
             "rtn",
-            "--group-size",
-            "64",
             "--quiet",
         ];
         a.extend_from_slice(extra);
         let (code, _, err) = run(&a);
         assert_eq!(code, 0, "run {name}: {err}");
         assert!(!err.contains("warning:"), "{name}: {err}");
+        let cfg: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
+        assert_eq!(cfg["quantization_config"]["group_size"], 64, "{name}");
         dirs.push(out);
     }
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/check_loaders.py");
@@ -162,8 +163,8 @@ fn gptq_checkpoints_load_in_gptqmodel_and_transformers() {
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
-/// The default layout on the demo model (per-channel, 576 columns) is one GPTQModel's 4-bit CPU kernel
-/// cannot run: the run says so before any work, in one line.
+/// Per-channel at 4 bits on the demo model (a group of 576 columns) is a layout GPTQModel's 4-bit CPU
+/// kernel cannot run: the run says so before any work, in one line.
 #[test]
 fn per_channel_4bit_warns_about_cpu_loaders() {
     let tmp = tempfile::tempdir().unwrap();
@@ -176,6 +177,8 @@ fn per_channel_4bit_warns_about_cpu_loaders() {
         s(&out),
         "--method",
         "rtn",
+        "--group-size",
+        "-1",
         "--quiet",
     ]);
     assert_eq!(code, 0, "{err}");

@@ -67,6 +67,8 @@ fn boa_beats_gptq_beats_rtn_on_the_demo_model() {
             method,
             "--wbits",
             "3",
+            "--group-size",
+            "-1",
             "--nsamples",
             "8",
             "--seqlen",

@@ -359,6 +359,8 @@ fn moe_experts_are_quantized_on_the_tokens_routed_to_them() {
                 "gptq",
                 "--wbits",
                 "3",
+                "--group-size",
+                "-1",
                 "--nsamples",
                 &nsamples,
                 "--seqlen",

@@ -8,7 +8,7 @@ use boa_cuda::backend::{Device, GemmPrecision};
 use boa_cuda::export::gptq_packed::OutFormat;
 use boa_cuda::model::Model;
 use boa_cuda::model::synth::{SynthSpec, write_model};
-use boa_cuda::pipeline::options::{Method, MoeHessian, RunOptions, ScaleSearchArg, VRowHessian};
+use boa_cuda::pipeline::options::{GroupSize, Method, MoeHessian, RunOptions, ScaleSearchArg, VRowHessian};
 use libfuzzer_sys::fuzz_target;
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -28,7 +28,7 @@ fn checkpoint() -> &'static PathBuf {
             out: out.clone(),
             method: Method::Rtn,
             wbits: 3,
-            group_size: Some(32),
+            group_size: GroupSize::Columns(32),
             sym: false,
             act_order: false,
             act_order_row: false,

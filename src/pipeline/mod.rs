@@ -154,6 +154,24 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
             "is a packed GPTQ checkpoint; quantize the original model instead",
         ));
     }
+    // The default group size follows the model's widths; everything after this reads the resolved one.
+    let resolved = RunOptions {
+        group_size: opts
+            .group_size
+            .resolve(model.cfg.block.linears.iter().map(|l| l.d_in)),
+        ..opts.clone()
+    };
+    if opts.group_size == options::GroupSize::Auto {
+        progress.line(&match resolved.group_size.columns() {
+            Some(g) => format!(
+                "group size {g} (auto: the largest of 128, 64, 32 dividing every input width; --group-size \
+                 -1 for per-channel)"
+            ),
+            None => "group size per-channel (auto: no 128, 64 or 32 divides every input width)".into(),
+        });
+    }
+    let opts = &resolved;
+    opts.validate().map_err(|m| crate::input_err!("{m}"))?;
     let cfg = &model.cfg;
     // Everything a later block would reject, before any work (validate.rs); the output is locked for the
     // whole run once the command is known to be sound, before anything is written or removed.
@@ -512,13 +530,13 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
         folder.write_shard(cfg.n_layers, &global_entries(&model)?)?;
         let mut config = cfg.json.clone();
         config["boa_cuda"] = serde_json::json!({"quantized": true, "method": opts.method, "wbits": opts.wbits,
-            "group_size": opts.group_size.map(|g| g as i64).unwrap_or(-1), "sym": opts.sym,
+            "group_size": opts.group_size.columns().map(|g| g as i64).unwrap_or(-1), "sym": opts.sym,
             "format": opts.format.name()});
         if opts.format != OutFormat::Fake {
             let q = quantization_config(
                 opts.format,
                 opts.wbits,
-                opts.group_size,
+                opts.group_size.columns(),
                 opts.act_order,
                 opts.sym,
                 opts.damp,

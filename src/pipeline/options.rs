@@ -4,6 +4,66 @@ use crate::backend::Device;
 use crate::export::gptq_packed::OutFormat;
 use std::path::PathBuf;
 
+/// `--group-size`: how many input columns share one scale and zero point.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GroupSize {
+    /// The default: the largest of 128, 64 and 32 that divides every quantized linear's d_in, else one
+    /// group per output channel. Groups of 32–256 that divide d_in are the layout every GPTQ loader's
+    /// kernels take (GPTQModel's and transformers' 4-bit CPU kernels refuse any other; README "Loader
+    /// matrix"). `pipeline::run` resolves it from the model before anything reads it.
+    Auto,
+    /// One scale per output channel (a group of d_in columns).
+    PerChannel,
+    Columns(usize),
+}
+
+impl GroupSize {
+    /// "auto", "-1" (per-channel) or a positive column count (checked by `RunOptions::validate`).
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "auto" => Ok(Self::Auto),
+            "-1" => Ok(Self::PerChannel),
+            t => match t.parse::<usize>() {
+                Ok(g) if g > 0 => Ok(Self::Columns(g)),
+                _ => Err(format!(
+                    "--group-size {t} is not supported (use auto, -1 or a multiple of 16: 32, 64, 128, …)"
+                )),
+            },
+        }
+    }
+
+    /// Auto made concrete for linears of these input widths; the others as they are.
+    pub fn resolve(self, d_ins: impl IntoIterator<Item = usize> + Clone) -> Self {
+        match self {
+            Self::Auto => [128, 64, 32]
+                .into_iter()
+                .find(|&g| d_ins.clone().into_iter().all(|d| d % g == 0))
+                .map_or(Self::PerChannel, Self::Columns),
+            other => other,
+        }
+    }
+
+    /// Columns per group, None for per-channel. An unresolved Auto reads as per-channel; `pipeline::run`
+    /// resolves it first.
+    pub fn columns(self) -> Option<usize> {
+        match self {
+            Self::Columns(g) => Some(g),
+            Self::Auto | Self::PerChannel => None,
+        }
+    }
+}
+
+/// report.json as before the default became auto: the column count, null for per-channel.
+impl serde::Serialize for GroupSize {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Self::Columns(g) => s.serialize_u64(*g as u64),
+            Self::PerChannel => s.serialize_none(),
+            Self::Auto => s.serialize_str("auto"),
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Method {
@@ -141,8 +201,7 @@ pub struct RunOptions {
     pub out: PathBuf,
     pub method: Method,
     pub wbits: u32,
-    /// None: one scale per output channel.
-    pub group_size: Option<usize>,
+    pub group_size: GroupSize,
     pub sym: bool,
     pub act_order: bool,
     pub act_order_row: bool,
@@ -202,11 +261,11 @@ impl RunOptions {
         {
             return Err(format!("--gpu-mem {g} is not a positive number of GiB"));
         }
-        if let Some(g) = self.group_size
+        if let GroupSize::Columns(g) = self.group_size
             && (g < 16 || g % 16 != 0)
         {
             return Err(format!(
-                "--group-size {g} is not supported (use -1 or a multiple of 16: 32, 64, 128, …)"
+                "--group-size {g} is not supported (use auto, -1 or a multiple of 16: 32, 64, 128, …)"
             ));
         }
         if self.nsamples == 0 || self.seqlen < 2 {
@@ -215,8 +274,10 @@ impl RunOptions {
         if !(self.damp > 0.0 && self.damp < 1.0) {
             return Err(format!("--damp {} must be in (0, 1)", self.damp));
         }
-        if self.static_groups && self.group_size.is_none() {
-            return Err("--static-groups needs --group-size".into());
+        if self.static_groups && self.group_size == GroupSize::PerChannel {
+            return Err("--static-groups needs groups: pass --group-size N (per-channel scales have none; auto picks \
+                 per-channel when no 128, 64 or 32 divides every input width)"
+                .into());
         }
         if self.act_order && self.method == Method::Rtn {
             return Err(
@@ -258,5 +319,38 @@ impl RunOptions {
     /// Whether the run reads calibration text: RTN with min-max or MSE scales never looks at activations.
     pub fn needs_calibration(&self) -> bool {
         self.method != Method::Rtn || self.scale_search == ScaleSearchArg::Hessian
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::GroupSize;
+
+    #[test]
+    fn auto_group_is_the_largest_of_128_64_32_dividing_every_width() {
+        // Llama-7B, SmolLM2 (576 = 9·64), a width only 32 divides, and one none does.
+        assert_eq!(
+            GroupSize::Auto.resolve([4096, 11008]),
+            GroupSize::Columns(128)
+        );
+        assert_eq!(GroupSize::Auto.resolve([576, 1536]), GroupSize::Columns(64));
+        assert_eq!(GroupSize::Auto.resolve([576, 96]), GroupSize::Columns(32));
+        assert_eq!(GroupSize::Auto.resolve([576, 40]), GroupSize::PerChannel);
+        // Explicit choices are kept, fitting or not (validate and before_work judge them).
+        assert_eq!(GroupSize::PerChannel.resolve([4096]), GroupSize::PerChannel);
+        assert_eq!(
+            GroupSize::Columns(48).resolve([4096]),
+            GroupSize::Columns(48)
+        );
+    }
+
+    #[test]
+    fn group_size_parses_auto_minus_one_and_counts() {
+        assert_eq!(GroupSize::parse("auto"), Ok(GroupSize::Auto));
+        assert_eq!(GroupSize::parse("-1"), Ok(GroupSize::PerChannel));
+        assert_eq!(GroupSize::parse("64"), Ok(GroupSize::Columns(64)));
+        for bad in ["0", "-2", "x", ""] {
+            assert!(GroupSize::parse(bad).is_err(), "{bad}");
+        }
     }
 }

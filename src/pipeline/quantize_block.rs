@@ -41,7 +41,7 @@ pub fn spec(opts: &RunOptions) -> QuantSpec {
         ScaleSearchArg::Mse => ScaleSearch::Mse,
         ScaleSearchArg::Minmax => ScaleSearch::MinMax,
     };
-    QuantSpec::new(opts.wbits, opts.group_size, opts.sym, search)
+    QuantSpec::new(opts.wbits, opts.group_size.columns(), opts.sym, search)
 }
 
 fn gptq_options(opts: &RunOptions, seqlen: usize) -> GptqOptions {
@@ -62,7 +62,12 @@ fn relative_errors(
     h: &Mat,
     opts: &RunOptions,
 ) -> Result<(f64, f64)> {
-    let minmax = QuantSpec::new(opts.wbits, opts.group_size, opts.sym, ScaleSearch::MinMax);
+    let minmax = QuantSpec::new(
+        opts.wbits,
+        opts.group_size.columns(),
+        opts.sym,
+        ScaleSearch::MinMax,
+    );
     let rtn = rtn_quantize(ops, w, None, &minmax)?;
     let d_rtn = ops.sub(w, &rtn.w_hat)?;
     drop(rtn);

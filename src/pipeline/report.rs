@@ -121,7 +121,7 @@ impl RunReport {
     }
 
     /// Mean relative error over all quantized linears that have one: (RTN min-max, method). An expert's
-    /// down_proj with too few routed tokens has no statistic, so no error.
+    /// down_proj with too few routed tokens has no statistic, so no error; (NaN, NaN) when none has one.
     pub fn mean_errors(&self) -> (f64, f64) {
         let all: Vec<&LinearReport> = self
             .layers
@@ -129,7 +129,11 @@ impl RunReport {
             .flat_map(|l| &l.linears)
             .filter(|r| r.error.is_finite())
             .collect();
-        let n = all.len().max(1) as f64;
+        if all.is_empty() {
+            // RTN without calibration measures no error; NaN tells the caller there is none to print.
+            return (f64::NAN, f64::NAN);
+        }
+        let n = all.len() as f64;
         (
             all.iter().map(|r| r.rtn_error).sum::<f64>() / n,
             all.iter().map(|r| r.error).sum::<f64>() / n,

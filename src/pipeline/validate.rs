@@ -38,7 +38,7 @@ pub fn before_work(opts: &RunOptions, model: &Model, progress: &Progress) -> any
     layers
         .check(cfg.n_layers)
         .map_err(|m| crate::input_err!("{m}"))?;
-    if let Some(g) = opts.group_size
+    if let Some(g) = opts.group_size.columns()
         && let Some(l) = cfg.block.linears.iter().min_by_key(|l| l.d_in)
         && g > l.d_in
     {
@@ -48,7 +48,7 @@ pub fn before_work(opts: &RunOptions, model: &Model, progress: &Progress) -> any
         ));
     }
     if opts.format != crate::export::gptq_packed::OutFormat::Fake
-        && let Some(w) = loader_warning(opts.wbits, opts.group_size, &cfg.block.linears)
+        && let Some(w) = loader_warning(opts.wbits, opts.group_size.columns(), &cfg.block.linears)
     {
         // Not silenced by --quiet: the checkpoint is written, but some loaders will refuse it.
         eprintln!("warning: {w}");
