@@ -10,7 +10,7 @@ use boa_cuda::backend::cpu::CpuBackend;
 use boa_cuda::data::tokenizer::Tokenizer;
 use boa_cuda::model::Model;
 use boa_cuda::model::gguf::{OutDType, import_gguf};
-use common::{run, texts_dir};
+use common::{gemma3_gguf, run, texts_dir};
 use safetensors::SafeTensors;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -22,22 +22,6 @@ const WINDOW_TEXTS: usize = 2;
 /// max |Δlogit| / max |logit|: both sides dequantize the same blocks to f32 and run an f32 forward, with
 /// different summation orders (faer vs torch's GEMMs, 18 layers, a 262k-row head).
 const LOGITS_TOL: f64 = 1e-4;
-
-/// scripts/fetch_gemma3.sh's output: $BOA_GEMMA3_GGUF, default ~/.cache/boa-cuda/gemma3/gemma-3-270m-q4_k_m.gguf.
-fn gemma3_gguf() -> PathBuf {
-    let p = std::env::var_os("BOA_GEMMA3_GGUF")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            let home = std::env::var_os("HOME").unwrap_or_else(|| "/root".into());
-            Path::new(&home).join(".cache/boa-cuda/gemma3/gemma-3-270m-q4_k_m.gguf")
-        });
-    assert!(
-        p.is_file(),
-        "Gemma 3 270M GGUF not found at {}: run scripts/fetch_gemma3.sh (or set BOA_GEMMA3_GGUF)",
-        p.display()
-    );
-    p
-}
 
 /// Moby-Dick, then the 2001–2016 speeches in year order.
 fn texts() -> Vec<PathBuf> {

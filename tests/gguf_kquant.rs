@@ -8,6 +8,7 @@
 //! it; nothing is skipped.
 
 mod common;
+use common::gemma3_gguf;
 #[path = "common/gguf_writer.rs"]
 mod gguf_writer;
 use gguf_writer::{Kv, Tensor};
@@ -29,22 +30,6 @@ fn repo() -> &'static Path {
 /// The pyref venv's python with `gguf` importable, or a failure that says how to make it.
 fn pyref_python() -> PathBuf {
     common::pyref_python("gguf, numpy")
-}
-
-/// scripts/fetch_gemma3.sh's output: $BOA_GEMMA3_GGUF, default ~/.cache/boa-cuda/gemma3/gemma-3-270m-q4_k_m.gguf.
-fn gemma3_gguf() -> PathBuf {
-    let p = std::env::var_os("BOA_GEMMA3_GGUF")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            let home = std::env::var_os("HOME").unwrap_or_else(|| "/root".into());
-            Path::new(&home).join(".cache/boa-cuda/gemma3/gemma-3-270m-q4_k_m.gguf")
-        });
-    assert!(
-        p.is_file(),
-        "Gemma 3 270M GGUF not found at {}: run scripts/fetch_gemma3.sh (or set BOA_GEMMA3_GGUF)",
-        p.display()
-    );
-    p
 }
 
 /// Byte offsets of the f16 scale fields in one block of `ty` (every other byte is free).

@@ -290,16 +290,13 @@ impl Backend for CpuBackend {
     }
 }
 
-/// Causal softmax attention with GQA (`Backend::causal_attention`), each query attending to at most `window`
-/// keys (itself included) when the layer's attention slides.
-pub fn attention(
+/// Q [n_seq·t × h·d_h] and K [n_seq·t × h_kv·d_h], with whole groups of query heads per KV head.
+fn check_qk(
     q: &[f32],
     k: &[f32],
-    v: &[f32],
     n_seq: usize,
     (t, h, h_kv, d_h): (usize, usize, usize, usize),
-    window: Option<usize>,
-) -> Result<Vec<f32>> {
+) -> Result<()> {
     ensure!(
         h_kv > 0 && h.is_multiple_of(h_kv),
         "attention: h={h} is not a multiple of h_kv={h_kv}"
@@ -312,6 +309,20 @@ pub fn attention(
         k.len() == n_seq * t * h_kv * d_h,
         "k.len() != n_seq * t * h_kv * d_h"
     );
+    Ok(())
+}
+
+/// Causal softmax attention with GQA (`Backend::causal_attention`), each query attending to at most `window`
+/// keys (itself included) when the layer's attention slides.
+pub fn attention(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    n_seq: usize,
+    (t, h, h_kv, d_h): (usize, usize, usize, usize),
+    window: Option<usize>,
+) -> Result<Vec<f32>> {
+    check_qk(q, k, n_seq, (t, h, h_kv, d_h))?;
     ensure!(v.len() == k.len(), "v.len() != k.len()");
     let heads: Vec<Vec<f32>> = (0..n_seq * h)
         .into_par_iter()
@@ -355,12 +366,7 @@ pub fn attention_probs(
     (t, h, h_kv, d_h): (usize, usize, usize, usize),
     window: Option<usize>,
 ) -> Result<Vec<f32>> {
-    ensure!(
-        h_kv > 0 && h.is_multiple_of(h_kv),
-        "attention: h={h} is not a multiple of h_kv={h_kv}"
-    );
-    ensure!(q.len() == t * h * d_h, "q.len() != t * h * d_h");
-    ensure!(k.len() == t * h_kv * d_h, "k.len() != t * h_kv * d_h");
+    check_qk(q, k, 1, (t, h, h_kv, d_h))?;
     let heads: Vec<Vec<f32>> = (0..h)
         .into_par_iter()
         .map(|head| {

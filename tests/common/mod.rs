@@ -88,6 +88,23 @@ pub fn demo_model() -> PathBuf {
     p
 }
 
+/// Gemma 3 270M Q4_K_M, scripts/fetch_gemma3.sh's output: $BOA_GEMMA3_GGUF, default
+/// ~/.cache/boa-cuda/gemma3/gemma-3-270m-q4_k_m.gguf. A missing file fails the test (CI fetches it).
+pub fn gemma3_gguf() -> PathBuf {
+    let p = std::env::var_os("BOA_GEMMA3_GGUF")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let home = std::env::var_os("HOME").unwrap_or_else(|| "/root".into());
+            Path::new(&home).join(".cache/boa-cuda/gemma3/gemma-3-270m-q4_k_m.gguf")
+        });
+    assert!(
+        p.is_file(),
+        "Gemma 3 270M GGUF not found at {}: run scripts/fetch_gemma3.sh (or set BOA_GEMMA3_GGUF)",
+        p.display()
+    );
+    p
+}
+
 /// The reference venv's python (scripts/install_pyref.sh: transformers, torch, the gguf package), checked to
 /// import `modules` (e.g. "gguf, numpy"). $BOA_PYREF_PYTHON, default ~/.cache/boa-cuda/pyref/bin/python. A
 /// missing venv fails the test: scripts/test.sh installs it, so a test never passes for want of it.

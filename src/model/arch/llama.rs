@@ -2,7 +2,9 @@
 //! RMSNorm → SwiGLU MLP (+ residual). They differ in biases (Qwen2: q/k/v always; Llama: `attention_bias`
 //! on q/k/v/o and `mlp_bias` on the MLP) and in the sliding window (Mistral's whenever set).
 
-use super::{Activation, BlockDesc, Dims, Sliding, check_silu, llama_linears, pre_norms, sliding};
+use super::{
+    BlockDesc, Dims, Sliding, check_silu, llama_linears, pre_norms, sliding, swiglu_block,
+};
 use crate::model::raw_config::RawConfig;
 
 pub(super) fn describe(
@@ -26,21 +28,10 @@ pub(super) fn describe(
         }
     }
     // transformers' Llama has no sliding window (it ignores the fields); Qwen2's is opt-in.
-    let (sliding_window, sliding_layers) = match architecture {
+    let window = match architecture {
         "MistralForCausalLM" => sliding(raw, Sliding::AllLayers),
         "Qwen2ForCausalLM" => sliding(raw, Sliding::Qwen),
         _ => (None, Vec::new()),
     };
-    Ok(BlockDesc {
-        linears,
-        norms: pre_norms(dims.d),
-        sliding_window,
-        sliding_layers,
-        act: Activation::Silu,
-        norm_offset: 0.0,
-        q_scale: 1.0,
-        embed_scale: None,
-        layer_rope: None,
-        moe: None,
-    })
+    Ok(swiglu_block(linears, pre_norms(dims.d), window))
 }

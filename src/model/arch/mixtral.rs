@@ -4,8 +4,8 @@
 //! probabilities are always renormalized. (`router_jitter_noise` acts only in training.)
 
 use super::{
-    Activation, BlockDesc, Dims, MoeDesc, Sliding, check_silu, moe_counts, moe_linears, pre_norms,
-    sliding,
+    BlockDesc, Dims, MoeDesc, Sliding, check_silu, moe_counts, moe_linears, pre_norms, sliding,
+    swiglu_block,
 };
 use crate::model::raw_config::RawConfig;
 
@@ -15,24 +15,15 @@ pub(super) fn describe(raw: &RawConfig, dims: Dims) -> Result<BlockDesc, String>
         return Err("attention_bias and mlp_bias are not part of Mixtral".into());
     }
     let (n_experts, top_k) = moe_counts(raw)?;
-    let (sliding_window, sliding_layers) = sliding(raw, Sliding::AllLayers);
+    let linears = moe_linears(
+        dims,
+        false,
+        "block_sparse_moe.experts",
+        ["w1", "w3", "w2"],
+        n_experts,
+        dims.d_ff,
+    );
     Ok(BlockDesc {
-        linears: moe_linears(
-            dims,
-            false,
-            "block_sparse_moe.experts",
-            ["w1", "w3", "w2"],
-            n_experts,
-            dims.d_ff,
-        ),
-        norms: pre_norms(dims.d),
-        sliding_window,
-        sliding_layers,
-        act: Activation::Silu,
-        norm_offset: 0.0,
-        q_scale: 1.0,
-        embed_scale: None,
-        layer_rope: None,
         moe: Some(MoeDesc {
             router: "block_sparse_moe.gate",
             n_experts,
@@ -40,5 +31,6 @@ pub(super) fn describe(raw: &RawConfig, dims: Dims) -> Result<BlockDesc, String>
             renormalize: true,
             d_expert: dims.d_ff,
         }),
+        ..swiglu_block(linears, pre_norms(dims.d), sliding(raw, Sliding::AllLayers))
     })
 }

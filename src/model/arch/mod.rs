@@ -286,6 +286,43 @@ pub(super) fn pre_norms(d: usize) -> Vec<NormDesc> {
     ]
 }
 
+/// Qwen3's per-head RMSNorms on the queries and keys before RoPE (weight [d_h], shared by the heads).
+pub(super) fn qk_norms(d_h: usize) -> [NormDesc; 2] {
+    [
+        NormDesc {
+            name: "self_attn.q_norm",
+            role: NormRole::Q,
+            len: d_h,
+        },
+        NormDesc {
+            name: "self_attn.k_norm",
+            role: NormRole::K,
+            len: d_h,
+        },
+    ]
+}
+
+/// The Llama family's SwiGLU block with pre-norms at weight w (no offset), unscaled queries and embeddings,
+/// one RoPE for every layer and a dense MLP; the architectures differ in the fields they override.
+pub(super) fn swiglu_block(
+    linears: Vec<LinearDesc>,
+    norms: Vec<NormDesc>,
+    (sliding_window, sliding_layers): (Option<usize>, Vec<bool>),
+) -> BlockDesc {
+    BlockDesc {
+        linears,
+        norms,
+        sliding_window,
+        sliding_layers,
+        act: Activation::Silu,
+        norm_offset: 0.0,
+        q_scale: 1.0,
+        embed_scale: None,
+        layer_rope: None,
+        moe: None,
+    }
+}
+
 /// The activation fields of the SwiGLU MLP: SiLU only.
 pub(super) fn check_silu(raw: &RawConfig) -> Result<(), String> {
     match raw.hidden_act.as_deref() {

@@ -4,8 +4,7 @@
 //! (design.md §4.3, "q/k norm").
 
 use super::{
-    Activation, BlockDesc, Dims, NormDesc, NormRole, Sliding, check_silu, llama_linears, pre_norms,
-    sliding,
+    BlockDesc, Dims, Sliding, check_silu, llama_linears, pre_norms, qk_norms, sliding, swiglu_block,
 };
 use crate::model::raw_config::RawConfig;
 
@@ -15,29 +14,10 @@ pub(super) fn describe(raw: &RawConfig, dims: Dims) -> Result<BlockDesc, String>
         return Err("mlp_bias true is not part of Qwen3 (its MLP has no biases)".into());
     }
     let mut norms = pre_norms(dims.d);
-    norms.extend([
-        NormDesc {
-            name: "self_attn.q_norm",
-            role: NormRole::Q,
-            len: dims.d_h,
-        },
-        NormDesc {
-            name: "self_attn.k_norm",
-            role: NormRole::K,
-            len: dims.d_h,
-        },
-    ]);
-    let (sliding_window, sliding_layers) = sliding(raw, Sliding::Qwen);
-    Ok(BlockDesc {
-        linears: llama_linears(dims, raw.attention_bias, raw.attention_bias),
+    norms.extend(qk_norms(dims.d_h));
+    Ok(swiglu_block(
+        llama_linears(dims, raw.attention_bias, raw.attention_bias),
         norms,
-        sliding_window,
-        sliding_layers,
-        act: Activation::Silu,
-        norm_offset: 0.0,
-        q_scale: 1.0,
-        embed_scale: None,
-        layer_rope: None,
-        moe: None,
-    })
+        sliding(raw, Sliding::Qwen),
+    ))
 }

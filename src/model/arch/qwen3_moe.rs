@@ -5,8 +5,8 @@
 //! `decoder_sparse_step` > 1) would need a second block kind: refused.
 
 use super::{
-    Activation, BlockDesc, Dims, MoeDesc, NormDesc, NormRole, Sliding, check_silu, moe_counts,
-    moe_linears, pre_norms, sliding,
+    BlockDesc, Dims, MoeDesc, Sliding, check_silu, moe_counts, moe_linears, pre_norms, qk_norms,
+    sliding, swiglu_block,
 };
 use crate::model::raw_config::RawConfig;
 
@@ -24,36 +24,16 @@ pub(super) fn describe(raw: &RawConfig, dims: Dims) -> Result<BlockDesc, String>
         .filter(|&n| n > 0)
         .ok_or("Qwen3-MoE needs a positive moe_intermediate_size")?;
     let mut norms = pre_norms(dims.d);
-    norms.extend([
-        NormDesc {
-            name: "self_attn.q_norm",
-            role: NormRole::Q,
-            len: dims.d_h,
-        },
-        NormDesc {
-            name: "self_attn.k_norm",
-            role: NormRole::K,
-            len: dims.d_h,
-        },
-    ]);
-    let (sliding_window, sliding_layers) = sliding(raw, Sliding::Qwen);
+    norms.extend(qk_norms(dims.d_h));
+    let linears = moe_linears(
+        dims,
+        raw.attention_bias,
+        "mlp.experts",
+        ["gate_proj", "up_proj", "down_proj"],
+        n_experts,
+        d_e,
+    );
     Ok(BlockDesc {
-        linears: moe_linears(
-            dims,
-            raw.attention_bias,
-            "mlp.experts",
-            ["gate_proj", "up_proj", "down_proj"],
-            n_experts,
-            d_e,
-        ),
-        norms,
-        sliding_window,
-        sliding_layers,
-        act: Activation::Silu,
-        norm_offset: 0.0,
-        q_scale: 1.0,
-        embed_scale: None,
-        layer_rope: None,
         moe: Some(MoeDesc {
             router: "mlp.gate",
             n_experts,
@@ -61,5 +41,6 @@ pub(super) fn describe(raw: &RawConfig, dims: Dims) -> Result<BlockDesc, String>
             renormalize: raw.norm_topk_prob,
             d_expert: d_e,
         }),
+        ..swiglu_block(linears, norms, sliding(raw, Sliding::Qwen))
     })
 }

@@ -339,17 +339,7 @@ pub fn hf_name(name: &str, h: &Hparams) -> Option<(String, Fixup)> {
 
 /// The tensors of one layer (names under `model.layers.{l}.`, without `.weight`) that must be present.
 pub fn layer_parts(arch: Arch) -> &'static [&'static str] {
-    const LINEARS_AND_NORMS: [&str; 9] = [
-        "self_attn.q_proj",
-        "self_attn.k_proj",
-        "self_attn.v_proj",
-        "self_attn.o_proj",
-        "mlp.gate_proj",
-        "mlp.up_proj",
-        "mlp.down_proj",
-        "input_layernorm",
-        "post_attention_layernorm",
-    ];
+    // Gemma 3's list starts with Llama's, so Llama's is its first nine.
     const GEMMA3: [&str; 13] = [
         "self_attn.q_proj",
         "self_attn.k_proj",
@@ -366,7 +356,7 @@ pub fn layer_parts(arch: Arch) -> &'static [&'static str] {
         "self_attn.k_norm",
     ];
     match arch {
-        Arch::Llama => &LINEARS_AND_NORMS,
+        Arch::Llama => &GEMMA3[..9],
         Arch::Gemma3 => &GEMMA3,
     }
 }
