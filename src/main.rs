@@ -5,6 +5,8 @@ use boa_cuda::backend::{Device, GemmPrecision, select_backend};
 use boa_cuda::eval::{EvalOptions, perplexity};
 use boa_cuda::export::gptq_packed::OutFormat;
 use boa_cuda::model::Model;
+use boa_cuda::model::orthogonal::RotationKind;
+use boa_cuda::model::rotate::RotateSpec;
 use boa_cuda::pipeline::options::{
     GroupSize, LayerSet, Method, MoeHessian, RunOptions, ScaleSearchArg, VRowHessian,
 };
@@ -29,6 +31,30 @@ enum Cmd {
     /// Quantize a model block by block (BoA, GPTQ or RTN) and write a packed GPTQ checkpoint (or a fake-quant
     /// HF folder) + report.json.
     Run(Box<RunArgs>),
+    /// Write the model with its norms folded and orthogonal rotations fused into its weights (R1 on the
+    /// residual stream, R2 per KV head on the values): the same function, an ordinary f32 HF folder of the
+    /// same architecture, easier to quantize. `run --rotate` does this before calibrating.
+    Rotate {
+        /// Model folder (config.json, *.safetensors, tokenizer.json).
+        #[arg(long)]
+        model: PathBuf,
+        /// Output folder (must not exist unless --force).
+        #[arg(long)]
+        out: PathBuf,
+        /// hadamard: randomized Hadamard matrices where this code can construct the size (Sylvester 2^k,
+        /// Paley, Kronecker products), else a random orthogonal matrix (said on stderr). random: seeded
+        /// random orthogonal matrices throughout.
+        #[arg(long, value_enum, default_value_t = RotationKind::Hadamard)]
+        kind: RotationKind,
+        /// Seed of the Hadamard signs and random matrices.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Replace --out if it exists.
+        #[arg(long)]
+        force: bool,
+        #[arg(long)]
+        quiet: bool,
+    },
     /// Benchmark of the quantization engine: phase times of whole-model GPTQ and BoA runs, and BoA's sweep
     /// against the reference-style column-at-a-time sweep on one attention projection.
     BenchQuant {
@@ -226,6 +252,14 @@ struct RunArgs {
     /// Hessian damping λ: H += λ·mean(diag H)·I (repeated when the Cholesky fails).
     #[arg(long, default_value_t = 0.01)]
     damp: f64,
+    /// Fold the norms and fuse orthogonal rotations into the weights before calibrating (as `boa-cuda
+    /// rotate`; the output is a checkpoint of the rotated model, same architecture, no online transform):
+    /// hadamard (the default when the flag has no value) or random.
+    #[arg(long, value_enum, num_args = 0..=1, default_missing_value = "hadamard")]
+    rotate: Option<RotationKind>,
+    /// Seed of the rotation (default 0).
+    #[arg(long, requires = "rotate")]
+    rotate_seed: Option<u64>,
     /// Blocks to quantize, e.g. 0-3,8,10-12 (default: all); the others are copied through unchanged.
     #[arg(long)]
     layers: Option<String>,
@@ -314,6 +348,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 force: a.force,
                 resume: a.resume,
                 format: a.format,
+                rotate: a.rotate.map(|kind| RotateSpec {
+                    kind,
+                    seed: a.rotate_seed.unwrap_or(0),
+                }),
             };
             let r = boa_cuda::pipeline::run(&opts, &progress)?;
             let (rtn, err) = r.mean_errors();
@@ -339,6 +377,32 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 print!("{}", t.phase_table());
                 print!("{}", r.traffic.table());
             }
+        }
+        Cmd::Rotate {
+            model,
+            out,
+            kind,
+            seed,
+            force,
+            quiet,
+        } => {
+            use boa_cuda::model::rotate;
+            let progress = Progress::auto(quiet);
+            rotate::check_foldable(&model)?;
+            let src = Model::open(&model)?;
+            let info =
+                rotate::rotate_model(&src, &out, &RotateSpec { kind, seed }, force, &progress)?;
+            rotate::print_info(&info, &progress);
+            println!(
+                "wrote {} (norms folded, R1 {} × {}, {} R2 of {} × {}) in {:.1} s",
+                out.display(),
+                info.r1.size,
+                info.r1.size,
+                info.r2.count,
+                info.r2.size,
+                info.r2.size,
+                info.seconds
+            );
         }
         Cmd::BenchQuant {
             model,
@@ -612,6 +676,7 @@ fn bench_quant(
                 force: true,
                 resume: false,
                 format: OutFormat::Fake,
+                rotate: None,
             };
             let r = boa_cuda::pipeline::run(&opts, &Progress::Quiet);
             let _ = std::fs::remove_dir_all(&out);

@@ -4,10 +4,13 @@
 pub mod arch;
 pub mod config;
 pub mod gguf;
+pub mod hadamard;
 pub mod llama;
 pub mod moe;
+pub mod orthogonal;
 pub mod packed;
 pub mod raw_config;
+pub mod rotate;
 pub mod synth;
 pub mod weights;
 

@@ -142,6 +142,9 @@ fn place_t(be: &dyn Backend, t: Tensor, placement: &Placement) -> anyhow::Result
 pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> {
     let t_start = Instant::now();
     opts.validate().map_err(|m| crate::input_err!("{m}"))?;
+    if opts.rotate.is_some() {
+        crate::model::rotate::check_foldable(&opts.model)?;
+    }
     let (be, note) = select_backend_with(opts.device, opts.gemm)?;
     if let Some(n) = note {
         progress.line(&n);
@@ -202,7 +205,31 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
         } else {
             0
         };
-        resume::check_free_space(&folder.tmp, model.store.total_bytes() + 2 * x_bytes)?;
+        let rotated_bytes = match opts.rotate {
+            Some(_) => crate::model::rotate::rotated_bytes(&model),
+            None => 0,
+        };
+        resume::check_free_space(
+            &folder.tmp,
+            model.store.total_bytes() + 2 * x_bytes + rotated_bytes,
+        )?;
+        // --rotate: the rotated model (written inside the partial folder, removed before the publish) is the
+        // one calibrated, quantized and exported; the fingerprint is the source's plus the rotation options.
+        let rotated = match &opts.rotate {
+            Some(spec) => Some(crate::model::rotate::rotate_for_run(
+                &model,
+                &folder.tmp,
+                spec,
+                progress,
+            )?),
+            None => None,
+        };
+        let source = &model;
+        let (model, rotation) = match &rotated {
+            Some((m, info)) => (m, Some(info)),
+            None => (source, None),
+        };
+        let cfg = &model.cfg;
 
         let mut timings = Timings::default();
         let t0 = Instant::now();
@@ -223,7 +250,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
         } else {
             (None, 0)
         };
-        let fingerprint = resume::fingerprint(opts, &model, &be.name(), calib_ids.as_deref())?;
+        let fingerprint = resume::fingerprint(opts, source, &be.name(), calib_ids.as_deref())?;
         let saved = if opts.resume {
             let export = resume::Export {
                 format: opts.format,
@@ -376,7 +403,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                     }
                     let t = Instant::now();
                     ranged(c"write", || {
-                        folder.write_shard(l, &stored_entries(&model, l)?)
+                        folder.write_shard(l, &stored_entries(model, l)?)
                     })?;
                     timings.write += t.elapsed().as_secs_f64();
                 } else {
@@ -527,11 +554,14 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
             Ok(())
         })?;
         bar.finish();
-        folder.write_shard(cfg.n_layers, &global_entries(&model)?)?;
+        folder.write_shard(cfg.n_layers, &global_entries(model)?)?;
         let mut config = cfg.json.clone();
         config["boa_cuda"] = serde_json::json!({"quantized": true, "method": opts.method, "wbits": opts.wbits,
             "group_size": opts.group_size.columns().map(|g| g as i64).unwrap_or(-1), "sym": opts.sym,
             "format": opts.format.name()});
+        if let Some(info) = rotation {
+            config["boa_cuda"]["rotation"] = serde_json::to_value(info)?;
+        }
         if opts.format != OutFormat::Fake {
             let q = quantization_config(
                 opts.format,
@@ -551,12 +581,17 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
         timings.total = base_total + t_start.elapsed().as_secs_f64();
         let mut report = RunReport::new(opts, be.name(), reports, timings, n_seq * opts.seqlen);
         report.traffic = traffic;
-        folder.write_json("report.json", &serde_json::to_value(&report)?)?;
+        let mut report_json = serde_json::to_value(&report)?;
+        if let Some(info) = rotation {
+            report_json["rotation"] = serde_json::to_value(info)?;
+        }
+        folder.write_json("report.json", &report_json)?;
         Ok(report)
     })();
     match result {
         Ok(report) => {
             resume::clear(&folder.tmp)?;
+            crate::model::rotate::remove_for_run(&folder.tmp)?;
             folder.publish()?;
             Ok(report)
         }

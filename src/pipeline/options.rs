@@ -233,6 +233,11 @@ pub struct RunOptions {
     pub resume: bool,
     /// What the linears are written as (fake-quant or packed GPTQ).
     pub format: OutFormat,
+    /// Rotate the model (norms folded, R1 and R2 fused into the weights) before calibration
+    /// (model/rotate.rs). In the fingerprint, so a resumed run never mixes rotated and unrotated blocks;
+    /// absent from it when off, so fingerprints of unrotated runs are unchanged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rotate: Option<crate::model::rotate::RotateSpec>,
 }
 
 impl Method {

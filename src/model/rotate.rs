@@ -1,0 +1,480 @@
+//! Rotations fused into the weights (QuaRot / SpinQuant style, issue 23): `boa-cuda rotate` and
+//! `run --rotate`. The output is an ordinary checkpoint of the same architecture that computes the same
+//! function (to rounding) and that any loader runs unchanged: no online transform.
+//!
+//! Row-vector convention (x is a row of the residual stream, a linear computes y = x Wᵀ):
+//! 1. Fold every RMSNorm's weight γ into the linears it feeds: W ← W diag(γ) for q/k/v (attention norm),
+//!    gate/up (MLP norm) and lm_head (final norm); the norms are written as ones. RMSNorm(x) = x / rms(x)
+//!    then commutes with any orthogonal R (rms(x R) = rms(x)); with a γ left in, it would not.
+//! 2. R1 (d × d) rotates the residual stream, x' = x R1: embedding rows E ← E R1; every reader of the
+//!    stream W ← W R1 (q, k, v, gate, up, lm_head); every writer W ← R1ᵀ W (o, down, and their biases).
+//!    Then x' W'ᵀ = x R1 R1ᵀ Wᵀ = x Wᵀ for readers, and writers add R1ᵀ-rotated outputs to x'.
+//! 3. R2 (d_h × d_h) per layer and KV head g rotates that head's values: V's rows of head g (and its
+//!    bias) ← R2ᵀ · rows, and o_proj's column slice of every query head that reads g ← slice · R2. The
+//!    attention output of each query head is a convex mix of its KV head's values, so it is rotated by the
+//!    same R2, which o_proj's slice undoes (GQA: one R2 per KV head, shared by its query heads).
+//!
+//! When the embedding was tied to lm_head and the final norm's weight is not all ones, the two differ after
+//! step 1: lm_head is written separately and config.json says `tie_word_embeddings: false`.
+//! Everything is computed in f64 from the stored weights and written in f32 (a rotated weight is not on the
+//! source's bf16/f16 grid, and rounding it there would change the FP model), so the rotated folder of a
+//! bf16 model is twice its size. Tensors the Llama block does not use are not copied.
+
+use super::Model;
+use super::arch::NormRole;
+use super::config::Config;
+use super::orthogonal::{Orthogonal, RotationKind};
+use crate::error::file_err;
+use crate::export::hf_folder::{OutFolder, f32_to_bytes};
+use crate::export::safetensors_out::{Dtype, TensorEntry};
+use crate::progress::Progress;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use std::path::Path;
+use std::time::Instant;
+
+/// Architectures whose block this module knows how to fold (pre-norm RMSNorm with a plain weight, RoPE,
+/// GQA attention, SwiGLU): every architecture the engine runs today. A new block (Gemma's 1 + γ norms,
+/// q/k norms, post-norms) must be added here deliberately, with its own fold.
+pub const FOLDABLE_ARCHITECTURES: &[&str] =
+    &["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"];
+
+/// What `--rotate` asks for.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct RotateSpec {
+    pub kind: RotationKind,
+    /// Seeds the Hadamard signs and the random orthogonal matrices.
+    pub seed: u64,
+}
+
+/// One family of rotations as built (for report.json and stderr).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct MatrixInfo {
+    pub size: usize,
+    pub count: usize,
+    pub construction: String,
+    /// Why the Hadamard that was asked for could not be used.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fallback: Option<String>,
+}
+
+/// What a rotation did, written into report.json and config.json.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct RotationInfo {
+    pub kind: RotationKind,
+    pub seed: u64,
+    pub r1: MatrixInfo,
+    pub r2: MatrixInfo,
+    /// RMSNorm weights folded into the linears after them (2 per layer + the final norm).
+    pub norms_folded: usize,
+    /// lm_head written apart from the embedding (it was tied; the final norm's weight made them differ).
+    pub untied_lm_head: bool,
+    pub seconds: f64,
+}
+
+impl RotationInfo {
+    /// The lines printed on stderr: which matrices were used, and any fallback with its reason.
+    pub fn lines(&self) -> Vec<String> {
+        let mut v = Vec::new();
+        for (name, m) in [("R1", &self.r1), ("R2", &self.r2)] {
+            let what = if m.count == 1 {
+                format!("{} × {}", m.size, m.size)
+            } else {
+                format!("{} of {} × {}", m.count, m.size, m.size)
+            };
+            v.push(format!(
+                "rotation {name} ({what}): {}, seed {}",
+                m.construction, self.seed
+            ));
+            if let Some(why) = &m.fallback {
+                v.push(format!(
+                    "note: {name} falls back to a random orthogonal matrix: {why}"
+                ));
+            }
+        }
+        if self.untied_lm_head {
+            v.push(
+                "note: lm_head is written apart from the embedding (tie_word_embeddings: false): the final \
+                 norm's weight, folded into it, made them differ"
+                    .into(),
+            );
+        }
+        v
+    }
+}
+
+/// Refuses, before any work, a model whose architecture this module cannot fold (read from config.json
+/// alone, so the message is about the rotation whatever else the engine thinks of the model).
+pub fn check_foldable(model_dir: &Path) -> anyhow::Result<()> {
+    let path = model_dir.join("config.json");
+    let text =
+        std::fs::read_to_string(&path).map_err(|e| file_err(&path, format!("cannot read: {e}")))?;
+    let json: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| file_err(&path, format!("invalid JSON: {e}")))?;
+    let arch = json["architectures"]
+        .get(0)
+        .and_then(|a| a.as_str())
+        .unwrap_or("(none)");
+    check_architecture(arch)
+}
+
+fn check_architecture(arch: &str) -> anyhow::Result<()> {
+    if FOLDABLE_ARCHITECTURES.contains(&arch) {
+        Ok(())
+    } else {
+        Err(crate::input_err!(
+            "--rotate does not know how to fold the norms and rotations of architecture {arch} (it folds {})",
+            FOLDABLE_ARCHITECTURES.join(", ")
+        ))
+    }
+}
+
+/// The rotations of one model: R1 from stream 0 of the seed, R2 of (layer l, KV head g) from stream
+/// 1 + l·H_kv + g, so each matrix depends only on the seed and its place.
+struct Rotations {
+    r1: Orthogonal,
+    r2: Vec<Orthogonal>,
+}
+
+impl Rotations {
+    fn new(cfg: &Config, spec: &RotateSpec) -> Rotations {
+        let rng = |stream: u64| {
+            let mut r = ChaCha8Rng::seed_from_u64(spec.seed);
+            r.set_stream(stream);
+            r
+        };
+        let r1 = Orthogonal::new(cfg.d, spec.kind, &mut rng(0));
+        let r2 = (0..cfg.n_layers * cfg.n_kv_heads)
+            .map(|i| Orthogonal::new(cfg.d_h, spec.kind, &mut rng(1 + i as u64)))
+            .collect();
+        Rotations { r1, r2 }
+    }
+
+    fn r2(&self, cfg: &Config, l: usize, g: usize) -> &Orthogonal {
+        &self.r2[l * cfg.n_kv_heads + g]
+    }
+}
+
+/// Writes the rotated model of `src` into `out` (an ordinary HF folder, f32 safetensors, one shard per
+/// block, published by one rename like every output of this engine).
+pub fn rotate_model(
+    src: &Model,
+    out: &Path,
+    spec: &RotateSpec,
+    force: bool,
+    progress: &Progress,
+) -> anyhow::Result<RotationInfo> {
+    let t0 = Instant::now();
+    let cfg = &src.cfg;
+    check_architecture(&cfg.architecture)?;
+    if src.gptq.is_some() {
+        return Err(file_err(
+            &src.dir,
+            "is a packed GPTQ checkpoint; rotate the original model instead",
+        ));
+    }
+    let rot = Rotations::new(cfg, spec);
+    let (mut folder, _) = OutFolder::prepare(out, force, false, cfg.n_layers + 1)?;
+    let result = (|| -> anyhow::Result<bool> {
+        let mut bar = progress.bar("rotate", cfg.n_layers as u64, "blocks");
+        for l in 0..cfg.n_layers {
+            folder.write_shard(l, &block_entries(src, &rot, l)?)?;
+            bar.inc(1);
+        }
+        bar.finish();
+        let (globals, untied) = global_entries(src, &rot)?;
+        folder.write_shard(cfg.n_layers, &globals)?;
+        Ok(untied)
+    })();
+    let untied = match result {
+        Ok(u) => u,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&folder.tmp);
+            return Err(e);
+        }
+    };
+    let info = RotationInfo {
+        kind: spec.kind,
+        seed: spec.seed,
+        r1: MatrixInfo {
+            size: cfg.d,
+            count: 1,
+            construction: rot.r1.construction.clone(),
+            fallback: rot.r1.fallback.clone(),
+        },
+        r2: MatrixInfo {
+            size: cfg.d_h,
+            count: rot.r2.len(),
+            construction: rot.r2[0].construction.clone(),
+            fallback: rot.r2[0].fallback.clone(),
+        },
+        norms_folded: 2 * cfg.n_layers + 1,
+        untied_lm_head: untied,
+        seconds: t0.elapsed().as_secs_f64(),
+    };
+    let mut config = cfg.json.clone();
+    if untied {
+        config["tie_word_embeddings"] = false.into();
+    }
+    // The weights are f32 now, whatever the source's dtype; loaders that honour the config's dtype should
+    // not round them back.
+    for key in ["torch_dtype", "dtype"] {
+        if config.get(key).is_some() {
+            config[key] = "float32".into();
+        }
+    }
+    config["boa_cuda"] = serde_json::json!({ "rotation": info });
+    folder.write_json("config.json", &config)?;
+    folder.copy_model_files(&src.dir)?;
+    folder.publish()?;
+    Ok(info)
+}
+
+/// The folder of `run --rotate`'s rotated model inside the run's partial folder.
+pub const RUN_DIR: &str = "rotated";
+
+/// Bytes the rotated copy of `model` takes (every tensor in f32).
+pub fn rotated_bytes(model: &Model) -> u64 {
+    model
+        .store
+        .names()
+        .filter_map(|n| model.store.entry(n))
+        .map(|e| 4 * e.shape.iter().product::<usize>() as u64)
+        .sum()
+}
+
+/// `run --rotate`: the rotated model of `src` in `partial/rotated` (rewritten on a resume: the rotation is
+/// deterministic, so the bytes are the same), opened, with what was done; prints which matrices were used
+/// (a fallback even under --quiet).
+pub fn rotate_for_run(
+    src: &Model,
+    partial: &Path,
+    spec: &RotateSpec,
+    progress: &Progress,
+) -> anyhow::Result<(Model, RotationInfo)> {
+    let dir = partial.join(RUN_DIR);
+    let info = rotate_model(src, &dir, spec, true, progress)?;
+    print_info(&info, progress);
+    Ok((Model::open(&dir)?, info))
+}
+
+/// `info.lines()` on stderr: notes (a fallback, an untied head) always, the rest unless quiet.
+pub fn print_info(info: &RotationInfo, progress: &Progress) {
+    for line in info.lines() {
+        if line.starts_with("note:") {
+            eprintln!("{line}");
+        } else {
+            progress.line(&line);
+        }
+    }
+}
+
+/// Removes `run --rotate`'s rotated model from the partial folder before it is published.
+pub fn remove_for_run(partial: &Path) -> anyhow::Result<()> {
+    let dir = partial.join(RUN_DIR);
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir).map_err(|e| file_err(&dir, format!("cannot remove: {e}")))?;
+    }
+    Ok(())
+}
+
+/// W [rows × cols] f32 → f64 with column j scaled by γ_j (a folded norm), checking every value is finite
+/// (a NaN would spread through the rotation into every weight and hide which tensor held it).
+fn to_f64_folded(
+    w: &[f32],
+    cols: usize,
+    gamma: Option<&[f32]>,
+    name: &str,
+) -> anyhow::Result<Vec<f64>> {
+    if let Some(i) = w.iter().position(|v| !v.is_finite()) {
+        return Err(crate::input_err!(
+            "tensor {name} has a non-finite value ({}) at index {i}",
+            w[i]
+        ));
+    }
+    Ok(match gamma {
+        Some(g) => w
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| v as f64 * g[i % cols] as f64)
+            .collect(),
+        None => w.iter().map(|&v| v as f64).collect(),
+    })
+}
+
+fn entry(name: String, shape: Vec<usize>, v: &[f64]) -> TensorEntry<'static> {
+    let f: Vec<f32> = v.iter().map(|&x| x as f32).collect();
+    TensorEntry::new(name, Dtype::F32, shape, f32_to_bytes(Dtype::F32, &f))
+}
+
+fn check_norm(g: &[f32], name: &str) -> anyhow::Result<()> {
+    match g.iter().position(|v| !v.is_finite()) {
+        Some(i) => Err(crate::input_err!(
+            "tensor {name} has a non-finite value ({}) at index {i}",
+            g[i]
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Block l's tensors, folded and rotated.
+fn block_entries(
+    src: &Model,
+    rot: &Rotations,
+    l: usize,
+) -> anyhow::Result<Vec<TensorEntry<'static>>> {
+    let cfg = &src.cfg;
+    let (d, d_h) = (cfg.d, cfg.d_h);
+    let group = cfg.n_heads / cfg.n_kv_heads;
+    let w = src.load_block(l)?;
+    let p = format!("model.layers.{l}.");
+    let norm = |role: NormRole, name: &str| -> anyhow::Result<&[f32]> {
+        let g = w
+            .norm(role)
+            .ok_or_else(|| anyhow::anyhow!("block {l} has no {name}"))?;
+        check_norm(g, &format!("{p}{name}.weight"))?;
+        Ok(g)
+    };
+    let attn_norm = norm(NormRole::Attn, "input_layernorm")?;
+    let mlp_norm = norm(NormRole::Mlp, "post_attention_layernorm")?;
+    let mut out = Vec::new();
+    let ones = vec![1.0f64; d];
+    out.push(entry(format!("{p}input_layernorm.weight"), vec![d], &ones));
+    out.push(entry(
+        format!("{p}post_attention_layernorm.weight"),
+        vec![d],
+        &ones,
+    ));
+    for (name, lin) in w.named() {
+        let full = format!("{p}{name}");
+        let gamma = match name {
+            "self_attn.q_proj" | "self_attn.k_proj" | "self_attn.v_proj" => Some(attn_norm),
+            "mlp.gate_proj" | "mlp.up_proj" => Some(mlp_norm),
+            "self_attn.o_proj" | "mlp.down_proj" => None,
+            other => {
+                return Err(anyhow::anyhow!(
+                    "--rotate: block {l} has a linear {other} this fold does not know"
+                ));
+            }
+        };
+        let mut m = to_f64_folded(&lin.w, lin.d_in, gamma, &format!("{full}.weight"))?;
+        let mut b = match &lin.b {
+            Some(b) => Some(to_f64_folded(b, b.len(), None, &format!("{full}.bias"))?),
+            None => None,
+        };
+        match name {
+            "self_attn.o_proj" => {
+                // Input side first: each query head's column slice · R2 of the KV head it reads.
+                let qd = lin.d_in;
+                let mut slice = vec![0.0; d * d_h];
+                for h in 0..cfg.n_heads {
+                    for r in 0..d {
+                        slice[r * d_h..(r + 1) * d_h]
+                            .copy_from_slice(&m[r * qd + h * d_h..r * qd + (h + 1) * d_h]);
+                    }
+                    rot.r2(cfg, l, h / group).right(&mut slice);
+                    for r in 0..d {
+                        m[r * qd + h * d_h..r * qd + (h + 1) * d_h]
+                            .copy_from_slice(&slice[r * d_h..(r + 1) * d_h]);
+                    }
+                }
+                rot.r1.left_t(&mut m, qd);
+                if let Some(b) = &mut b {
+                    rot.r1.left_t(b, 1);
+                }
+            }
+            "mlp.down_proj" => {
+                rot.r1.left_t(&mut m, lin.d_in);
+                if let Some(b) = &mut b {
+                    rot.r1.left_t(b, 1);
+                }
+            }
+            _ => {
+                rot.r1.right(&mut m);
+                if name == "self_attn.v_proj" {
+                    // Output side: KV head g's rows (and bias) ← R2ᵀ · rows.
+                    for g in 0..cfg.n_kv_heads {
+                        let r2 = rot.r2(cfg, l, g);
+                        r2.left_t(&mut m[g * d_h * d..(g + 1) * d_h * d], d);
+                        if let Some(b) = &mut b {
+                            r2.left_t(&mut b[g * d_h..(g + 1) * d_h], 1);
+                        }
+                    }
+                }
+            }
+        }
+        out.push(entry(
+            format!("{full}.weight"),
+            vec![lin.d_out, lin.d_in],
+            &m,
+        ));
+        if let Some(b) = b {
+            out.push(entry(format!("{full}.bias"), vec![lin.d_out], &b));
+        }
+    }
+    Ok(out)
+}
+
+/// Embedding · R1, the final norm as ones, and lm_head = (head · diag(γ_final)) · R1 when it is (or must
+/// become) a tensor of its own. Returns whether a tied head was untied.
+fn global_entries(
+    src: &Model,
+    rot: &Rotations,
+) -> anyhow::Result<(Vec<TensorEntry<'static>>, bool)> {
+    let cfg = &src.cfg;
+    let d = cfg.d;
+    let gamma = src.final_norm()?;
+    check_norm(&gamma, "model.norm.weight")?;
+    let table = src.embed_table()?;
+    let mut e = to_f64_folded(&table, d, None, "model.embed_tokens.weight")?;
+    // A tied head equals the embedding only while γ_final is exactly one everywhere.
+    let untie = cfg.tie_word_embeddings && gamma.iter().any(|&g| g != 1.0);
+    let head = if !cfg.tie_word_embeddings {
+        Some(to_f64_folded(
+            &src.lm_head()?,
+            d,
+            Some(&gamma),
+            "lm_head.weight",
+        )?)
+    } else if untie {
+        Some(to_f64_folded(
+            &table,
+            d,
+            Some(&gamma),
+            "model.embed_tokens.weight",
+        )?)
+    } else {
+        None
+    };
+    drop(table);
+    rot.r1.right(&mut e);
+    let mut out = vec![
+        entry("model.embed_tokens.weight".into(), vec![cfg.vocab, d], &e),
+        entry("model.norm.weight".into(), vec![d], &vec![1.0; d]),
+    ];
+    drop(e);
+    if let Some(mut h) = head {
+        rot.r1.right(&mut h);
+        out.push(entry("lm_head.weight".into(), vec![cfg.vocab, d], &h));
+    }
+    Ok((out, untie))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_known_blocks_are_folded() {
+        for a in FOLDABLE_ARCHITECTURES {
+            check_architecture(a).unwrap();
+        }
+        let e = check_architecture("Gemma3ForCausalLM")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--rotate does not know how to fold") && e.contains("Gemma3ForCausalLM"),
+            "{e}"
+        );
+    }
+}
