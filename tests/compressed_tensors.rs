@@ -101,14 +101,22 @@ fn ours(dir: &Path, text: &Path) -> f64 {
 }
 
 /// The tensors of one linear and the config block, as compressed-tensors names and shapes them.
-fn check_layout(dir: &Path, bits: usize, group: Option<usize>, sym: bool) {
+fn check_layout(dir: &Path, bits: usize, group: Option<usize>, sym: bool, ignored_linears: usize) {
     let cfg: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
     let q = &cfg["quantization_config"];
     assert_eq!(q["quant_method"], "compressed-tensors");
     assert_eq!(q["format"], "pack-quantized");
     assert_eq!(q["quantization_status"], "compressed");
-    assert_eq!(q["ignore"], serde_json::json!(["lm_head"]));
+    let ignore = q["ignore"].as_array().unwrap();
+    assert_eq!(ignore[0], "lm_head");
+    assert_eq!(ignore.len(), 1 + ignored_linears, "{ignore:?}");
+    assert!(
+        ignore[1..]
+            .iter()
+            .all(|n| !n.as_str().unwrap().starts_with("model.layers.0.")),
+        "a quantized block is ignored: {ignore:?}"
+    );
     let w = &q["config_groups"]["group_0"]["weights"];
     assert_eq!(w["num_bits"], bits);
     assert_eq!(w["symmetric"], sym);
@@ -162,28 +170,35 @@ fn compressed_tensors_checkpoints_load_in_transformers() {
     let py = loaders_python();
     let tmp = tempfile::tempdir().unwrap();
     let text = texts_dir().join("moby-dick.txt");
-    // (name, bits, group, sym)
-    let variants: [(&str, usize, Option<usize>, bool); 7] = [
-        ("w4-sym-g64", 4, Some(64), true),
-        ("w4-asym-g64", 4, Some(64), false),
-        ("w4-asym-ch", 4, None, false),
-        ("w8-sym-ch", 8, None, true),
-        ("w8-asym-g64", 8, Some(64), false),
-        ("w3-asym-g64", 3, Some(64), false),
-        ("w2-sym-g64", 2, Some(64), true),
+    // (name, bits, group, sym, quantized layers: None = all)
+    let variants: [(&str, usize, Option<usize>, bool, Option<&str>); 8] = [
+        ("w4-sym-g64", 4, Some(64), true, None),
+        ("w4-asym-g64", 4, Some(64), false, None),
+        ("w4-asym-ch", 4, None, false, None),
+        ("w8-sym-ch", 8, None, true, None),
+        ("w8-asym-g64", 8, Some(64), false, None),
+        ("w3-asym-g64", 3, Some(64), false, None),
+        ("w2-sym-g64", 2, Some(64), true, None),
+        // The 28 blocks left unquantized must be in `ignore`, or the loader looks for their packed weights.
+        ("w4-sym-g64-layers0-1", 4, Some(64), true, Some("0-1")),
     ];
     let model = demo_model();
     let mut dirs = Vec::new();
-    for &(name, bits, group, sym) in &variants {
+    for &(name, bits, group, sym, layers) in &variants {
         let bits_s = bits.to_string();
         let group_s = group.map(|g| g as i64).unwrap_or(-1).to_string();
         let mut extra = vec!["--wbits", &bits_s, "--group-size", &group_s];
         if sym {
             extra.push("--sym");
         }
+        if let Some(l) = layers {
+            extra.extend(["--layers", l]);
+        }
         let ct = tmp.path().join(name);
         quantize(&model, &ct, "compressed-tensors", &extra);
-        check_layout(&ct, bits, group, sym);
+        // SmolLM2-135M: 30 blocks of 7 linears.
+        let ignored = if layers.is_some() { 28 * 7 } else { 0 };
+        check_layout(&ct, bits, group, sym, ignored);
         let fake = tmp.path().join(format!("{name}-fake"));
         quantize(&model, &fake, "fake", &extra);
         dirs.push((ct, fake, bits, sym));
