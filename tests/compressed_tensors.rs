@@ -165,13 +165,21 @@ fn check_layout(dir: &Path, bits: usize, group: Option<usize>, sym: bool, ignore
     assert!(t("weight").is_err() && t("qweight").is_err());
 }
 
+/// (name, bits, group, sym, quantized layers: None = all).
+type Variant = (
+    &'static str,
+    usize,
+    Option<usize>,
+    bool,
+    Option<&'static str>,
+);
+
 #[test]
 fn compressed_tensors_checkpoints_load_in_transformers() {
     let py = loaders_python();
     let tmp = tempfile::tempdir().unwrap();
     let text = texts_dir().join("moby-dick.txt");
-    // (name, bits, group, sym, quantized layers: None = all)
-    let variants: [(&str, usize, Option<usize>, bool, Option<&str>); 8] = [
+    let variants: [Variant; 8] = [
         ("w4-sym-g64", 4, Some(64), true, None),
         ("w4-asym-g64", 4, Some(64), false, None),
         ("w4-asym-ch", 4, None, false, None),
