@@ -8,11 +8,19 @@ Loaders:
   gptqmodel-f16       the same in float16 (closer to f32 than bfloat16: a tighter comparison);
   transformers        AutoModelForCausalLM.from_pretrained(DIR), the folder's own quantization_config
                       (transformers hands it to optimum + GPTQModel and picks the kernel);
-  transformers-torch  the same with GPTQConfig(backend="torch"), GPTQModel's pure-torch kernel.
+  transformers-torch  the same with GPTQConfig(backend="torch"), GPTQModel's pure-torch kernel;
+  compressed-tensors  from_pretrained of a --format compressed-tensors folder as transformers loads it by default
+                      (dequantize=False: the modules are built compressed and compressed-tensors decompresses
+                      them on the first forward, on the CPU too);
+  compressed-tensors-dequantize  the same with CompressedTensorsConfig(dequantize=True): decompressed while
+                      the weights load.
 Prints one JSON object per folder and loader: {"dir", "loader", "dtype", "kernel", "perplexity"} or {"dir", "loader",
 "error"} (the exception's first line); a loader that refuses a folder is a result, not a crash.
+--weights-like SUFFIX adds {"compared", "max_abs_diff"}: the loaded model's linear weights (after the forward, so
+decompressed) against the `.weight` tensors of the folder DIR+SUFFIX (e.g. the same run written as --format fake).
 
-usage: check_loaders.py --data TEXT [--seqlen 128] [--max-windows 2] --loader NAME [--loader NAME…] DIR…
+usage: check_loaders.py --data TEXT [--seqlen 128] [--max-windows 2] [--weights-like SUFFIX] --loader NAME
+       [--loader NAME…] DIR…
 needs: the venv of scripts/install_loaders.sh.
 """
 import argparse, contextlib, io, json, logging, math, os, sys, warnings
@@ -39,9 +47,13 @@ def load(folder, loader):
     if loader == "gptqmodel-f16":
         from gptqmodel import GPTQModel
         return GPTQModel.load(folder, device="cpu", dtype=torch.float16).model
-    from transformers import AutoModelForCausalLM, GPTQConfig
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig, GPTQConfig
     kw = {}
-    if loader == "transformers-torch":
+    if loader == "compressed-tensors-dequantize":
+        kw["quantization_config"] = CompressedTensorsConfig(dequantize=True)
+    elif loader == "compressed-tensors":
+        pass
+    elif loader == "transformers-torch":
         kw["quantization_config"] = GPTQConfig(bits=json.load(open(os.path.join(folder, "config.json")))
                                                ["quantization_config"]["bits"], backend="torch")
     elif loader != "transformers":
@@ -61,12 +73,29 @@ def perplexity(model, wins):
     return math.exp(nll / (wins.shape[0] * (wins.shape[1] - 1)))
 
 
+def weights_diff(model, ref_dir):
+    import glob
+    from safetensors.torch import load_file
+    sd = model.state_dict()
+    n, worst = 0, 0.0
+    for f in sorted(glob.glob(os.path.join(ref_dir, "*.safetensors"))):
+        for k, v in load_file(f).items():
+            # Only the quantized linears: norms and embeddings are copied through in every format.
+            if k.startswith("model.layers.") and k.endswith("_proj.weight") and k in sd:
+                if sd[k].shape != v.shape:
+                    raise ValueError(f"{k}: shape {tuple(sd[k].shape)} vs {tuple(v.shape)} in {ref_dir}")
+                worst = max(worst, (sd[k].double() - v.double()).abs().max().item())
+                n += 1
+    return n, worst
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", required=True)
     ap.add_argument("--seqlen", type=int, default=128)
     ap.add_argument("--max-windows", type=int, default=2)
     ap.add_argument("--loader", action="append", required=True)
+    ap.add_argument("--weights-like")
     ap.add_argument("dirs", nargs="+")
     a = ap.parse_args()
     text = open(a.data, encoding="utf-8").read()
@@ -82,6 +111,8 @@ def main():
                     row["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
                     row["kernel"] = type(model.model.layers[0].self_attn.q_proj).__name__
                     row["perplexity"] = perplexity(model, wins)
+                    if a.weights_like is not None:
+                        row["compared"], row["max_abs_diff"] = weights_diff(model, d + a.weights_like)
                 except Exception as e:  # a refusal is the measurement
                     row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             print(json.dumps(row), flush=True)

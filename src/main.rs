@@ -196,8 +196,9 @@ struct RunArgs {
     out: PathBuf,
     /// gptq_v2 (default): packed GPTQ checkpoint with the true zero points (loads in GPTQModel and
     /// transformers). gptq: zeros stored as zero − 1 (AutoGPTQ v1), which cannot store an asymmetric
-    /// grid's zero point 0: needs --sym. fake: dequantized weights in the input dtype. Scales are f16 in
-    /// every format.
+    /// grid's zero point 0: needs --sym. fake: dequantized weights in the input dtype. compressed-tensors:
+    /// compressed-tensors' pack-quantized (transformers with compressed-tensors, vLLM; no --act-order).
+    /// Scales are f16-rounded in every format (compressed-tensors stores them in the model's dtype).
     #[arg(long, value_enum, default_value_t = OutFormat::GptqV2)]
     format: OutFormat,
     /// boa: BoA on q/k/v, GPTQ on o and the MLP. gptq: GPTQ everywhere. rtn: round-to-nearest.

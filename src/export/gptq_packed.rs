@@ -1,7 +1,8 @@
 //! The tensors and configs of a run's output for each `--format` (design.md §9):
 //!   fake     one dequantized `.weight` per linear (loads anywhere);
 //!   gptq     packed `qweight`/`qzeros`/`scales`/`g_idx` per linear, zeros stored as zero − 1 (AutoGPTQ v1);
-//!   gptq_v2  the same with the true zeros.
+//!   gptq_v2  the same with the true zeros;
+//!   compressed-tensors  compressed-tensors' `pack-quantized` tensors (compressed_tensors.rs).
 //! Scales are stored in f16, so a packed checkpoint dequantizes with f16-rounded scales. The fake format
 //! writes exactly those values, ŵ = f16(s)·(q − z) (then cast to the model's dtype), so the two formats hold the
 //! same model; the pipeline's own forward of later blocks still uses the f32 scales.
@@ -27,12 +28,17 @@ pub enum OutFormat {
     #[value(name = "gptq_v2")]
     #[serde(rename = "gptq_v2")]
     GptqV2,
+    /// compressed-tensors' `pack-quantized` (`quant_method: "compressed-tensors"`), as llm-compressor writes it.
+    #[value(name = "compressed-tensors")]
+    #[serde(rename = "compressed-tensors")]
+    CompressedTensors,
 }
 
 impl OutFormat {
+    /// The GPTQ zero-point convention; None for the formats that are not GPTQ's.
     pub fn version(self) -> Option<GptqVersion> {
         match self {
-            OutFormat::Fake => None,
+            OutFormat::Fake | OutFormat::CompressedTensors => None,
             OutFormat::Gptq => Some(GptqVersion::V1),
             OutFormat::GptqV2 => Some(GptqVersion::V2),
         }
@@ -40,9 +46,14 @@ impl OutFormat {
 
     /// From `name()`'s spelling (as a run's options record it).
     pub fn from_name(s: &str) -> Option<OutFormat> {
-        [OutFormat::Fake, OutFormat::Gptq, OutFormat::GptqV2]
-            .into_iter()
-            .find(|f| f.name() == s)
+        [
+            OutFormat::Fake,
+            OutFormat::Gptq,
+            OutFormat::GptqV2,
+            OutFormat::CompressedTensors,
+        ]
+        .into_iter()
+        .find(|f| f.name() == s)
     }
 
     pub fn name(self) -> &'static str {
@@ -50,12 +61,28 @@ impl OutFormat {
             OutFormat::Fake => "fake",
             OutFormat::Gptq => "gptq",
             OutFormat::GptqV2 => "gptq_v2",
+            OutFormat::CompressedTensors => "compressed-tensors",
         }
     }
 }
 
 fn i32_bytes(v: impl IntoIterator<Item = u32>) -> Vec<u8> {
     v.into_iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// Refuses a scale that f16 cannot hold, naming the tensor, output and group.
+pub fn check_scales(prefix: &str, q: &Packed) -> anyhow::Result<()> {
+    // Every format goes through f16 scales: one past f16's range would be written as +inf. The checks before
+    // block 0 refuse weights that could get there; this catches what the sweep's updates could still push over.
+    if let Some(k) = q.scales.iter().position(|s| !s.is_finite()) {
+        return Err(crate::input_err!(
+            "{prefix}: the scale of output {}, group {} is beyond f16's range (largest 65504), and every \
+             --format stores scales in f16",
+            k % q.d_out,
+            k / q.d_out
+        ));
+    }
+    Ok(())
 }
 
 /// The entries replacing `{prefix}.weight` for one quantized linear (`prefix` e.g. "model.layers.3.mlp.up_proj").
@@ -66,14 +93,11 @@ pub fn linear_entries(
     format: OutFormat,
     dtype: Dtype,
 ) -> anyhow::Result<Vec<TensorEntry<'static>>> {
-    // Every format goes through f16 scales: one past f16's range would be written as +inf. The checks before
-    // block 0 refuse weights that could get there; this catches what the sweep's updates could still push over.
-    if let Some(k) = q.scales.iter().position(|s| !s.is_finite()) {
+    check_scales(prefix, q)?;
+    if format == OutFormat::CompressedTensors {
+        // Its symmetric layout needs --sym, which this signature does not carry.
         return Err(crate::input_err!(
-            "{prefix}: the scale of output {}, group {} is beyond f16's range (largest 65504), and every \
-             --format stores scales in f16",
-            k % q.d_out,
-            k / q.d_out
+            "{prefix}: compressed-tensors tensors are written by compressed_tensors::linear_entries"
         ));
     }
     let Some(version) = format.version() else {

@@ -1,5 +1,7 @@
-//! Writers for what a run produces: fake-quant HF folders, packed GPTQ checkpoints, reports.
+//! Writers for what a run produces: fake-quant HF folders, packed GPTQ and compressed-tensors checkpoints,
+//! reports.
 
+pub mod compressed_tensors;
 pub mod convert;
 pub mod gptq_packed;
 pub mod hf_folder;

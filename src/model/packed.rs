@@ -56,7 +56,12 @@ impl GptqConfig {
             && m != "gptq"
         {
             return Err(format!(
-                "quantization_config.quant_method {m:?} is not supported (only \"gptq\")"
+                "quantization_config.quant_method {m:?} is not supported (only \"gptq\"){}",
+                if m == "compressed-tensors" {
+                    "; to evaluate a --format compressed-tensors run, evaluate it written with --format fake"
+                } else {
+                    ""
+                }
             ));
         }
         let bits = v

@@ -498,10 +498,12 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                     let t = Instant::now();
                     finish_write(&mut writing, &mut folder)?;
                     timings.write += t.elapsed().as_secs_f64();
-                    let (path, model, format) = (folder.shard_path(l), &model, opts.format);
+                    let (path, model, format, sym) =
+                        (folder.shard_path(l), &model, opts.format, opts.sym);
                     writing = Some(scope.spawn(move || {
                         ranged(c"write", || {
-                            let entries = quantized_entries(model, l, &packed, format, out_dtype)?;
+                            let entries =
+                                quantized_entries(model, l, &packed, format, sym, out_dtype)?;
                             write_shard_file(&path, &entries)?;
                             Ok((l, shard_contents(&entries)))
                         })
@@ -562,7 +564,25 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
         if let Some(info) = rotation {
             config["boa_cuda"]["rotation"] = serde_json::to_value(info)?;
         }
-        if opts.format != OutFormat::Fake {
+        if opts.format == OutFormat::CompressedTensors {
+            // Every Linear is a target; the unquantized ones must be named or the loader looks for their
+            // packed weights.
+            let mut ignore = vec!["lm_head".to_string()];
+            for l in (0..cfg.n_layers).filter(|&l| !layers.contains(l)) {
+                ignore.extend(
+                    cfg.block
+                        .linears
+                        .iter()
+                        .map(|d| format!("model.layers.{l}.{}", d.name)),
+                );
+            }
+            config["quantization_config"] = crate::export::compressed_tensors::quantization_config(
+                opts.wbits,
+                opts.group_size.columns(),
+                opts.sym,
+                ignore,
+            );
+        } else if opts.format != OutFormat::Fake {
             let q = quantization_config(
                 opts.format,
                 opts.wbits,
@@ -720,12 +740,14 @@ fn install_quantized(
 }
 
 /// Block l with each linear's weight replaced by its quantized form (`quantized`, in the description's order):
-/// dequantized in `dtype` for the fake format, packed tensors otherwise.
+/// dequantized in `dtype` for the fake format, packed tensors otherwise (`sym`: compressed-tensors' symmetric
+/// layout, which stores no zero points).
 fn quantized_entries<'a>(
     model: &'a Model,
     l: usize,
     quantized: &[crate::ops::Packed],
     format: OutFormat,
+    sym: bool,
     dtype: safetensors::Dtype,
 ) -> anyhow::Result<Vec<TensorEntry<'a>>> {
     let mut out = Vec::new();
@@ -738,12 +760,19 @@ fn quantized_entries<'a>(
             .strip_suffix(".weight")
             .and_then(|n| model.cfg.block.index_of(n))
         {
-            Some(i) => out.extend(linear_entries(
-                &format!("model.layers.{l}.{}", model.cfg.block.linears[i].name),
-                &quantized[i],
-                format,
-                dtype,
-            )?),
+            Some(i) => {
+                let prefix = format!("model.layers.{l}.{}", model.cfg.block.linears[i].name);
+                out.extend(if format == OutFormat::CompressedTensors {
+                    crate::export::compressed_tensors::linear_entries(
+                        &prefix,
+                        &quantized[i],
+                        sym,
+                        dtype,
+                    )?
+                } else {
+                    linear_entries(&prefix, &quantized[i], format, dtype)?
+                })
+            }
             None => out.push(e),
         }
     }

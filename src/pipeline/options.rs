@@ -307,6 +307,14 @@ impl RunOptions {
                     .into(),
             );
         }
+        if self.format == OutFormat::CompressedTensors && self.act_order {
+            return Err(
+                "--act-order with --format compressed-tensors is not supported: compressed-tensors' \
+                 actorder=\"weight\" keeps groups contiguous while ours follows GPTQ's g_idx, and its \
+                 pack-quantized layout has no g_idx: drop --act-order, or use --format gptq_v2"
+                    .into(),
+            );
+        }
         if self.calib.is_empty() && self.needs_calibration() {
             return Err(format!(
                 "--calib is required for --method {}{}",

@@ -434,6 +434,18 @@ fn convert(
             blocks.len()
         ));
     }
+    if then != to && [then, to].contains(&OutFormat::CompressedTensors) && !blocks.is_empty() {
+        // convert_shard reads and writes GPTQ's tensors; compressed-tensors' layout is written only fresh.
+        return Err(crate::input_err!(
+            "cannot --resume from {} with --format {}: it was made with --format {}, and conversion to or \
+             from compressed-tensors is not supported; resume with --format {}, or run without --resume to \
+             start over",
+            tmp.display(),
+            to.name(),
+            then.name(),
+            then.name()
+        ));
+    }
     let staging = tmp.join(DIR).join("convert");
     let _ = std::fs::remove_dir_all(&staging);
     std::fs::create_dir_all(&staging)

@@ -47,7 +47,33 @@ pub fn before_work(opts: &RunOptions, model: &Model, progress: &Progress) -> any
             "--group-size {g} is larger than the input width {d_in} of {name} (use at most {d_in}, or -1)"
         ));
     }
-    if opts.format != crate::export::gptq_packed::OutFormat::Fake
+    if opts.format == crate::export::gptq_packed::OutFormat::CompressedTensors {
+        if cfg.block.linears.iter().any(|l| l.expert.is_some()) {
+            return Err(crate::input_err!(
+                "--format compressed-tensors does not support mixture-of-experts models yet (their routers \
+                 are Linear modules we leave unquantized): use --format gptq_v2"
+            ));
+        }
+        if let Some(g) = opts.group_size.columns()
+            && let Some(l) = cfg.block.linears.iter().find(|l| l.d_in % g != 0)
+        {
+            let (name, d_in) = (l.name.as_str(), l.d_in);
+            return Err(crate::input_err!(
+                "--format compressed-tensors needs --group-size to divide every input width, but {name} has \
+                 {d_in} (not a multiple of {g}): choose a divisor, or -1 (per-channel)"
+            ));
+        }
+        if !opts.sym {
+            // Not silenced by --quiet, like the GPTQ layout warning: the checkpoint is right (vLLM and
+            // compressed-tensors' decompressor read it), but the default load path of transformers fails.
+            eprintln!(
+                "warning: transformers' default from_pretrained (compressed-tensors 0.20) builds an asymmetric \
+                 pack-quantized model with unpacked zero points and refuses the packed weight_zero_point \
+                 (size mismatch): load it with quantization_config=CompressedTensorsConfig(dequantize=True)"
+            );
+        }
+    }
+    if opts.format.version().is_some()
         && let Some(w) = loader_warning(opts.wbits, opts.group_size.columns(), &cfg.block.linears)
     {
         // Not silenced by --quiet: the checkpoint is written, but some loaders will refuse it.
