@@ -13,8 +13,8 @@
 
 mod common;
 
-use common::{assert_user_error, demo_model, run, texts_dir};
-use std::path::{Path, PathBuf};
+use common::{assert_user_error, check_loader_ppl, demo_model, loaders_python, run, texts_dir};
+use std::path::Path;
 use std::process::Command;
 
 const SEQLEN: &str = "128";
@@ -25,27 +25,6 @@ const TOL: f64 = 2e-3;
 /// RTN at 2 bits is a broken model (ppl ~1e5), whose perplexity amplifies every rounding (tests/loaders.rs).
 const TOL_2BIT: f64 = 5e-3;
 const LOADERS: [&str; 2] = ["compressed-tensors", "compressed-tensors-dequantize"];
-
-fn loaders_python() -> PathBuf {
-    let py = std::env::var_os("BOA_LOADERS_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var("HOME").unwrap_or_default())
-                .join(".cache/boa-cuda/loaders/bin/python")
-        });
-    let ok = Command::new(&py)
-        .args(["-c", "import compressed_tensors, transformers"])
-        .stderr(std::process::Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(
-        ok,
-        "{} cannot import compressed_tensors, transformers: run scripts/install_loaders.sh (scripts/test.sh \
-         does), or set BOA_LOADERS_PYTHON",
-        py.display()
-    );
-    py
-}
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
@@ -176,7 +155,7 @@ type Variant = (
 
 #[test]
 fn compressed_tensors_checkpoints_load_in_transformers() {
-    let py = loaders_python();
+    let py = loaders_python("compressed_tensors, transformers");
     let tmp = tempfile::tempdir().unwrap();
     let text = texts_dir().join("moby-dick.txt");
     let variants: [Variant; 8] = [
@@ -267,22 +246,14 @@ fn compressed_tensors_checkpoints_load_in_transformers() {
                     r["max_abs_diff"]
                 ));
             }
-            match r["perplexity"].as_f64() {
-                Some(p) => {
-                    let rel = (p - want).abs() / want;
-                    println!(
-                        "{}: {loader} {p:.4} vs boa-cuda eval of --format fake {want:.4} (rel {rel:.1e})",
-                        ct.display()
-                    );
-                    if rel > tol {
-                        failures.push(format!(
-                            "{} {loader}: {p} vs {want} (rel {rel:.1e} > {tol:.0e})",
-                            ct.display()
-                        ));
-                    }
-                }
-                None => failures.push(format!("{} {loader}: {}", ct.display(), r["error"])),
-            }
+            check_loader_ppl(
+                &mut failures,
+                ct,
+                r,
+                "boa-cuda eval of --format fake",
+                want,
+                tol,
+            );
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");

@@ -10,8 +10,8 @@
 
 mod common;
 
-use common::{demo_model, run, texts_dir};
-use std::path::{Path, PathBuf};
+use common::{check_loader_ppl, demo_model, loaders_python, run, texts_dir};
+use std::path::Path;
 use std::process::Command;
 
 const SEQLEN: &str = "128";
@@ -25,27 +25,6 @@ const TOL_F16: f64 = 1e-2;
 /// (f32) and 9.5e-2 (f16) on 2026-12-02, where 3–8 bits agree to ≤ 7e-4.
 const TOL_2BIT_F32: f64 = 5e-3;
 const TOL_2BIT_F16: f64 = 1.5e-1;
-
-fn loaders_python() -> PathBuf {
-    let py = std::env::var_os("BOA_LOADERS_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var("HOME").unwrap_or_default())
-                .join(".cache/boa-cuda/loaders/bin/python")
-        });
-    let ok = Command::new(&py)
-        .args(["-c", "import gptqmodel, optimum, transformers"])
-        .stderr(std::process::Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(
-        ok,
-        "{} cannot import gptqmodel, optimum, transformers: run scripts/install_loaders.sh (scripts/test.sh \
-         does), or set BOA_LOADERS_PYTHON",
-        py.display()
-    );
-    py
-}
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
@@ -71,7 +50,7 @@ fn ours(dir: &Path, text: &Path) -> f64 {
 
 #[test]
 fn gptq_checkpoints_load_in_gptqmodel_and_transformers() {
-    let py = loaders_python();
+    let py = loaders_python("gptqmodel, optimum, transformers");
     let tmp = tempfile::tempdir().unwrap();
     let text = texts_dir().join("moby-dick.txt");
     let variants: [(&str, &[&str]); 5] = [
@@ -142,22 +121,7 @@ fn gptq_checkpoints_load_in_gptqmodel_and_transformers() {
                 (true, true) => TOL_2BIT_F32,
                 (false, true) => TOL_2BIT_F16,
             };
-            match r["perplexity"].as_f64() {
-                Some(p) => {
-                    let rel = (p - want).abs() / want;
-                    println!(
-                        "{}: {loader} {p:.4} vs boa-cuda eval {want:.4} (rel {rel:.1e})",
-                        d.display()
-                    );
-                    if rel > tol {
-                        failures.push(format!(
-                            "{} {loader}: {p} vs {want} (rel {rel:.1e} > {tol:.0e})",
-                            d.display()
-                        ));
-                    }
-                }
-                None => failures.push(format!("{} {loader}: {}", d.display(), r["error"])),
-            }
+            check_loader_ppl(&mut failures, d, r, "boa-cuda eval", want, tol);
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");

@@ -4,24 +4,6 @@
 
 mod common;
 use common::*;
-use std::path::PathBuf;
-
-fn files(pred: impl Fn(u32) -> bool) -> Vec<String> {
-    let dir = texts_dir().join("sotu");
-    let mut v: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| {
-            p.file_name().unwrap().to_str().unwrap()[..4]
-                .parse::<u32>()
-                .is_ok_and(&pred)
-        })
-        .collect();
-    v.sort();
-    v.into_iter()
-        .map(|p| p.to_str().unwrap().to_string())
-        .collect()
-}
 
 fn ppl(model: &str, data: &[String]) -> f64 {
     let mut args = vec![
@@ -47,8 +29,8 @@ fn ppl(model: &str, data: &[String]) -> f64 {
 fn boa_beats_gptq_beats_rtn_on_the_demo_model() {
     let model = demo_model();
     let tmp = tempfile::tempdir().unwrap();
-    let calib = files(|y| y < 2000);
-    let speeches = files(|y| (2001..=2016).contains(&y));
+    let calib = sotu_speeches(|y| y < 2000);
+    let speeches = sotu_speeches(|y| (2001..=2016).contains(&y));
     let moby = vec![
         texts_dir()
             .join("moby-dick.txt")

@@ -5,7 +5,7 @@
 
 mod common;
 use common::*;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 fn s(p: &Path) -> &str {
@@ -31,37 +31,6 @@ fn ppl(model: &Path) -> f64 {
     v["perplexity"].as_f64().unwrap()
 }
 
-fn calib() -> Vec<String> {
-    let dir = texts_dir().join("sotu");
-    let mut v: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| {
-            p.file_name().unwrap().to_str().unwrap()[..4]
-                .parse::<u32>()
-                .is_ok_and(|y| y < 2000)
-        })
-        .collect();
-    v.sort();
-    v.into_iter().map(|p| s(&p).to_string()).collect()
-}
-
-/// The loaders venv (scripts/install_loaders.sh; scripts/test.sh installs it): transformers 5.24.
-fn loaders_python() -> PathBuf {
-    let py = std::env::var_os("BOA_LOADERS_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var("HOME").unwrap_or_default())
-                .join(".cache/boa-cuda/loaders/bin/python")
-        });
-    assert!(
-        py.is_file(),
-        "{} missing: run scripts/install_loaders.sh (scripts/test.sh does), or set BOA_LOADERS_PYTHON",
-        py.display()
-    );
-    py
-}
-
 /// Measured 2026-12-02 (2-core Xeon): 53.25249595 → 53.25248537 (rel 2e-7), f32 rotated weights.
 #[test]
 fn rotation_keeps_the_fp_model() {
@@ -82,7 +51,7 @@ fn rotation_keeps_the_fp_model() {
     assert!(rel < 1e-4, "rotated FP {after} vs {before} (rel {rel:.1e})");
 
     // transformers runs the rotated folder unchanged (no online transform) and agrees with our eval.
-    let py = loaders_python();
+    let py = loaders_python("transformers");
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/check_loaders.py");
     let text = texts_dir().join("moby-dick.txt");
     let o = Command::new(py)
@@ -109,7 +78,7 @@ fn rotation_keeps_the_fp_model() {
 fn rotated_boa_3bit_beats_unrotated() {
     let tmp = tempfile::tempdir().unwrap();
     let demo = demo_model();
-    let calib = calib();
+    let calib = sotu_speeches(|y| y < 2000);
     let mut results = Vec::new();
     for rotate in [false, true] {
         let out = tmp.path().join(format!("boa-{rotate}"));

@@ -105,16 +105,13 @@ pub fn gemma3_gguf() -> PathBuf {
     p
 }
 
-/// The reference venv's python (scripts/install_pyref.sh: transformers, torch, the gguf package), checked to
-/// import `modules` (e.g. "gguf, numpy"). $BOA_PYREF_PYTHON, default ~/.cache/boa-cuda/pyref/bin/python. A
-/// missing venv fails the test: scripts/test.sh installs it, so a test never passes for want of it.
-pub fn pyref_python(modules: &str) -> PathBuf {
-    let py = std::env::var_os("BOA_PYREF_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var("HOME").unwrap_or_default())
-                .join(".cache/boa-cuda/pyref/bin/python")
-        });
+/// A cached venv's python ($ENV, default ~/.cache/boa-cuda/DIR/bin/python), checked to import `modules`. A
+/// missing venv fails the test: scripts/test.sh installs both, so a test never passes for want of one.
+fn venv_python(env: &str, dir: &str, installer: &str, modules: &str) -> PathBuf {
+    let py = std::env::var_os(env).map(PathBuf::from).unwrap_or_else(|| {
+        PathBuf::from(std::env::var("HOME").unwrap_or_default())
+            .join(format!(".cache/boa-cuda/{dir}/bin/python"))
+    });
     let ok = Command::new(&py)
         .args(["-c", &format!("import {modules}")])
         .stderr(std::process::Stdio::null())
@@ -122,11 +119,76 @@ pub fn pyref_python(modules: &str) -> PathBuf {
         .is_ok_and(|s| s.success());
     assert!(
         ok,
-        "{} cannot import {modules}: run scripts/install_pyref.sh (scripts/test.sh does), or set \
-         BOA_PYREF_PYTHON to a python that has them",
+        "{} cannot import {modules}: run scripts/{installer} (scripts/test.sh does), or set {env} to a \
+         python that has them",
         py.display()
     );
     py
+}
+
+/// The reference venv's python (scripts/install_pyref.sh: transformers, torch, the gguf package), checked to
+/// import `modules` (e.g. "gguf, numpy"). $BOA_PYREF_PYTHON, default ~/.cache/boa-cuda/pyref/bin/python.
+pub fn pyref_python(modules: &str) -> PathBuf {
+    venv_python("BOA_PYREF_PYTHON", "pyref", "install_pyref.sh", modules)
+}
+
+/// The third-party loaders' venv (scripts/install_loaders.sh: GPTQModel, transformers + optimum,
+/// compressed-tensors), checked to import `modules`. $BOA_LOADERS_PYTHON, default
+/// ~/.cache/boa-cuda/loaders/bin/python.
+pub fn loaders_python(modules: &str) -> PathBuf {
+    venv_python(
+        "BOA_LOADERS_PYTHON",
+        "loaders",
+        "install_loaders.sh",
+        modules,
+    )
+}
+
+/// The State of the Union speeches whose year passes `pred`, in year order.
+pub fn sotu_speeches(pred: impl Fn(u32) -> bool) -> Vec<String> {
+    let dir = texts_dir().join("sotu");
+    let mut v: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.file_name().unwrap().to_str().unwrap()[..4]
+                .parse::<u32>()
+                .is_ok_and(&pred)
+        })
+        .collect();
+    v.sort();
+    v.into_iter()
+        .map(|p| p.to_str().unwrap().to_string())
+        .collect()
+}
+
+/// One row of scripts/check_loaders.py against `boa-cuda eval`'s perplexity `want` (`against` names it):
+/// printed, and a failure pushed when the loader erred or |Δppl| / ppl exceeds `tol`.
+pub fn check_loader_ppl(
+    failures: &mut Vec<String>,
+    dir: &Path,
+    row: &serde_json::Value,
+    against: &str,
+    want: f64,
+    tol: f64,
+) {
+    let loader = row["loader"].as_str().unwrap_or("?");
+    match row["perplexity"].as_f64() {
+        Some(p) => {
+            let rel = (p - want).abs() / want;
+            println!(
+                "{}: {loader} {p:.4} vs {against} {want:.4} (rel {rel:.1e})",
+                dir.display()
+            );
+            if rel > tol {
+                failures.push(format!(
+                    "{} {loader}: {p} vs {want} (rel {rel:.1e} > {tol:.0e})",
+                    dir.display()
+                ));
+            }
+        }
+        None => failures.push(format!("{} {loader}: {}", dir.display(), row["error"])),
+    }
 }
 
 // ---------------------------------------------------------------------------------------------------------
