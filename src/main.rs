@@ -8,7 +8,7 @@ use boa_cuda::model::Model;
 use boa_cuda::model::orthogonal::RotationKind;
 use boa_cuda::model::rotate::RotateSpec;
 use boa_cuda::pipeline::options::{
-    GroupSize, LayerSet, Method, MoeHessian, RunOptions, ScaleSearchArg, VRowHessian,
+    BitAllocation, GroupSize, LayerSet, Method, MoeHessian, RunOptions, ScaleSearchArg, VRowHessian,
 };
 use boa_cuda::progress::Progress;
 use clap::{Parser, Subcommand};
@@ -207,6 +207,14 @@ struct RunArgs {
     /// Bits per weight: 2, 3, 4 or 8.
     #[arg(long, default_value_t = 4)]
     wbits: u32,
+    /// Bit allocation: an average bit width (e.g. 2.5) instead of --wbits. Each block's linears get the
+    /// widths of --bit-choices that minimise the block's predicted output error (min-max RTN's
+    /// tr(ΔW H ΔWᵀ) on each linear's input covariance) with the block's weights averaging at most this.
+    #[arg(long, conflicts_with = "wbits")]
+    avg_bits: Option<f64>,
+    /// The widths --avg-bits chooses from.
+    #[arg(long, value_delimiter = ',', default_values_t = [2u32, 3, 4], requires = "avg_bits")]
+    bit_choices: Vec<u32>,
     /// Input columns per scale/zero group (a multiple of 16), -1 for one scale per output channel, or auto:
     /// the largest of 128, 64, 32 dividing every quantized linear's input width (the layout GPTQModel's
     /// and transformers' kernels load), else per-channel.
@@ -328,7 +336,16 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 calib: a.calib,
                 out: a.out,
                 method: a.method,
-                wbits: a.wbits,
+                // With --avg-bits, the narrowest choice: the config's base width, and the worst case the
+                // input checks size scales for.
+                wbits: match a.avg_bits {
+                    Some(_) => a.bit_choices.iter().copied().min().unwrap_or(a.wbits),
+                    None => a.wbits,
+                },
+                bits: a.avg_bits.map(|avg| BitAllocation {
+                    avg,
+                    choices: a.bit_choices.clone(),
+                }),
                 group_size: a.group_size,
                 sym: a.sym,
                 act_order: a.act_order,
@@ -657,6 +674,7 @@ fn bench_quant(
                 out: out.clone(),
                 method,
                 wbits,
+                bits: None,
                 group_size: GroupSize::PerChannel,
                 sym: false,
                 act_order: false,

@@ -28,6 +28,7 @@ fn checkpoint() -> &'static PathBuf {
             out: out.clone(),
             method: Method::Rtn,
             wbits: 3,
+            bits: None,
             group_size: GroupSize::Columns(32),
             sym: false,
             act_order: false,

@@ -147,7 +147,8 @@ pub fn linear_entries(
 /// transformers' `GPTQConfig` and GPTQModel's `QuantizeConfig` read (GPTQModel 7.7 writes the same names:
 /// `method`/`quant_method`, `format`/`checkpoint_format`, `pack_dtype`, `lm_head`, `meta`). `meta.quantizer`
 /// names the producer as GPTQModel's "name:version" list does; it is ours, never another tool's (GPTQModel
-/// trusts its own name for asymmetric v1, which we never write).
+/// trusts its own name for asymmetric v1, which we never write). `dynamic` (GPTQModel's per-module
+/// overrides, see `dynamic_bits`) is written when given.
 #[allow(clippy::too_many_arguments)]
 pub fn quantization_config(
     format: OutFormat,
@@ -158,8 +159,9 @@ pub fn quantization_config(
     damp: f64,
     static_groups: bool,
     method: &str,
+    dynamic: Option<serde_json::Value>,
 ) -> serde_json::Value {
-    serde_json::json!({
+    let mut v = serde_json::json!({
         "quant_method": "gptq",
         "method": "gptq",
         "bits": bits,
@@ -184,5 +186,29 @@ pub fn quantization_config(
             "static_groups": static_groups,
             "true_sequential": false,
         },
-    })
+    });
+    if let Some(d) = dynamic {
+        v["dynamic"] = d;
+    }
+    v
+}
+
+/// GPTQModel's `dynamic` for linears stored at another width than the config's `bits`: one "+:" rule
+/// per linear, its name escaped and anchored at both ends, so no rule reaches another module. None when
+/// every linear has `bits`.
+pub fn dynamic_bits<'a>(
+    bits: u32,
+    linears: impl IntoIterator<Item = (String, u32)> + 'a,
+) -> Option<serde_json::Value> {
+    let rules: serde_json::Map<String, serde_json::Value> = linears
+        .into_iter()
+        .filter(|&(_, b)| b != bits)
+        .map(|(name, b)| {
+            (
+                format!("+:^{}$", regex::escape(&name)),
+                serde_json::json!({ "bits": b }),
+            )
+        })
+        .collect();
+    (!rules.is_empty()).then_some(serde_json::Value::Object(rules))
 }

@@ -505,6 +505,15 @@ impl Model {
         self.gptq.is_some() && self.store.contains(&format!("{prefix}.qweight"))
     }
 
+    /// The GPTQ config the packed linear `prefix` is stored with (its `dynamic` override applied); None
+    /// when it is not packed.
+    fn packed_config(&self, prefix: &str) -> Option<GptqConfig> {
+        match &self.gptq {
+            Some(q) if self.is_packed(prefix) => q.for_module(prefix),
+            _ => None,
+        }
+    }
+
     /// Every tensor of block l with its expected shape (a packed linear's g_idx only when stored).
     pub fn block_shapes(&self, l: usize) -> Vec<(String, Vec<usize>)> {
         let desc = &self.cfg.block;
@@ -522,8 +531,8 @@ impl Model {
         }
         for ld in &desc.linears {
             let name = &ld.name;
-            match &self.gptq {
-                Some(q) if self.is_packed(&format!("{p}{name}")) => {
+            match self.packed_config(&format!("{p}{name}")) {
+                Some(q) => {
                     for (suffix, shape) in q.tensor_shapes(ld.d_out, ld.d_in) {
                         let n = format!("{p}{name}.{suffix}");
                         if suffix != "g_idx" || self.store.contains(&n) {
@@ -545,9 +554,9 @@ impl Model {
         let p = format!("model.layers.{l}.");
         let lin = |name: &str, d_out: usize, d_in: usize| -> anyhow::Result<Linear> {
             let prefix = format!("{p}{name}");
-            let (w, packed) = match &self.gptq {
-                Some(q) if self.is_packed(&prefix) => {
-                    let pl = load_packed_linear(&self.store, &self.dir, q, &prefix, d_out, d_in)?;
+            let (w, packed) = match self.packed_config(&prefix) {
+                Some(q) => {
+                    let pl = load_packed_linear(&self.store, &self.dir, &q, &prefix, d_out, d_in)?;
                     (Vec::new(), Some(Arc::new(pl)))
                 }
                 _ => (

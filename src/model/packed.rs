@@ -20,6 +20,77 @@ pub struct GptqConfig {
     pub version: GptqVersion,
     /// Where it was read from ("config.json" or "quantize_config.json").
     pub source: &'static str,
+    /// GPTQModel's `dynamic`: per-module overrides, first match wins (what --avg-bits writes).
+    pub dynamic: Vec<DynamicRule>,
+}
+
+/// One entry of `dynamic`: a pattern matched at the start of a module's name (Python's `re.match`), "+:"
+/// or no prefix overriding bits/group_size, "-:" leaving the module unquantized.
+#[derive(Clone, Debug)]
+pub struct DynamicRule {
+    pattern: regex::Regex,
+    skip: bool,
+    bits: Option<u32>,
+    group_size: Option<Option<usize>>,
+}
+
+impl PartialEq for DynamicRule {
+    fn eq(&self, o: &Self) -> bool {
+        self.pattern.as_str() == o.pattern.as_str()
+            && (self.skip, self.bits, self.group_size) == (o.skip, o.bits, o.group_size)
+    }
+}
+
+fn parse_bits(v: &serde_json::Value, what: &str) -> Result<u32, String> {
+    let bits = v
+        .as_u64()
+        .ok_or_else(|| format!("{what} \"bits\" is not an integer"))? as u32;
+    if !matches!(bits, 2 | 3 | 4 | 8) {
+        return Err(format!(
+            "{what} bits {bits} is not supported (2, 3, 4 or 8)"
+        ));
+    }
+    Ok(bits)
+}
+
+fn parse_group(v: &serde_json::Value, what: &str) -> Result<Option<usize>, String> {
+    match v.as_i64() {
+        Some(-1) => Ok(None),
+        Some(g) if g > 0 => Ok(Some(g as usize)),
+        _ => Err(format!("{what} group_size {v} is invalid")),
+    }
+}
+
+fn parse_dynamic(v: Option<&serde_json::Value>) -> Result<Vec<DynamicRule>, String> {
+    let Some(v) = v.filter(|v| !v.is_null()) else {
+        return Ok(Vec::new());
+    };
+    let map = v
+        .as_object()
+        .ok_or("the quantization config's \"dynamic\" is not an object")?;
+    map.iter()
+        .map(|(key, o)| {
+            let (skip, pat) = match key.strip_prefix("-:") {
+                Some(p) => (true, p),
+                None => (false, key.strip_prefix("+:").unwrap_or(key)),
+            };
+            let what = format!("dynamic {key:?}:");
+            // re.match anchors at the start only.
+            let pattern = regex::Regex::new(&format!("^(?:{pat})"))
+                .map_err(|e| format!("{what} not a regular expression we can read: {e}"))?;
+            let bits = o.get("bits").map(|b| parse_bits(b, &what)).transpose()?;
+            let group_size = o
+                .get("group_size")
+                .map(|g| parse_group(g, &what))
+                .transpose()?;
+            Ok(DynamicRule {
+                pattern,
+                skip,
+                bits,
+                group_size,
+            })
+        })
+        .collect()
 }
 
 impl GptqConfig {
@@ -64,19 +135,14 @@ impl GptqConfig {
                 }
             ));
         }
-        let bits = v
-            .get("bits")
-            .and_then(|b| b.as_u64())
-            .ok_or("the quantization config has no integer \"bits\"")? as u32;
-        if !matches!(bits, 2 | 3 | 4 | 8) {
-            return Err(format!(
-                "quantization config bits {bits} is not supported (2, 3, 4 or 8)"
-            ));
-        }
-        let group_size = match v.get("group_size").and_then(|g| g.as_i64()).unwrap_or(-1) {
-            -1 => None,
-            g if g > 0 => Some(g as usize),
-            g => return Err(format!("quantization config group_size {g} is invalid")),
+        let bits = parse_bits(
+            v.get("bits")
+                .ok_or("the quantization config has no integer \"bits\"")?,
+            "quantization config",
+        )?;
+        let group_size = match v.get("group_size") {
+            Some(g) => parse_group(g, "quantization config")?,
+            None => None,
         };
         let format = v
             .get("checkpoint_format")
@@ -95,7 +161,23 @@ impl GptqConfig {
             sym: flag("sym"),
             version,
             source,
+            dynamic: parse_dynamic(v.get("dynamic"))?,
         }))
+    }
+
+    /// The config module `name` (e.g. "model.layers.3.mlp.up_proj") is stored with: `dynamic`'s first
+    /// matching rule applied, None when that rule leaves it unquantized.
+    pub fn for_module(&self, name: &str) -> Option<GptqConfig> {
+        let Some(r) = self.dynamic.iter().find(|r| r.pattern.is_match(name)) else {
+            return Some(self.clone());
+        };
+        if r.skip {
+            return None;
+        }
+        let mut c = self.clone();
+        c.bits = r.bits.unwrap_or(c.bits);
+        c.group_size = r.group_size.unwrap_or(c.group_size);
+        Some(c)
     }
 
     /// Number of groups of a linear with `d_in` inputs.
@@ -279,4 +361,37 @@ pub fn inspect(dir: &Path) -> anyhow::Result<CheckpointSummary> {
         size_bytes,
         files,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::GptqConfig;
+
+    #[test]
+    fn dynamic_overrides_apply_first_match_from_the_start_of_the_name() {
+        let v = serde_json::json!({
+            "bits": 2, "group_size": 64, "checkpoint_format": "gptq_v2",
+            "dynamic": {
+                "+:^model\\.layers\\.0\\.mlp\\.down_proj$": {"bits": 4},
+                "-:model\\.layers\\.1\\.": {},
+                "model\\.layers\\.[23]\\.self_attn": {"bits": 3, "group_size": -1},
+            }
+        });
+        let c = GptqConfig::parse(&v, "config.json").unwrap().unwrap();
+        let at = |n: &str| c.for_module(n).map(|c| (c.bits, c.group_size));
+        assert_eq!(at("model.layers.0.mlp.down_proj"), Some((4, Some(64))));
+        // Anchored at both ends: not a prefix rule.
+        assert_eq!(at("model.layers.0.mlp.down_proj2"), Some((2, Some(64))));
+        assert_eq!(at("model.layers.1.mlp.up_proj"), None);
+        assert_eq!(at("model.layers.3.self_attn.q_proj"), Some((3, None)));
+        // re.match anchors only the start.
+        assert_eq!(at("xmodel.layers.3.self_attn.q_proj"), Some((2, Some(64))));
+        for bad in [
+            serde_json::json!({"bits": 2, "dynamic": {"(": {}}}),
+            serde_json::json!({"bits": 2, "dynamic": {"a": {"bits": 5}}}),
+            serde_json::json!({"bits": 2, "dynamic": []}),
+        ] {
+            assert!(GptqConfig::parse(&bad, "config.json").is_err(), "{bad}");
+        }
+    }
 }

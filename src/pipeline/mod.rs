@@ -255,6 +255,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
             let export = resume::Export {
                 format: opts.format,
                 bits: opts.wbits,
+                mixed_bits: opts.bits.is_some(),
                 dtype: model.store.main_dtype(),
                 quantized: &|l| layers.contains(l),
             };
@@ -559,6 +560,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
         folder.write_shard(cfg.n_layers, &global_entries(model)?)?;
         let mut config = cfg.json.clone();
         config["boa_cuda"] = serde_json::json!({"quantized": true, "method": opts.method, "wbits": opts.wbits,
+            "avg_bits": opts.bits.as_ref().map(|b| b.avg),
             "group_size": opts.group_size.columns().map(|g| g as i64).unwrap_or(-1), "sym": opts.sym,
             "format": opts.format.name()});
         if let Some(info) = rotation {
@@ -592,6 +594,14 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                 opts.damp,
                 opts.static_groups,
                 opts.method.name(),
+                crate::export::gptq_packed::dynamic_bits(
+                    opts.wbits,
+                    reports.iter().flat_map(|r| {
+                        r.linears
+                            .iter()
+                            .map(move |x| (format!("model.layers.{}.{}", r.layer, x.name), x.bits))
+                    }),
+                ),
             );
             config["quantization_config"] = q.clone();
             folder.write_json("quantize_config.json", &q)?;

@@ -200,7 +200,12 @@ pub struct RunOptions {
     pub calib: Vec<PathBuf>,
     pub out: PathBuf,
     pub method: Method,
+    /// Bits per weight; with `bits`, the narrowest of its choices.
     pub wbits: u32,
+    /// Per-linear bit widths chosen from the statistics (None: every linear at `wbits`). Absent from the
+    /// fingerprint when off, so fingerprints of uniform runs are unchanged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bits: Option<BitAllocation>,
     pub group_size: GroupSize,
     pub sym: bool,
     pub act_order: bool,
@@ -240,6 +245,14 @@ pub struct RunOptions {
     pub rotate: Option<crate::model::rotate::RotateSpec>,
 }
 
+/// `--avg-bits` and `--bit-choices`.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct BitAllocation {
+    pub avg: f64,
+    /// Ascending, distinct, each in SUPPORTED_WBITS (checked by `validate`).
+    pub choices: Vec<u32>,
+}
+
 impl Method {
     pub fn name(self) -> &'static str {
         match self {
@@ -260,6 +273,34 @@ impl RunOptions {
                 "--wbits {} is not supported (supported: 2, 3, 4, 8)",
                 self.wbits
             ));
+        }
+        if let Some(b) = &self.bits {
+            let mut c = b.choices.clone();
+            c.sort_unstable();
+            c.dedup();
+            if c != b.choices || c.is_empty() || c.iter().any(|w| !SUPPORTED_WBITS.contains(w)) {
+                return Err(format!(
+                    "--bit-choices {:?} must be distinct widths in ascending order, each 2, 3, 4 or 8",
+                    b.choices
+                ));
+            }
+            let (lo, hi) = (c[0] as f64, c[c.len() - 1] as f64);
+            if !(b.avg.is_finite() && b.avg >= lo && b.avg <= hi) {
+                return Err(format!(
+                    "--avg-bits {} must lie between the narrowest and widest --bit-choices ({lo} and {hi})",
+                    b.avg
+                ));
+            }
+            if self.wbits != c[0] {
+                return Err("--avg-bits sets the base width to the narrowest choice".into());
+            }
+            if self.format == OutFormat::CompressedTensors {
+                return Err(
+                    "--avg-bits with --format compressed-tensors is not supported yet (one \
+                     config group per width is not written): use --format gptq_v2 or fake"
+                        .into(),
+                );
+            }
         }
         if let Some(g) = self.gpu_mem
             && !(g.is_finite() && g > 0.0)
@@ -319,7 +360,9 @@ impl RunOptions {
             return Err(format!(
                 "--calib is required for --method {}{}",
                 self.method.name(),
-                if self.method == Method::Rtn {
+                if self.bits.is_some() {
+                    " with --avg-bits (it allocates from the calibration statistics)"
+                } else if self.method == Method::Rtn {
                     " with --scale-search hessian"
                 } else {
                     ""
@@ -331,7 +374,9 @@ impl RunOptions {
 
     /// Whether the run reads calibration text: RTN with min-max or MSE scales never looks at activations.
     pub fn needs_calibration(&self) -> bool {
-        self.method != Method::Rtn || self.scale_search == ScaleSearchArg::Hessian
+        self.method != Method::Rtn
+            || self.scale_search == ScaleSearchArg::Hessian
+            || self.bits.is_some()
     }
 }
 

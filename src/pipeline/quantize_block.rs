@@ -9,6 +9,7 @@ use crate::model::Config;
 use crate::model::arch::{NormRole, Role};
 use crate::model::llama::BlockWeights;
 use crate::ops::{Mat, QuantOps, QuantSpec, QuantizedLinear, Result, ScaleSearch};
+use crate::quant::allocate::{Candidate, allocate};
 use crate::quant::boa::{BoaOptions, ColHessian, boa_quantize};
 use crate::quant::gptq::{GptqOptions, gptq_quantize};
 use crate::quant::hessian::{
@@ -29,23 +30,25 @@ pub struct LinearReport {
     /// comes from its sweep's own loss (`Swept::loss`); the others from `QuantOps::quad_forms`.
     pub rtn_error: f64,
     pub error: f64,
+    /// Its bit width (--wbits, or chosen by --avg-bits).
+    pub bits: u32,
     pub seconds: f64,
     /// An expert's linears: the calibration tokens routed to it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokens: Option<usize>,
 }
 
-pub fn spec(opts: &RunOptions) -> QuantSpec {
+pub fn spec(opts: &RunOptions, bits: u32) -> QuantSpec {
     let search = match opts.scale_search {
         ScaleSearchArg::Hessian => ScaleSearch::Hessian,
         ScaleSearchArg::Mse => ScaleSearch::Mse,
         ScaleSearchArg::Minmax => ScaleSearch::MinMax,
     };
-    QuantSpec::new(opts.wbits, opts.group_size.columns(), opts.sym, search)
+    QuantSpec::new(bits, opts.group_size.columns(), opts.sym, search)
 }
 
-fn gptq_options(opts: &RunOptions, seqlen: usize) -> GptqOptions {
-    let mut g = GptqOptions::new(spec(opts));
+fn gptq_options(opts: &RunOptions, seqlen: usize, bits: u32) -> GptqOptions {
+    let mut g = GptqOptions::new(spec(opts, bits));
     g.act_order = opts.act_order;
     g.static_groups = opts.static_groups;
     g.damp = opts.damp;
@@ -53,34 +56,113 @@ fn gptq_options(opts: &RunOptions, seqlen: usize) -> GptqOptions {
     g
 }
 
-/// The relative errors (min-max RTN, the method) of `q` against W with H (undamped): one `quad_forms` call,
-/// tr(W H Wᵀ) and tr(ΔW_rtn H ΔW_rtnᵀ), plus tr(ΔW H ΔWᵀ) of the method unless its sweep knew it.
+/// tr(W H Wᵀ) and tr(ΔW H ΔWᵀ) of min-max RTN at `bits`, H undamped: the report's "before" figure and
+/// the bit allocation's predicted error.
+fn rtn_forms(
+    ops: &dyn QuantOps,
+    w: &Mat,
+    h: &Mat,
+    opts: &RunOptions,
+    bits: &[u32],
+) -> Result<(f64, Vec<f64>)> {
+    let mut deltas = Vec::with_capacity(bits.len());
+    for &b in bits {
+        let minmax = QuantSpec::new(b, opts.group_size.columns(), opts.sym, ScaleSearch::MinMax);
+        let rtn = rtn_quantize(ops, w, None, &minmax)?;
+        deltas.push(ops.sub(w, &rtn.w_hat)?);
+    }
+    let mut mats = vec![w];
+    mats.extend(deltas.iter());
+    let forms = ops.quad_forms(h, &mats)?;
+    Ok((forms[0], forms[1..].to_vec()))
+}
+
+/// The relative errors (min-max RTN, the method) of `q` against W with H (undamped): tr(W H Wᵀ) and
+/// tr(ΔW_rtn H ΔW_rtnᵀ) from `known` (the allocation computed them), plus tr(ΔW H ΔWᵀ) of the method
+/// unless its sweep knew it, all in one `quad_forms` call (one download).
 fn relative_errors(
     ops: &dyn QuantOps,
     w: &Mat,
     q: &QuantizedLinear,
     h: &Mat,
     opts: &RunOptions,
+    known: Option<(f64, f64)>,
 ) -> Result<(f64, f64)> {
-    let minmax = QuantSpec::new(
-        opts.wbits,
-        opts.group_size.columns(),
-        opts.sym,
-        ScaleSearch::MinMax,
-    );
-    let rtn = rtn_quantize(ops, w, None, &minmax)?;
-    let d_rtn = ops.sub(w, &rtn.w_hat)?;
-    drop(rtn);
-    let d_q = match q.error {
-        Some(_) => None,
-        None => Some(ops.sub(w, &q.w_hat)?),
+    let mut mats = Vec::with_capacity(3);
+    if known.is_none() {
+        let minmax = QuantSpec::new(
+            q.bits,
+            opts.group_size.columns(),
+            opts.sym,
+            ScaleSearch::MinMax,
+        );
+        let rtn = rtn_quantize(ops, w, None, &minmax)?;
+        mats.push(ops.sub(w, &rtn.w_hat)?);
+    }
+    if q.error.is_none() {
+        mats.push(ops.sub(w, &q.w_hat)?);
+    }
+    let mut refs: Vec<&Mat> = Vec::with_capacity(3);
+    if known.is_none() {
+        refs.push(w);
+    }
+    refs.extend(mats.iter());
+    let forms = if refs.is_empty() {
+        Vec::new()
+    } else {
+        ops.quad_forms(h, &refs)?
     };
-    let mut mats = vec![w, &d_rtn];
-    mats.extend(d_q.as_ref());
-    let forms = ops.quad_forms(h, &mats)?;
-    let after = q.error.unwrap_or_else(|| forms[2]);
-    let rel = |num: f64| if forms[0] > 0.0 { num / forms[0] } else { 0.0 };
-    Ok((rel(forms[1]), rel(after)))
+    let (w_form, rtn_form, rest) = match known {
+        Some((wf, rf)) => (wf, rf, &forms[..]),
+        None => (forms[0], forms[1], &forms[2..]),
+    };
+    let after = q.error.unwrap_or_else(|| rest[0]);
+    let rel = |num: f64| if w_form > 0.0 { num / w_form } else { 0.0 };
+    Ok((rel(rtn_form), rel(after)))
+}
+
+/// tr(W H Wᵀ) and min-max RTN's tr(ΔW H ΔWᵀ) at the linear's width, when the allocation computed them.
+type KnownForms = Option<(f64, f64)>;
+
+/// Each linear's bit width, and (under --avg-bits) its tr(W H Wᵀ) and min-max RTN error at that width for
+/// the report. A linear without H (an under-routed expert's down_proj) predicts no error, so it gets the
+/// narrowest width.
+fn linear_bits(
+    ops: &dyn QuantOps,
+    weights: &[Mat],
+    stats: Option<&BlockStats>,
+    cfg: &Config,
+    opts: &RunOptions,
+    layer: usize,
+) -> Result<(Vec<u32>, Vec<KnownForms>)> {
+    let n = cfg.block.linears.len();
+    let Some(alloc) = &opts.bits else {
+        return Ok((vec![opts.wbits; n], vec![None; n]));
+    };
+    let mut cands = Vec::with_capacity(n);
+    let mut w_forms = Vec::with_capacity(n);
+    for (i, ld) in cfg.block.linears.iter().enumerate() {
+        let (w_form, errors) = match stats.and_then(|s| s.h_col(ld)) {
+            Some(h) => rtn_forms(ops, &weights[i], h, opts, &alloc.choices)
+                .with_context(|| format!("layer {layer} {}: bit allocation", ld.name))?,
+            None => (f64::NAN, vec![0.0; alloc.choices.len()]),
+        };
+        w_forms.push(w_form);
+        cands.push(Candidate {
+            weights: ld.d_out * ld.d_in,
+            errors,
+        });
+    }
+    let pick = allocate(&alloc.choices, &cands, alloc.avg)
+        .map_err(|m| crate::input_err!("layer {layer}: {m}"))?;
+    let bits = pick.iter().map(|&i| alloc.choices[i]).collect();
+    let known = pick
+        .iter()
+        .zip(&cands)
+        .zip(&w_forms)
+        .map(|((&i, c), &wf)| wf.is_finite().then_some((wf, c.errors[i])))
+        .collect();
+    Ok((bits, known))
 }
 
 /// The per-head q/k norm weights of a block that has them (Qwen3), for BoA's row Hessians.
@@ -110,7 +192,7 @@ pub fn quantize_block(
     opts: &RunOptions,
     layer: usize,
 ) -> Result<Vec<(QuantizedLinear, LinearReport)>> {
-    let g = gptq_options(opts, opts.seqlen);
+    let (bits, known) = linear_bits(ops, weights, stats, cfg, opts, layer)?;
     // Linears that read the same input share its plan (q/k, and v under GPTQ; gate/up).
     let factors = FactorCache::new();
     // The offsets between a query and the keys it sees: fewer than the window where the layer slides.
@@ -124,6 +206,7 @@ pub fn quantize_block(
     for (i, ld) in desc.linears.iter().enumerate() {
         let name = ld.name.as_str();
         let start = Instant::now();
+        let g = gptq_options(opts, opts.seqlen, bits[i]);
         let w = &weights[i];
         let ctx = || format!("layer {layer} {name}");
         // None for an expert's down_proj that too few tokens reached (BlockStats::h_col): RTN.
@@ -132,7 +215,7 @@ pub fn quantize_block(
         let (q, method) = match (opts.method, h) {
             (Method::Rtn, _) | (_, None) => {
                 let hs = h.filter(|_| opts.scale_search == ScaleSearchArg::Hessian);
-                let mut sp = spec(opts);
+                let mut sp = spec(opts, bits[i]);
                 // An under-routed expert's down_proj has no H to weigh the scale search with.
                 if hs.is_none() && sp.search == ScaleSearch::Hessian {
                     sp.search = ScaleSearch::Mse;
@@ -211,7 +294,7 @@ pub fn quantize_block(
             ),
         };
         let (rtn_error, error) = match h {
-            Some(h) => relative_errors(ops, w, &q, h, opts)
+            Some(h) => relative_errors(ops, w, &q, h, opts, known[i])
                 .with_context(|| format!("layer {layer} {name}: error report"))?,
             None => (f64::NAN, f64::NAN),
         };
@@ -223,6 +306,7 @@ pub fn quantize_block(
                 method,
                 rtn_error,
                 error,
+                bits: bits[i],
                 seconds,
                 tokens,
             },

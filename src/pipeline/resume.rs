@@ -117,6 +117,9 @@ struct LinearRecord {
     seconds: f64,
     #[serde(default)]
     tokens: Option<usize>,
+    /// Absent in states written before --avg-bits: those runs' --wbits, which the fingerprint pins.
+    #[serde(default)]
+    bits: Option<u32>,
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -143,6 +146,8 @@ struct State {
 pub struct Export<'a> {
     pub format: OutFormat,
     pub bits: u32,
+    /// --avg-bits chose each linear's width: conversion, which unpacks at `bits`, is refused.
+    pub mixed_bits: bool,
     /// The model's dtype (what fake-quant weights are written in).
     pub dtype: safetensors::Dtype,
     /// Whether block l is quantized (in --layers); the others are copied through, the same in every format.
@@ -171,12 +176,13 @@ fn to_record(r: &LayerReport) -> LayerRecord {
                 error: l.error.to_bits(),
                 seconds: l.seconds,
                 tokens: l.tokens,
+                bits: Some(l.bits),
             })
             .collect(),
     }
 }
 
-fn from_record(r: LayerRecord, path: &Path) -> anyhow::Result<LayerReport> {
+fn from_record(r: LayerRecord, path: &Path, wbits: u32) -> anyhow::Result<LayerReport> {
     let linears = r
         .linears
         .into_iter()
@@ -197,6 +203,7 @@ fn from_record(r: LayerRecord, path: &Path) -> anyhow::Result<LayerReport> {
                 method,
                 rtn_error: f64::from_bits(l.rtn_error),
                 error: f64::from_bits(l.error),
+                bits: l.bits.unwrap_or(wbits),
                 seconds: l.seconds,
                 tokens: l.tokens,
             })
@@ -382,7 +389,7 @@ pub fn load(
     let reports = state
         .layers
         .into_iter()
-        .map(|r| from_record(r, &path))
+        .map(|r| from_record(r, &path, export.bits))
         .collect::<anyhow::Result<_>>()?;
     Ok(Some(Saved {
         next_block: state.next_block,
@@ -432,6 +439,17 @@ fn convert(
             tmp.display(),
             to.name(),
             blocks.len()
+        ));
+    }
+    if export.mixed_bits && !blocks.is_empty() {
+        return Err(crate::input_err!(
+            "cannot --resume from {} with --format {}: it was made with --format {} and --avg-bits, and \
+             conversion of per-linear bit widths is not supported; resume with --format {}, or run without \
+             --resume to start over",
+            tmp.display(),
+            to.name(),
+            then.name(),
+            then.name()
         ));
     }
     if then != to && [then, to].contains(&OutFormat::CompressedTensors) && !blocks.is_empty() {

@@ -79,6 +79,21 @@ pub fn before_work(opts: &RunOptions, model: &Model, progress: &Progress) -> any
         // Not silenced by --quiet: the checkpoint is written, but some loaders will refuse it.
         eprintln!("warning: {w}");
     }
+    if let Some(b) = &opts.bits {
+        let n = cfg.block.linears.len() as u32;
+        let too_many = (b.choices.len() as u64)
+            .checked_pow(n)
+            .is_none_or(|a| a > crate::quant::allocate::MAX_ASSIGNMENTS as u64);
+        if too_many {
+            return Err(crate::input_err!(
+                "--avg-bits searches every assignment of a block's widths, and a block of this model has {n} \
+                 linears ({}^{n} assignments, more than {}): mixture-of-experts blocks are not supported yet; \
+                 pass fewer --bit-choices or use --wbits",
+                b.choices.len(),
+                crate::quant::allocate::MAX_ASSIGNMENTS
+            ));
+        }
+    }
     cfg.check_tensor_names(model.store.names())
         .map_err(|m| file_err(model.dir.join("config.json"), m))?;
     let needs_calib = opts.needs_calibration();

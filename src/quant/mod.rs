@@ -11,6 +11,7 @@
 //! f64 (accumulation and factorization in f64). The sweeps are generic over [`Real`] (f32 for speed, f64 for
 //! the bit-exactness tests of §4.4).
 
+pub mod allocate;
 pub mod boa;
 pub mod boa_reference;
 pub mod gptq;

@@ -1,0 +1,156 @@
+//! Bit allocation (issue 23 part 2): the bit width of each linear of a block that minimises the block's
+//! predicted output error Σ_ℓ e_ℓ(b_ℓ) under an average, Σ_ℓ n_ℓ b_ℓ ≤ avg · Σ_ℓ n_ℓ (n_ℓ the linear's
+//! weights). e_ℓ(b) is what the caller predicts, e.g. tr(ΔW_b H ΔW_bᵀ) of min-max RTN at b bits on the
+//! linear's input covariance: rate follows the Hessian where the error falls fastest per stored bit.
+//!
+//! A dense block has few linears (7), so the optimum is found exactly by enumerating every assignment
+//! (|choices|^L ≤ `MAX_ASSIGNMENTS`); larger blocks are refused by the caller's check.
+
+/// The most assignments `allocate` enumerates (4 widths over 8 linears).
+pub const MAX_ASSIGNMENTS: usize = 1 << 16;
+
+/// Per linear: its weight count and its predicted error at each of `choices` (ascending bit widths).
+pub struct Candidate {
+    pub weights: usize,
+    pub errors: Vec<f64>,
+}
+
+/// The index into `choices` of each candidate's width, minimising the summed error under the average
+/// (ties: fewer bits). Err when even the narrowest widths exceed the budget or the search is too large.
+pub fn allocate(choices: &[u32], cands: &[Candidate], avg_bits: f64) -> Result<Vec<usize>, String> {
+    let k = choices.len();
+    if k == 0 || cands.iter().any(|c| c.errors.len() != k) {
+        return Err("bit allocation: every linear needs one predicted error per width".into());
+    }
+    let total = cands.iter().try_fold(1usize, |a, _| {
+        a.checked_mul(k).filter(|&n| n <= MAX_ASSIGNMENTS)
+    });
+    let Some(total) = total else {
+        return Err(format!(
+            "bit allocation over {} linears × {k} widths is more than {MAX_ASSIGNMENTS} assignments",
+            cands.len()
+        ));
+    };
+    let n: usize = cands.iter().map(|c| c.weights).sum();
+    // Integer budget in weight-bits, so an average met exactly (3.0 over widths 2..4) is never lost to
+    // rounding.
+    let budget = (avg_bits * n as f64 + 1e-9 * n as f64).floor() as u128;
+    let mut best: Option<(f64, u128, Vec<usize>)> = None;
+    let mut pick = vec![0usize; cands.len()];
+    for mut code in 0..total {
+        for p in pick.iter_mut() {
+            *p = code % k;
+            code /= k;
+        }
+        let cost: u128 = cands
+            .iter()
+            .zip(&pick)
+            .map(|(c, &i)| c.weights as u128 * choices[i] as u128)
+            .sum();
+        if cost > budget {
+            continue;
+        }
+        let err: f64 = cands.iter().zip(&pick).map(|(c, &i)| c.errors[i]).sum();
+        let better = match &best {
+            None => true,
+            Some((e, c, _)) => err < *e || (err == *e && cost < *c),
+        };
+        if better {
+            best = Some((err, cost, pick.clone()));
+        }
+    }
+    best.map(|(_, _, p)| p).ok_or_else(|| {
+        format!(
+            "an average of {avg_bits} bits is below the narrowest width {} bits",
+            choices[0]
+        )
+    })
+}
+
+/// The average bit width of an allocation, weighted by weight counts.
+pub fn average_bits(choices: &[u32], cands: &[Candidate], pick: &[usize]) -> f64 {
+    let n: usize = cands.iter().map(|c| c.weights).sum();
+    let bits: f64 = cands
+        .iter()
+        .zip(pick)
+        .map(|(c, &i)| c.weights as f64 * choices[i] as f64)
+        .sum();
+    bits / n.max(1) as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cand(weights: usize, errors: &[f64]) -> Candidate {
+        Candidate {
+            weights,
+            errors: errors.to_vec(),
+        }
+    }
+
+    #[test]
+    fn the_sensitive_linear_gets_the_bits() {
+        let choices = [2, 3, 4];
+        // Same size; the second loses far more per bit removed.
+        let c = [
+            cand(100, &[4.0, 2.0, 1.0]),
+            cand(100, &[400.0, 100.0, 25.0]),
+        ];
+        assert_eq!(allocate(&choices, &c, 3.0).unwrap(), vec![0, 2]);
+        assert_eq!(allocate(&choices, &c, 2.5).unwrap(), vec![0, 1]);
+        assert_eq!(allocate(&choices, &c, 2.0).unwrap(), vec![0, 0]);
+        assert!(allocate(&choices, &c, 1.9).is_err());
+    }
+
+    #[test]
+    fn weights_price_the_bits_and_the_budget_holds() {
+        let choices = [2, 3, 4];
+        // The big linear would gain more in total, but a bit on it costs 9× the budget; two small ones at
+        // 3 bits (2 + 2) beat one at 4 (0.5 + 8) for the same 200 weight-bits.
+        let c = [
+            cand(900, &[10.0, 5.0, 2.5]),
+            cand(100, &[8.0, 2.0, 0.5]),
+            cand(100, &[8.0, 2.0, 0.5]),
+        ];
+        let p = allocate(&choices, &c, 2.2).unwrap();
+        assert_eq!(p, vec![0, 1, 1]);
+        assert!(average_bits(&choices, &c, &p) <= 2.2);
+    }
+
+    #[test]
+    fn exhaustive_matches_a_brute_force_on_random_blocks() {
+        use rand::{RngExt, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        let choices = [2, 3, 4, 8];
+        for _ in 0..50 {
+            let c: Vec<Candidate> = (0..5)
+                .map(|_| {
+                    let base: f64 = rng.random_range(0.1..10.0);
+                    let w = rng.random_range(1..1000);
+                    cand(w, &[base * 16.0, base * 4.0, base, base / 256.0])
+                })
+                .collect();
+            let avg = rng.random_range(2.0..5.0);
+            let p = allocate(&choices, &c, avg).unwrap();
+            let err = |p: &[usize]| -> f64 { c.iter().zip(p).map(|(c, &i)| c.errors[i]).sum() };
+            // Every single-linear change that stays in budget is no better.
+            for l in 0..c.len() {
+                for i in 0..choices.len() {
+                    let mut q = p.clone();
+                    q[l] = i;
+                    if average_bits(&choices, &c, &q) <= avg {
+                        assert!(err(&q) >= err(&p));
+                    }
+                }
+            }
+            assert!(average_bits(&choices, &c, &p) <= avg + 1e-12);
+        }
+    }
+
+    #[test]
+    fn too_many_linears_is_refused() {
+        let c: Vec<Candidate> = (0..20).map(|_| cand(1, &[1.0, 0.5, 0.2])).collect();
+        assert!(allocate(&[2, 3, 4], &c, 3.0).is_err());
+    }
+}

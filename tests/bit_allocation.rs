@@ -1,0 +1,144 @@
+//! `run --avg-bits` (issue 23 part 2): each block's linears get widths from --bit-choices whose weighted
+//! average stays within the budget, report.json records them, the packed checkpoint states them in
+//! GPTQModel's `dynamic`, and `boa-cuda eval` reads it back. Bad combinations are refused before any work.
+
+mod common;
+
+use common::{demo_model, run, sotu_speeches, texts_dir};
+
+#[test]
+fn avg_bits_allocates_within_the_budget_and_the_checkpoint_says_so() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("q");
+    let model = demo_model();
+    let calib = sotu_speeches(|y| y < 1850);
+    let mut a = vec![
+        "run",
+        "--model",
+        model.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--method",
+        "gptq",
+        "--avg-bits",
+        "2.5",
+        "--nsamples",
+        "2",
+        "--seqlen",
+        "128",
+        "--layers",
+        "0-2",
+        "--quiet",
+        "--calib",
+    ];
+    a.extend(calib.iter().map(|c| c.as_str()));
+    let (code, _, err) = run(&a);
+    assert_eq!(code, 0, "{err}");
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
+    let cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
+    let q = &cfg["quantization_config"];
+    assert_eq!(q["bits"], 2, "the base width is the narrowest choice");
+    let dynamic = q["dynamic"].as_object().expect("a dynamic section");
+    // SmolLM2's linears: q, k, v, o, gate, up, down.
+    let d = 576;
+    let weights = |name: &str| -> usize {
+        match name.rsplit('.').next().unwrap() {
+            "q_proj" | "o_proj" => d * d,
+            "k_proj" | "v_proj" => d * 192,
+            _ => d * 1536,
+        }
+    };
+    let mut widths = std::collections::BTreeSet::new();
+    let mut overrides = 0;
+    for layer in report["layers"].as_array().unwrap() {
+        let (mut n, mut bits) = (0usize, 0usize);
+        for l in layer["linears"].as_array().unwrap() {
+            let name = l["name"].as_str().unwrap();
+            let b = l["bits"].as_u64().unwrap() as usize;
+            assert!([2, 3, 4].contains(&b), "{name}: {b}");
+            widths.insert(b);
+            n += weights(name);
+            bits += weights(name) * b;
+            let key = format!(
+                "+:^model\\.layers\\.{}\\.{}$",
+                layer["layer"],
+                name.replace('.', "\\.")
+            );
+            if b != 2 {
+                overrides += 1;
+                assert_eq!(dynamic[&key]["bits"], b as u64, "{key}");
+            } else {
+                assert!(!dynamic.contains_key(&key), "{key}");
+            }
+        }
+        assert!(
+            bits as f64 <= 2.5 * n as f64,
+            "layer {}: {bits} / {n}",
+            layer["layer"]
+        );
+        assert!(
+            bits as f64 >= 2.2 * n as f64,
+            "the budget is used: {bits} / {n}"
+        );
+    }
+    assert_eq!(overrides, dynamic.len());
+    assert!(widths.len() >= 2, "{widths:?}");
+    let (code, out_eval, err) = run(&[
+        "eval",
+        "--model",
+        out.to_str().unwrap(),
+        "--data",
+        texts_dir().join("moby-dick.txt").to_str().unwrap(),
+        "--seqlen",
+        "128",
+        "--max-windows",
+        "1",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let ppl = serde_json::from_str::<serde_json::Value>(out_eval.trim()).unwrap()["perplexity"]
+        .as_f64()
+        .unwrap();
+    assert!(ppl.is_finite() && ppl > 1.0, "{ppl}");
+}
+
+#[test]
+fn bad_allocations_are_refused_before_any_work() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = demo_model();
+    let calib = texts_dir().join("moby-dick.txt");
+    let out = tmp.path().join("q");
+    for (extra, says) in [
+        (
+            &["--avg-bits", "1.5"][..],
+            "between the narrowest and widest",
+        ),
+        (&["--avg-bits", "3", "--bit-choices", "4,3"], "ascending"),
+        (
+            &["--avg-bits", "3", "--bit-choices", "2,5"],
+            "each 2, 3, 4 or 8",
+        ),
+        (
+            &["--avg-bits", "3", "--format", "compressed-tensors", "--sym"],
+            "compressed-tensors",
+        ),
+    ] {
+        let mut a = vec![
+            "run",
+            "--model",
+            model.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--calib",
+            calib.to_str().unwrap(),
+        ];
+        a.extend_from_slice(extra);
+        let (code, _, err) = run(&a);
+        assert_eq!(code, 2, "{extra:?}: {err}");
+        assert!(err.contains(says), "{extra:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+        assert!(!out.exists());
+    }
+}
