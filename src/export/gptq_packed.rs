@@ -196,9 +196,9 @@ pub fn quantization_config(
 /// GPTQModel's `dynamic` for linears stored at another width than the config's `bits`: one "+:" rule
 /// per linear, its name escaped and anchored at both ends, so no rule reaches another module. None when
 /// every linear has `bits`.
-pub fn dynamic_bits<'a>(
+pub fn dynamic_bits(
     bits: u32,
-    linears: impl IntoIterator<Item = (String, u32)> + 'a,
+    linears: impl IntoIterator<Item = (String, u32)>,
 ) -> Option<serde_json::Value> {
     let rules: serde_json::Map<String, serde_json::Value> = linears
         .into_iter()

@@ -80,11 +80,8 @@ pub fn before_work(opts: &RunOptions, model: &Model, progress: &Progress) -> any
         eprintln!("warning: {w}");
     }
     if let Some(b) = &opts.bits {
-        let n = cfg.block.linears.len() as u32;
-        let too_many = (b.choices.len() as u64)
-            .checked_pow(n)
-            .is_none_or(|a| a > crate::quant::allocate::MAX_ASSIGNMENTS as u64);
-        if too_many {
+        let n = cfg.block.linears.len();
+        if crate::quant::allocate::assignments(b.choices.len(), n).is_none() {
             return Err(crate::input_err!(
                 "--avg-bits searches every assignment of a block's widths, and a block of this model has {n} \
                  linears ({}^{n} assignments, more than {}): mixture-of-experts blocks are not supported yet; \

@@ -9,6 +9,14 @@
 /// The most assignments `allocate` enumerates (4 widths over 8 linears).
 pub const MAX_ASSIGNMENTS: usize = 1 << 16;
 
+/// How many assignments of `widths` widths to `linears` linears `allocate` enumerates; None above
+/// `MAX_ASSIGNMENTS`.
+pub fn assignments(widths: usize, linears: usize) -> Option<usize> {
+    (0..linears).try_fold(1usize, |a, _| {
+        a.checked_mul(widths).filter(|&n| n <= MAX_ASSIGNMENTS)
+    })
+}
+
 /// Per linear: its weight count and its predicted error at each of `choices` (ascending bit widths).
 pub struct Candidate {
     pub weights: usize,
@@ -22,10 +30,7 @@ pub fn allocate(choices: &[u32], cands: &[Candidate], avg_bits: f64) -> Result<V
     if k == 0 || cands.iter().any(|c| c.errors.len() != k) {
         return Err("bit allocation: every linear needs one predicted error per width".into());
     }
-    let total = cands.iter().try_fold(1usize, |a, _| {
-        a.checked_mul(k).filter(|&n| n <= MAX_ASSIGNMENTS)
-    });
-    let Some(total) = total else {
+    let Some(total) = assignments(k, cands.len()) else {
         return Err(format!(
             "bit allocation over {} linears × {k} widths is more than {MAX_ASSIGNMENTS} assignments",
             cands.len()
