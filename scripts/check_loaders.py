@@ -14,14 +14,20 @@ Loaders:
                       them on the first forward, on the CPU too);
   compressed-tensors-dequantize  the same with CompressedTensorsConfig(dequantize=True): decompressed while
                       the weights load.
+  transformers-gguf   from_pretrained(DIR, gguf_file="model.gguf") of a --format gguf folder in float32:
+                      transformers dequantizes every tensor with the gguf package and undoes llama.cpp's q/k
+                      row permutation itself (run it with the venv of scripts/install_pyref.sh, which has
+                      gguf). The folder has no tokenizer.json: pass --tokenizer.
 Prints one JSON object per folder and loader: {"dir", "loader", "dtype", "kernel", "perplexity"} or {"dir", "loader",
 "error"} (the exception's first line); a loader that refuses a folder is a result, not a crash.
 --weights-like SUFFIX adds {"compared", "max_abs_diff"}: the loaded model's linear weights (after the forward, so
 decompressed) against the `.weight` tensors of the folder DIR+SUFFIX (e.g. the same run written as --format fake).
 
-usage: check_loaders.py --data TEXT [--seqlen 128] [--max-windows 2] [--weights-like SUFFIX] --loader NAME
-       [--loader NAME…] DIR…
-needs: the venv of scripts/install_loaders.sh.
+--tokenizer DIR takes the token ids from DIR/tokenizer.json instead of each folder's own.
+
+usage: check_loaders.py --data TEXT [--seqlen 128] [--max-windows 2] [--weights-like SUFFIX] [--tokenizer DIR]
+       --loader NAME [--loader NAME…] DIR…
+needs: the venv of scripts/install_loaders.sh (transformers-gguf: scripts/install_pyref.sh's).
 """
 import argparse, contextlib, io, json, logging, math, os, sys, warnings
 
@@ -49,6 +55,9 @@ def load(folder, loader):
         return GPTQModel.load(folder, device="cpu", dtype=torch.float16).model
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig, GPTQConfig
     kw = {}
+    if loader == "transformers-gguf":
+        return AutoModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf", device_map="cpu",
+                                                    dtype=torch.float32)
     if loader == "compressed-tensors-dequantize":
         kw["quantization_config"] = CompressedTensorsConfig(dequantize=True)
     elif loader == "compressed-tensors":
@@ -96,12 +105,13 @@ def main():
     ap.add_argument("--max-windows", type=int, default=2)
     ap.add_argument("--loader", action="append", required=True)
     ap.add_argument("--weights-like")
+    ap.add_argument("--tokenizer")
     ap.add_argument("dirs", nargs="+")
     a = ap.parse_args()
     text = open(a.data, encoding="utf-8").read()
     logging.disable(logging.WARNING)
     for d in a.dirs:
-        wins = windows(d, text, a.seqlen, a.max_windows)
+        wins = windows(a.tokenizer or d, text, a.seqlen, a.max_windows)
         for loader in a.loader:
             row = {"dir": d, "loader": loader}
             # The loaders log freely on stdout; only our JSON lines go there.

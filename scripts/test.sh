@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command: fetches the demo model and Gemma 3 270M Q4_K_M, unpacks the texts (data/texts.tar.xz)
-# and installs the reference and loader venvs (scripts/install_pyref.sh, install_loaders.sh) if needed (tests
-# need all five and fail without them), then runs every test in release mode (the forward passes are too
+# and installs the reference, loader and llama.cpp venvs (scripts/install_pyref.sh, install_loaders.sh,
+# install_llamacpp.sh) if needed (tests need all six and fail without them), then runs every test in release mode (the forward passes are too
 # slow unoptimized).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,4 +16,7 @@ export BOA_PYREF_PYTHON
 # GPTQModel and transformers + optimum, the loaders of tests/loaders.rs (a second cached venv).
 BOA_LOADERS_PYTHON="${BOA_LOADERS_PYTHON:-$(scripts/install_loaders.sh | tail -n1)}"
 export BOA_LOADERS_PYTHON
+# llama.cpp through llama-cpp-python, built from source once (tests/gguf_export.rs; a third cached venv).
+BOA_LLAMACPP_PYTHON="${BOA_LLAMACPP_PYTHON:-$(scripts/install_llamacpp.sh | tail -n1)}"
+export BOA_LLAMACPP_PYTHON
 cargo test --release "$@"

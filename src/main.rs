@@ -198,6 +198,8 @@ struct RunArgs {
     /// transformers). gptq: zeros stored as zero − 1 (AutoGPTQ v1), which cannot store an asymmetric
     /// grid's zero point 0: needs --sym. fake: dequantized weights in the input dtype. compressed-tensors:
     /// compressed-tensors' pack-quantized (transformers with compressed-tensors, vLLM; no --act-order).
+    /// gguf: one llama.cpp file, --out/model.gguf (Llama architecture; 4-bit Q4_0 or 8-bit Q8_0, so
+    /// symmetric 32-column groups, no --act-order), the GPTQ/BoA codes stored exactly.
     /// Scales are f16-rounded in every format (compressed-tensors stores them in the model's dtype).
     #[arg(long, value_enum, default_value_t = OutFormat::GptqV2)]
     format: OutFormat,
@@ -220,7 +222,7 @@ struct RunArgs {
     /// and transformers' kernels load), else per-channel.
     #[arg(long, default_value = "auto", allow_negative_numbers = true, value_parser = GroupSize::parse)]
     group_size: GroupSize,
-    /// Symmetric quantization (zero at the middle of the grid).
+    /// Symmetric quantization (zero at the middle of the grid); implied by --format gguf.
     #[arg(long)]
     sym: bool,
     /// Quantize columns in descending diag(H) order (records g_idx).
@@ -347,7 +349,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     choices: a.bit_choices.clone(),
                 }),
                 group_size: a.group_size,
-                sym: a.sym,
+                // GGUF's Q4_0/Q8_0 have no zero point: the format implies --sym.
+                sym: a.sym || a.format == OutFormat::Gguf,
                 act_order: a.act_order,
                 act_order_row: a.act_order_row,
                 static_groups: a.static_groups,

@@ -2,7 +2,8 @@
 //!   fake     one dequantized `.weight` per linear (loads anywhere);
 //!   gptq     packed `qweight`/`qzeros`/`scales`/`g_idx` per linear, zeros stored as zero − 1 (AutoGPTQ v1);
 //!   gptq_v2  the same with the true zeros;
-//!   compressed-tensors  compressed-tensors' `pack-quantized` tensors (compressed_tensors.rs).
+//!   compressed-tensors  compressed-tensors' `pack-quantized` tensors (compressed_tensors.rs);
+//!   gguf     gptq_v2 shards during the run, one llama.cpp file at its end (gguf_model.rs).
 //! Scales are stored in f16, so a packed checkpoint dequantizes with f16-rounded scales. The fake format
 //! writes exactly those values, ŵ = f16(s)·(q − z) (then cast to the model's dtype), so the two formats hold the
 //! same model; the pipeline's own forward of later blocks still uses the f32 scales.
@@ -32,6 +33,11 @@ pub enum OutFormat {
     #[value(name = "compressed-tensors")]
     #[serde(rename = "compressed-tensors")]
     CompressedTensors,
+    /// One llama.cpp GGUF file, model.gguf (gguf_model.rs): Q4_0 at 4 bits, Q8_0 at 8. The run's shards are
+    /// gptq_v2 until the end, so it resumes as a packed run does.
+    #[value(name = "gguf")]
+    #[serde(rename = "gguf")]
+    Gguf,
 }
 
 impl OutFormat {
@@ -40,7 +46,7 @@ impl OutFormat {
         match self {
             OutFormat::Fake | OutFormat::CompressedTensors => None,
             OutFormat::Gptq => Some(GptqVersion::V1),
-            OutFormat::GptqV2 => Some(GptqVersion::V2),
+            OutFormat::GptqV2 | OutFormat::Gguf => Some(GptqVersion::V2),
         }
     }
 
@@ -51,6 +57,7 @@ impl OutFormat {
             OutFormat::Gptq,
             OutFormat::GptqV2,
             OutFormat::CompressedTensors,
+            OutFormat::Gguf,
         ]
         .into_iter()
         .find(|f| f.name() == s)
@@ -62,6 +69,7 @@ impl OutFormat {
             OutFormat::Gptq => "gptq",
             OutFormat::GptqV2 => "gptq_v2",
             OutFormat::CompressedTensors => "compressed-tensors",
+            OutFormat::Gguf => "gguf",
         }
     }
 }

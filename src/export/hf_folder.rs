@@ -33,6 +33,8 @@ fn is_weights(name: &str) -> bool {
     .any(|ext| name.ends_with(ext))
 }
 
+const INDEX: &str = "model.safetensors.index.json";
+
 pub struct OutFolder {
     pub out: PathBuf,
     pub tmp: PathBuf,
@@ -185,13 +187,39 @@ impl OutFolder {
         copy_tree(src, &self.tmp, true)
     }
 
-    /// Writes the shard index and renames the temporary folder to `out` (replacing it when forced).
-    pub fn publish(self) -> anyhow::Result<PathBuf> {
+    /// Writes the shard index (model.safetensors.index.json), so the shards open as one checkpoint.
+    pub fn write_index(&self) -> anyhow::Result<()> {
         let index = serde_json::json!({
             "metadata": {"total_size": self.total_bytes},
             "weight_map": self.weight_map,
         });
-        self.write_json("model.safetensors.index.json", &index)?;
+        self.write_json(INDEX, &index)
+    }
+
+    /// Writes the shard index and renames the temporary folder to `out` (replacing it when forced).
+    pub fn publish(self) -> anyhow::Result<PathBuf> {
+        self.write_index()?;
+        publish_dir(&self.tmp, &self.out)?;
+        Ok(self.out)
+    }
+
+    /// Removes the shards and their index (their contents now live in another file of the folder, e.g.
+    /// model.gguf), then renames the temporary folder to `out` as `publish` does.
+    pub fn publish_without_shards(self) -> anyhow::Result<PathBuf> {
+        for i in 0..self.n_shards {
+            let p = self.shard_path(i);
+            match std::fs::remove_file(&p) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(file_err(&p, format!("cannot remove: {e}")));
+                }
+                _ => {}
+            }
+        }
+        let index = self.tmp.join(INDEX);
+        if index.exists() {
+            std::fs::remove_file(&index)
+                .map_err(|e| file_err(&index, format!("cannot remove: {e}")))?;
+        }
         publish_dir(&self.tmp, &self.out)?;
         Ok(self.out)
     }

@@ -158,13 +158,21 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
         ));
     }
     // The default group size follows the model's widths; everything after this reads the resolved one.
+    // GGUF's blocks are 32 columns whatever the widths.
+    let gguf = opts.format == OutFormat::Gguf;
     let resolved = RunOptions {
-        group_size: opts
-            .group_size
-            .resolve(model.cfg.block.linears.iter().map(|l| l.d_in)),
+        group_size: match (gguf, opts.group_size) {
+            (true, options::GroupSize::Auto) => {
+                options::GroupSize::Columns(crate::export::gguf_model::BLOCK)
+            }
+            (_, g) => g.resolve(model.cfg.block.linears.iter().map(|l| l.d_in)),
+        },
         ..opts.clone()
     };
-    if opts.group_size == options::GroupSize::Auto {
+    if gguf {
+        crate::export::gguf_model::check_model(&model.cfg, &model.dir)
+            .map_err(|m| crate::input_err!("{m}"))?;
+    } else if opts.group_size == options::GroupSize::Auto {
         progress.line(&match resolved.group_size.columns() {
             Some(g) => format!(
                 "group size {g} (auto: the largest of 128, 64, 32 dividing every input width; --group-size \
@@ -558,6 +566,105 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
         })?;
         bar.finish();
         folder.write_shard(cfg.n_layers, &global_entries(model)?)?;
+        if opts.format == OutFormat::Gguf {
+            let t = Instant::now();
+            let w = write_gguf(&folder, model, source, opts, &reports)?;
+            timings.write += t.elapsed().as_secs_f64();
+            progress.line(&format!(
+                "wrote {} ({} tensors, {:.1} MiB) in {:.1} s",
+                crate::export::gguf_model::FILE_NAME,
+                w.tensors,
+                w.bytes as f64 / (1u64 << 20) as f64,
+                t.elapsed().as_secs_f64()
+            ));
+        } else {
+            write_hf_configs(&folder, model, opts, &layers, &reports, rotation)?;
+        }
+        timings.total = base_total + t_start.elapsed().as_secs_f64();
+        let mut report = RunReport::new(opts, be.name(), reports, timings, n_seq * opts.seqlen);
+        report.traffic = traffic;
+        let mut report_json = serde_json::to_value(&report)?;
+        if let Some(info) = rotation {
+            report_json["rotation"] = serde_json::to_value(info)?;
+        }
+        folder.write_json("report.json", &report_json)?;
+        Ok(report)
+    })();
+    match result {
+        Ok(report) => {
+            resume::clear(&folder.tmp)?;
+            crate::model::rotate::remove_for_run(&folder.tmp)?;
+            if opts.format == OutFormat::Gguf {
+                folder.publish_without_shards()?;
+            } else {
+                folder.publish()?;
+            }
+            Ok(report)
+        }
+        Err(e) => {
+            if progressed {
+                progress.line(&format!(
+                    "kept the finished blocks in {}: rerun with --resume to continue",
+                    folder.tmp.display()
+                ));
+            }
+            if !(progressed || had_state) {
+                // Nothing worth keeping: the partial folder goes with the error.
+                let _ = std::fs::remove_dir_all(&folder.tmp);
+            }
+            Err(e)
+        }
+    }
+}
+
+/// `--format gguf`: the finished shards of the partial folder (gptq_v2) as one GGUF file beside them; the
+/// shards go at the publish.
+fn write_gguf(
+    folder: &OutFolder,
+    model: &Model,
+    source: &Model,
+    opts: &RunOptions,
+    reports: &[LayerReport],
+) -> anyhow::Result<crate::export::gguf_model::Written> {
+    folder.write_index()?;
+    let store = crate::model::weights::WeightStore::open(&folder.tmp)?;
+    let bits: std::collections::HashMap<String, u32> = reports
+        .iter()
+        .flat_map(|r| {
+            r.linears
+                .iter()
+                .map(move |x| (format!("model.layers.{}.{}", r.layer, x.name), x.bits))
+        })
+        .collect();
+    let name = source
+        .dir
+        .canonicalize()
+        .ok()
+        .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| "model".into());
+    crate::export::gguf_model::write_model_gguf(
+        &store,
+        &model.cfg,
+        &model.dir,
+        &|p| bits.get(p).copied().unwrap_or(opts.wbits),
+        opts.wbits,
+        &name,
+        &folder.tmp.join(crate::export::gguf_model::FILE_NAME),
+    )
+}
+
+/// config.json (with the format's quantization_config), quantize_config.json for the GPTQ formats, and the
+/// model folder's other files.
+fn write_hf_configs(
+    folder: &OutFolder,
+    model: &Model,
+    opts: &RunOptions,
+    layers: &options::LayerSet,
+    reports: &[LayerReport],
+    rotation: Option<&crate::model::rotate::RotationInfo>,
+) -> anyhow::Result<()> {
+    let cfg = &model.cfg;
+    {
         let mut config = cfg.json.clone();
         config["boa_cuda"] = serde_json::json!({"quantized": true, "method": opts.method, "wbits": opts.wbits,
             "avg_bits": opts.bits.as_ref().map(|b| b.avg),
@@ -608,37 +715,8 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
         }
         folder.write_json("config.json", &config)?;
         folder.copy_model_files(&model.dir)?;
-        timings.total = base_total + t_start.elapsed().as_secs_f64();
-        let mut report = RunReport::new(opts, be.name(), reports, timings, n_seq * opts.seqlen);
-        report.traffic = traffic;
-        let mut report_json = serde_json::to_value(&report)?;
-        if let Some(info) = rotation {
-            report_json["rotation"] = serde_json::to_value(info)?;
-        }
-        folder.write_json("report.json", &report_json)?;
-        Ok(report)
-    })();
-    match result {
-        Ok(report) => {
-            resume::clear(&folder.tmp)?;
-            crate::model::rotate::remove_for_run(&folder.tmp)?;
-            folder.publish()?;
-            Ok(report)
-        }
-        Err(e) => {
-            if progressed {
-                progress.line(&format!(
-                    "kept the finished blocks in {}: rerun with --resume to continue",
-                    folder.tmp.display()
-                ));
-            }
-            if !(progressed || had_state) {
-                // Nothing worth keeping: the partial folder goes with the error.
-                let _ = std::fs::remove_dir_all(&folder.tmp);
-            }
-            Err(e)
-        }
     }
+    Ok(())
 }
 
 /// X ← block(X), chunk by chunk, with the block's weights already in the backend's memory (`resident`). A

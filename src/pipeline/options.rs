@@ -356,6 +356,9 @@ impl RunOptions {
                     .into(),
             );
         }
+        if self.format == OutFormat::Gguf {
+            self.check_gguf()?;
+        }
         if self.calib.is_empty() && self.needs_calibration() {
             return Err(format!(
                 "--calib is required for --method {}{}",
@@ -368,6 +371,50 @@ impl RunOptions {
                     ""
                 }
             ));
+        }
+        Ok(())
+    }
+
+    /// What `--format gguf` can store exactly (export/gguf_model.rs): Q4_0 and Q8_0 blocks, i.e. 4 or 8
+    /// bits, symmetric, groups of 32 contiguous columns.
+    fn check_gguf(&self) -> Result<(), String> {
+        use crate::export::gguf_model::{BLOCK, block_type};
+        let widths = match &self.bits {
+            Some(b) => b.choices.clone(),
+            None => vec![self.wbits],
+        };
+        if let Some(w) = widths.iter().find(|&&w| block_type(w).is_none()) {
+            return Err(format!(
+                "--format gguf writes 4-bit (Q4_0) and 8-bit (Q8_0) linears exactly; {w}-bit would need \
+                 GGUF's K-quants, which are not written yet: use --wbits 4 or 8 (--bit-choices 4,8), or \
+                 --format gptq_v2"
+            ));
+        }
+        match self.group_size {
+            GroupSize::Auto => {}
+            GroupSize::Columns(g) if g == BLOCK => {}
+            other => {
+                return Err(format!(
+                    "--format gguf stores groups of {BLOCK} columns (Q4_0/Q8_0 blocks), not {}: pass \
+                     --group-size {BLOCK} or leave it at auto",
+                    other
+                        .columns()
+                        .map_or("per-channel".into(), |g| g.to_string())
+                ));
+            }
+        }
+        if !self.sym {
+            return Err(
+                "--format gguf stores symmetric grids only (Q4_0 and Q8_0 have no zero point): pass --sym"
+                    .into(),
+            );
+        }
+        if self.act_order {
+            return Err(
+                "--act-order with --format gguf is not supported: GGUF's blocks are contiguous columns \
+                 with no g_idx: drop --act-order"
+                    .into(),
+            );
         }
         Ok(())
     }

@@ -144,6 +144,17 @@ pub fn loaders_python(modules: &str) -> PathBuf {
     )
 }
 
+/// llama.cpp's venv (scripts/install_llamacpp.sh: llama-cpp-python built from source), checked to import
+/// `modules`. $BOA_LLAMACPP_PYTHON, default ~/.cache/boa-cuda/llamacpp/bin/python.
+pub fn llamacpp_python(modules: &str) -> PathBuf {
+    venv_python(
+        "BOA_LLAMACPP_PYTHON",
+        "llamacpp",
+        "install_llamacpp.sh",
+        modules,
+    )
+}
+
 /// The State of the Union speeches whose year passes `pred`, in year order.
 pub fn sotu_speeches(pred: impl Fn(u32) -> bool) -> Vec<String> {
     let dir = texts_dir().join("sotu");

@@ -286,6 +286,27 @@ pub enum Fixup {
     MinusOne,
 }
 
+/// Tensor names outside the blocks: (GGUF, HF), without `.weight`.
+const GLOBAL_NAMES: [(&str, &str); 3] = [
+    ("token_embd", "model.embed_tokens"),
+    ("output_norm", "model.norm"),
+    ("output", "lm_head"),
+];
+
+/// A Llama block's tensors: (GGUF, HF under `model.layers.{l}.`), without `.weight`. Gemma 3 shares the
+/// first eight; its norms differ (`hf_name`).
+const LLAMA_BLOCK_NAMES: [(&str, &str); 9] = [
+    ("attn_q", "self_attn.q_proj"),
+    ("attn_k", "self_attn.k_proj"),
+    ("attn_v", "self_attn.v_proj"),
+    ("attn_output", "self_attn.o_proj"),
+    ("ffn_gate", "mlp.gate_proj"),
+    ("ffn_up", "mlp.up_proj"),
+    ("ffn_down", "mlp.down_proj"),
+    ("attn_norm", "input_layernorm"),
+    ("ffn_norm", "post_attention_layernorm"),
+];
+
 /// GGUF tensor name → (HF name, fixup), or None for a name this importer does not know.
 pub fn hf_name(name: &str, h: &Hparams) -> Option<(String, Fixup)> {
     let gemma = h.arch == Arch::Gemma3;
@@ -294,14 +315,13 @@ pub fn hf_name(name: &str, h: &Hparams) -> Option<(String, Fixup)> {
     if suffix != "weight" {
         return None;
     }
-    let fixed = match base {
-        "token_embd" => Some(("model.embed_tokens", Fixup::None)),
-        "output_norm" => Some(("model.norm", norm_fix)),
-        "output" => Some(("lm_head", Fixup::None)),
-        _ => None,
-    };
-    if let Some((f, fix)) = fixed {
-        return Some((format!("{f}.weight"), fix));
+    if let Some(&(g, hf)) = GLOBAL_NAMES.iter().find(|(g, _)| *g == base) {
+        let fix = if g == "output_norm" {
+            norm_fix
+        } else {
+            Fixup::None
+        };
+        return Some((format!("{hf}.weight"), fix));
     }
     let rest = base.strip_prefix("blk.")?;
     let (layer_text, part) = rest.split_once('.')?;
@@ -310,31 +330,47 @@ pub fn hf_name(name: &str, h: &Hparams) -> Option<(String, Fixup)> {
     if layer >= h.n_layer || layer.to_string() != layer_text {
         return None;
     }
-    let (q_fix, k_fix) = if gemma {
-        (Fixup::None, Fixup::None)
+    let shared = if gemma {
+        &LLAMA_BLOCK_NAMES[..8]
     } else {
-        (Fixup::Unpermute(h.n_head), Fixup::Unpermute(h.n_kv_head))
+        &LLAMA_BLOCK_NAMES[..]
     };
-    let (hf, fix) = match (part, gemma) {
-        ("attn_q", _) => ("self_attn.q_proj", q_fix),
-        ("attn_k", _) => ("self_attn.k_proj", k_fix),
-        ("attn_v", _) => ("self_attn.v_proj", Fixup::None),
-        ("attn_output", _) => ("self_attn.o_proj", Fixup::None),
-        ("ffn_gate", _) => ("mlp.gate_proj", Fixup::None),
-        ("ffn_up", _) => ("mlp.up_proj", Fixup::None),
-        ("ffn_down", _) => ("mlp.down_proj", Fixup::None),
-        ("attn_norm", _) => ("input_layernorm", norm_fix),
-        ("ffn_norm", false) => ("post_attention_layernorm", Fixup::None),
+    let (hf, fix) = match shared.iter().find(|(g, _)| *g == part) {
+        Some(&(g, hf)) => (
+            hf,
+            match (g, gemma) {
+                ("attn_q", false) => Fixup::Unpermute(h.n_head),
+                ("attn_k", false) => Fixup::Unpermute(h.n_kv_head),
+                ("attn_norm", _) => norm_fix,
+                _ => Fixup::None,
+            },
+        ),
         // Gemma's ffn_norm is the MLP's input norm; its post_attention_norm normalizes the attention's
         // output before the residual add.
-        ("ffn_norm", true) => ("pre_feedforward_layernorm", norm_fix),
-        ("post_attention_norm", true) => ("post_attention_layernorm", norm_fix),
-        ("post_ffw_norm", true) => ("post_feedforward_layernorm", norm_fix),
-        ("attn_q_norm", true) => ("self_attn.q_norm", norm_fix),
-        ("attn_k_norm", true) => ("self_attn.k_norm", norm_fix),
-        _ => return None,
+        None if gemma => match part {
+            "ffn_norm" => ("pre_feedforward_layernorm", norm_fix),
+            "post_attention_norm" => ("post_attention_layernorm", norm_fix),
+            "post_ffw_norm" => ("post_feedforward_layernorm", norm_fix),
+            "attn_q_norm" => ("self_attn.q_norm", norm_fix),
+            "attn_k_norm" => ("self_attn.k_norm", norm_fix),
+            _ => return None,
+        },
+        None => return None,
     };
     Some((format!("model.layers.{layer}.{hf}.weight"), fix))
+}
+
+/// HF tensor name of a Llama checkpoint → its GGUF name (what convert_hf_to_gguf.py writes), or None for a
+/// tensor llama.cpp's llama architecture has no place for. The inverse of `hf_name` for `Arch::Llama`.
+pub fn llama_gguf_name(name: &str) -> Option<String> {
+    let base = name.strip_suffix(".weight")?;
+    if let Some((g, _)) = GLOBAL_NAMES.iter().find(|(_, hf)| *hf == base) {
+        return Some(format!("{g}.weight"));
+    }
+    let (layer_text, part) = base.strip_prefix("model.layers.")?.split_once('.')?;
+    let layer: usize = layer_text.parse().ok()?;
+    let (g, _) = LLAMA_BLOCK_NAMES.iter().find(|(_, hf)| *hf == part)?;
+    Some(format!("blk.{layer}.{g}.weight"))
 }
 
 /// The tensors of one layer (names under `model.layers.{l}.`, without `.weight`) that must be present.
@@ -469,6 +505,38 @@ pub fn config_json(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn llama_gguf_name_inverts_hf_name() {
+        let h = Hparams {
+            arch: Arch::Llama,
+            n_layer: 2,
+            d: 8,
+            d_ff: 16,
+            n_head: 2,
+            n_kv_head: 1,
+            head_dim: 4,
+            eps: 1e-5,
+            theta: 1e4,
+            ctx: 16,
+            gemma: None,
+        };
+        let mut names = vec!["token_embd.weight", "output_norm.weight", "output.weight"]
+            .into_iter()
+            .map(String::from)
+            .collect::<Vec<_>>();
+        for (g, _) in LLAMA_BLOCK_NAMES {
+            names.push(format!("blk.1.{g}.weight"));
+        }
+        for g in names {
+            let (hf, _) = hf_name(&g, &h).unwrap();
+            assert_eq!(llama_gguf_name(&hf).as_deref(), Some(g.as_str()), "{hf}");
+        }
+        assert_eq!(
+            llama_gguf_name("model.layers.0.self_attn.q_norm.weight"),
+            None
+        );
+    }
 
     #[test]
     fn gemma3_pattern_makes_every_sixth_layer_global() {

@@ -1,0 +1,426 @@
+//! `--format gguf`: a finished run's shards rewritten as one llama.cpp GGUF file (`model.gguf`).
+//!
+//! The run itself writes packed GPTQ shards (gptq_v2, so a killed run resumes as any packed one does);
+//! at the end they become GGUF tensors with no re-rounding, because the grids were the format's from the
+//! start: symmetric, 32-column groups, f16 scales, zero 2^(b−1).
+//!   Q4_0  { f16 d; u8 qs[16] }   x[i] = (q[i] − 8)·d, low nibbles elements 0..15, high nibbles 16..31;
+//!   Q8_0  { f16 d; i8 qs[32] }   x[i] = qs[i]·d, qs = q − 128;
+//! so ggml decodes f16(s)·(q − z), exactly what `--format fake` writes. Not written: Q4_1 (its min
+//! m = −d·z is not exactly an f16 for most scales) and the K-quants (their sub-block scales are themselves
+//! quantized: the sweep's grids would have to be constrained first).
+//!
+//! Everything else is stored as convert_hf_to_gguf.py stores it for the llama architecture: q/k rows permuted
+//! for llama.cpp's interleaved RoPE (`qk_row_order`), norms in F32, embeddings, lm_head and linears outside
+//! `--layers` in the checkpoint's own float type, hyper-parameters under `llama.*`, the tokenizer under
+//! `tokenizer.ggml.*` (gguf_vocab.rs).
+
+use super::gguf_out::{GgufTensor, Kv, write_gguf};
+use crate::error::file_err;
+use crate::model::arch::Role;
+use crate::model::config::Config;
+use crate::model::gguf::GgmlType;
+use crate::model::gguf::arch::llama_gguf_name;
+use crate::model::weights::{WeightStore, to_f32};
+use crate::quant::pack::{GptqVersion, PackedTensors};
+use half::f16;
+use rayon::prelude::*;
+use safetensors::Dtype;
+use std::path::Path;
+
+/// The file a `--format gguf` run publishes in --out.
+pub const FILE_NAME: &str = "model.gguf";
+
+/// Columns per GGUF block of the 32-value types.
+pub const BLOCK: usize = 32;
+
+/// llama.cpp `LLAMA_FTYPE_MOSTLY_*` of a file whose linears are mostly `ty`.
+fn file_type(ty: GgmlType) -> u32 {
+    match ty {
+        GgmlType::Q8_0 => 7,
+        _ => 2, // Q4_0
+    }
+}
+
+/// The GGUF type storing a linear quantized at `bits` (symmetric, 32-column groups).
+pub fn block_type(bits: u32) -> Option<GgmlType> {
+    match bits {
+        4 => Some(GgmlType::Q4_0),
+        8 => Some(GgmlType::Q8_0),
+        _ => None,
+    }
+}
+
+/// Why a model with this config cannot be written as a llama.cpp GGUF (one line), checked before any work.
+/// The options (bits, groups, symmetry, act-order) are checked by `RunOptions::validate`.
+pub fn check_model(cfg: &Config, dir: &Path) -> Result<(), String> {
+    let refuse = |what: String| Err(format!("--format gguf: {what}"));
+    if cfg.architecture != "LlamaForCausalLM" {
+        return refuse(format!(
+            "{} is not written yet (only LlamaForCausalLM, llama.cpp's \"llama\" architecture): use \
+             --format gptq_v2 or compressed-tensors",
+            cfg.architecture
+        ));
+    }
+    if !cfg.block.is_llama_like() || cfg.block.bias_names().next().is_some() {
+        return refuse(
+            "the block has biases or parts llama.cpp's llama architecture does not read".into(),
+        );
+    }
+    if cfg.rope_scaling.is_some() {
+        return refuse(
+            "rope_scaling is set, and llama.cpp's rope_freqs tensor is not written yet".into(),
+        );
+    }
+    if let Some(l) = cfg.block.linears.iter().find(|l| l.d_in % BLOCK != 0) {
+        return refuse(format!(
+            "{} has {} inputs, not a multiple of GGUF's {BLOCK}-value blocks",
+            l.name, l.d_in
+        ));
+    }
+    super::gguf_vocab::tokenizer_kvs(dir, cfg.vocab).map(|_| ())
+}
+
+/// GGUF row r of a q/k projection holds HF row `order[r]`: convert_hf_to_gguf.py's
+/// `w.reshape(n_head, 2, hd/2, cols).swapaxes(1, 2)`, i.e. GGUF row h·hd + 2i + s is HF row h·hd + s·hd/2 + i
+/// (`model::gguf::import::unpermute_qk` undoes it).
+pub fn qk_row_order(rows: usize, n_head: usize) -> Vec<usize> {
+    let hd = rows / n_head;
+    let half = hd / 2;
+    (0..rows)
+        .map(|r| {
+            let (h, j) = (r / hd, r % hd);
+            h * hd + (j % 2) * half + j / 2
+        })
+        .collect()
+}
+
+/// One GGUF block of `codes` (32 codes of one row and group) with scale `d`.
+fn encode_block(ty: GgmlType, d: f16, codes: &[u8], out: &mut Vec<u8>) {
+    out.extend(d.to_le_bytes());
+    match ty {
+        GgmlType::Q8_0 => out.extend(codes.iter().map(|&q| (q as i16 - 128) as i8 as u8)),
+        _ => out.extend((0..16).map(|i| codes[i] | (codes[i + 16] << 4))),
+    }
+}
+
+/// A packed linear's GGUF bytes, rows in `order`. Errors (a damaged shard, or codes the format cannot hold)
+/// name the tensor.
+fn packed_bytes(
+    p: &PackedTensors,
+    ty: GgmlType,
+    order: &[usize],
+    name: &str,
+) -> anyhow::Result<Vec<u8>> {
+    let (d_out, d_in) = (p.d_out, p.d_in);
+    let mid = 1u8 << (p.bits - 1);
+    let ng = d_in / BLOCK;
+    let bad = |m: String| crate::input_err!("{name}: {m}, which GGUF's {ty} cannot store");
+    if p.n_groups != ng || (0..d_in).any(|c| p.g_idx[c] as usize != c / BLOCK) {
+        return Err(bad(format!(
+            "{} groups over {d_in} inputs are not contiguous {BLOCK}-column groups",
+            p.n_groups
+        )));
+    }
+    let zeros = p.unpack_zeros(GptqVersion::V2);
+    if let Some(k) = zeros.iter().position(|&z| z != mid as f32) {
+        return Err(bad(format!(
+            "output {}, group {} has zero point {} (a symmetric grid's is {mid})",
+            k % d_out,
+            k / d_out,
+            zeros[k]
+        )));
+    }
+    let codes = p.unpack_codes();
+    let row_bytes = ng * ty.type_size() as usize;
+    let mut out = vec![0u8; d_out * row_bytes];
+    out.par_chunks_mut(row_bytes)
+        .zip(order)
+        .for_each(|(dst, &j)| {
+            let mut row = Vec::with_capacity(row_bytes);
+            for g in 0..ng {
+                let c = &codes[j * d_in + g * BLOCK..j * d_in + (g + 1) * BLOCK];
+                encode_block(ty, p.scales[g * d_out + j], c, &mut row);
+            }
+            dst.copy_from_slice(&row);
+        });
+    Ok(out)
+}
+
+/// How one GGUF tensor is made from the run's shards.
+enum Source {
+    /// A float tensor as stored (its rows in `order` when given).
+    Float {
+        hf: String,
+        order: Option<Vec<usize>>,
+    },
+    /// A norm (or other vector), converted to f32.
+    Vector { hf: String },
+    /// A packed linear (`hf` is its prefix).
+    Packed { hf: String, order: Vec<usize> },
+}
+
+fn float_type(dtype: Dtype) -> Option<GgmlType> {
+    match dtype {
+        Dtype::F32 => Some(GgmlType::F32),
+        Dtype::F16 => Some(GgmlType::F16),
+        Dtype::BF16 => Some(GgmlType::BF16),
+        _ => None,
+    }
+}
+
+fn read_packed(store: &WeightStore, prefix: &str, bits: u32) -> anyhow::Result<PackedTensors> {
+    let t = |s: &str| format!("{prefix}.{s}");
+    let words = |s: &str| -> anyhow::Result<Vec<u32>> {
+        Ok(store
+            .bytes(&t(s))?
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect())
+    };
+    let shape = store
+        .entry(&t("qweight"))
+        .map(|e| e.shape.clone())
+        .unwrap_or_default();
+    let g_idx = words("g_idx")?;
+    let scales: Vec<f16> = store
+        .bytes(&t("scales"))?
+        .chunks_exact(2)
+        .map(|b| f16::from_le_bytes([b[0], b[1]]))
+        .collect();
+    let d_out = shape.get(1).copied().unwrap_or(0);
+    let p = PackedTensors {
+        d_out,
+        d_in: g_idx.len(),
+        bits,
+        n_groups: scales.len().checked_div(d_out).unwrap_or(0),
+        qweight: words("qweight")?,
+        qzeros: words("qzeros")?,
+        scales,
+        g_idx,
+    };
+    p.clone()
+        .into_linear(GptqVersion::V2)
+        .validate()
+        .map_err(|m| anyhow::anyhow!("{prefix}: {m}"))?;
+    Ok(p)
+}
+
+/// What `write_model_gguf` wrote.
+pub struct Written {
+    pub path: std::path::PathBuf,
+    pub bytes: u64,
+    pub tensors: usize,
+}
+
+/// Writes `out` (a GGUF file) from the run's finished folder `store` (every shard of --out's partial folder):
+/// `cfg` and `dir` are the model's (hyper-parameters, tokenizer), `bits_of` the width of each packed linear
+/// (by prefix, e.g. "model.layers.3.mlp.up_proj"), `name` the model's name for general.name.
+pub fn write_model_gguf(
+    store: &WeightStore,
+    cfg: &Config,
+    dir: &Path,
+    bits_of: &dyn Fn(&str) -> u32,
+    base_bits: u32,
+    name: &str,
+    out: &Path,
+) -> anyhow::Result<Written> {
+    let vocab =
+        super::gguf_vocab::tokenizer_kvs(dir, cfg.vocab).map_err(|m| crate::input_err!("{m}"))?;
+    let n_head = |role: Role| match role {
+        Role::Q => Some(cfg.n_heads),
+        Role::K => Some(cfg.n_kv_heads),
+        _ => None,
+    };
+    let mut tensors = Vec::new();
+    let mut sources = Vec::new();
+    let mut names: Vec<&String> = store.names().collect();
+    // Blocks in layer order, then the globals (llama.cpp does not care; people reading a dump do).
+    names.sort_by_key(|n| {
+        let layer = n
+            .strip_prefix("model.layers.")
+            .and_then(|r| r.split('.').next())
+            .and_then(|l| l.parse::<usize>().ok());
+        (layer.unwrap_or(usize::MAX), (*n).clone())
+    });
+    for hf in names {
+        let e = store.entry(hf).expect("listed");
+        let (base, kind) = match hf.rsplit_once('.') {
+            Some((b, k)) => (b, k),
+            None => (hf.as_str(), ""),
+        };
+        if matches!(kind, "qzeros" | "scales" | "g_idx") {
+            continue;
+        }
+        let short = base
+            .strip_prefix("model.layers.")
+            .and_then(|r| r.split_once('.'))
+            .map(|(_, s)| s);
+        let role = short
+            .and_then(|s| cfg.block.linears.iter().find(|l| l.name == s))
+            .map(|l| l.role);
+        let order = |rows: usize| role.and_then(n_head).map(|h| qk_row_order(rows, h));
+        let gguf = llama_gguf_name(&format!("{base}.weight")).ok_or_else(|| {
+            file_err(
+                dir,
+                format!("tensor {hf} has no place in llama.cpp's llama architecture"),
+            )
+        })?;
+        let (tensor, source) = if kind == "qweight" {
+            let bits = bits_of(base);
+            let ty = block_type(bits).ok_or_else(|| {
+                crate::input_err!(
+                    "{base}: {bits}-bit linears have no exact GGUF type (4 and 8 have)"
+                )
+            })?;
+            // qweight is [words, d_out], g_idx [d_in]; the rest is read when the tensor is written.
+            let d_out = e.shape.get(1).copied().unwrap_or(0);
+            let d_in = store
+                .entry(&format!("{base}.g_idx"))
+                .and_then(|g| g.shape.first().copied())
+                .unwrap_or(0);
+            (
+                GgufTensor {
+                    name: gguf,
+                    dims: vec![d_in as u64, d_out as u64],
+                    ty,
+                },
+                Source::Packed {
+                    hf: base.to_string(),
+                    order: order(d_out).unwrap_or_else(|| (0..d_out).collect()),
+                },
+            )
+        } else if e.shape.len() == 1 {
+            (
+                GgufTensor {
+                    name: gguf,
+                    dims: vec![e.shape[0] as u64],
+                    ty: GgmlType::F32,
+                },
+                Source::Vector { hf: hf.clone() },
+            )
+        } else if let (Some(ty), [rows, cols]) = (float_type(e.dtype), e.shape.as_slice()) {
+            (
+                GgufTensor {
+                    name: gguf,
+                    dims: vec![*cols as u64, *rows as u64],
+                    ty,
+                },
+                Source::Float {
+                    hf: hf.clone(),
+                    order: order(*rows),
+                },
+            )
+        } else {
+            return Err(file_err(
+                dir,
+                format!(
+                    "tensor {hf} ({:?} {:?}) cannot be written to GGUF",
+                    e.dtype, e.shape
+                ),
+            ));
+        };
+        tensors.push(tensor);
+        sources.push(source);
+    }
+
+    let base_ty = block_type(base_bits).unwrap_or(GgmlType::Q4_0);
+    let a = |k: &str| format!("llama.{k}");
+    let ctx = cfg.json["max_position_embeddings"].as_u64().unwrap_or(2048);
+    let mut kvs = vec![
+        ("general.architecture".to_string(), Kv::Str("llama".into())),
+        ("general.name".to_string(), Kv::Str(name.into())),
+        (
+            "general.quantized_by".to_string(),
+            Kv::Str(format!("boa-cuda {}", env!("CARGO_PKG_VERSION"))),
+        ),
+        ("general.file_type".to_string(), Kv::U32(file_type(base_ty))),
+        ("general.quantization_version".to_string(), Kv::U32(2)),
+        (
+            a("context_length"),
+            Kv::U32(ctx.min(u32::MAX as u64) as u32),
+        ),
+        (a("embedding_length"), Kv::U32(cfg.d as u32)),
+        (a("block_count"), Kv::U32(cfg.n_layers as u32)),
+        (a("feed_forward_length"), Kv::U32(cfg.d_ff as u32)),
+        (a("attention.head_count"), Kv::U32(cfg.n_heads as u32)),
+        (a("attention.head_count_kv"), Kv::U32(cfg.n_kv_heads as u32)),
+        (a("attention.key_length"), Kv::U32(cfg.d_h as u32)),
+        (a("attention.value_length"), Kv::U32(cfg.d_h as u32)),
+        (a("rope.dimension_count"), Kv::U32(cfg.d_h as u32)),
+        (a("rope.freq_base"), Kv::F32(cfg.rope_theta as f32)),
+        (a("attention.layer_norm_rms_epsilon"), Kv::F32(cfg.eps)),
+        (a("vocab_size"), Kv::U32(cfg.vocab as u32)),
+    ];
+    kvs.extend(vocab);
+
+    let bytes = write_gguf(out, &kvs, &tensors, |i| {
+        let t = &tensors[i];
+        match &sources[i] {
+            Source::Packed { hf, order } => {
+                let p = read_packed(store, hf, bits_of(hf))?;
+                packed_bytes(&p, t.ty, order, hf)
+            }
+            Source::Vector { hf } => {
+                let e = store.entry(hf).expect("listed");
+                let v =
+                    to_f32(e.dtype, store.bytes(hf)?).map_err(|m| anyhow::anyhow!("{hf}: {m}"))?;
+                Ok(v.iter().flat_map(|x| x.to_le_bytes()).collect())
+            }
+            Source::Float { hf, order } => {
+                let raw = store.bytes(hf)?;
+                Ok(match order {
+                    None => raw.to_vec(),
+                    Some(order) => {
+                        let row = raw.len() / order.len();
+                        order
+                            .iter()
+                            .flat_map(|&r| &raw[r * row..(r + 1) * row])
+                            .copied()
+                            .collect()
+                    }
+                })
+            }
+        }
+    })?;
+    Ok(Written {
+        path: out.to_path_buf(),
+        bytes,
+        tensors: tensors.len(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn qk_row_order_is_the_inverse_of_the_importers_unpermute() {
+        let (rows, cols, heads) = (16, 3, 2);
+        let hf: Vec<f32> = (0..rows * cols).map(|v| v as f32).collect();
+        let order = qk_row_order(rows, heads);
+        let gguf: Vec<f32> = order
+            .iter()
+            .flat_map(|&r| hf[r * cols..(r + 1) * cols].to_vec())
+            .collect();
+        let back = crate::model::gguf::import::unpermute_qk(&gguf, rows, cols, heads).unwrap();
+        assert_eq!(back, hf);
+        assert_ne!(gguf, hf);
+    }
+
+    #[test]
+    fn blocks_decode_to_scale_times_code_minus_mid() {
+        use crate::model::gguf::dequant::dequantize;
+        let codes4: Vec<u8> = (0..32).map(|i| (i * 7 % 16) as u8).collect();
+        let codes8: Vec<u8> = (0..32).map(|i| (i * 37 % 256) as u8).collect();
+        let d = f16::from_f32(0.0123);
+        for (ty, codes, mid) in [(GgmlType::Q4_0, &codes4, 8), (GgmlType::Q8_0, &codes8, 128)] {
+            let mut b = Vec::new();
+            encode_block(ty, d, codes, &mut b);
+            assert_eq!(b.len() as u64, ty.type_size());
+            let x = dequantize("t", ty, &b, 32).unwrap();
+            for (v, &q) in x.iter().zip(codes.iter()) {
+                assert_eq!(*v, d.to_f32() * (q as f32 - mid as f32));
+            }
+        }
+    }
+}

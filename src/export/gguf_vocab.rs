@@ -1,0 +1,213 @@
+//! The `tokenizer.ggml.*` keys of a GGUF we write, from the model folder's tokenizer.json,
+//! tokenizer_config.json and config.json — what convert_hf_to_gguf.py writes for a byte-level BPE vocabulary
+//! (`tokenizer.ggml.model` = "gpt2"): tokens in id order (ids the vocabulary lacks up to the model's
+//! vocab_size as `[PAD{id}]`, type unused), token types (added special tokens control, other added tokens
+//! user-defined), merges as "left right", the pre-tokenizer's llama.cpp name, BOS/EOS/UNK/PAD ids, whether
+//! BOS is added, and the chat template. `model::gguf::tokenizer` is the reverse, and what it recognizes is
+//! what is written: a pre-tokenizer llama.cpp would split differently is refused, never guessed.
+
+use super::gguf_out::Kv;
+use serde_json::Value;
+use std::path::Path;
+
+/// llama.cpp `LLAMA_TOKEN_TYPE_*`.
+const NORMAL: i32 = 1;
+const CONTROL: i32 = 3;
+const USER_DEFINED: i32 = 4;
+const UNUSED: i32 = 5;
+
+/// Llama 3's pre-tokenizer regex (Meta-Llama-3's tokenizer.json; llama.cpp's "llama-bpe").
+const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+fn read_json(path: &Path) -> Result<Option<Value>, String> {
+    match std::fs::read_to_string(path) {
+        Ok(t) => serde_json::from_str(&t)
+            .map(Some)
+            .map_err(|e| format!("{}: not valid JSON: {e}", path.display())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(format!("{}: cannot read: {e}", path.display())),
+    }
+}
+
+/// llama.cpp's name of a tokenizer.json pre-tokenizer, or None for one it has no equivalent of.
+fn pre_name(pre: &Value) -> Option<&'static str> {
+    let ty = |v: &Value| v["type"].as_str().unwrap_or("").to_string();
+    let byte_level = |v: &Value, regex: bool| {
+        ty(v) == "ByteLevel"
+            && v["use_regex"].as_bool().unwrap_or(true) == regex
+            && !v["add_prefix_space"].as_bool().unwrap_or(false)
+    };
+    match ty(pre).as_str() {
+        "ByteLevel" if byte_level(pre, true) => Some("gpt2"),
+        "Sequence" => {
+            let parts = pre["pretokenizers"].as_array()?;
+            match parts.as_slice() {
+                [d, b]
+                    if ty(d) == "Digits"
+                        && d["individual_digits"] == true
+                        && byte_level(b, true) =>
+                {
+                    Some("smollm")
+                }
+                [s, b]
+                    if ty(s) == "Split"
+                        && s["pattern"]["Regex"].as_str() == Some(LLAMA3_REGEX)
+                        && s["behavior"] == "Isolated"
+                        && s["invert"] == false
+                        && byte_level(b, false) =>
+                {
+                    Some("llama-bpe")
+                }
+                _ => None,
+            }
+        }
+        _ => None,
+    }
+}
+
+/// A special token's id: tokenizer_config.json's string (or {"content": …}) looked up in the vocabulary,
+/// else config.json's `{key}_id`.
+fn special_id(
+    tcfg: Option<&Value>,
+    cfg: &Value,
+    key: &str,
+    id_of: &dyn Fn(&str) -> Option<u32>,
+) -> Option<u32> {
+    let named = tcfg.and_then(|t| match &t[key] {
+        Value::String(s) => Some(s.as_str()),
+        Value::Object(o) => o.get("content").and_then(Value::as_str),
+        _ => None,
+    });
+    named
+        .and_then(id_of)
+        .or_else(|| cfg[format!("{key}_id")].as_u64().map(|v| v as u32))
+}
+
+/// The tokenizer keys for the model in `dir` with `vocab_size` embedding rows. Errors (one line, for the
+/// before-work checks) say what llama.cpp could not tokenize as the model does.
+pub fn tokenizer_kvs(dir: &Path, vocab_size: usize) -> Result<Vec<(String, Kv)>, String> {
+    let tj = dir.join("tokenizer.json");
+    let t = read_json(&tj)?.ok_or_else(|| {
+        format!(
+            "{}: missing; --format gguf embeds the tokenizer, so the model folder needs its tokenizer.json",
+            tj.display()
+        )
+    })?;
+    let bad = |m: String| format!("{}: {m}; --format gguf cannot embed it", tj.display());
+    let model = &t["model"];
+    if model["type"] != "BPE" || t["decoder"]["type"] != "ByteLevel" {
+        return Err(bad(format!(
+            "the tokenizer is a {} model with a {} decoder, not byte-level BPE (SentencePiece vocabularies \
+             are not written yet)",
+            model["type"], t["decoder"]["type"]
+        )));
+    }
+    let pre = pre_name(&t["pre_tokenizer"]).ok_or_else(|| {
+        bad(format!(
+            "its pre-tokenizer {} has no llama.cpp equivalent this writer knows (GPT-2 byte-level, \
+             SmolLM's digits + byte-level, Llama 3's regex)",
+            t["pre_tokenizer"]
+        ))
+    })?;
+    let vocab = model["vocab"]
+        .as_object()
+        .ok_or_else(|| bad("model.vocab is not an object".into()))?;
+    let mut tokens: Vec<Option<String>> = vec![None; vocab_size];
+    let mut types = vec![UNUSED; vocab_size];
+    let mut place = |tok: &str, id: u64, ty: i32| -> Result<(), String> {
+        let slot = tokens.get_mut(id as usize).ok_or_else(|| {
+            bad(format!(
+                "token {tok:?} has id {id}, beyond vocab_size {vocab_size}"
+            ))
+        })?;
+        *slot = Some(tok.to_string());
+        types[id as usize] = ty;
+        Ok(())
+    };
+    for (tok, id) in vocab {
+        let id = id
+            .as_u64()
+            .ok_or_else(|| bad(format!("the id of {tok:?} is not an integer")))?;
+        place(tok, id, NORMAL)?;
+    }
+    for a in t["added_tokens"].as_array().into_iter().flatten() {
+        let (Some(tok), Some(id)) = (a["content"].as_str(), a["id"].as_u64()) else {
+            return Err(bad(format!("added token {a} has no content or id")));
+        };
+        let ty = if a["special"] == true {
+            CONTROL
+        } else {
+            USER_DEFINED
+        };
+        place(tok, id, ty)?;
+    }
+    let tokens: Vec<String> = tokens
+        .into_iter()
+        .enumerate()
+        .map(|(i, t)| t.unwrap_or_else(|| format!("[PAD{i}]")))
+        .collect();
+    // Older tokenizer.json files hold "left right" strings, newer ones [left, right] pairs.
+    let merges = model["merges"]
+        .as_array()
+        .ok_or_else(|| bad("model.merges is missing".into()))?
+        .iter()
+        .map(|m| match m {
+            Value::String(s) if s.contains(' ') => Ok(s.clone()),
+            Value::Array(p) if p.len() == 2 => match (p[0].as_str(), p[1].as_str()) {
+                (Some(a), Some(b)) if !a.contains(' ') && !b.contains(' ') => {
+                    Ok(format!("{a} {b}"))
+                }
+                _ => Err(bad(format!(
+                    "merge {m} cannot be written as \"left right\""
+                ))),
+            },
+            _ => Err(bad(format!("merge {m} is not \"left right\""))),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+
+    let tcfg = read_json(&dir.join("tokenizer_config.json"))?;
+    let cfg = read_json(&dir.join("config.json"))?.unwrap_or(Value::Null);
+    let index: std::collections::HashMap<&str, u32> = tokens
+        .iter()
+        .enumerate()
+        .rev() // the first id of a duplicated string wins, as in the importer
+        .map(|(i, t)| (t.as_str(), i as u32))
+        .collect();
+    let id_of = |s: &str| index.get(s).copied();
+    let mut kvs = vec![
+        ("tokenizer.ggml.model".to_string(), Kv::Str("gpt2".into())),
+        ("tokenizer.ggml.pre".to_string(), Kv::Str(pre.into())),
+        (
+            "tokenizer.ggml.tokens".to_string(),
+            Kv::StrArr(tokens.clone()),
+        ),
+        ("tokenizer.ggml.token_type".to_string(), Kv::I32Arr(types)),
+        ("tokenizer.ggml.merges".to_string(), Kv::StrArr(merges)),
+    ];
+    for (key, gguf) in [
+        ("bos_token", "bos_token_id"),
+        ("eos_token", "eos_token_id"),
+        ("unk_token", "unknown_token_id"),
+        ("pad_token", "padding_token_id"),
+    ] {
+        if let Some(id) = special_id(tcfg.as_ref(), &cfg, key, &id_of)
+            && (id as usize) < vocab_size
+        {
+            kvs.push((format!("tokenizer.ggml.{gguf}"), Kv::U32(id)));
+        }
+    }
+    if let Some(tc) = &tcfg {
+        for (key, gguf) in [
+            ("add_bos_token", "add_bos_token"),
+            ("add_eos_token", "add_eos_token"),
+        ] {
+            if let Some(b) = tc[key].as_bool() {
+                kvs.push((format!("tokenizer.ggml.{gguf}"), Kv::Bool(b)));
+            }
+        }
+        if let Some(ct) = tc["chat_template"].as_str() {
+            kvs.push(("tokenizer.chat_template".into(), Kv::Str(ct.into())));
+        }
+    }
+    Ok(kvs)
+}

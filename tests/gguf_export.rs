@@ -1,0 +1,348 @@
+//! `run --format gguf` as its users load it. transformers 5.24 (`from_pretrained(DIR, gguf_file=…)`, in the
+//! pyref venv of scripts/install_pyref.sh with the `gguf` package, whose dequantizer transformers uses, and
+//! transformers' own undoing of llama.cpp's q/k row permutation) must give back, bit for bit, the weights of
+//! the same run written as `--format fake`, and `boa-cuda eval`'s perplexity of that folder; our own
+//! import-gguf must too; and llama.cpp itself (llama-cpp-python, scripts/install_llamacpp.sh, through
+//! scripts/llamacpp_ppl.py: its tokenizer, its kernels) the same perplexity up to its Q8_0 activations. A
+//! missing venv fails the test (scripts/test.sh installs them), never skips it.
+//!
+//! Two runs of the demo model, each written in both formats:
+//!   mixed  GPTQ with --avg-bits 6 over 4 and 8 bits (Q4_0 and Q8_0 tensors in one file) on layers 0-3, the
+//!          other layers' linears copied through as F32 tensors;
+//!   q8     RTN at 8 bits (Q8_0) on every layer.
+
+mod common;
+
+use boa_cuda::model::gguf::{GgmlType, GgufFile};
+use common::{
+    assert_user_error, check_loader_ppl, demo_model, llamacpp_python, pyref_python, run, texts_dir,
+};
+use std::path::Path;
+use std::process::Command;
+
+const SEQLEN: &str = "128";
+const WINDOWS: &str = "2";
+/// |Δppl| / ppl between transformers' float32 forward and ours on identical weights (the forwards'
+/// summation orders differ; tests/transformers_parity.rs measures ~1e-5 on the demo model).
+const TOL: f64 = 1e-4;
+/// llama.cpp's CPU kernels round the activations to Q8_0 before every Q4_0/Q8_0 product, so its
+/// perplexity is not an f32 forward's. Measured 2026-12-03 (llama-cpp-python 0.3.36): 1.7e-3 relative for
+/// `mixed` (28 quantized linears) and 1.3e-2 for `q8` (210) on these 2 × 128 tokens; 9.8e-4 for GPTQ 4-bit
+/// on every layer over 4 × 512. A wrong tokenizer or q/k permutation moves it by orders of magnitude.
+const TOL_LLAMA_CPP: f64 = 2e-2;
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn ours(dir: &Path, text: &Path) -> f64 {
+    let (code, out, err) = run(&[
+        "eval",
+        "--model",
+        s(dir),
+        "--data",
+        s(text),
+        "--seqlen",
+        SEQLEN,
+        "--max-windows",
+        WINDOWS,
+        "--json",
+    ]);
+    assert_eq!(code, 0, "eval {}: {err}", dir.display());
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    v["perplexity"].as_f64().unwrap()
+}
+
+fn quantize(out: &Path, format: &str, extra: &[&str]) {
+    let model = demo_model();
+    let mut a = vec![
+        "run",
+        "--model",
+        s(&model),
+        "--out",
+        s(out),
+        "--format",
+        format,
+        "--quiet",
+    ];
+    a.extend_from_slice(extra);
+    if format == "fake" {
+        // What --format gguf implies.
+        a.extend_from_slice(&["--sym", "--group-size", "32"]);
+    }
+    let (code, _, err) = run(&a);
+    assert_eq!(code, 0, "run {}: {err}", out.display());
+}
+
+#[test]
+fn gguf_checkpoints_load_in_transformers_with_the_fake_formats_weights() {
+    let py = pyref_python("gguf, transformers");
+    let llama = llamacpp_python("llama_cpp, numpy");
+    let tmp = tempfile::tempdir().unwrap();
+    let text = texts_dir().join("moby-dick.txt");
+    let calib = common::sotu_speeches(|y| y < 1830);
+    let mut mixed: Vec<&str> = vec![
+        "--method",
+        "gptq",
+        "--avg-bits",
+        "6",
+        "--bit-choices",
+        "4,8",
+        "--layers",
+        "0-3",
+        "--nsamples",
+        "4",
+        "--seqlen",
+        "128",
+        "--calib",
+    ];
+    mixed.extend(calib.iter().map(String::as_str));
+    let variants: [(&str, &[&str]); 2] = [
+        ("mixed", &mixed),
+        ("q8", &["--method", "rtn", "--wbits", "8"]),
+    ];
+    let mut failures = Vec::new();
+    for (name, extra) in variants {
+        let out = tmp.path().join(name);
+        let fake = tmp.path().join(format!("{name}-fake"));
+        quantize(&out, "gguf", extra);
+        quantize(&fake, "fake", extra);
+        // The folder holds the file and the report, nothing a loader could mistake for a checkpoint.
+        let mut files: Vec<String> = std::fs::read_dir(&out)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        files.sort();
+        assert_eq!(files, ["model.gguf", "report.json"], "{name}");
+
+        let g = GgufFile::open(&out.join("model.gguf")).unwrap();
+        let ty = |t: &str| {
+            g.tensor(t)
+                .unwrap_or_else(|| panic!("{name}: no {t}"))
+                .ggml_type
+        };
+        assert_eq!(ty("blk.0.attn_norm.weight"), GgmlType::F32);
+        assert_eq!(ty("token_embd.weight"), GgmlType::F32); // the demo model is f32
+        let report: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
+        let mut seen = std::collections::BTreeSet::new();
+        for l in report["layers"].as_array().unwrap() {
+            for lin in l["linears"].as_array().unwrap() {
+                let bits = lin["bits"].as_u64().unwrap();
+                let part = match lin["name"].as_str().unwrap() {
+                    "self_attn.q_proj" => "attn_q",
+                    "self_attn.k_proj" => "attn_k",
+                    "self_attn.v_proj" => "attn_v",
+                    "self_attn.o_proj" => "attn_output",
+                    "mlp.gate_proj" => "ffn_gate",
+                    "mlp.up_proj" => "ffn_up",
+                    "mlp.down_proj" => "ffn_down",
+                    other => panic!("{other}"),
+                };
+                let want = if bits == 4 {
+                    GgmlType::Q4_0
+                } else {
+                    GgmlType::Q8_0
+                };
+                assert_eq!(ty(&format!("blk.{}.{part}.weight", l["layer"])), want);
+                seen.insert(bits);
+            }
+        }
+        if name == "mixed" {
+            assert_eq!(seen, [4, 8].into(), "the allocation should use both widths");
+            assert_eq!(
+                ty("blk.4.attn_q.weight"),
+                GgmlType::F32,
+                "unquantized layer"
+            );
+        }
+
+        let want = ours(&fake, &text);
+        // Our own reader: import-gguf, then eval.
+        let imported = tmp.path().join(format!("{name}-imported"));
+        let (code, _, err) = run(&[
+            "import-gguf",
+            s(&out.join("model.gguf")),
+            "--out",
+            s(&imported),
+        ]);
+        assert_eq!(code, 0, "import-gguf {name}: {err}");
+        let back = ours(&imported, &text);
+        assert!(
+            (back - want).abs() <= 1e-9 * want,
+            "{name}: import-gguf + eval {back} vs the fake folder's {want}"
+        );
+
+        let o = Command::new(&py)
+            .arg("scripts/check_loaders.py")
+            .args([
+                "--data",
+                s(&text),
+                "--seqlen",
+                SEQLEN,
+                "--max-windows",
+                WINDOWS,
+            ])
+            .args(["--tokenizer", s(&demo_model()), "--weights-like=-fake"])
+            .args(["--loader", "transformers-gguf", s(&out)])
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "check_loaders.py: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let stdout = String::from_utf8_lossy(&o.stdout);
+        let row: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+        check_loader_ppl(
+            &mut failures,
+            &out,
+            &row,
+            "eval of the fake folder",
+            want,
+            TOL,
+        );
+        // 30 layers × 7 linears, every one equal to the fake format's to the bit.
+        assert_eq!(row["compared"], 210, "{name}: {row}");
+        assert_eq!(row["max_abs_diff"], 0.0, "{name}: {row}");
+
+        // llama.cpp itself: its own tokenizer from the file's vocabulary, its own Q4_0/Q8_0 kernels.
+        let o = Command::new(&llama)
+            .arg("scripts/llamacpp_ppl.py")
+            .args([s(&out.join("model.gguf")), s(&text)])
+            .args(["--seqlen", SEQLEN, "--max-windows", WINDOWS])
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "llamacpp_ppl.py: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let stdout = String::from_utf8_lossy(&o.stdout);
+        let mut row: serde_json::Value =
+            serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+        assert_eq!(
+            row["windows"],
+            WINDOWS.parse::<u64>().unwrap(),
+            "{name}: {row}"
+        );
+        row["loader"] = "llama.cpp".into();
+        check_loader_ppl(
+            &mut failures,
+            &out,
+            &row,
+            "eval of the fake folder",
+            want,
+            TOL_LLAMA_CPP,
+        );
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+#[test]
+fn gguf_refusals_come_before_any_work() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = demo_model();
+    let out = tmp.path().join("q");
+    let calib = texts_dir().join("moby-dick.txt");
+    let base = [
+        "run",
+        "--model",
+        s(&model),
+        "--out",
+        s(&out),
+        "--format",
+        "gguf",
+    ];
+    let with = |extra: &[&str]| -> Vec<String> {
+        base.iter().chain(extra).map(|a| a.to_string()).collect()
+    };
+    let check = |extra: &[&str], needles: &[&str]| {
+        let a = with(extra);
+        assert_user_error(&a.iter().map(String::as_str).collect::<Vec<_>>(), needles);
+    };
+    check(
+        &["--method", "rtn", "--wbits", "3"],
+        &["gguf", "3-bit", "K-quants"],
+    );
+    check(
+        &["--method", "rtn", "--group-size", "64"],
+        &["gguf", "32", "64"],
+    );
+    check(
+        &["--method", "rtn", "--group-size", "-1"],
+        &["gguf", "per-channel"],
+    );
+    check(
+        &["--method", "gptq", "--act-order", "--calib", s(&calib)],
+        &["--act-order", "gguf"],
+    );
+    check(
+        &[
+            "--method",
+            "rtn",
+            "--avg-bits",
+            "3",
+            "--bit-choices",
+            "2,4",
+            "--calib",
+            s(&calib),
+        ],
+        &["gguf", "2-bit"],
+    );
+    // An architecture llama.cpp's llama loader does not take, and a folder without its tokenizer.
+    let mistral = tmp.path().join("mistral");
+    copy_dir(&model, &mistral);
+    let cfg_path = mistral.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&cfg_path).unwrap()).unwrap();
+    cfg["architectures"] = serde_json::json!(["MistralForCausalLM"]);
+    cfg["model_type"] = serde_json::json!("mistral");
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    assert_user_error(
+        &[
+            "run",
+            "--model",
+            s(&mistral),
+            "--out",
+            s(&out),
+            "--format",
+            "gguf",
+            "--method",
+            "rtn",
+        ],
+        &["gguf", "MistralForCausalLM"],
+    );
+    let untokenized = tmp.path().join("untokenized");
+    copy_dir(&model, &untokenized);
+    std::fs::remove_file(untokenized.join("tokenizer.json")).unwrap();
+    assert_user_error(
+        &[
+            "run",
+            "--model",
+            s(&untokenized),
+            "--out",
+            s(&out),
+            "--format",
+            "gguf",
+            "--method",
+            "rtn",
+        ],
+        &["tokenizer.json", "gguf"],
+    );
+    assert!(!out.exists(), "a refused run wrote {}", out.display());
+}
+
+/// A copy of a model folder whose weights are links to the original's.
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let p = e.unwrap().path();
+        let dst = to.join(p.file_name().unwrap());
+        if p.extension().is_some_and(|x| x == "safetensors") {
+            std::os::unix::fs::symlink(std::fs::canonicalize(&p).unwrap(), dst).unwrap();
+        } else {
+            std::fs::copy(&p, dst).unwrap();
+        }
+    }
+}
