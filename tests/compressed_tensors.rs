@@ -62,21 +62,7 @@ fn quantize(model: &Path, out: &Path, format: &str, extra: &[&str]) {
 }
 
 fn ours(dir: &Path, text: &Path) -> f64 {
-    let (code, out, err) = run(&[
-        "eval",
-        "--model",
-        s(dir),
-        "--data",
-        s(text),
-        "--seqlen",
-        SEQLEN,
-        "--max-windows",
-        WINDOWS,
-        "--json",
-    ]);
-    assert_eq!(code, 0, "eval {}: {err}", dir.display());
-    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
-    v["perplexity"].as_f64().unwrap()
+    common::eval_ppl(dir, text, SEQLEN, WINDOWS)
 }
 
 /// The tensors of one linear and the config block, as compressed-tensors names and shapes them.

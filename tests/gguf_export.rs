@@ -36,21 +36,18 @@ fn s(p: &Path) -> &str {
 }
 
 fn ours(dir: &Path, text: &Path) -> f64 {
-    let (code, out, err) = run(&[
-        "eval",
-        "--model",
-        s(dir),
-        "--data",
-        s(text),
-        "--seqlen",
-        SEQLEN,
-        "--max-windows",
-        WINDOWS,
-        "--json",
-    ]);
-    assert_eq!(code, 0, "eval {}: {err}", dir.display());
-    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
-    v["perplexity"].as_f64().unwrap()
+    common::eval_ppl(dir, text, SEQLEN, WINDOWS)
+}
+
+/// The last stdout line of a script that succeeded, as JSON (its result row).
+fn last_json(o: &std::process::Output, script: &str) -> serde_json::Value {
+    assert!(
+        o.status.success(),
+        "{script}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    serde_json::from_str(stdout.lines().last().unwrap_or_default()).unwrap()
 }
 
 fn quantize(out: &Path, format: &str, extra: &[&str]) {
@@ -187,13 +184,7 @@ fn gguf_checkpoints_load_in_transformers_with_the_fake_formats_weights() {
             .args(["--loader", "transformers-gguf", s(&out)])
             .output()
             .unwrap();
-        assert!(
-            o.status.success(),
-            "check_loaders.py: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-        let stdout = String::from_utf8_lossy(&o.stdout);
-        let row: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+        let row = last_json(&o, "check_loaders.py");
         check_loader_ppl(
             &mut failures,
             &out,
@@ -213,14 +204,7 @@ fn gguf_checkpoints_load_in_transformers_with_the_fake_formats_weights() {
             .args(["--seqlen", SEQLEN, "--max-windows", WINDOWS])
             .output()
             .unwrap();
-        assert!(
-            o.status.success(),
-            "llamacpp_ppl.py: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-        let stdout = String::from_utf8_lossy(&o.stdout);
-        let mut row: serde_json::Value =
-            serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+        let mut row = last_json(&o, "llamacpp_ppl.py");
         assert_eq!(
             row["windows"],
             WINDOWS.parse::<u64>().unwrap(),

@@ -7,6 +7,7 @@
 //! what is written: a pre-tokenizer llama.cpp would split differently is refused, never guessed.
 
 use super::gguf_out::Kv;
+use crate::model::gguf::tokenizer::LLAMA3_REGEX;
 use serde_json::Value;
 use std::path::Path;
 
@@ -15,9 +16,6 @@ const NORMAL: i32 = 1;
 const CONTROL: i32 = 3;
 const USER_DEFINED: i32 = 4;
 const UNUSED: i32 = 5;
-
-/// Llama 3's pre-tokenizer regex (Meta-Llama-3's tokenizer.json; llama.cpp's "llama-bpe").
-const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 fn read_json(path: &Path) -> Result<Option<Value>, String> {
     match std::fs::read_to_string(path) {

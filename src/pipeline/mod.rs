@@ -617,6 +617,15 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
     }
 }
 
+/// Each quantized linear's module name ("model.layers.3.mlp.up_proj") and bit width.
+fn linear_bits(reports: &[LayerReport]) -> impl Iterator<Item = (String, u32)> + '_ {
+    reports.iter().flat_map(|r| {
+        r.linears
+            .iter()
+            .map(move |x| (format!("model.layers.{}.{}", r.layer, x.name), x.bits))
+    })
+}
+
 /// `--format gguf`: the finished shards of the partial folder (gptq_v2) as one GGUF file beside them; the
 /// shards go at the publish.
 fn write_gguf(
@@ -628,14 +637,7 @@ fn write_gguf(
 ) -> anyhow::Result<crate::export::gguf_model::Written> {
     folder.write_index()?;
     let store = crate::model::weights::WeightStore::open(&folder.tmp)?;
-    let bits: std::collections::HashMap<String, u32> = reports
-        .iter()
-        .flat_map(|r| {
-            r.linears
-                .iter()
-                .map(move |x| (format!("model.layers.{}.{}", r.layer, x.name), x.bits))
-        })
-        .collect();
+    let bits: std::collections::HashMap<String, u32> = linear_bits(reports).collect();
     let name = source
         .dir
         .canonicalize()
@@ -701,14 +703,7 @@ fn write_hf_configs(
                 opts.damp,
                 opts.static_groups,
                 opts.method.name(),
-                crate::export::gptq_packed::dynamic_bits(
-                    opts.wbits,
-                    reports.iter().flat_map(|r| {
-                        r.linears
-                            .iter()
-                            .map(move |x| (format!("model.layers.{}.{}", r.layer, x.name), x.bits))
-                    }),
-                ),
+                crate::export::gptq_packed::dynamic_bits(opts.wbits, linear_bits(reports)),
             );
             config["quantization_config"] = q.clone();
             folder.write_json("quantize_config.json", &q)?;

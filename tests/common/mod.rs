@@ -173,6 +173,25 @@ pub fn sotu_speeches(pred: impl Fn(u32) -> bool) -> Vec<String> {
         .collect()
 }
 
+/// `boa-cuda eval --json`'s perplexity of the folder `dir` on `text`: `windows` windows of `seqlen` tokens.
+pub fn eval_ppl(dir: &Path, text: &Path, seqlen: &str, windows: &str) -> f64 {
+    let (code, out, err) = run(&[
+        "eval",
+        "--model",
+        dir.to_str().unwrap(),
+        "--data",
+        text.to_str().unwrap(),
+        "--seqlen",
+        seqlen,
+        "--max-windows",
+        windows,
+        "--json",
+    ]);
+    assert_eq!(code, 0, "eval {}: {err}", dir.display());
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    v["perplexity"].as_f64().unwrap()
+}
+
 /// One row of scripts/check_loaders.py against `boa-cuda eval`'s perplexity `want` (`against` names it):
 /// printed, and a failure pushed when the loader erred or |Δppl| / ppl exceeds `tol`.
 pub fn check_loader_ppl(

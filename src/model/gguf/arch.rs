@@ -506,21 +506,26 @@ pub fn config_json(
 mod tests {
     use super::*;
 
-    #[test]
-    fn llama_gguf_name_inverts_hf_name() {
-        let h = Hparams {
-            arch: Arch::Llama,
+    /// Two small layers of `arch` (the names' mapping reads only arch, n_layer and the head counts).
+    fn small(arch: Arch) -> Hparams {
+        Hparams {
+            arch,
             n_layer: 2,
             d: 8,
             d_ff: 16,
             n_head: 2,
             n_kv_head: 1,
             head_dim: 4,
-            eps: 1e-5,
-            theta: 1e4,
-            ctx: 16,
+            eps: 1e-6,
+            theta: 1e6,
+            ctx: 32,
             gemma: None,
-        };
+        }
+    }
+
+    #[test]
+    fn llama_gguf_name_inverts_hf_name() {
+        let h = small(Arch::Llama);
         let mut names = vec!["token_embd.weight", "output_norm.weight", "output.weight"]
             .into_iter()
             .map(String::from)
@@ -548,19 +553,7 @@ mod tests {
 
     #[test]
     fn gemma3_names_keep_q_k_rows_and_undo_the_norm_offset() {
-        let h = Hparams {
-            arch: Arch::Gemma3,
-            n_layer: 2,
-            d: 8,
-            d_ff: 16,
-            n_head: 2,
-            n_kv_head: 1,
-            head_dim: 4,
-            eps: 1e-6,
-            theta: 1e6,
-            ctx: 32,
-            gemma: None,
-        };
+        let h = small(Arch::Gemma3);
         let map = |n: &str| hf_name(n, &h);
         let l = |p: &str| format!("model.layers.1.{p}.weight");
         assert_eq!(
