@@ -19,4 +19,5 @@ export BOA_LOADERS_PYTHON
 # llama.cpp through llama-cpp-python, built from source once (tests/gguf_export.rs; a third cached venv).
 BOA_LLAMACPP_PYTHON="${BOA_LLAMACPP_PYTHON:-$(scripts/install_llamacpp.sh | tail -n1)}"
 export BOA_LLAMACPP_PYTHON
+echo "[test.sh] data and venvs ready after ${SECONDS} s" >&2
 cargo test --release "$@"
