@@ -53,7 +53,9 @@ const BATCH_ELEMS: usize = 1 << 27;
 const TABLE_ELEMS: usize = 1 << 25;
 /// v2: approximate best slots per row that are re-scored exactly; must match kTop in cuda/search.cu. The
 /// emulation (profiling/emulate_search_bf16.py) never saw the exact optimum below rank 1 of the approximate
-/// order (280 rows; rank 1 twice); 4 leaves margin at ~2% of the SGEMM work of v1.
+/// order (280 rows; rank 1 twice); 4 leaves margin at ~2% of the SGEMM work of v1. Not a guarantee: a random
+/// parity case (2 bits, 16 columns; tests/parity_search.rs, BF16_SCREEN) ranked it lower, and the pick was
+/// 6e-4 above it, within the bf16 scores' rounding.
 pub const SEARCH_TOP: usize = 4;
 
 /// Device variants of the Hessian scale search (module comment).
