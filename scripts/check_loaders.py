@@ -27,7 +27,7 @@ decompressed) against the `.weight` tensors of the folder DIR+SUFFIX (e.g. the s
 
 usage: check_loaders.py --data TEXT [--seqlen 128] [--max-windows 2] [--weights-like SUFFIX] [--tokenizer DIR]
        --loader NAME [--loader NAME…] DIR…
-needs: the venv of scripts/install_loaders.sh (transformers-gguf: scripts/install_pyref.sh's).
+needs: the reference venv with the loaders (scripts/install_loaders.sh; transformers-gguf: install_pyref.sh alone).
 """
 import argparse, contextlib, io, json, logging, math, os, sys, warnings
 

@@ -1,26 +1,28 @@
 #!/usr/bin/env bash
-# Installs the third-party loaders our checkpoints are checked against (tests/loaders.rs) into a cached
-# Python venv: GPTQModel (its own `GPTQModel.load`) and transformers + optimum (`from_pretrained` of a
-# GPTQ folder, which goes through GPTQModel's kernels), and compressed-tensors (`from_pretrained` of a
-# --format compressed-tensors folder; tests/compressed_tensors.rs). Separate from the pyref venv
-# (install_pyref.sh): GPTQModel pulls in accelerate, datasets, torchao…, which must not move the versions the parity tests
-# compare against. Pinned, so a CI run loads with the same code every time; GPTQModel builds no extension
-# at install (its CPU kernels are JIT-compiled or pure torch). Idempotent: a second run only prints the
-# path. ~3.5 GB of wheels (torch brings the CUDA libraries; only the CPU is used), a few minutes from PyPI.
+# Installs the third-party loaders our checkpoints are checked against (tests/loaders.rs,
+# tests/compressed_tensors.rs): GPTQModel (its own `GPTQModel.load`), transformers + optimum (`from_pretrained`
+# of a GPTQ folder, through GPTQModel's kernels) and compressed-tensors. They go into the reference venv of
+# scripts/install_pyref.sh, which already holds the same torch and transformers: one copy of torch and its
+# CUDA libraries (~3 GB that PyPI's torch always brings, though only the CPU is used) instead of two, minutes
+# of CI. What install_pyref.sh pinned stays as it is (pip gets it as constraints): GPTQModel's own
+# dependencies (datasets, torchao, …) cannot move the versions the parity tests compare against. GPTQModel
+# builds no extension at install (its CPU kernels are JIT-compiled or pure torch). Pinned; idempotent: a
+# second run only prints the path.
 #
-#   usage: scripts/install_loaders.sh [DIR]     (DIR defaults to ~/.cache/boa-cuda/loaders)
+#   usage: scripts/install_loaders.sh [DIR]     (DIR: the reference venv, default ~/.cache/boa-cuda/pyref)
 #   last line of stdout: the venv's python  ->  BOA_LOADERS_PYTHON=$(scripts/install_loaders.sh | tail -n1)
 set -euo pipefail
 
-dir="${1:-$HOME/.cache/boa-cuda/loaders}"
-mkdir -p "$dir"
-dir="$(cd "$dir" && pwd)"
-pins=(torch==2.15.0 transformers==5.24.0 optimum==2.3.0 gptqmodel==7.7.0 compressed-tensors==0.20.0 safetensors numpy)
-marker="$dir/.boa-loaders-$(echo "${pins[*]}" | sha256sum | cut -c1-12)"
+py="$("$(dirname "$0")/install_pyref.sh" "$@" | tail -n1)"
+dir="$(dirname "$(dirname "$py")")"
+pins=(optimum==2.3.0 gptqmodel==7.7.0 compressed-tensors==0.20.0)
+marker="$dir/.boa-loaders-$(echo "${pins[*]} $(ls "$dir"/.boa-pyref-*)" | sha256sum | cut -c1-12)"
 if [[ ! -f "$marker" ]]; then
-    [[ -x "$dir/bin/python" ]] || python3 -m venv "$dir" >&2
-    "$dir/bin/python" -m pip install --quiet --disable-pip-version-check "${pins[@]}" >&2
-    "$dir/bin/python" -c "import torch, transformers, optimum, gptqmodel, compressed_tensors, safetensors" >&2
+    constraints="$dir/.boa-pyref-constraints.txt"
+    "$py" -m pip freeze --disable-pip-version-check \
+        | grep -iE '^(torch|transformers|accelerate|gguf|safetensors|numpy|tokenizers)==' >"$constraints"
+    "$py" -m pip install --quiet --disable-pip-version-check -c "$constraints" "${pins[@]}" >&2
+    "$py" -c "import torch, transformers, optimum, gptqmodel, compressed_tensors, safetensors, gguf" >&2
     touch "$marker"
 fi
-echo "$dir/bin/python"
+echo "$py"

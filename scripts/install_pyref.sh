@@ -13,7 +13,7 @@ set -euo pipefail
 dir="${1:-$HOME/.cache/boa-cuda/pyref}"
 mkdir -p "$dir"
 dir="$(cd "$dir" && pwd)"
-pins=(torch==2.15.0 transformers==5.24.0 gguf==0.19.0 accelerate==1.15.0 safetensors numpy)
+pins=(torch==2.15.0 transformers==5.24.0 gguf==0.19.0 accelerate==1.16.0 safetensors numpy)
 marker="$dir/.boa-pyref-$(echo "${pins[*]}" | sha256sum | cut -c1-12)"
 if [[ ! -f "$marker" ]]; then
     [[ -x "$dir/bin/python" ]] || python3 -m venv "$dir" >&2

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The test command: fetches the demo model and Gemma 3 270M Q4_K_M, unpacks the texts (data/texts.tar.xz)
-# and installs the reference, loader and llama.cpp venvs (scripts/install_pyref.sh, install_loaders.sh,
-# install_llamacpp.sh) if needed (tests need all six and fail without them), then runs every test in release mode (the forward passes are too
-# slow unoptimized).
+# and installs the reference venv with the loaders and the llama.cpp venv (scripts/install_pyref.sh,
+# install_loaders.sh, install_llamacpp.sh) if needed (tests need all five and fail without them), then runs
+# every test in release mode (the forward passes are too slow unoptimized).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/fetch_demo.sh
@@ -13,7 +13,8 @@ python3 scripts/texts.py >/dev/null
 # transformers and the gguf package, the references of tests/transformers_parity.rs (cached venv).
 BOA_PYREF_PYTHON="${BOA_PYREF_PYTHON:-$(scripts/install_pyref.sh | tail -n1)}"
 export BOA_PYREF_PYTHON
-# GPTQModel and transformers + optimum, the loaders of tests/loaders.rs (a second cached venv).
+# GPTQModel, transformers + optimum and compressed-tensors, the loaders of tests/loaders.rs and
+# compressed_tensors.rs (added to the reference venv, which has the same torch and transformers).
 BOA_LOADERS_PYTHON="${BOA_LOADERS_PYTHON:-$(scripts/install_loaders.sh | tail -n1)}"
 export BOA_LOADERS_PYTHON
 # llama.cpp through llama-cpp-python, built from source once (tests/gguf_export.rs; a third cached venv).

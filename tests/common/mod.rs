@@ -132,16 +132,11 @@ pub fn pyref_python(modules: &str) -> PathBuf {
     venv_python("BOA_PYREF_PYTHON", "pyref", "install_pyref.sh", modules)
 }
 
-/// The third-party loaders' venv (scripts/install_loaders.sh: GPTQModel, transformers + optimum,
-/// compressed-tensors), checked to import `modules`. $BOA_LOADERS_PYTHON, default
-/// ~/.cache/boa-cuda/loaders/bin/python.
+/// The third-party loaders (scripts/install_loaders.sh: GPTQModel, transformers + optimum,
+/// compressed-tensors, installed into the reference venv), checked to import `modules`.
+/// $BOA_LOADERS_PYTHON, default ~/.cache/boa-cuda/pyref/bin/python.
 pub fn loaders_python(modules: &str) -> PathBuf {
-    venv_python(
-        "BOA_LOADERS_PYTHON",
-        "loaders",
-        "install_loaders.sh",
-        modules,
-    )
+    venv_python("BOA_LOADERS_PYTHON", "pyref", "install_loaders.sh", modules)
 }
 
 /// llama.cpp's venv (scripts/install_llamacpp.sh: llama-cpp-python built from source), checked to import
