@@ -111,6 +111,13 @@ fn gguf_checkpoints_load_in_transformers_with_the_fake_formats_weights() {
             .collect();
         files.sort();
         assert_eq!(files, ["model.gguf", "report.json"], "{name}");
+        // eval (and run, inspect: all open a folder the same way) names the conversion instead.
+        for m in [out.clone(), out.join("model.gguf")] {
+            assert_user_error(
+                &["eval", "--model", s(&m), "--data", s(&text)],
+                &["GGUF", "import-gguf"],
+            );
+        }
 
         let g = GgufFile::open(&out.join("model.gguf")).unwrap();
         let ty = |t: &str| {

@@ -403,6 +403,27 @@ pub fn block_forward_host(
     Ok(())
 }
 
+/// The GGUF file a user passed where a folder was expected: `path` itself, or the one `.gguf` beside no
+/// config.json in it (a `run --format gguf` output folder).
+fn gguf_instead_of_folder(path: &Path) -> Option<PathBuf> {
+    let is_gguf = |p: &Path| {
+        p.extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+    };
+    if path.is_file() {
+        return is_gguf(path).then(|| path.to_path_buf());
+    }
+    if !path.is_dir() || path.join("config.json").exists() {
+        return None;
+    }
+    let mut found = std::fs::read_dir(path)
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.is_file() && is_gguf(p));
+    let first = found.next()?;
+    found.next().is_none().then_some(first)
+}
+
 /// A model folder: config, weights (memory-mapped) and the path, with loaders for one block at a time.
 pub struct Model {
     pub dir: PathBuf,
@@ -414,6 +435,20 @@ pub struct Model {
 
 impl Model {
     pub fn open(dir: &Path) -> anyhow::Result<Model> {
+        if let Some(gguf) = gguf_instead_of_folder(dir) {
+            let what = if gguf == dir {
+                "a GGUF file, not a Hugging Face model folder"
+            } else {
+                "holds a GGUF file and no config.json"
+            };
+            return Err(file_err(
+                dir,
+                format!(
+                    "{what}: convert it first with `boa-cuda import-gguf {} --out DIR` and pass DIR",
+                    gguf.display()
+                ),
+            ));
+        }
         if !dir.is_dir() {
             return Err(file_err(dir, "model folder not found"));
         }
