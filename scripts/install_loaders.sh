@@ -16,7 +16,7 @@ set -euo pipefail
 py="$("$(dirname "$0")/install_pyref.sh" "$@" | tail -n1)"
 dir="$(dirname "$(dirname "$py")")"
 pins=(optimum==2.3.0 gptqmodel==7.7.0 compressed-tensors==0.20.0)
-marker="$dir/.boa-loaders-$(echo "${pins[*]} $(ls "$dir"/.boa-pyref-*)" | sha256sum | cut -c1-12)"
+marker="$dir/.boa-loaders-$(echo "${pins[*]} $(cd "$dir" && ls .boa-pyref-*)" | sha256sum | cut -c1-12)"
 if [[ ! -f "$marker" ]]; then
     constraints="$dir/.boa-pyref-constraints.txt"
     "$py" -m pip freeze --disable-pip-version-check \

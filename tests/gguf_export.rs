@@ -26,10 +26,12 @@ const WINDOWS: &str = "2";
 /// summation orders differ; tests/transformers_parity.rs measures ~1e-5 on the demo model).
 const TOL: f64 = 1e-4;
 /// llama.cpp's CPU kernels round the activations to Q8_0 before every Q4_0/Q8_0 product, so its
-/// perplexity is not an f32 forward's. Measured 2026-12-03 (llama-cpp-python 0.3.36): 1.7e-3 relative for
-/// `mixed` (28 quantized linears) and 1.3e-2 for `q8` (210) on these 2 × 128 tokens; 9.8e-4 for GPTQ 4-bit
-/// on every layer over 4 × 512. A wrong tokenizer or q/k permutation moves it by orders of magnitude.
-const TOL_LLAMA_CPP: f64 = 2e-2;
+/// perplexity is not an f32 forward's (scripts/llamacpp_ppl.py keeps the KV cache in f32: llama.cpp's default
+/// f16 cache alone added 8.6e-3 on `q8`). Measured 2026-12-03 (llama-cpp-python 0.3.36, 2 cores): 1.4e-3
+/// relative for `mixed` (28 quantized linears), 4.0e-3 for `q8` (210), on these 2 × 128 tokens; 8.8e-4 for
+/// RTN 8-bit on layer 0 alone (7 Q8_0 linears, the rest F32). A wrong tokenizer or q/k permutation moves it
+/// by orders of magnitude.
+const TOL_LLAMA_CPP: f64 = 1e-2;
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
