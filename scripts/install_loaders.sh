@@ -18,7 +18,8 @@ dir="$(dirname "$(dirname "$py")")"
 pins=(optimum==2.3.0 gptqmodel==7.7.0 compressed-tensors==0.20.0)
 marker="$dir/.boa-loaders-$(echo "${pins[*]} $(cd "$dir" && ls .boa-pyref-*)" | sha256sum | cut -c1-12)"
 if [[ ! -f "$marker" ]]; then
-    constraints="$dir/.boa-pyref-constraints.txt"
+    # Not named .boa-pyref-*: the marker hashes that listing, which this file would change after the first run.
+    constraints="$dir/.boa-loaders-constraints.txt"
     "$py" -m pip freeze --disable-pip-version-check \
         | grep -iE '^(torch|transformers|accelerate|gguf|safetensors|numpy|tokenizers)==' >"$constraints"
     "$py" -m pip install --quiet --disable-pip-version-check -c "$constraints" "${pins[@]}" >&2

@@ -17,9 +17,9 @@
 //!   that differs must be a candidate whose f64 error Δ H Δᵀ (the integer vector the searches score,
 //!   round(w·(1/s))) exceeds the CPU's choice's by at most TIE_REL·Δ H Δᵀ + TIE_WHW·wᵀHw; their fraction is
 //!   printed and bounded by MISMATCH_TOL. v2's bf16 screening may also drop the optimum from its 4 when the
-//!   candidates are closer than its rounding: its bound adds BF16_SCREEN·|Δ|ᵀ|H||Δ| of both grids. MinMax must match exactly; Mse's differing grids must have errors
-//!   within MSE_TIE_REL of the CPU's (CUDA's pow is within 2 ulp of the host libm's; the sums are in the CPU's
-//!   order).
+//!   candidates are closer than its rounding: its bound adds BF16_SCREEN·|Δ|ᵀ|H||Δ| of both grids. MinMax
+//!   must match exactly; Mse's differing grids must have errors within MSE_TIE_REL of the CPU's (CUDA's pow
+//!   is within 2 ulp of the host libm's; the sums are in the CPU's order).
 //! * The dynamic-group GPTQ sweep through `gptq_sweep` against a column-at-a-time f64 reference of Alg. 2 with
 //!   the CPU's f32 search at each group start (both backends are checked against it, so the reference is
 //!   checked too; U from a well-conditioned matrix, so the f32 sweeps stay within ~1e-6 of the reference, H
@@ -53,7 +53,7 @@ const TIE_WHW: f64 = 1e-6;
 /// v2's screening: it keeps the SEARCH_TOP best of a Δ H Δᵀ computed from bf16 Δ and H (f32 accumulation),
 /// whose error is at most ≈ 3u·|Δ|ᵀ|H||Δ| (u = 2⁻⁸: two roundings of Δ, one of H). When candidates' errors
 /// are closer than that, the exact optimum can rank below SEARCH_TOP (seen on the emulator, seed
-/// 13464226113205739983: 2-bit, 16 columns, 6e-4 above the optimum), and the exactly re-scored pick then
+/// 9002251822395596992: 2-bit, 16 columns, 6e-4 above the optimum), and the exactly re-scored pick then
 /// exceeds it by at most the two scores' screening errors, the optimum's and the first-ranked one's (taken as
 /// the pick's: both are near-optimal grids of the same row).
 const BF16_SCREEN: f64 = 3.0 / 256.0;
