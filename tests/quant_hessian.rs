@@ -33,7 +33,13 @@ fn close(a: &[f64], b: &[f64], rtol: f64, what: &str) {
 
 #[test]
 fn xxt_running_mean_any_batching() {
-    let (n, d) = (1100, 24);
+    for d in [24, 70] {
+        xxt_running_mean_case(d);
+    }
+}
+
+fn xxt_running_mean_case(d: usize) {
+    let n = 1100;
     let mut r = rng(1);
     let x = to_f32(&correlated_inputs(&mut r, n, d));
     let brute = xtx(&x.iter().map(|&v| v as f64).collect::<Vec<_>>(), n, d);
@@ -217,12 +223,16 @@ fn brute_probs(qh: &[f32], kh: &[f32], t: usize, d_h: usize, window: Option<usiz
 fn v_column_statistic_matches_brute_force() {
     // Full causal attention, and a sliding window of 3 keys.
     for window in [None, Some(3)] {
-        v_column_statistic_case(window);
+        v_column_statistic_case(window, (4, 2, 4, 6, 9));
     }
+    // Past one 64-row block of the causal product and one 32-wide tile of the mirrored triangle.
+    v_column_statistic_case(Some(40), (2, 1, 4, 37, 130));
 }
 
-fn v_column_statistic_case(window: Option<usize>) {
-    let (n_heads, n_kv, d_h, d, t) = (4, 2, 4, 6, 9);
+fn v_column_statistic_case(
+    window: Option<usize>,
+    (n_heads, n_kv, d_h, d, t): (usize, usize, usize, usize, usize),
+) {
     let mut r = rng(4);
     let mut acc = Accumulator::v_col(&CpuBackend, d, n_heads, n_kv).unwrap();
     let shape = AttnShape {

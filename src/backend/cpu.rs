@@ -534,20 +534,22 @@ fn causal_softmax_rows(s: &mut [f32], width: usize, i0: usize, scale: f32, windo
     }
 }
 
-/// Calls `f(i0, rows, P_block)` for each block of query rows, P_block [rows × i0+rows] the causal softmax
-/// probabilities of those queries against keys 0..i0+rows.
+/// Calls `f(i0, rows, P_block)` for each block of query rows in `queries` (its start a multiple of
+/// ATTENTION_BLOCK, so the blocks are the same whatever range is asked), P_block [rows × i0+rows] the causal
+/// softmax probabilities of those queries against keys 0..i0+rows.
 fn causal_prob_blocks(
     qh: &[f32],
     kh: &[f32],
-    t: usize,
     d_h: usize,
     window: Option<usize>,
+    queries: std::ops::Range<usize>,
     mut f: impl FnMut(usize, usize, &[f32]),
 ) {
+    debug_assert!(queries.start.is_multiple_of(ATTENTION_BLOCK));
     let scale = 1.0 / (d_h as f32).sqrt();
     let mut s = Vec::new();
-    for i0 in (0..t).step_by(ATTENTION_BLOCK) {
-        let i1 = (i0 + ATTENTION_BLOCK).min(t);
+    for i0 in queries.clone().step_by(ATTENTION_BLOCK) {
+        let i1 = (i0 + ATTENTION_BLOCK).min(queries.end);
         let rows = i1 - i0;
         s.resize(rows * i1, 0.0);
         gemm_nt(
@@ -574,7 +576,7 @@ pub fn causal_softmax_probs(
     window: Option<usize>,
 ) -> Vec<f32> {
     let mut p = vec![0f32; t * t];
-    causal_prob_blocks(qh, kh, t, d_h, window, |i0, rows, s| {
+    causal_prob_blocks(qh, kh, d_h, window, 0..t, |i0, rows, s| {
         let w = i0 + rows;
         for r in 0..rows {
             p[(i0 + r) * t..(i0 + r) * t + w].copy_from_slice(&s[r * w..(r + 1) * w]);
@@ -592,16 +594,32 @@ pub fn causal_attention_head(
     d_h: usize,
     window: Option<usize>,
 ) -> Vec<f32> {
-    let mut o = vec![0f32; t * d_h];
-    causal_prob_blocks(qh, kh, t, d_h, window, |i0, rows, s| {
+    causal_attention_rows(qh, kh, vh, d_h, d_h, window, 0..t)
+}
+
+/// Rows `queries` of one head's A V, [len × d_v], V [t × d_v] any width: with V = the block input X this is
+/// (A_h X)[queries], W_V's column statistic for those positions. The start of `queries` is a multiple of 64
+/// (the blocks of `causal_prob_blocks`), so every row is the bits the whole product gives it.
+pub fn causal_attention_rows(
+    qh: &[f32],
+    kh: &[f32],
+    vh: &[f32],
+    d_h: usize,
+    d_v: usize,
+    window: Option<usize>,
+    queries: std::ops::Range<usize>,
+) -> Vec<f32> {
+    let q0 = queries.start;
+    let mut o = vec![0f32; queries.len() * d_v];
+    causal_prob_blocks(qh, kh, d_h, window, queries, |i0, rows, s| {
         let w = i0 + rows;
         gemm_nn(
-            &mut o[i0 * d_h..(i0 + rows) * d_h],
+            &mut o[(i0 - q0) * d_v..(i0 - q0 + rows) * d_v],
             s,
-            &vh[..w * d_h],
+            &vh[..w * d_v],
             rows,
             w,
-            d_h,
+            d_v,
         );
     });
     o

@@ -12,7 +12,9 @@ use crate::ops::{
 use crate::quant::Real;
 use crate::quant::boa::{ColFactor, boa_sweep};
 use crate::quant::gptq::{DynamicGroups, gptq_block_sweep};
-use crate::quant::hessian::{add_v_col_sequence, add_xxt_f64, finish, v_row_hessians_from_wout};
+use crate::quant::hessian::{
+    CHUNK_TOKENS, add_xxt_f64, finish, fold_grams, gram_f32, v_row_hessians_from_wout,
+};
 use crate::quant::linalg::{cholesky_upper_inverse, permute_sym};
 use crate::quant::quantizer::{dequantize, h_block_f32, quantize, search_grids_rows};
 use anyhow::{anyhow, bail};
@@ -161,8 +163,16 @@ fn search_all<T: Real + IntoMat>(
         bail!("search_grids: the Hessian search needs H");
     }
     let mut grids = vec![Grid::default(); rows * n_groups];
-    for (p, &f) in h_of_part.iter().enumerate() {
-        let wp = &w[p * rp * n..(p + 1) * rp * n];
+    // Consecutive parts on the same H (every head of a shared H_col) are searched as one block of rows:
+    // each row's grid depends only on the row and H, and H's tiles and pruning checks (an O(g³) Cholesky)
+    // are then made once instead of once per head.
+    let mut p0 = 0;
+    while p0 < h_of_part.len() {
+        let f = h_of_part[p0];
+        let p1 = p0 + h_of_part[p0..].iter().take_while(|&&x| x == f).count();
+        let (r0, nr) = (p0 * rp, (p1 - p0) * rp);
+        p0 = p1;
+        let wp = &w[r0 * n..(r0 + nr) * n];
         for k in 0..n_groups {
             let len = g.min(n - k * g);
             let hb = match h.filter(|_| hessian) {
@@ -180,9 +190,9 @@ fn search_all<T: Real + IntoMat>(
                 }
                 None => None,
             };
-            let gk = search_grids_rows(wp, rp, n, k * g, len, hb.as_deref(), spec);
+            let gk = search_grids_rows(wp, nr, n, k * g, len, hb.as_deref(), spec);
             for (r, gr) in gk.into_iter().enumerate() {
-                grids[(p * rp + r) * n_groups + k] = gr;
+                grids[(r0 + r) * n_groups + k] = gr;
             }
         }
     }
@@ -469,6 +479,40 @@ fn rtn_t<T: Real + IntoMat>(
     Ok((T::into_mat(q, 1, rows, n), Codes::Host(codes)))
 }
 
+/// W_V's column sums of one sequence: for every query head h, sums[h / G] (f64, [h_kv × d × d]) +=
+/// (A_h X)ᵀ (A_h X), X [t × d] the block input, A_h the causal softmax probabilities (G = h / h_kv query
+/// heads share a KV head). Each (head, CHUNK_TOKENS rows of A_h X) is one Gram of `fold_grams`: computed a
+/// head per thread, straight from Q and K block by block (A_h is never stored), and added in head order.
+fn add_v_col_sequence(
+    sums: &mut [f64],
+    x: &[f32],
+    q: &[f32],
+    k: &[f32],
+    s: AttnShape,
+    scratch: &mut Vec<f32>,
+) {
+    let AttnShape {
+        t, h, h_kv, d_h, d, ..
+    } = s;
+    let (gs, per_head) = (h / h_kv, t.div_ceil(CHUNK_TOKENS));
+    fold_grams(
+        sums,
+        d,
+        h * per_head,
+        |i| i / per_head / gs,
+        |i, g, par| {
+            let (head, c) = (i / per_head, i % per_head);
+            let qh = cpu::gather_head(q, t, h, d_h, head);
+            let kh = cpu::gather_head(k, t, h_kv, d_h, head / gs);
+            let rows = c * CHUNK_TOKENS..((c + 1) * CHUNK_TOKENS).min(t);
+            let m = rows.len();
+            let y = cpu::causal_attention_rows(&qh, &kh, x, d_h, d, s.window, rows);
+            gram_f32(g, &y, m, d, d, par);
+        },
+        scratch,
+    );
+}
+
 fn check_sym(h: &Mat, op: &str) -> Result<()> {
     if h.rows != h.cols {
         bail!("{op}: {} is not square", h.describe());
@@ -542,11 +586,18 @@ impl QuantOps for CpuBackend {
             );
         }
         let sums = f64_mut(acc, "stat_v_col")?;
+        let mut scratch = Vec::new();
         for i in 0..n_seq {
             let qs = &q[i * t * h * d_h..(i + 1) * t * h * d_h];
             let ks = &k[i * t * h_kv * d_h..(i + 1) * t * h_kv * d_h];
-            let probs = cpu::attention_probs(qs, ks, (t, h, h_kv, d_h), s.window)?;
-            add_v_col_sequence(sums, &x[i * t * d..(i + 1) * t * d], &probs, t, d, h, h_kv);
+            add_v_col_sequence(
+                sums,
+                &x[i * t * d..(i + 1) * t * d],
+                qs,
+                ks,
+                s,
+                &mut scratch,
+            );
         }
         Ok(())
     }
@@ -837,8 +888,7 @@ impl QuantOps for CpuBackend {
                 .map(|m| conv::<f32>(m, "A"))
                 .collect::<Result<Vec<_>>>()?
                 .concat();
-            let h32: Vec<f32> = hv.iter().map(|&x| x as f32).collect();
-            quad_forms_f32(&stacked, &h32, rows, n, a)
+            quad_forms_f32(&stacked, &hv, rows, n, a)
         })
     }
 
@@ -903,38 +953,64 @@ fn reorder_grids(g: &Grids, row_perm: &[usize], gather: bool) -> Result<Grids> {
     })
 }
 
-macro_rules! quad_forms_impl {
-    ($name:ident, $t:ty) => {
-        /// tr(A_i H A_iᵀ) of the matrices stacked in `a` [rows × n] (their row counts from `parts`): one
-        /// parallel GEMM A·H, then f64 sums.
-        fn $name(a: &[$t], h: &[$t], rows: usize, n: usize, parts: &[&Mat]) -> Vec<f64> {
-            use faer::{Accum, Mat as FMat, MatRef, Par, linalg::matmul::matmul};
-            let am = MatRef::from_row_major_slice(a, rows, n);
-            let hm = MatRef::from_row_major_slice(h, n, n);
-            let mut ah = FMat::<$t>::zeros(rows, n);
-            matmul(
-                ah.as_mut(),
-                Accum::Replace,
-                am,
-                hm,
-                1.0 as $t,
-                Par::rayon(0),
-            );
-            let mut out = Vec::with_capacity(parts.len());
-            let mut r0 = 0;
-            for m in parts {
-                let mut total = 0f64;
-                for r in r0..r0 + m.rows {
-                    for c in 0..n {
-                        total += a[r * n + c] as f64 * ah[(r, c)] as f64;
-                    }
-                }
-                out.push(total);
-                r0 += m.rows;
+/// tr(A_i H A_iᵀ) of the matrices stacked in `a` [rows × n] (their row counts from `parts`), in f64 (the
+/// exactness tests' inputs): one parallel GEMM A·H, then f64 sums.
+fn quad_forms_f64(a: &[f64], h: &[f64], rows: usize, n: usize, parts: &[&Mat]) -> Vec<f64> {
+    use faer::{Accum, Mat as FMat, MatRef, Par, linalg::matmul::matmul};
+    let am = MatRef::from_row_major_slice(a, rows, n);
+    let hm = MatRef::from_row_major_slice(h, n, n);
+    let mut ah = FMat::<f64>::zeros(rows, n);
+    matmul(ah.as_mut(), Accum::Replace, am, hm, 1.0, Par::rayon(0));
+    let mut out = Vec::with_capacity(parts.len());
+    let mut r0 = 0;
+    for m in parts {
+        let mut total = 0f64;
+        for r in r0..r0 + m.rows {
+            for c in 0..n {
+                total += a[r * n + c] * ah[(r, c)];
             }
-            out
         }
-    };
+        out.push(total);
+        r0 += m.rows;
+    }
+    out
 }
-quad_forms_impl!(quad_forms_f32, f32);
-quad_forms_impl!(quad_forms_f64, f64);
+
+/// `quad_forms_f64`'s f32 twin, on half the GEMM: with L = the strict lower triangle of H plus half its
+/// diagonal, a H aᵀ = 2·a·(a L)ᵀ, so one triangular product A·L (f32, faer) and f64 sums.
+fn quad_forms_f32(a: &[f32], h: &[f64], rows: usize, n: usize, parts: &[&Mat]) -> Vec<f64> {
+    use faer::linalg::matmul::triangular::{BlockStructure, matmul};
+    use faer::{Accum, Mat as FMat, MatRef, Par};
+    let l: Vec<f32> = (0..n * n)
+        .map(|k| match (k / n, k % n) {
+            (i, j) if j < i => h[k] as f32,
+            (i, j) if j == i => (0.5 * h[k]) as f32,
+            _ => 0.0,
+        })
+        .collect();
+    let mut al = FMat::<f32>::zeros(rows, n);
+    matmul(
+        al.as_mut(),
+        BlockStructure::Rectangular,
+        Accum::Replace,
+        MatRef::from_row_major_slice(a, rows, n),
+        BlockStructure::Rectangular,
+        MatRef::from_row_major_slice(&l, n, n),
+        BlockStructure::TriangularLower,
+        1.0f32,
+        Par::rayon(0),
+    );
+    let mut out = Vec::with_capacity(parts.len());
+    let mut r0 = 0;
+    for m in parts {
+        let mut total = 0f64;
+        for r in r0..r0 + m.rows {
+            for c in 0..n {
+                total += a[r * n + c] as f64 * al[(r, c)] as f64;
+            }
+        }
+        out.push(2.0 * total);
+        r0 += m.rows;
+    }
+    out
+}

@@ -746,17 +746,29 @@ fn tile_pass(
     if let Some(s) = start {
         acc[..c1 - c0].copy_from_slice(&s[c0..c1]);
     }
-    let ops = &chain.ops;
+    let ops = &chain.ops[..];
+    // Every op's row j < g was pushed by `shrink_path` from an entry of a row of g values, and the tile holds
+    // g rows of TILE floats `stride` apart (checked here once), so the loop below (about ten instructions per
+    // op, the search's hottest) carries no bounds check.
+    let g = out.init.len();
+    assert!(
+        g > 0 && stride >= TILE && tile.len() >= (g - 1) * stride + TILE,
+        "tile of {} floats for {g} rows {stride} apart",
+        tile.len()
+    );
+    let row_at = |j: u32| -> &[f32; TILE] {
+        debug_assert!((j as usize) < g, "chain op at row {j} of {g}");
+        // SAFETY: j < g (every op comes from an entry of the row, `shrink_path`), so
+        // j·stride + TILE ≤ tile.len() (asserted above).
+        unsafe { &*(tile.as_ptr().add(j as usize * stride) as *const [f32; TILE]) }
+    };
     let run = |acc: &mut [f32; TILE], k0: usize, k1: usize| {
         for k in k0..k1 {
             if let Some(&(jp, _)) = ops.get(k + PREFETCH) {
-                prefetch_row(&tile[jp as usize * stride..jp as usize * stride + TILE]);
+                prefetch_row(row_at(jp));
             }
             let (j, d) = ops[k];
-            let row: &[f32; TILE] = tile[j as usize * stride..j as usize * stride + TILE]
-                .try_into()
-                .expect("a tile row is TILE wide");
-            for (a, &h) in acc.iter_mut().zip(row) {
+            for (a, &h) in acc.iter_mut().zip(row_at(j)) {
                 *a += d * h;
             }
         }
