@@ -583,6 +583,12 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
         timings.total = base_total + t_start.elapsed().as_secs_f64();
         let mut report = RunReport::new(opts, be.name(), reports, timings, n_seq * opts.seqlen);
         report.traffic = traffic;
+        if let Some(m) = &cfg.block.moe {
+            report.full_precision = std::iter::once(m.router)
+                .chain(m.shared_expert.as_ref().map(|s| s.gate))
+                .map(|n| format!("{n}.weight"))
+                .collect();
+        }
         let mut report_json = serde_json::to_value(&report)?;
         if let Some(info) = rotation {
             report_json["rotation"] = serde_json::to_value(info)?;
