@@ -679,7 +679,7 @@ fn write_hf_configs(
             "group_size": opts.group_size.columns().map(|g| g as i64).unwrap_or(-1), "sym": opts.sym,
             "format": opts.format.name()});
         if let Some(info) = rotation {
-            config["boa_cuda"]["rotation"] = serde_json::to_value(info)?;
+            config["boa_cuda"]["rotation"] = info.config_json();
         }
         if opts.format == OutFormat::CompressedTensors {
             // Every Linear is a target; the unquantized ones must be named or the loader looks for their
