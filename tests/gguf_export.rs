@@ -6,10 +6,12 @@
 //! scripts/llamacpp_ppl.py: its tokenizer, its kernels) the same perplexity up to its Q8_0 activations. A
 //! missing venv fails the test (scripts/test.sh installs them), never skips it.
 //!
-//! Two runs of the demo model, each written in both formats:
-//!   mixed  GPTQ with --avg-bits 6 over 4 and 8 bits (Q4_0 and Q8_0 tensors in one file) on layers 0-3, the
-//!          other layers' linears copied through as F32 tensors;
-//!   q8     RTN at 8 bits (Q8_0) on every layer.
+//! Three runs of the demo model, each written in both formats:
+//!   mixed    GPTQ with --avg-bits 6 over 4 and 8 bits (Q4_0 and Q8_0 tensors in one file) on layers 0-3,
+//!            the other layers' linears copied through as F32 tensors;
+//!   q8       RTN at 8 bits (Q8_0) on every layer;
+//!   rotated  `run --rotate` (norms folded, Hadamard rotations fused into the weights, lm_head untied into
+//!            its own `output.weight`), BoA at 4 bits (Q4_0) on layers 0-1, the rest rotated F32.
 
 mod common;
 
@@ -96,9 +98,25 @@ fn gguf_checkpoints_load_in_transformers_with_the_fake_formats_weights() {
         "--calib",
     ];
     mixed.extend(calib.iter().map(String::as_str));
-    let variants: [(&str, &[&str]); 2] = [
+    let mut rotated: Vec<&str> = vec![
+        "--method",
+        "boa",
+        "--wbits",
+        "4",
+        "--rotate",
+        "--layers",
+        "0-1",
+        "--nsamples",
+        "2",
+        "--seqlen",
+        "128",
+        "--calib",
+    ];
+    rotated.extend(calib.iter().map(String::as_str));
+    let variants: [(&str, &[&str]); 3] = [
         ("mixed", &mixed),
         ("q8", &["--method", "rtn", "--wbits", "8"]),
+        ("rotated", &rotated),
     ];
     let mut failures = Vec::new();
     for (name, extra) in variants {
@@ -153,6 +171,12 @@ fn gguf_checkpoints_load_in_transformers_with_the_fake_formats_weights() {
                 assert_eq!(ty(&format!("blk.{}.{part}.weight", l["layer"])), want);
                 seen.insert(bits);
             }
+        }
+        if name == "rotated" {
+            // SmolLM2 ties its head; the folded final norm made it differ from the embedding.
+            assert_eq!(ty("output.weight"), GgmlType::F32, "untied lm_head");
+            assert_eq!(ty("blk.1.attn_q.weight"), GgmlType::Q4_0);
+            assert_eq!(ty("blk.2.attn_q.weight"), GgmlType::F32);
         }
         if name == "mixed" {
             assert_eq!(seen, [4, 8].into(), "the allocation should use both widths");
