@@ -1064,7 +1064,8 @@ fn parity_weights(ops: &dyn QuantOps, at: &Place) {
             &at.f32(w.clone(), 1, rows, n),
             &at.grids(s.clone(), zz.clone(), rows, ng),
             &col_group,
-            maxq,
+            // maxq 7: 3 bits.
+            &QuantSpec::new(3, Some(g), false, ScaleSearch::MinMax),
         )
         .unwrap();
     let (qv, cv) = (ops.read_f32(&q).unwrap(), ops.read_codes(&codes).unwrap());
