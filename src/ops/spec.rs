@@ -28,7 +28,7 @@ pub enum Lattice {
     /// GGUF's K-quant super-blocks: per row, every `len` columns (a multiple of the group size) share an
     /// f16 d and, asymmetric, an f16 dmin; group j's scale is d·sc_j with an integer sc_j in 1..=sc_max, its
     /// offset dmin·m_j with an integer m_j in 0..=m_max: ŵ = (d·sc_j)·q − dmin·m_j, or (d·sc_j)·(q − z) with
-    /// the symmetric zero z = 2^(b−1).
+    /// the symmetric zero z = 2^(b−1) and sc_j in ±1..=sc_max (the sign mirrors the levels).
     Super { len: usize, sc_max: u32, m_max: u32 },
 }
 

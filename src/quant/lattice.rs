@@ -5,7 +5,8 @@
 //! offset grid the offset m = s·z rounded to f16 (ŵ = s·q − m).
 //!
 //! `Super` (the K-quants): per row and super-block of `len` columns, f16 d (and dmin) shared by its groups;
-//! group j's grid is (d·sc_j, dmin·m_j) with integers sc_j ≤ sc_max, m_j ≤ m_max. Two levels, as the sweep
+//! group j's grid is (d·sc_j, dmin·m_j) with integers sc_j ≤ sc_max, m_j ≤ m_max (on a symmetric grid sc_j
+//! may be negative, which mirrors its levels −z..maxq − z). Two levels, as the sweep
 //! meets them:
 //!   1. At the super-block's first column, [`super_scale`]: the free search of each of its groups on the
 //!      current weights gives (s_j, z_j), offsets m_j = s_j·z_j, and
@@ -137,8 +138,14 @@ fn super_candidates<T: Real>(
     for sc in scs {
         let scale = sup.d * T::from_f64(sc as f64);
         if !spec.offset() {
+            // A symmetric grid's levels are −z..maxq − z: the negative scale (Q3_K's and Q6_K's sub-block
+            // scales are signed) mirrors them, putting the extra level on the other side.
             out.push(Grid {
                 scale,
+                zero: best.zero,
+            });
+            out.push(Grid {
+                scale: -scale,
                 zero: best.zero,
             });
             continue;
@@ -298,6 +305,8 @@ mod tests {
                 for j in 0..per {
                     let gr = grids[s * per + j];
                     let sc = gr.scale / sup.d;
+                    // Signed on a symmetric grid (the mirror), positive on an offset one.
+                    let sc = if sym { sc.abs() } else { sc };
                     assert!(
                         sc.fract() == 0.0 && (1.0..=sc_max as f64).contains(&sc),
                         "{bits}-bit: sc {sc}"

@@ -10,9 +10,9 @@
 //! | Q5_0 | 5 | 32 | d·(q − 16) | f16 d |
 //! | Q4_1, Q5_1 | 4, 5 | 32 | d·q + m | f16 d, f16 m (our offset is −m) |
 //! | Q2_K | 2 | 16 | (d·sc)·q − dmin·m | super-block 256, sc, m ≤ 15 |
-//! | Q3_K | 3 | 16 | (d·sc)·(q − 4) | super-block 256, sc ≤ 31 (of its signed 6 bits) |
+//! | Q3_K | 3 | 16 | (d·sc)·(q − 4) | super-block 256, \|sc\| ≤ 31 (signed 6 bits) |
 //! | Q4_K, Q5_K | 4, 5 | 32 | (d·sc)·q − dmin·m | super-block 256, sc, m ≤ 63 |
-//! | Q6_K | 6 | 16 | (d·sc)·(q − 32) | super-block 256, sc ≤ 127 (of its int8) |
+//! | Q6_K | 6 | 16 | (d·sc)·(q − 32) | super-block 256, \|sc\| ≤ 127 (int8) |
 //!
 //! The sweep keeps each group's scale d·sc and offset dmin·m as plain values (exact products), not d:
 //! `factor` recovers an f16 d and the integers from them. Any exact factorization decodes to the same values
@@ -102,6 +102,18 @@ fn factor(v: &[f64], max: u32) -> Option<(f16, Vec<u8>)> {
             .collect();
         ks.map(|ks| (h, ks))
     })
+}
+
+/// `factor` of signed values (a symmetric K-quant's sub-block scales): d·k_j = v_j with |k_j| ≤ `max`.
+fn factor_signed(v: &[f64], max: u32) -> Option<(f16, Vec<i8>)> {
+    let abs: Vec<f64> = v.iter().map(|x| x.abs()).collect();
+    let (d, ks) = factor(&abs, max)?;
+    let signed = ks
+        .iter()
+        .zip(v)
+        .map(|(&k, &x)| if x < 0.0 { -(k as i8) } else { k as i8 })
+        .collect();
+    Some((d, signed))
 }
 
 fn exact_f16(x: f64, what: &str) -> Result<f16, String> {
@@ -268,7 +280,7 @@ impl BlockCodec {
                 }
             }
             GgmlType::Q3_K => {
-                let (d, sc) = factor(s, 31).ok_or("scales share no f16 d")?;
+                let (d, sc) = factor_signed(s, 31).ok_or("scales share no f16 d")?;
                 let (mut hmask, mut qs) = ([0u8; 32], [0u8; 64]);
                 for (i, &c) in q.iter().enumerate() {
                     // Stored q − 4 ∈ −4..3: low two bits of c, and the hmask bit set when c ≥ 4.
@@ -277,7 +289,7 @@ impl BlockCodec {
                 }
                 let mut scales = [0u8; 12];
                 for (j, &k) in sc.iter().enumerate() {
-                    let v = k + 32; // the signed 6-bit scale, biased
+                    let v = (k + 32) as u8; // the signed 6-bit scale, biased
                     scales[j % 8] |= (v & 15) << (4 * (j / 8));
                     scales[8 + j % 4] |= (v >> 4) << (2 * (j / 4));
                 }
@@ -287,7 +299,7 @@ impl BlockCodec {
                 out.extend(le(d));
             }
             GgmlType::Q6_K => {
-                let (d, sc) = factor(s, 127).ok_or("scales share no f16 d")?;
+                let (d, sc) = factor_signed(s, 127).ok_or("scales share no f16 d")?;
                 let (mut ql, mut qh) = ([0u8; 128], [0u8; 64]);
                 for (i, &c) in q.iter().enumerate() {
                     ql[64 * (i / 128) + i % 64] |= (c & 15) << (4 * ((i / 64) % 2));
@@ -295,7 +307,7 @@ impl BlockCodec {
                 }
                 out.extend(ql);
                 out.extend(qh);
-                out.extend(sc);
+                out.extend(sc.iter().map(|&k| k as u8));
                 out.extend(le(d));
             }
             other => return Err(format!("{other} is not written")),
