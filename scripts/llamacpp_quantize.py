@@ -2,7 +2,9 @@
 """llama.cpp's own quantizer (llama_model_quantize, through llama-cpp-python: scripts/install_llamacpp.sh) on an
 F32/F16 GGUF, the baseline `run --format gguf` is compared with (README, "GGUF"). Only the linears are
 quantized, as `boa-cuda run --format gguf` does: token embeddings and the output matrix stay F32
-(token_embedding_type, output_tensor_type), so both files have the same size. No importance matrix.
+(token_embedding_type, output_tensor_type), so both files have the same size. No importance matrix unless
+--imatrix names one (an .npz of scripts/llamacpp_imatrix.py: GGUF tensor name -> mean x_j² per input column),
+handed to llama_model_quantize as its llama_model_imatrix_data array (null-name terminated).
 
 TYPE is a `boa-cuda run --gguf-type` name: one type for every linear (q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, q3_k,
 q4_k, q5_k, q6_k: llama.cpp's `pure` mode with the file type whose default type it is), or one of llama.cpp's
@@ -11,8 +13,9 @@ falls back per tensor when a row is not whole blocks of the type. --requantize l
 quantized file (it dequantizes first): tests/gguf_export.rs compares the type it gives each tensor of one of
 our files with ours.
 
-usage: llamacpp_quantize.py IN.gguf OUT.gguf TYPE [--requantize]
+usage: llamacpp_quantize.py IN.gguf OUT.gguf TYPE [--requantize] [--imatrix FILE.npz]
 """
+import ctypes
 import sys
 
 import llama_cpp
@@ -34,6 +37,18 @@ elif ty in PRESETS:
 else:
     sys.exit(f"unknown TYPE {ty} (one of {', '.join([*PURE, *PRESETS])})")
 p.allow_requantize = "--requantize" in sys.argv[4:]
+rest = sys.argv[4:]
+if "--imatrix" in rest:
+    import numpy as np
+
+    mats = dict(np.load(rest[rest.index("--imatrix") + 1]))
+    keep = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in mats.items()}  # alive until quantized
+    entries = (llama_cpp.llama_model_imatrix_data * (len(keep) + 1))()
+    for e, (k, v) in zip(entries, keep.items()):
+        e.name = k.encode()
+        e.data = v.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        e.size = v.size
+    p.imatrix = entries
 p.token_embedding_type = GGML_TYPE_F32
 p.output_tensor_type = GGML_TYPE_F32
 if llama_cpp.llama_model_quantize(src.encode(), dst.encode(), p) != 0:

@@ -50,6 +50,7 @@ fn checkpoint() -> &'static PathBuf {
             resume: false,
             format: OutFormat::GptqV2,
             rotate: None,
+            gguf_type: None,
         };
         boa_cuda::pipeline::run(&opts, &boa_cuda::progress::Progress::Quiet).unwrap();
         // quantize_config.json is read only when config.json has no quantization_config.
