@@ -307,9 +307,9 @@ fn update_on_host<B: Backend + ?Sized>(
     }
 }
 
-/// Sliding-window attention on the host for any backend: the CPU backend's own, and a device backend's route
-/// (no kernel masks a window yet: a round trip of q, k, v and the output per windowed layer).
-pub fn windowed_attention_on_host<B: Backend + ?Sized>(
+/// Sliding-window attention on the host: the CPU backend's own (the CUDA backend masks windows in its
+/// kernels).
+fn windowed_attention_on_host<B: Backend + ?Sized>(
     be: &B,
     (q, k, v): (&Tensor, &Tensor, &Tensor),
     n_seq: usize,

@@ -8,10 +8,10 @@
 //! returns the reason as a string when any step fails. `select_backend` turns that into a CPU fallback
 //! (`--device auto`) or an error (`--device cuda`).
 //!
-//! On the GPU: rms_norm, rope, swiglu, causal_attention (flash d_h ≤ 128, naive any), attention_probs (ops.rs ↔ cuda/ops.cu),
+//! On the GPU: rms_norm, rope, swiglu, causal_attention (flash d_h ≤ 256, naive any; sliding windows too), attention_probs (ops.rs ↔ cuda/ops.cu),
 //! linear (cuBLAS, gemm.rs), packed_linear (qgemm.rs ↔ cuda/qgemm.cu: fused dequant + dot for m ≤ 16,
 //! dequantize + cuBLAS above), plus the QuantOps of quant.rs. Still on the CPU, each saying why at its
-//! method: flash causal_attention with d_h > 128, linear and packed_linear with m > 16 when libcublas is
+//! method: flash causal_attention with d_h > 256, linear and packed_linear with m > 16 when libcublas is
 //! missing (noted once on stderr), and degenerate shapes (k = 0).
 
 pub mod abi;
@@ -490,7 +490,7 @@ impl CudaBackend {
         self.finish(o, "swiglu")
     }
 
-    /// Causal GQA attention on the GPU (the flash variant takes d_h ≤ ops::ATTN_MAX_D_H); see
+    /// Causal GQA attention on the GPU (the flash variant takes d_h ≤ ops::ATTN_MAX_D_H = 256); see
     /// `Backend::causal_attention`.
     #[allow(clippy::too_many_arguments)]
     pub fn try_causal_attention(
@@ -505,8 +505,17 @@ impl CudaBackend {
         d_h: usize,
     ) -> Result<Vec<f32>, CudaError> {
         let host = |x: &[f32]| Tensor::Host(x.to_vec());
-        let o =
-            self.try_causal_attention_t(&host(q), &host(k), &host(v), n_seq, t, h, h_kv, d_h)?;
+        let o = self.try_causal_attention_t(
+            &host(q),
+            &host(k),
+            &host(v),
+            n_seq,
+            t,
+            h,
+            h_kv,
+            d_h,
+            None,
+        )?;
         self.finish(o, "causal_attention")
     }
 
@@ -631,8 +640,8 @@ impl Backend for CudaBackend {
         })
     }
 
-    /// With the flash variant, d_h > 128 (no model we target) runs on the CPU: those kernels keep a query
-    /// row's slice of q and of the output in registers, sized by the padded head dim kD ∈ {64, 128}.
+    /// With the flash variant, d_h > 256 (no model we target) runs on the CPU: those kernels keep a query
+    /// row's slice of q and of the output in registers, sized by the padded head dim kD ∈ {64, 128, 256}.
     fn causal_attention(
         &self,
         q: &[f32],
@@ -827,20 +836,11 @@ impl Backend for CudaBackend {
         d_h: usize,
         window: Option<usize>,
     ) -> crate::ops::Result<Tensor> {
-        // The kernels mask causally only: a sliding window takes the host route.
-        if let Some(w) = window.filter(|&w| w < t) {
-            return crate::backend::windowed_attention_on_host(
-                self,
-                (q, k, v),
-                n_seq,
-                (t, h, h_kv, d_h),
-                w,
-            );
-        }
-        self.try_causal_attention_t(q, k, v, n_seq, t, h, h_kv, d_h)
+        self.try_causal_attention_t(q, k, v, n_seq, t, h, h_kv, d_h, window)
             .map_err(|e| {
- anyhow::anyhow!(
-                    "{} causal_attention (n_seq={n_seq}, t={t}, h={h}, h_kv={h_kv}, d_h={d_h}): {e}",
+                anyhow::anyhow!(
+                    "{} causal_attention (n_seq={n_seq}, t={t}, h={h}, h_kv={h_kv}, d_h={d_h}, \
+                     window={window:?}): {e}",
                     self.name
                 )
             })

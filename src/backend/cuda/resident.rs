@@ -461,6 +461,8 @@ impl CudaBackend {
         r
     }
 
+    /// Causal GQA attention on device tensors; `window`: each query sees at most that many keys, itself
+    /// included (a sliding-window layer).
     #[allow(clippy::too_many_arguments)]
     pub fn try_causal_attention_t(
         &self,
@@ -472,6 +474,7 @@ impl CudaBackend {
         h: usize,
         h_kv: usize,
         d_h: usize,
+        window: Option<usize>,
     ) -> Result<Tensor, CudaError> {
         if q.len() != n_seq * t * h * d_h || k.len() != n_seq * t * h_kv * d_h || v.len() != k.len()
         {
@@ -489,25 +492,22 @@ impl CudaBackend {
         if q.is_empty() {
             return Ok(Tensor::Host(Vec::new()));
         }
-        // The flash kernels pad the head dim to ATTN_MAX_D_H; above it the flash variant runs on the CPU (v1
-        // takes any head dim). Here, so the slice and tensor forms share it.
+        // The flash kernels pad the head dim to at most ATTN_MAX_D_H (256); above it the flash variant runs on
+        // the CPU (v1 takes any head dim). Here, so the slice and tensor forms share it.
         if self.attention_variant == ops::AttentionVariant::Flash && d_h > ops::ATTN_MAX_D_H {
             let host = |e: anyhow::Error| CudaError::Host {
-                op: "causal_attention (CPU, d_h > 128)",
+                op: "causal_attention (CPU, d_h > 256)",
                 msg: format!("{e:#}"),
             };
-            let o = CpuBackend
-                .causal_attention(
-                    &self.read(q).map_err(host)?,
-                    &self.read(k).map_err(host)?,
-                    &self.read(v).map_err(host)?,
-                    n_seq,
-                    t,
-                    h,
-                    h_kv,
-                    d_h,
-                )
-                .map_err(host)?;
+            let o = crate::backend::cpu::attention(
+                &self.read(q).map_err(host)?,
+                &self.read(k).map_err(host)?,
+                &self.read(v).map_err(host)?,
+                n_seq,
+                (t, h, h_kv, d_h),
+                window,
+            )
+            .map_err(host)?;
             return Ok(Tensor::Device(self.owned_dev(Tensor::Host(o))?));
         }
         let (q_d, k_d, v_d) = (self.dev(q)?, self.dev(k)?, self.dev(v)?);
@@ -521,10 +521,8 @@ impl CudaBackend {
             &k_d,
             &v_d,
             n_seq,
-            t,
-            h,
-            h_kv,
-            d_h,
+            (t, h, h_kv, d_h),
+            window.unwrap_or(t),
         )?;
         Ok(Tensor::Device(o))
     }
