@@ -402,8 +402,9 @@ impl QuantOps for CudaBackend {
         with_acc(acc, |t| self.try_head_covariance_t(t, x, m, nh, dh))
     }
 
-    /// With d_h > 128 (none of the Llama family) the attention tiles do not fit: the CPU's sums of the same
-    /// sequences are added in (a host round trip of X, Q and K).
+    /// On the device for d_h ≤ 256, sliding windows included (the Llama family, Mistral, Gemma 3). Wider heads
+    /// (no model we target) do not fit the attention tiles: the CPU's sums of the same sequences are added in
+    /// (a host round trip of X, Q and K).
     fn stat_v_col(
         &self,
         acc: &mut Mat,
@@ -413,8 +414,8 @@ impl QuantOps for CudaBackend {
         s: AttnShape,
         n_seq: usize,
     ) -> Result<()> {
-        // Wider heads than the kernels take, or a sliding window (they mask causally only): on the host.
-        if s.d_h > ATTN_MAX_DH || s.window.is_some_and(|w| w < s.t) {
+        // Wider heads than the kernels take: on the host.
+        if s.d_h > ATTN_MAX_DH {
             let host = |t: &Tensor| -> Result<Tensor> {
                 Ok(Tensor::Host(
                     crate::backend::Backend::read(self, t)?.into_owned(),

@@ -724,6 +724,7 @@ impl CudaBackend {
         let AttnShape {
             t, h, h_kv, d_h, d, ..
         } = s;
+        let window = s.window.unwrap_or(t);
         let hk = &self.quant.hessian;
         launch_softmax_stats(
             &self.stream,
@@ -735,6 +736,7 @@ impl CudaBackend {
             h,
             h_kv,
             d_h,
+            window,
         )?;
         for head in 0..h {
             launch_attn_x(
@@ -752,6 +754,7 @@ impl CudaBackend {
                 h_kv,
                 d_h,
                 d,
+                window,
             )?;
             let g = slot(head);
             self.gram(
@@ -782,6 +785,7 @@ impl CudaBackend {
             t, h, h_kv, d_h, d, ..
         } = s;
         let (xs, qs, ks, st) = (t * d, t * h * d_h, t * h_kv * d_h, 2 * h * t);
+        let window = s.window.unwrap_or(t);
         let hk = &self.quant.hessian;
         let blas = self
             .blas()
@@ -801,6 +805,7 @@ impl CudaBackend {
                 h,
                 h_kv,
                 d_h,
+                window,
             )?;
         }
         // SAFETY: attn_x writes every element of each sequence's [t × d] part before the Gram reads it.
@@ -824,6 +829,7 @@ impl CudaBackend {
                     h_kv,
                     d_h,
                     d,
+                    window,
                 )?;
             }
             let g = head / gs;
