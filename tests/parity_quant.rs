@@ -1461,7 +1461,7 @@ fn boa_inputs(
     }
 }
 
-/// BoA sweeps with static grids: shared and per-head U_col, d_h 16 to 128, n off the 32/128-column blocks.
+/// BoA sweeps with static grids: shared and per-head U_col, d_h 16 to 256, n off the 16/32/128-column blocks.
 fn parity_boa_sweep(ops: &dyn QuantOps, at: &Place) {
     let mut rng = rng();
     let who = &at.name;
@@ -1472,8 +1472,10 @@ fn parity_boa_sweep(ops: &dyn QuantOps, at: &Place) {
         (4, 16, 77, 32, false, 3),
         // Per-head U_col over three heads, nine 32-column blocks and three of 128.
         (3, 32, 260, 100, true, 7),
-        // d_h > 128: CUDA's host route (the kernels hold at most 128 rows of a head).
+        // d_h > 128: CUDA's wide-head kernel (256 threads, 16-column blocks) whatever the block variant;
+        // Gemma 3's 256 with per-head U_col over three blocks.
         (1, 136, 40, 40, false, 7),
+        (2, 256, 40, 20, true, 3),
     ] {
         let bi = boa_inputs(&mut rng, n_heads, d_h, n, per_head);
         let rows = n_heads * d_h;

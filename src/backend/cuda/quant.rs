@@ -8,10 +8,10 @@
 //! Every input must already be on the device (`CudaBackend::upload_mat`): a host `Mat` here is an error,
 //! never a silent copy.
 //!
-//! Still through the host, each saying so at its method (issue 19, to be moved): the static-grid BoA sweep
-//! with d_h > 128, V's statistics with d_h > 128. The scale search (static and the GPTQ sweep's dynamic groups)
-//! is on the device (search.rs); the BoA sweep's dynamic groups are searched inside its own kernel
-//! (boa_dynamic.rs, any d_h).
+//! Still through the host, each saying so at its method: the static-grid BoA sweep and V's statistics with
+//! d_h > 256 (no model we target; Gemma 3's 256 and sliding windows run on the device). The scale search
+//! (static and the GPTQ sweep's dynamic groups) is on the device (search.rs); the BoA sweep's dynamic groups
+//! are searched inside its own kernel (boa_dynamic.rs, any d_h).
 
 use super::cholesky::{CHOLESKY_MAX_N, launch_cholesky};
 use super::core::{
@@ -888,9 +888,9 @@ impl QuantOps for CudaBackend {
         })
     }
 
-    /// Static grids: the wavefront kernel (sweep.rs); heads wider than 128 with static grids: TEMPORARY HOST
-    /// ROUTE (issue 19), the CPU's sweep on the downloaded buffers. Dynamic groups: the group-lagged wavefront
-    /// of boa_dynamic.rs, on the device for any d_h.
+    /// Static grids: the wavefront kernels (sweep.rs; heads of up to 256 rows); heads wider than 256 with
+    /// static grids (no model we target): the CPU's sweep on the downloaded buffers. Dynamic groups: the
+    /// group-lagged wavefront of boa_dynamic.rs, on the device for any d_h.
     fn boa_sweep(
         &self,
         w: Mat,
@@ -954,7 +954,7 @@ impl QuantOps for CudaBackend {
         let mut q_d = self.out_f32(rows * n)?;
         let mut c_d = self.out_u8(rows * n)?;
         let variant = self.boa_block_variant_in_use();
-        let mut e_d = self.zeros_of::<f32>(variant.block().min(n) * rows, "alloc E")?;
+        let mut e_d = self.zeros_of::<f32>(variant.block_for(d_h).min(n) * rows, "alloc E")?;
         launch_boa_sweep(
             &self.stream,
             &self.quant.sweep,
