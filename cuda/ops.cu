@@ -1,5 +1,6 @@
-// ops.cu — model ops of the Llama block forward (design.md §6 "ops"): token embedding, RMSNorm, RoPE, SwiGLU,
-// causal GQA attention (flash-style), the causal softmax probabilities of one sequence, and the two small
+// ops.cu — model ops of the Llama block forward (design.md §6 "ops"): token embedding (scaled for Gemma),
+// RMSNorm, RoPE, SwiGLU, GeGLU (Gemma), causal GQA attention (flash-style, sliding windows, d_h ≤ 256), the
+// causal softmax probabilities of one sequence, and the two small
 // helpers of the cuBLAS linear (bias add, f32 → bf16 operand conversion; the GEMM itself is cuBLAS,
 // src/backend/cuda/gemm.rs).
 // Kernels other than rms_norm take their sizes as plain scalar arguments (no params struct: nothing to mirror).
@@ -58,7 +59,7 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-constexpr int kElementwiseThreads = 256;  // rope, swiglu, bias_add, f32_to_bf16: threads per block
+constexpr int kElementwiseThreads = 256;  // rope, swiglu, geglu, bias_add, f32_to_bf16, embed: threads per block
 constexpr int kAttnProbsWarps = 4;        // attention_probs: warps (= query rows) per block
 constexpr int kAttnThreads = 256;         // causal_attention (flash): threads per CTA, every head dim
 constexpr int kAttnTpqNarrow = 4;         // flash, kD ≤ 128: threads sharing one query row (consecutive lanes)
@@ -191,6 +192,32 @@ swiglu_kernel(float* __restrict__ out,         // [n] out
 }
 
 // ---------------------------------------------------------------------------------------------------------
+// geglu: out[i] = gelu_tanh(gate[i]) · up[i], gelu_tanh(g) = ½ g (1 + tanh(√(2/π) (g + 0.044715 g³))):
+//   transformers' "gelu_pytorch_tanh", Gemma's MLP activation, elementwise over n values.
+//   CPU twin: cpu::geglu via Backend::geglu (Rust's f32 tanh, libm's tanhf; tanhf here is within 2 ulp of
+//   it, and nvcc may fuse the polynomial's products into FMAs: the products agree up to rounding); launcher:
+//   launch_geglu; parity test: parity_geglu.
+// Launch shape: grid min(ceil(n/256), 65535·8), block 256, no smem, grid-stride, one element per thread per
+//   step, as swiglu.
+// Roofline: memory-bound, 12 bytes per element (2 reads, 1 write); tanhf is ~20 instructions, far under the
+//   ~100 flop/byte an H200 can spend. Gemma-3-1B (d_ff 6912) on 128 × 2048 tokens: 21.7 GB → ≈ 4.5 ms at
+//   4.8 TB/s per calibration pass.
+// Variants measured: none yet (no GPU run so far).
+// ---------------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(kElementwiseThreads)
+geglu_kernel(float* __restrict__ out,         // [n] out
+             const float* __restrict__ gate,  // [n]
+             const float* __restrict__ up,    // [n]
+             const uint64_t n) {
+    constexpr float kBeta = 0.7978846f;  // √(2/π), the CPU twin's constant
+    const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+    for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const float g = gate[i];
+        out[i] = 0.5f * g * (1.f + tanhf(kBeta * (g + 0.044715f * g * g * g))) * up[i];
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
 // bias_add: Y [m × n] += b [n] broadcast over rows (the bias of the cuBLAS linear, gemm.rs).
 // Launch shape: grid min(ceil(m·n/256), 65535·8), block 256, no smem, grid-stride.
 // Roofline: memory-bound, 8 bytes per element of Y (b stays in L1/L2); a separate pass because cublasSgemm has
@@ -221,11 +248,13 @@ f32_to_bf16_kernel(__nv_bfloat16* __restrict__ out,  // [n] out
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// embed: X [rows × d] = table[ids[r], :] for every row r: the token embedding gather, so the calibration
+// embed: X [rows × d] = table[ids[r], :] · scale for every row r (scale: Gemma's √d, else 1, which is exact):
+//   the token embedding gather, so the calibration
 //   activations (4 GiB at 7B with 128 × 2048 tokens) are made where they stay instead of crossing PCIe; the
 //   table [vocab × d] is uploaded once (0.5 GB at 7B in f32). ids are checked < vocab by the launcher's caller
-//   (CudaBackend::try_embed_t). CPU twin: the default Backend::embed_t (a host row copy); launcher:
-//   launch_embed; parity test: parity_embed (tests/parity_ops.rs), which must match bit for bit.
+//   (CudaBackend::try_embed_t). CPU twin: the default Backend::embed_t (a host row copy, times the scale in
+//   f32 as model::Model::embed does); launcher: launch_embed; parity test: parity_embed (tests/parity_ops.rs),
+//   which must match bit for bit (one f32 product per element on both sides).
 // Launch shape: grid min(ceil(rows·d/256), 65535·8), block 256, no smem, grid-stride over output elements:
 //   adjacent threads write adjacent columns of one row, so both the table row read and the write coalesce.
 // Roofline: memory-bound, 8 bytes per element (table row read, X written) + 4 per row for the id:
@@ -237,11 +266,12 @@ embed_kernel(float* __restrict__ x,               // [rows × d] out, row-major
              const float* __restrict__ table,     // [vocab × d] row-major
              const uint32_t* __restrict__ ids,    // [rows], each < vocab
              const uint64_t total,                // rows·d
-             const uint32_t d) {
+             const uint32_t d,
+             const float scale) {                 // the model's embedding scale (1: none)
     const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
     for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
         const uint64_t r = i / d;
-        x[i] = table[(uint64_t)ids[r] * d + (i - r * d)];
+        x[i] = table[(uint64_t)ids[r] * d + (i - r * d)] * scale;
     }
 }
 

@@ -276,15 +276,71 @@ fn parity_swiglu(b: &dyn Backend) {
     );
 }
 
+// --- geglu -------------------------------------------------------------------------------------------------
+
+/// gelu_tanh in f32 (the CPU's f32 polynomial and tanh, or CUDA's tanhf within 2 ulp, FMA-contracted) vs the
+/// f64 formula. For g < 0, 1 + tanh(z) cancels (at g = −5, tanh(z) = −1 + 1e-8 rounds to −1 and the f32
+/// result is 0 against 5e-8·|u| in f64): the formula's own f32 error is absolute, a few u of the terms
+/// ½·|g|·|u|·(1 + |tanh z|), not of the result. So the error is taken normwise against the terms' scale,
+/// ‖y − ref‖ / ‖g ⊙ u‖ ≲ 3u ≈ 2e-7; 2e-6 leaves 10× headroom. A wrong constant (√(2/π) or 0.044715) moves
+/// every unsaturated element by ~1e-4 of g·u.
+const GEGLU_TOL: f64 = 2e-6;
+
+fn parity_geglu(b: &dyn Backend) {
+    let mut rng = rng();
+    let mut worst = 0f64;
+    for n in SWIGLU_N {
+        // Mostly |g| < 6 (where gelu bends), a few far out (±100: tanh saturates).
+        let gate: Vec<f32> = (0..n)
+            .map(|i| {
+                if i % 97 == 5 {
+                    rng.random_range(-100.0f32..100.0)
+                } else {
+                    rng.random_range(-6.0f32..6.0)
+                }
+            })
+            .collect();
+        let up: Vec<f32> = (0..n).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+        let y = b.geglu(&gate, &up).unwrap();
+        assert_eq!(y.len(), n, "{}: geglu output length", b.name());
+        let beta = (2.0 / std::f64::consts::PI).sqrt();
+        let reference: Vec<f64> = gate
+            .iter()
+            .zip(&up)
+            .map(|(&g, &u)| {
+                let g = g as f64;
+                0.5 * g * (1.0 + (beta * (g + 0.044715 * g * g * g)).tanh()) * u as f64
+            })
+            .collect();
+        let (mut num, mut den) = (0f64, 0f64);
+        for ((&a, &r), (&g, &u)) in y.iter().zip(&reference).zip(gate.iter().zip(&up)) {
+            num += (a as f64 - r).powi(2); // NaN (an unwritten output) propagates and fails
+            den += (g as f64 * u as f64).powi(2);
+        }
+        let err = (num / den.max(f64::MIN_POSITIVE)).sqrt();
+        assert!(
+            err <= GEGLU_TOL,
+            "{}: geglu n={n}: rel. error {err:.3e} > {GEGLU_TOL:.0e} (NaN = unwritten output)",
+            b.name()
+        );
+        worst = worst.max(err);
+    }
+    println!(
+        "{}: geglu max rel. error {worst:.3e} (bound {GEGLU_TOL:.0e})",
+        b.name()
+    );
+}
+
 // --- embedding -------------------------------------------------------------------------------------------
 
 /// (vocab, d, tokens): SmolLM2's width over a small vocabulary, a width that is no multiple of 4 with one
 /// token, and more output elements than one elementwise grid covers (the grid-stride loop).
 const EMBED_SHAPES: [(usize, usize, usize); 3] = [(50, 576, 37), (7, 1001, 1), (300, 4096, 1100)];
 
-/// The gather moves values and computes nothing, so it must match the host row copy bit for bit, from a
-/// table in the backend's own memory (`upload_weight`) and from a host tensor alike; an id past the table is
-/// refused (the CUDA kernel would read out of bounds).
+/// The gather moves values and computes at most one f32 product (Gemma's √d scale), so it must match the host
+/// row copy times the scale bit for bit, unscaled and scaled, from a table in the backend's own memory
+/// (`upload_weight`) and from a host tensor alike; an id past the table is refused (the CUDA kernel would read
+/// out of bounds).
 fn parity_embed(b: &dyn Backend) {
     use boa_cuda::backend::Tensor;
     let mut rng = rng();
@@ -301,20 +357,23 @@ fn parity_embed(b: &dyn Backend) {
             ids[1] = 0;
             ids[2] = ids[0];
         }
-        let want: Vec<f32> = ids
-            .iter()
-            .flat_map(|&i| table[i as usize * d..(i as usize + 1) * d].iter().copied())
-            .collect();
         let resident = b.upload_weight(&table).unwrap();
         let host = Tensor::Host(table.clone());
-        for t in [resident.as_ref(), Some(&host)].into_iter().flatten() {
-            let x = b.embed_t(t, &ids, d).unwrap();
-            assert_eq!(
-                b.read(&x).unwrap().as_ref(),
-                want.as_slice(),
-                "{}: embed vocab={vocab} d={d} tokens={tokens} from {t:?}",
-                b.name()
-            );
+        for scale in [1.0, (d as f32).sqrt()] {
+            let want: Vec<f32> = ids
+                .iter()
+                .flat_map(|&i| table[i as usize * d..(i as usize + 1) * d].iter())
+                .map(|&v| v * scale)
+                .collect();
+            for t in [resident.as_ref(), Some(&host)].into_iter().flatten() {
+                let x = b.embed_t(t, &ids, d, scale).unwrap();
+                assert_eq!(
+                    b.read(&x).unwrap().as_ref(),
+                    want.as_slice(),
+                    "{}: embed vocab={vocab} d={d} tokens={tokens} scale={scale} from {t:?}",
+                    b.name()
+                );
+            }
         }
     }
     println!(
@@ -328,7 +387,7 @@ fn parity_embed(b: &dyn Backend) {
 fn embed_refuses_an_id_past_the_table_on_cuda() {
     with_cuda(|b| {
         let table = boa_cuda::backend::Tensor::Host(vec![0.0; 4 * 8]);
-        let e = b.try_embed_t(&table, &[1, 4], 8).unwrap_err();
+        let e = b.try_embed_t(&table, &[1, 4], 8, 1.0).unwrap_err();
         assert!(e.to_string().contains("token id 4"), "{e}");
     });
 }
@@ -649,6 +708,16 @@ fn parity_swiglu_cpu() {
 #[test]
 fn parity_swiglu_cuda() {
     with_cuda(|b| parity_swiglu(b));
+}
+
+#[test]
+fn parity_geglu_cpu() {
+    parity_geglu(&CpuBackend);
+}
+
+#[test]
+fn parity_geglu_cuda() {
+    with_cuda(|b| parity_geglu(b));
 }
 
 #[test]

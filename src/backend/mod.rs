@@ -95,8 +95,8 @@ pub trait Backend: QuantOps + Send + Sync {
     /// SwiGLU: silu(gate) ⊙ up, elementwise.
     fn swiglu(&self, gate: &[f32], up: &[f32]) -> Result<Vec<f32>>;
 
-    /// GeGLU: gelu_tanh(gate) ⊙ up, elementwise (Gemma's MLP). On the host unless a backend has its own
-    /// (the CUDA backend has no kernel for it yet, so Gemma's activations make a round trip there).
+    /// GeGLU: gelu_tanh(gate) ⊙ up, elementwise (Gemma's MLP). On the host unless a backend has its own (the
+    /// CUDA backend has a kernel).
     fn geglu(&self, gate: &[f32], up: &[f32]) -> Result<Vec<f32>> {
         cpu::geglu(gate, up)
     }
@@ -168,12 +168,16 @@ pub trait Backend: QuantOps + Send + Sync {
     }
 
     /// Rows `ids` of an embedding table [vocab × d] (this backend's copy, from `upload_weight`, or a host
-    /// tensor) → [ids.len() × d], where this backend computes. The caller checks every id < vocab.
-    fn embed_t(&self, table: &Tensor, ids: &[u32], d: usize) -> Result<Tensor> {
+    /// tensor) → [ids.len() × d], each value times `scale` in f32 (Gemma's √d, as `Model::embed` applies it;
+    /// 1 leaves the rows as they are), where this backend computes. The caller checks every id < vocab.
+    fn embed_t(&self, table: &Tensor, ids: &[u32], d: usize, scale: f32) -> Result<Tensor> {
         let table = self.read(table)?;
         let mut x = Vec::with_capacity(ids.len() * d);
         for &id in ids {
             x.extend_from_slice(&table[id as usize * d..(id as usize + 1) * d]);
+        }
+        if scale != 1.0 {
+            x.iter_mut().for_each(|v| *v *= scale);
         }
         self.to_device(Tensor::Host(x))
     }

@@ -8,7 +8,7 @@
 //! returns the reason as a string when any step fails. `select_backend` turns that into a CPU fallback
 //! (`--device auto`) or an error (`--device cuda`).
 //!
-//! On the GPU: rms_norm, rope, swiglu, causal_attention (flash d_h ≤ 256, naive any; sliding windows too), attention_probs (ops.rs ↔ cuda/ops.cu),
+//! On the GPU: rms_norm, rope, swiglu, geglu, causal_attention (flash d_h ≤ 256, naive any; sliding windows too), attention_probs (ops.rs ↔ cuda/ops.cu),
 //! linear (cuBLAS, gemm.rs), packed_linear (qgemm.rs ↔ cuda/qgemm.cu: fused dequant + dot for m ≤ 16,
 //! dequantize + cuBLAS above), plus the QuantOps of quant.rs. Still on the CPU, each saying why at its
 //! method: flash causal_attention with d_h > 256, linear and packed_linear with m > 16 when libcublas is
@@ -490,6 +490,12 @@ impl CudaBackend {
         self.finish(o, "swiglu")
     }
 
+    /// gelu_tanh(gate) ⊙ up on the GPU; see `Backend::geglu`.
+    pub fn try_geglu(&self, gate: &[f32], up: &[f32]) -> Result<Vec<f32>, CudaError> {
+        let o = self.try_geglu_t(&Tensor::Host(gate.to_vec()), &Tensor::Host(up.to_vec()))?;
+        self.finish(o, "geglu")
+    }
+
     /// Causal GQA attention on the GPU (the flash variant takes d_h ≤ ops::ATTN_MAX_D_H = 256); see
     /// `Backend::causal_attention`.
     #[allow(clippy::too_many_arguments)]
@@ -686,6 +692,11 @@ impl Backend for CudaBackend {
             .map_err(|e| anyhow::anyhow!("{} swiglu (n={}): {e}", self.name, gate.len()))
     }
 
+    fn geglu(&self, gate: &[f32], up: &[f32]) -> crate::ops::Result<Vec<f32>> {
+        self.try_geglu(gate, up)
+            .map_err(|e| anyhow::anyhow!("{} geglu (n={}): {e}", self.name, gate.len()))
+    }
+
     fn device_memory(&self) -> Option<(u64, u64)> {
         let (free, total) = self.ctx.mem_get_info().ok()?;
         Some((free as u64, total as u64))
@@ -738,8 +749,14 @@ impl Backend for CudaBackend {
         Ok(Some(t))
     }
 
-    fn embed_t(&self, table: &Tensor, ids: &[u32], d: usize) -> crate::ops::Result<Tensor> {
-        self.try_embed_t(table, ids, d)
+    fn embed_t(
+        &self,
+        table: &Tensor,
+        ids: &[u32],
+        d: usize,
+        scale: f32,
+    ) -> crate::ops::Result<Tensor> {
+        self.try_embed_t(table, ids, d, scale)
             .map_err(|e| anyhow::anyhow!("{} embed ({} ids, d={d}): {e}", self.name, ids.len()))
     }
 
@@ -849,6 +866,11 @@ impl Backend for CudaBackend {
     fn swiglu_t(&self, gate: &Tensor, up: &Tensor) -> crate::ops::Result<Tensor> {
         self.try_swiglu_t(gate, up)
             .map_err(|e| anyhow::anyhow!("{} swiglu (n={}): {e}", self.name, gate.len()))
+    }
+
+    fn geglu_t(&self, gate: &Tensor, up: &Tensor) -> crate::ops::Result<Tensor> {
+        self.try_geglu_t(gate, up)
+            .map_err(|e| anyhow::anyhow!("{} geglu (n={}): {e}", self.name, gate.len()))
     }
 
     fn add_t(&self, x: &mut Tensor, y: &Tensor) -> crate::ops::Result<()> {

@@ -54,7 +54,7 @@ const RMS_NORM_V1_THREADS: u32 = 128;
 /// v2: warps (= rows) per block. Must match kRmsNormV2Warps in cuda/ops.cu (its __launch_bounds__).
 const RMS_NORM_V2_WARPS: u32 = 4;
 
-/// Threads per block of the elementwise kernels (rope, swiglu, bias_add, f32_to_bf16, embed). Must match
+/// Threads per block of the elementwise kernels (rope, swiglu, geglu, bias_add, f32_to_bf16, embed). Must match
 /// kElementwiseThreads in cuda/ops.cu (their __launch_bounds__).
 const ELEMENTWISE_THREADS: u32 = 256;
 /// Most blocks an elementwise launch uses; the kernels grid-stride over the rest.
@@ -77,6 +77,7 @@ pub struct OpsKernels {
     rms_norm_v2: CudaFunction,
     rope: CudaFunction,
     swiglu: CudaFunction,
+    geglu: CudaFunction,
     bias_add: CudaFunction,
     f32_to_bf16: CudaFunction,
     embed: CudaFunction,
@@ -96,6 +97,7 @@ impl OpsKernels {
             rms_norm_v2: get(RmsNormVariant::WarpPerRow)?,
             rope: get_named("rope_kernel")?,
             swiglu: get_named("swiglu_kernel")?,
+            geglu: get_named("geglu_kernel")?,
             bias_add: get_named("bias_add_kernel")?,
             f32_to_bf16: get_named("f32_to_bf16_kernel")?,
             embed: get_named("embed_kernel")?,
@@ -259,10 +261,28 @@ pub fn launch_rope(
     Ok(())
 }
 
-/// out [n] = silu(gate) ⊙ up; see `Backend::swiglu`. Asynchronous on `stream`.
-pub fn launch_swiglu(
+/// Which gated activation `launch_gated` runs: silu (SwiGLU) or gelu_tanh (GeGLU).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gated {
+    Silu,
+    GeluTanh,
+}
+
+impl Gated {
+    fn name(self) -> &'static str {
+        match self {
+            Gated::Silu => "swiglu",
+            Gated::GeluTanh => "geglu",
+        }
+    }
+}
+
+/// out [n] = act(gate) ⊙ up with act silu (`Backend::swiglu`) or gelu_tanh (`Backend::geglu`). Asynchronous
+/// on `stream`.
+pub fn launch_gated(
     stream: &Arc<CudaStream>,
     k: &OpsKernels,
+    act: Gated,
     out: &mut CudaSlice<f32>,
     gate: &CudaSlice<f32>,
     up: &CudaSlice<f32>,
@@ -270,7 +290,7 @@ pub fn launch_swiglu(
     let n = gate.len();
     if up.len() != n || out.len() != n {
         return Err(CudaError::Shape {
-            op: "swiglu",
+            op: act.name(),
             msg: format!(
                 "gate.len={n}, up.len={}, out.len={} must be equal",
                 up.len(),
@@ -282,17 +302,20 @@ pub fn launch_swiglu(
         return Ok(());
     }
     let n64 = n as u64;
-    let _r = range(c"swiglu");
-    let mut b = stream.launch_builder(&k.swiglu);
+    let (f, _r) = match act {
+        Gated::Silu => (&k.swiglu, range(c"swiglu")),
+        Gated::GeluTanh => (&k.geglu, range(c"geglu")),
+    };
+    let mut b = stream.launch_builder(f);
     b.arg(out).arg(gate).arg(up).arg(&n64);
-    // SAFETY: matches swiglu_kernel(float* out, const float* gate, const float* up, uint64 n); all three hold
-    // n f32 (checked above).
-    unsafe { b.launch(elementwise_cfg(n64)) }.map_err(launch_err("launch swiglu"))?;
+    // SAFETY: matches swiglu_kernel / geglu_kernel(float* out, const float* gate, const float* up, uint64 n);
+    // all three hold n f32 (checked above).
+    unsafe { b.launch(elementwise_cfg(n64)) }.map_err(launch_err("launch gated activation"))?;
     Ok(())
 }
 
-/// X [ids.len() × d] = rows `ids` of table [vocab × d]. Asynchronous on `stream`. Every id must be < vocab
-/// (the caller checks: the kernel reads table[id] unguarded).
+/// X [ids.len() × d] = rows `ids` of table [vocab × d], times `scale` (Gemma's √d; 1 is exact). Asynchronous
+/// on `stream`. Every id must be < vocab (the caller checks: the kernel reads table[id] unguarded).
 pub fn launch_embed(
     stream: &Arc<CudaStream>,
     k: &OpsKernels,
@@ -300,6 +323,7 @@ pub fn launch_embed(
     table: &CudaSlice<f32>,
     ids: &CudaSlice<u32>,
     d: usize,
+    scale: f32,
 ) -> Result<(), CudaError> {
     let rows = ids.len();
     let (Ok(d32), Some(total)) = (u32::try_from(d), rows.checked_mul(d)) else {
@@ -324,8 +348,9 @@ pub fn launch_embed(
     let n = total as u64;
     let _r = range(c"embed");
     let mut b = stream.launch_builder(&k.embed);
-    b.arg(x).arg(table).arg(ids).arg(&n).arg(&d32);
-    // SAFETY: matches embed_kernel(float* x, const float* table, const uint32* ids, uint64 total, uint32 d);
+    b.arg(x).arg(table).arg(ids).arg(&n).arg(&d32).arg(&scale);
+    // SAFETY: matches embed_kernel(float* x, const float* table, const uint32* ids, uint64 total, uint32 d,
+    // float scale);
     // x holds rows·d f32 (checked above) and every ids[r] < table.len()/d (the caller's contract), so each
     // read table[ids[r]·d + c], c < d, is in bounds.
     unsafe { b.launch(elementwise_cfg(n)) }.map_err(launch_err("launch embed"))?;

@@ -528,10 +528,23 @@ impl CudaBackend {
     }
 
     pub fn try_swiglu_t(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor, CudaError> {
+        self.try_gated_t(ops::Gated::Silu, gate, up)
+    }
+
+    pub fn try_geglu_t(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor, CudaError> {
+        self.try_gated_t(ops::Gated::GeluTanh, gate, up)
+    }
+
+    fn try_gated_t(
+        &self,
+        act: ops::Gated,
+        gate: &Tensor,
+        up: &Tensor,
+    ) -> Result<Tensor, CudaError> {
         if gate.len() != up.len() {
             return Err(shape(
-                "swiglu",
-                format!("gate.len={} ≠ up.len={}", gate.len(), up.len()),
+                "gated activation",
+                format!("{act:?}: gate.len={} ≠ up.len={}", gate.len(), up.len()),
             ));
         }
         if gate.is_empty() {
@@ -539,12 +552,19 @@ impl CudaBackend {
         }
         let (g_d, u_d) = (self.dev(gate)?, self.dev(up)?);
         let mut o = self.output(gate.len())?;
-        ops::launch_swiglu(&self.stream, &self.ops, &mut o, &g_d, &u_d)?;
+        ops::launch_gated(&self.stream, &self.ops, act, &mut o, &g_d, &u_d)?;
         Ok(Tensor::Device(o))
     }
 
-    /// The embedding gather on the device: `ids` go up (4 bytes a token), X is made where it stays.
-    pub fn try_embed_t(&self, table: &Tensor, ids: &[u32], d: usize) -> Result<Tensor, CudaError> {
+    /// The embedding gather on the device, times `scale` (Gemma's √d; 1: none): `ids` go up (4 bytes a token),
+    /// X is made where it stays.
+    pub fn try_embed_t(
+        &self,
+        table: &Tensor,
+        ids: &[u32],
+        d: usize,
+        scale: f32,
+    ) -> Result<Tensor, CudaError> {
         if d == 0 || !table.len().is_multiple_of(d) {
             return Err(shape(
                 "embed",
@@ -567,7 +587,7 @@ impl CudaBackend {
             .clone_htod(ids)
             .map_err(driver("upload token ids"))?;
         let mut x = self.output(ids.len() * d)?;
-        ops::launch_embed(&self.stream, &self.ops, &mut x, &table_d, &ids_d, d)?;
+        ops::launch_embed(&self.stream, &self.ops, &mut x, &table_d, &ids_d, d, scale)?;
         Ok(Tensor::Device(x))
     }
 
