@@ -612,3 +612,85 @@ attn_x_kernel_v2_bf16_d256(__nv_bfloat16* __restrict__ y, const float* __restric
                            const uint32_t window) {
     attn_x_v2_impl<kMaxDh>(y, x, q, k, stats, head, t, n_heads, n_kv, d_h, d, window);
 }
+
+// ---------------------------------------------------------------------------------------------------------
+// rope_moments + rope_row_hessians: BoA's row Hessians of W_Q and W_K (design.md §4.3) made where the
+//   per-head covariances are, so nothing of d_h² crosses to the host (it did: C_K and C_Q down, H_row up,
+//   ~4 MB per block at Gemma 3's d_h = 256, a sixth of a 270M block's weights).
+//   rope_moments_kernel: the position moments of the RoPE average for frequencies θ [half], positions
+//     0..P−1: cc[i,j] = mean_p cos(pθ_i)cos(pθ_j), cs[i,j] = mean_p cos(pθ_i)sin(pθ_j), ss[i,j] = mean_p
+//     sin(pθ_i)sin(pθ_j), in f64 (angles reach P·θ_0 ≈ 2048 rad: f32 angles would be off by ~1e-4 rad).
+//     Launch: grid half, block 128 (thread j < half; half ≤ 128, d_h ≤ 256), no smem; thread (i, j) sums
+//     over p in order, as the CPU twin.
+//   rope_row_hessians_kernel: out[o] = diag(g) M_o diag(g), M_o[a,b] = cc[k]·C̄[a,b] + s_b·cs[k]·C̄[a,b̄] +
+//     s_a·cs[k']·C̄[ā,b] + s_a·s_b·ss[k]·C̄[ā,b̄] (k = (a mod half, b mod half), k' its transpose, ā the
+//     rotation partner of a, s_a = +1 for a < half, −1 after), C̄ = the source covariance of output o (one
+//     KV head's for W_Q, its query heads' mean for W_K), in f64, stored f32.
+//     Launch: grid (ceil(d_h²/256), n_out), block 256, no smem: one output element per thread.
+//   CPU twin: ops::RopeAverage::{new, apply} through quant::hessian::{q,k}_row_hessians and
+//   scale_by_norm_weight (CpuBackend::rope_row_hessians); launchers: launch_rope_moments,
+//   launch_rope_row_hessians (backend/cuda/hessian.rs); parity test: parity_rope_row_hessians
+//   (tests/parity_quant.rs).
+// Roofline: moments half²·P·(2 sincos + 3 FMA) in f64: d_h 256, P 2048: 33.5M sincos ≈ 0.1–0.3 ms of an
+//   H200's f64 units; d_h 128: a quarter. The Hessians: 4 reads and ~10 flop per element of n_out·d_h²
+//   (≤ 2 MB at 32 heads × 128²): µs. Once per block each (q and k share the moments' layer).
+// Variants measured: none yet (no GPU run so far).
+// ---------------------------------------------------------------------------------------------------------
+constexpr int kRopeMomentThreads = 128;  // rope_moments: threads (= j) per block; half ≤ this
+constexpr int kRopeRowThreads = 256;     // rope_row_hessians: threads per block
+
+extern "C" __global__ void __launch_bounds__(kRopeMomentThreads)
+rope_moments_kernel(double* __restrict__ mom,            // [3 × half × half] out: cc, cs, ss
+                    const double* __restrict__ inv_freq,  // [half] θ_i
+                    const uint32_t half,                  // ≤ kRopeMomentThreads
+                    const uint32_t positions) {           // P (0 is read as 1 for the mean)
+    const uint32_t i = blockIdx.x, j = threadIdx.x;
+    if (i >= half || j >= half) return;
+    double cc = 0.0, cs = 0.0, ss = 0.0;
+    for (uint32_t p = 0; p < positions; ++p) {
+        double si, ci, sj, cj;
+        sincos((double)p * inv_freq[i], &si, &ci);
+        sincos((double)p * inv_freq[j], &sj, &cj);
+        cc += ci * cj;
+        cs += ci * sj;
+        ss += si * sj;
+    }
+    const double inv = 1.0 / (double)(positions > 0 ? positions : 1);
+    const size_t k = (size_t)i * half + j, hh = (size_t)half * half;
+    mom[k] = cc * inv;
+    mom[hh + k] = cs * inv;
+    mom[2 * hh + k] = ss * inv;
+}
+
+extern "C" __global__ void __launch_bounds__(kRopeRowThreads)
+rope_row_hessians_kernel(float* __restrict__ out,           // [n_out × d_h × d_h] out
+                         const float* __restrict__ c,       // [batch × d_h × d_h] finished covariances
+                         const double* __restrict__ mom,    // [3 × half × half] from rope_moments_kernel
+                         const float* __restrict__ g,       // [d_h] per-head norm weight (ones: none)
+                         const uint32_t n_out, const uint32_t batch,  // one a multiple of the other
+                         const uint32_t d_h) {              // = 2·half
+    const uint32_t o = blockIdx.y;
+    const uint32_t e = blockIdx.x * kRopeRowThreads + threadIdx.x;
+    const uint32_t dd = d_h * d_h;
+    if (e >= dd) return;
+    const uint32_t half = d_h / 2, a = e / d_h, b = e % d_h;
+    // C̄ of output o: one source when n_out ≥ batch (a query head reads its KV head), else the mean of r.
+    const uint32_t r = n_out >= batch ? 1 : batch / n_out;
+    const uint32_t src = n_out >= batch ? o / (n_out / batch) : o * r;
+    auto cbar = [&](uint32_t x, uint32_t y) {
+        double s = 0.0;
+        for (uint32_t q = 0; q < r; ++q) s += (double)c[(size_t)(src + q) * dd + (size_t)x * d_h + y] / (double)r;
+        return s;
+    };
+    const uint32_t pa = a < half ? a + half : a - half, pb = b < half ? b + half : b - half;
+    const double sa = a < half ? 1.0 : -1.0, sb = b < half ? 1.0 : -1.0;
+    const uint32_t fa = a % half, fb = b % half;
+    const size_t k = (size_t)fa * half + fb, kt = (size_t)fb * half + fa, hh = (size_t)half * half;
+    const double* cc = mom;
+    const double* cs = mom + hh;
+    const double* ss = mom + 2 * hh;
+    double m = cc[k] * cbar(a, b) + sb * cs[k] * cbar(a, pb) + sa * cs[kt] * cbar(pa, b) +
+               sa * sb * ss[k] * cbar(pa, pb);
+    m *= (double)g[a] * (double)g[b];
+    out[(size_t)o * dd + e] = (float)m;
+}

@@ -659,6 +659,137 @@ fn parity_statistics(ops: &dyn QuantOps, at: &Place, xxt_tol: f64, attn_tol: f64
     );
 }
 
+/// One RoPE-averaged matrix, (1/P) Σ_p R_pᵀ C R_p, with R_p built per position as the rotate-half rotation
+/// (column a of R_p: cos(pθ_f) at row a and s_a·sin(pθ_f) at its partner ā, f = a mod d_h/2, s_a = +1 in the
+/// first half, −1 in the second), in f64: not the moments decomposition the backends use.
+fn rope_avg_ref(c: &[f64], d_h: usize, theta: &[f64], positions: usize) -> Vec<f64> {
+    let half = d_h / 2;
+    let mut m = vec![0f64; d_h * d_h];
+    for p in 0..positions {
+        // Nonzeros of column a of R_p: (row, value).
+        let col = |a: usize| {
+            let f = a % half;
+            let (sin, cos) = (p as f64 * theta[f]).sin_cos();
+            let (partner, sign) = if a < half {
+                (a + half, 1.0)
+            } else {
+                (a - half, -1.0)
+            };
+            [(a, cos), (partner, sign * sin)]
+        };
+        for a in 0..d_h {
+            for b in 0..d_h {
+                let mut v = 0.0;
+                for (x, rx) in col(a) {
+                    for (y, ry) in col(b) {
+                        v += rx * c[x * d_h + y] * ry;
+                    }
+                }
+                m[a * d_h + b] += v;
+            }
+        }
+    }
+    m.iter_mut().for_each(|v| *v /= positions.max(1) as f64);
+    m
+}
+
+/// QuantOps::rope_row_hessians (BoA's H_row of W_Q and W_K) against `rope_avg_ref`: W_Q from KV-head
+/// covariances (GQA 3:1), W_K from query-head covariances averaged per group, with and without a q/k norm
+/// weight, d_h 64 and Gemma 3's 256 at a local layer's window of positions and a global layer's base, and one
+/// position (R_0 = I: the output is C̄ itself). Inputs are f32-representable. Tolerance: the CPU sums in f64
+/// in another order than the reference (≤ 1e-12 normwise); CUDA computes in f64 and stores f32 (≤ 1e-6,
+/// ~10× the rounding to f32).
+fn parity_rope_row_hessians(ops: &dyn QuantOps, at: &Place) {
+    use boa_cuda::ops::RopeAverage;
+    let mut rng = rng();
+    let who = &at.name;
+    let tol = if is_f64(at) { 1e-12 } else { 1e-6 };
+    let mut worst = 0f64;
+    for (d_h, batch, n_out, positions, base, with_norm) in [
+        (64, 2, 6, 128, 10_000.0, false),
+        (64, 6, 2, 128, 10_000.0, true),
+        (256, 1, 2, 48, 10_000.0, true),
+        (256, 2, 1, 130, 1_000_000.0, false),
+        (32, 3, 3, 1, 10_000.0, false),
+    ] {
+        let dd = d_h * d_h;
+        // Symmetric covariances A Aᵀ / d_h with a ±1 scale per matrix, rounded to f32.
+        let mut c = Vec::with_capacity(batch * dd);
+        for _ in 0..batch {
+            let a = randn(&mut rng, dd, 1.0);
+            for i in 0..d_h {
+                for j in 0..d_h {
+                    let v: f64 = (0..d_h)
+                        .map(|k| a[i * d_h + k] as f64 * a[j * d_h + k] as f64)
+                        .sum::<f64>()
+                        / d_h as f64;
+                    c.push(v as f32 as f64);
+                }
+            }
+        }
+        let g: Vec<f32> = (0..d_h).map(|_| rng.random_range(0.5f32..1.5)).collect();
+        let theta = RopeAverage::llama_inv_freq(d_h, base);
+        let rope = RopeAverage::new(&theta, positions);
+        let h = ops
+            .rope_row_hessians(
+                &at.f64(c.clone(), batch, d_h, d_h),
+                n_out,
+                &rope,
+                with_norm.then_some(g.as_slice()),
+            )
+            .expect("rope_row_hessians");
+        assert_eq!((h.batch, h.rows, h.cols), (n_out, d_h, d_h));
+        let mut reference = Vec::with_capacity(n_out * dd);
+        for o in 0..n_out {
+            let srcs: Vec<usize> = if n_out >= batch {
+                vec![o / (n_out / batch)]
+            } else {
+                let r = batch / n_out;
+                (o * r..(o + 1) * r).collect()
+            };
+            let mut cbar = vec![0f64; dd];
+            for &s_i in &srcs {
+                for (x, &v) in cbar.iter_mut().zip(&c[s_i * dd..(s_i + 1) * dd]) {
+                    *x += v / srcs.len() as f64;
+                }
+            }
+            let mut m = rope_avg_ref(&cbar, d_h, &theta, positions);
+            if with_norm {
+                for a in 0..d_h {
+                    for b in 0..d_h {
+                        m[a * d_h + b] *= g[a] as f64 * g[b] as f64;
+                    }
+                }
+            }
+            reference.extend(m);
+        }
+        let err = rel_err(&ops.read_f64(&h).unwrap(), &reference);
+        assert!(
+            err <= tol,
+            "{who}: rope_row_hessians d_h={d_h} {batch} → {n_out} positions={positions} norm={with_norm}: \
+             rel. error {err:.3e} > {tol:.0e}"
+        );
+        worst = worst.max(err);
+    }
+    // Refused: a norm weight of the wrong length, and outputs that do not divide the covariances.
+    let c = at.f64(vec![0.0; 3 * 16], 3, 4, 4);
+    let rope = RopeAverage::new(&RopeAverage::llama_inv_freq(4, 1e4), 8);
+    assert!(ops.rope_row_hessians(&c, 2, &rope, None).is_err());
+    assert!(
+        ops.rope_row_hessians(&c, 3, &rope, Some(&[1.0; 3]))
+            .is_err()
+    );
+    // W_V's identity row Hessians.
+    let id = ops.identity_hessians(2, 5).expect("identity_hessians");
+    let want: Vec<f64> = (0..50)
+        .map(|e| f64::from(u8::from(e % 25 % 6 == 0)))
+        .collect();
+    assert_eq!(ops.read_f64(&id).unwrap(), want, "{who}: identity_hessians");
+    println!(
+        "{who}: rope_row_hessians max rel. error {worst:.2e} (bound {tol:.0e}); identity exact"
+    );
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Planning: diag, permute_sym, set_diag, add_diag, factor; quant::plan::plan.
 
@@ -2149,6 +2280,16 @@ fn parity_statistics_cuda() {
             }
         }
     });
+}
+
+#[test]
+fn parity_rope_row_hessians_cpu() {
+    parity_rope_row_hessians(&CpuBackend, &Place::cpu());
+}
+
+#[test]
+fn parity_rope_row_hessians_cuda() {
+    with_cuda(|b| parity_rope_row_hessians(b, &Place::cuda(b)));
 }
 
 #[test]

@@ -5,7 +5,8 @@ use super::CudaError;
 use crate::nvtx::range;
 use crate::ops::AttnShape;
 use cudarc::driver::{
-    CudaFunction, CudaModule, CudaStream, CudaView, CudaViewMut, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut, LaunchConfig,
+    PushKernelArg,
 };
 use std::sync::Arc;
 
@@ -93,6 +94,8 @@ pub struct HessianKernels {
     attn_x_v2: [CudaFunction; 2],
     /// v2 writing Y in bf16, the operand of the cuBLAS Gram.
     attn_x_v2_bf16: [CudaFunction; 2],
+    rope_moments: CudaFunction,
+    rope_row_hessians: CudaFunction,
 }
 
 impl HessianKernels {
@@ -114,6 +117,8 @@ impl HessianKernels {
                 opt_in(get("attn_x_kernel_v2_bf16")?, AX2_SMEM_BYTES)?,
                 opt_in(get("attn_x_kernel_v2_bf16_d256")?, AX2_SMEM_BYTES_WIDE)?,
             ],
+            rope_moments: get("rope_moments_kernel")?,
+            rope_row_hessians: get("rope_row_hessians_kernel")?,
         })
     }
 }
@@ -396,6 +401,110 @@ pub fn launch_attn_x(
     // to 128, wide up to 256); out-of-range rows/cols are guarded; the dynamic shared memory is the size its
     // layout needs (static_asserts in hessian.cu) and was opted into at load where it passes 48 KB.
     unsafe { b.launch(cfg) }.map_err(launch_err("launch attn_x"))?;
+    Ok(())
+}
+
+/// Must match kRopeMomentThreads and kRopeRowThreads in cuda/hessian.cu.
+const ROPE_MOMENT_THREADS: usize = 128;
+const ROPE_ROW_THREADS: u32 = 256;
+
+/// mom [3 × half × half] (f64) = the RoPE average's position moments cc, cs, ss of frequencies `inv_freq`
+/// [half] over positions 0..positions−1 (ops::RopeAverage::new on the device).
+pub fn launch_rope_moments(
+    stream: &Arc<CudaStream>,
+    k: &HessianKernels,
+    mom: &mut CudaSlice<f64>,
+    inv_freq: &CudaSlice<f64>,
+    positions: usize,
+) -> Result<(), CudaError> {
+    const OP: &str = "rope_moments";
+    let half = inv_freq.len();
+    if half == 0 || half > ROPE_MOMENT_THREADS || mom.len() != 3 * half * half {
+        return Err(CudaError::Shape {
+            op: OP,
+            msg: format!(
+                "half={half} (1..={ROPE_MOMENT_THREADS}), mom.len={}",
+                mom.len()
+            ),
+        });
+    }
+    let (half32, p32) = (half as u32, u32_of(OP, "positions", positions)?);
+    let cfg = LaunchConfig {
+        grid_dim: (half32, 1, 1),
+        block_dim: (ROPE_MOMENT_THREADS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let _r = range(c"rope_moments");
+    let mut b = stream.launch_builder(&k.rope_moments);
+    b.arg(mom).arg(inv_freq).arg(&half32).arg(&p32);
+    // SAFETY: arguments match rope_moments_kernel(double* mom, const double* inv_freq, uint32 half, uint32
+    // positions); mom holds 3·half² and inv_freq half f64 (checked), threads j ≥ half return at once.
+    unsafe { b.launch(cfg) }.map_err(launch_err("launch rope_moments"))?;
+    Ok(())
+}
+
+/// out [n_out × d_h × d_h] = diag(g) (mean_p R_pᵀ C̄_o R_p) diag(g) from the finished covariances c
+/// [batch × d_h × d_h] and the moments of `launch_rope_moments` (QuantOps::rope_row_hessians).
+#[allow(clippy::too_many_arguments)]
+pub fn launch_rope_row_hessians(
+    stream: &Arc<CudaStream>,
+    k: &HessianKernels,
+    out: &mut CudaSlice<f32>,
+    c: &CudaSlice<f32>,
+    mom: &CudaSlice<f64>,
+    g: &CudaSlice<f32>,
+    n_out: usize,
+    batch: usize,
+    d_h: usize,
+) -> Result<(), CudaError> {
+    const OP: &str = "rope_row_hessians";
+    let half = d_h / 2;
+    let dd = d_h * d_h;
+    if d_h == 0
+        || !d_h.is_multiple_of(2)
+        || n_out == 0
+        || batch == 0
+        || !(n_out.is_multiple_of(batch) || batch.is_multiple_of(n_out))
+        || out.len() < n_out * dd
+        || c.len() < batch * dd
+        || mom.len() != 3 * half * half
+        || g.len() != d_h
+    {
+        return Err(CudaError::Shape {
+            op: OP,
+            msg: format!(
+                "n_out={n_out}, batch={batch}, d_h={d_h}, out.len={}, c.len={}, mom.len={}, g.len={}",
+                out.len(),
+                c.len(),
+                mom.len(),
+                g.len()
+            ),
+        });
+    }
+    let (n32, b32, d32) = (
+        u32_of(OP, "n_out", n_out)?,
+        u32_of(OP, "batch", batch)?,
+        u32_of(OP, "d_h", d_h)?,
+    );
+    let cfg = LaunchConfig {
+        grid_dim: (u32_of(OP, "d_h²", dd)?.div_ceil(ROPE_ROW_THREADS), n32, 1),
+        block_dim: (ROPE_ROW_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let _r = range(c"rope_row_hessians");
+    let mut b = stream.launch_builder(&k.rope_row_hessians);
+    b.arg(out)
+        .arg(c)
+        .arg(mom)
+        .arg(g)
+        .arg(&n32)
+        .arg(&b32)
+        .arg(&d32);
+    // SAFETY: arguments match rope_row_hessians_kernel(float* out, const float* c, const double* mom,
+    // const float* g, uint32 n_out, batch, d_h); out holds n_out·d_h², c batch·d_h², mom 3·(d_h/2)², g d_h
+    // (checked); one of n_out, batch divides the other, so every source index is < batch; threads past d_h²
+    // return at once.
+    unsafe { b.launch(cfg) }.map_err(launch_err("launch rope_row_hessians"))?;
     Ok(())
 }
 

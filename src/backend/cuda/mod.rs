@@ -150,6 +150,8 @@ pub struct CudaBackend {
     qgemm: std::sync::OnceLock<Result<qgemm::QgemmKernels, String>>,
     /// The host layer's transfer counts (traffic.rs), for a GPU; the emulator counts for itself.
     counters: traffic::HostCounters,
+    /// RoPE cos/sin tables already uploaded (resident.rs `rope_tables`): a run's layers share one or two.
+    rope_tables: std::sync::Mutex<Vec<resident::RopeTablesOnDevice>>,
 }
 
 /// Loads the embedded fatbin of cuda/`stem`.cu, or says why it cannot.
@@ -294,6 +296,7 @@ impl CudaBackend {
             blas: std::sync::OnceLock::new(),
             qgemm: std::sync::OnceLock::new(),
             counters: Default::default(),
+            rope_tables: Default::default(),
         })
     }
 

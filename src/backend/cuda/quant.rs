@@ -1,7 +1,7 @@
 //! `QuantOps` on CUDA: the quantization core on device buffers (design.md §12 "Device residency"). A
 //! block's accumulators, Hessians, factors, weights, grids and codes are `Mat`s in device memory from the
-//! statistics to the packed output; the host receives diagonals (O(n)), a few sums per linear, the per-head
-//! d_h × d_h statistics BoA's row Hessians are made from, and the packed tensors.
+//! statistics to the packed output; the host receives diagonals (O(n)), a few sums per linear and the packed
+//! tensors (BoA's per-head row Hessians are made on the device too: `rope_row_hessians`).
 //!
 //! Kernels: statistics hessian.rs, factors cholesky.rs / solver.rs (cuSOLVER for n > 128), data movement and
 //! small passes core.rs, sweeps sweep.rs, the scale search search.rs, the report's products gemm.rs (cuBLAS).
@@ -19,7 +19,7 @@ use super::core::{
     launch_pack, launch_permute_sym, launch_rtn, launch_set_diag, launch_sub, launch_u_row_f,
     launch_zero_cols,
 };
-use super::hessian::ATTN_MAX_DH;
+use super::hessian::{ATTN_MAX_DH, launch_rope_moments, launch_rope_row_hessians};
 use super::sweep::{
     BOA_MAX_DH, BoaBlockVariant, BoaBuffers, GPTQ_MAX_BLOCK, GptqBuffers, GptqDynamicBuffers,
     Trailing, TrailingVariant, launch_boa_sweep, launch_gptq_sweep, launch_gptq_sweep_dynamic,
@@ -28,7 +28,7 @@ use super::{CudaBackend, CudaError, driver};
 use crate::backend::cpu::CpuBackend;
 use crate::ops::{
     AttnShape, Codes, GridMode, Grids, Mat, MatData, Packed, QuantOps, QuantSpec, QuantizedLinear,
-    Result, Swept, Tensor,
+    Result, RopeAverage, Swept, Tensor, check_rope_row_hessians,
 };
 use anyhow::{anyhow, bail};
 use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
@@ -473,6 +473,52 @@ impl QuantOps for CudaBackend {
             }
         }
         self.hessian(out, n_kv, d_h)
+    }
+
+    /// On the device for d_h ≤ 256: the position moments from θ (≤ 1 KB up), then every output element from
+    /// the covariances where they are; only θ and the norm weight [d_h] cross.
+    fn rope_row_hessians(
+        &self,
+        c: &Mat,
+        n_out: usize,
+        rope: &RopeAverage,
+        norm: Option<&[f32]>,
+    ) -> Result<Mat> {
+        check_rope_row_hessians(c, n_out, rope, norm)?;
+        let d_h = rope.d_h();
+        if d_h > ATTN_MAX_DH {
+            // Wider than the moments kernel's block (no model we target): the CPU's, on a host copy.
+            let host = Mat::f64(self.read_f64(c)?, c.batch, d_h, d_h);
+            let h = CpuBackend.rope_row_hessians(&host, n_out, rope, norm)?;
+            return self.upload_mat(h);
+        }
+        let half = d_h / 2;
+        let (inv_freq, positions) = rope.source();
+        let f_d = self.upload(inv_freq, "upload inv_freq")?;
+        let mut mom = self.zeros_of::<f64>(3 * half * half, "alloc moments")?;
+        launch_rope_moments(&self.stream, &self.quant.hessian, &mut mom, &f_d, positions)?;
+        let ones;
+        let g = match norm {
+            Some(g) => g,
+            None => {
+                ones = vec![1f32; d_h];
+                &ones
+            }
+        };
+        let g_d = self.upload(g, "upload norm weight")?;
+        let mut out = self.out_f32(n_out * d_h * d_h)?;
+        launch_rope_row_hessians(
+            &self.stream,
+            &self.quant.hessian,
+            &mut out,
+            dev(c, "covariances")?,
+            &mom,
+            &g_d,
+            n_out,
+            c.batch,
+            d_h,
+        )?;
+        Ok(dmat(out, n_out, d_h, d_h))
     }
 
     fn read_f64(&self, m: &Mat) -> Result<Vec<f64>> {

@@ -27,6 +27,18 @@ pub(super) struct VColScratch {
     y: CudaSlice<f32>,
 }
 
+/// A RoPE table pair on the device with the host values it was uploaded from (the cache key: compared in
+/// full, so a table freed and another allocated at its address is never mistaken for it).
+pub(super) struct RopeTablesOnDevice {
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    cos_d: CudaSlice<f32>,
+    sin_d: CudaSlice<f32>,
+}
+
+/// Most table pairs kept: a run has one (Llama) or two (Gemma 3's local and global layers) per length.
+const ROPE_TABLES_KEPT: usize = 4;
+
 /// Page-locked buffers that weights pass through on their way to the device, one per weight length: a block
 /// has at most three (q/o, k/v, gate/up/down), so 7B keeps ~0.25 GB page-locked and 70B ~1.2 GB, reused by
 /// every block. A length is staged from its second upload on, so a one-off upload (an embedding table, an LM
@@ -443,16 +455,35 @@ impl CudaBackend {
         if x.is_empty() || half == 0 {
             return Ok(());
         }
-        // The tables first: a failed upload then leaves x as it was.
-        let c_d = self.upload(&cos[..t * half], "upload cos")?;
-        let s_d = self.upload(&sin[..t * half], "upload sin")?;
+        // The tables first: a failed upload then leaves x as it was. Each forward calls this twice per block
+        // with the same tables: they go up once per run (at Gemma 3's d_h = 256 and 128 tokens, 131 KB a
+        // call, a third of a small block's weights, when each call uploaded its own).
+        let (cos, sin) = (&cos[..t * half], &sin[..t * half]);
+        let mut cache = self.rope_tables.lock().unwrap_or_else(|e| e.into_inner());
+        let hit = cache.iter().position(|e| e.cos == cos && e.sin == sin);
+        let i = match hit {
+            Some(i) => i,
+            None => {
+                let entry = RopeTablesOnDevice {
+                    cos_d: self.upload(cos, "upload cos")?,
+                    sin_d: self.upload(sin, "upload sin")?,
+                    cos: cos.to_vec(),
+                    sin: sin.to_vec(),
+                };
+                if cache.len() == ROPE_TABLES_KEPT {
+                    cache.remove(0);
+                }
+                cache.push(entry);
+                cache.len() - 1
+            }
+        };
         let mut x_d = self.owned_dev(std::mem::take(x))?;
         let r = ops::launch_rope(
             &self.stream,
             &self.ops,
             &mut x_d,
-            &c_d,
-            &s_d,
+            &cache[i].cos_d,
+            &cache[i].sin_d,
             t,
             n_heads,
             d_h,
