@@ -2,7 +2,7 @@
 
 For each architecture: a config of that architecture (every option that changes the math switched on
 somewhere: GQA, Llama 3 rope scaling, q/k/v/o and MLP biases, tied embeddings, Qwen3's q/k norm and an
-explicit head_dim, mixtures of experts with and without renormalized top-k), a model built with `from_config` (no hub) whose parameters — norms and biases too — are
+explicit head_dim, mixtures of experts with and without renormalized top-k, with a shared expert), a model built with `from_config` (no hub) whose parameters — norms and biases too — are
 drawn at random so no term is an identity, `save_pretrained` into OUT/<name>/ with the given tokenizer.json,
 and OUT/<name>/reference.safetensors holding the token ids of the first windows of the text and transformers'
 f32 logits on them. Prints one JSON line per model: name, architecture, windows, seqlen, summed next-token
@@ -16,7 +16,7 @@ import argparse, json, math, os, shutil
 import torch
 from safetensors.torch import save_file
 from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig,
-                          PreTrainedTokenizerFast, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
 
 def common(vocab):
@@ -64,6 +64,14 @@ def configs(vocab):
         "mixtral": MixtralConfig(**{**c, "intermediate_size": 96}, num_local_experts=4, num_experts_per_tok=2,
                                  sliding_window=None, tie_word_embeddings=False,
                                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+        # Qwen2-MoE: q/k/v biases, 4 experts of 32, top-2 renormalized, a shared expert of 96 gated by
+        # sigmoid(w_g · x); a sliding window (40 < 64) in layer 0 only (Qwen2-MoE marks even layers below
+        # max_window_layers).
+        "qwen2_moe": Qwen2MoeConfig(**c, moe_intermediate_size=32, shared_expert_intermediate_size=96,
+                                    num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                                    use_sliding_window=True, sliding_window=40, max_window_layers=1,
+                                    tie_word_embeddings=False,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
     }
 
 

@@ -3,6 +3,7 @@
 
 use boa_cuda::backend::{Device, GemmPrecision, select_backend};
 use boa_cuda::eval::{EvalOptions, perplexity};
+use boa_cuda::export::gguf_mix::GgufType;
 use boa_cuda::export::gptq_packed::OutFormat;
 use boa_cuda::model::Model;
 use boa_cuda::model::orthogonal::RotationKind;
@@ -203,6 +204,14 @@ struct RunArgs {
     /// Scales are f16-rounded in every format (compressed-tensors stores them in the model's dtype).
     #[arg(long, value_enum, default_value_t = OutFormat::GptqV2)]
     format: OutFormat,
+    /// With --format gguf (or fake: the same weights dequantized): each linear's GGUF block type, whose own
+    /// grids the sweep searches (no re-rounding at export). One type for every linear: q4_0, q4_1, q5_0,
+    /// q5_1, q8_0, q2_k, q3_k, q4_k, q5_k, q6_k; or one of llama.cpp's K-quant presets: q2_k_mix (its
+    /// "Q2_K"), q2_k_s, q3_k_s, q3_k_m, q3_k_l, q4_k_s, q4_k_m, q5_k_s, q5_k_m. A linear whose input width is
+    /// not a whole number of the type's blocks falls back as llama.cpp's quantizer does (Q4_K → Q5_0, Q5_K →
+    /// Q5_1, Q6_K → Q8_0, Q2_K/Q3_K → Q4_0). CPU only. Without it, --format gguf writes Q4_0/Q8_0 by --wbits.
+    #[arg(long, value_parser = GgufType::parse, conflicts_with_all = ["wbits", "avg_bits", "group_size"])]
+    gguf_type: Option<GgufType>,
     /// boa: BoA on q/k/v, GPTQ on o and the MLP. gptq: GPTQ everywhere. rtn: round-to-nearest.
     #[arg(long, value_enum, default_value_t = Method::Boa)]
     method: Method,
@@ -340,17 +349,25 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 method: a.method,
                 // With --avg-bits, the narrowest choice: the config's base width, and the worst case the
                 // input checks size scales for.
-                wbits: match a.avg_bits {
-                    Some(_) => a.bit_choices.iter().copied().min().unwrap_or(a.wbits),
-                    None => a.wbits,
+                wbits: match (a.avg_bits, a.gguf_type) {
+                    (Some(_), _) => a.bit_choices.iter().copied().min().unwrap_or(a.wbits),
+                    // The narrowest type's width (the scale-range checks size for it).
+                    (None, Some(t)) => t
+                        .types()
+                        .iter()
+                        .filter_map(|&ty| boa_cuda::model::gguf::codec::codec(ty))
+                        .map(|c| c.bits)
+                        .min()
+                        .unwrap_or(a.wbits),
+                    (None, None) => a.wbits,
                 },
                 bits: a.avg_bits.map(|avg| BitAllocation {
                     avg,
                     choices: a.bit_choices.clone(),
                 }),
                 group_size: a.group_size,
-                // GGUF's Q4_0/Q8_0 have no zero point: the format implies --sym.
-                sym: a.sym || a.format == OutFormat::Gguf,
+                // GGUF's Q4_0/Q8_0 have no zero point: the format implies --sym (a --gguf-type decides).
+                sym: a.sym || (a.format == OutFormat::Gguf && a.gguf_type.is_none()),
                 act_order: a.act_order,
                 act_order_row: a.act_order_row,
                 static_groups: a.static_groups,
@@ -369,6 +386,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 force: a.force,
                 resume: a.resume,
                 format: a.format,
+                gguf_type: a.gguf_type,
                 rotate: a.rotate.map(|kind| RotateSpec {
                     kind,
                     seed: a.rotate_seed.unwrap_or(0),
@@ -699,6 +717,7 @@ fn bench_quant(
                 force: true,
                 resume: false,
                 format: OutFormat::Fake,
+                gguf_type: None,
                 rotate: None,
             };
             let r = boa_cuda::pipeline::run(&opts, &Progress::Quiet);

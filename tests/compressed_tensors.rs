@@ -6,7 +6,9 @@
 //! twin's exactly (both float32). A missing venv fails the test, never skips it.
 //!
 //! The demo model (float32), RTN, at every bit width we write, symmetric and asymmetric, groups of 64 and
-//! per-channel; each loaded both ways transformers offers (compressed, decompressed on the first forward;
+//! per-channel, and a rotated BoA run (`run --rotate`: norms folded, Hadamard rotations fused into the
+//! weights, lm_head untied; the unquantized blocks are the rotated ones); each loaded both ways transformers
+//! offers (compressed, decompressed on the first forward;
 //! and dequantize=True, decompressed while loading). The default (compressed) path refuses every asymmetric
 //! pack-quantized checkpoint in transformers 5.24 + compressed-tensors 0.20, llm-compressor's too: that
 //! refusal is accepted (and `run` warns about it), anything else is a failure.
@@ -36,6 +38,7 @@ const ASYM_WARNING: &str = "CompressedTensorsConfig(dequantize=True)";
 /// unpacked zero points [d_out × groups] but its decompressor reads the packed ones that it writes itself).
 const ASYM_REFUSAL: &str = "ignore_mismatched_sizes";
 
+/// `run` in `format`; `extra` names the method (RTN when it does not).
 fn quantize(model: &Path, out: &Path, format: &str, extra: &[&str]) {
     let mut a = vec![
         "run",
@@ -43,12 +46,13 @@ fn quantize(model: &Path, out: &Path, format: &str, extra: &[&str]) {
         s(model),
         "--out",
         s(out),
-        "--method",
-        "rtn",
         "--format",
         format,
         "--quiet",
     ];
+    if !extra.contains(&"--method") {
+        a.extend(["--method", "rtn"]);
+    }
     a.extend_from_slice(extra);
     let (code, _, err) = run(&a);
     assert_eq!(code, 0, "run {}: {err}", out.display());
@@ -130,13 +134,14 @@ fn check_layout(dir: &Path, bits: usize, group: Option<usize>, sym: bool, ignore
     assert!(t("weight").is_err() && t("qweight").is_err());
 }
 
-/// (name, bits, group, sym, quantized layers: None = all).
+/// (name, bits, group, sym, quantized layers: None = all, rotated BoA instead of RTN).
 type Variant = (
     &'static str,
     usize,
     Option<usize>,
     bool,
     Option<&'static str>,
+    bool,
 );
 
 #[test]
@@ -144,20 +149,37 @@ fn compressed_tensors_checkpoints_load_in_transformers() {
     let py = loaders_python("compressed_tensors, transformers");
     let tmp = tempfile::tempdir().unwrap();
     let text = texts_dir().join("moby-dick.txt");
-    let variants: [Variant; 8] = [
-        ("w4-sym-g64", 4, Some(64), true, None),
-        ("w4-asym-g64", 4, Some(64), false, None),
-        ("w4-asym-ch", 4, None, false, None),
-        ("w8-sym-ch", 8, None, true, None),
-        ("w8-asym-g64", 8, Some(64), false, None),
-        ("w3-asym-g64", 3, Some(64), false, None),
-        ("w2-sym-g64", 2, Some(64), true, None),
+    let variants: [Variant; 9] = [
+        ("w4-sym-g64", 4, Some(64), true, None, false),
+        ("w4-asym-g64", 4, Some(64), false, None, false),
+        ("w4-asym-ch", 4, None, false, None, false),
+        ("w8-sym-ch", 8, None, true, None, false),
+        ("w8-asym-g64", 8, Some(64), false, None, false),
+        ("w3-asym-g64", 3, Some(64), false, None, false),
+        ("w2-sym-g64", 2, Some(64), true, None, false),
         // The 28 blocks left unquantized must be in `ignore`, or the loader looks for their packed weights.
-        ("w4-sym-g64-layers0-1", 4, Some(64), true, Some("0-1")),
+        (
+            "w4-sym-g64-layers0-1",
+            4,
+            Some(64),
+            true,
+            Some("0-1"),
+            false,
+        ),
+        // BoA on two rotated blocks (CI time), the 28 others rotated and copied through.
+        (
+            "w4-sym-g64-rotated-boa",
+            4,
+            Some(64),
+            true,
+            Some("0-1"),
+            true,
+        ),
     ];
     let model = demo_model();
+    let calib = common::sotu_speeches(|y| y < 1830);
     let mut dirs = Vec::new();
-    for &(name, bits, group, sym, layers) in &variants {
+    for &(name, bits, group, sym, layers, rotated) in &variants {
         let bits_s = bits.to_string();
         let group_s = group.map(|g| g as i64).unwrap_or(-1).to_string();
         let mut extra = vec!["--wbits", &bits_s, "--group-size", &group_s];
@@ -167,11 +189,30 @@ fn compressed_tensors_checkpoints_load_in_transformers() {
         if let Some(l) = layers {
             extra.extend(["--layers", l]);
         }
+        if rotated {
+            extra.extend([
+                "--rotate",
+                "--method",
+                "boa",
+                "--nsamples",
+                "2",
+                "--seqlen",
+                "128",
+            ]);
+            extra.push("--calib");
+            extra.extend(calib.iter().map(String::as_str));
+        }
         let ct = tmp.path().join(name);
         quantize(&model, &ct, "compressed-tensors", &extra);
         // SmolLM2-135M: 30 blocks of 7 linears.
         let ignored = if layers.is_some() { 28 * 7 } else { 0 };
         check_layout(&ct, bits, group, sym, ignored);
+        if rotated {
+            let cfg: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(ct.join("config.json")).unwrap()).unwrap();
+            assert_eq!(cfg["boa_cuda"]["rotation"]["kind"], "hadamard", "{cfg}");
+            assert_eq!(cfg["tie_word_embeddings"], false);
+        }
         let fake = tmp.path().join(format!("{name}-fake"));
         quantize(&model, &fake, "fake", &extra);
         dirs.push((ct, fake, bits, sym));

@@ -6,10 +6,12 @@
 //! scripts/llamacpp_ppl.py: its tokenizer, its kernels) the same perplexity up to its Q8_0 activations. A
 //! missing venv fails the test (scripts/test.sh installs them), never skips it.
 //!
-//! Two runs of the demo model, each written in both formats:
-//!   mixed  GPTQ with --avg-bits 6 over 4 and 8 bits (Q4_0 and Q8_0 tensors in one file) on layers 0-3, the
-//!          other layers' linears copied through as F32 tensors;
-//!   q8     RTN at 8 bits (Q8_0) on every layer.
+//! Three runs of the demo model, each written in both formats:
+//!   mixed    GPTQ with --avg-bits 6 over 4 and 8 bits (Q4_0 and Q8_0 tensors in one file) on layers 0-3,
+//!            the other layers' linears copied through as F32 tensors;
+//!   q8       RTN at 8 bits (Q8_0) on every layer;
+//!   rotated  `run --rotate` (norms folded, Hadamard rotations fused into the weights, lm_head untied into
+//!            its own `output.weight`), BoA at 4 bits (Q4_0) on layers 0-1, the rest rotated F32.
 
 mod common;
 
@@ -96,9 +98,25 @@ fn gguf_checkpoints_load_in_transformers_with_the_fake_formats_weights() {
         "--calib",
     ];
     mixed.extend(calib.iter().map(String::as_str));
-    let variants: [(&str, &[&str]); 2] = [
+    let mut rotated: Vec<&str> = vec![
+        "--method",
+        "boa",
+        "--wbits",
+        "4",
+        "--rotate",
+        "--layers",
+        "0-1",
+        "--nsamples",
+        "2",
+        "--seqlen",
+        "128",
+        "--calib",
+    ];
+    rotated.extend(calib.iter().map(String::as_str));
+    let variants: [(&str, &[&str]); 3] = [
         ("mixed", &mixed),
         ("q8", &["--method", "rtn", "--wbits", "8"]),
+        ("rotated", &rotated),
     ];
     let mut failures = Vec::new();
     for (name, extra) in variants {
@@ -153,6 +171,12 @@ fn gguf_checkpoints_load_in_transformers_with_the_fake_formats_weights() {
                 assert_eq!(ty(&format!("blk.{}.{part}.weight", l["layer"])), want);
                 seen.insert(bits);
             }
+        }
+        if name == "rotated" {
+            // SmolLM2 ties its head; the folded final norm made it differ from the embedding.
+            assert_eq!(ty("output.weight"), GgmlType::F32, "untied lm_head");
+            assert_eq!(ty("blk.1.attn_q.weight"), GgmlType::Q4_0);
+            assert_eq!(ty("blk.2.attn_q.weight"), GgmlType::F32);
         }
         if name == "mixed" {
             assert_eq!(seen, [4, 8].into(), "the allocation should use both widths");
@@ -232,6 +256,149 @@ fn gguf_checkpoints_load_in_transformers_with_the_fake_formats_weights() {
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
+/// `--gguf-type`: every GGUF type we write, in five small runs that together hold all ten (llama.cpp's
+/// fallbacks on the demo model's 576-wide inputs included). For each: the `gguf` package's dequantizer
+/// (scripts/check_gguf_weights.py) gives the `--format fake` twin's weights to the bit, i.e. the file holds the
+/// very values the sweep's error feedback worked on; llama.cpp's own quantizer, given our file with the same
+/// choice (scripts/llamacpp_quantize.py --requantize), picks the same type for every linear; and one file
+/// through llama.cpp's forward and our import-gguf gives the twin's perplexity.
+#[test]
+fn gguf_type_files_hold_the_sweeps_weights_in_llama_cpps_types() {
+    let py = pyref_python("gguf, numpy, safetensors");
+    let llama = llamacpp_python("llama_cpp, numpy");
+    let tmp = tempfile::tempdir().unwrap();
+    let text = texts_dir().join("moby-dick.txt");
+    let calib = common::sotu_speeches(|y| y < 1830);
+    let mut with_calib: Vec<&str> = vec!["--nsamples", "4", "--seqlen", "128", "--calib"];
+    with_calib.extend(calib.iter().map(String::as_str));
+    // (choice, method, layers, the types its quantized linears must hold between them)
+    let variants: [(&str, &str, &str, &[&str]); 5] = [
+        ("q4_k_m", "gptq", "0-0", &["Q5_0", "Q8_0", "Q6_K"]),
+        (
+            "q3_k_m",
+            "boa",
+            "0-1",
+            &["Q4_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K"],
+        ),
+        // Pure Q2_K: llama.cpp makes its Q2_K_S preset only with an importance matrix.
+        ("q2_k", "rtn", "0-0", &["Q4_0", "Q2_K"]),
+        ("q3_k_s", "rtn", "0-0", &["Q4_0", "Q3_K"]),
+        ("q4_1", "rtn", "0-0", &["Q4_1"]),
+    ];
+    let model = demo_model();
+    let mut failures = Vec::new();
+    for (choice, method, layers, types) in variants {
+        let out = tmp.path().join(choice);
+        let fake = tmp.path().join(format!("{choice}-fake"));
+        for (dir, format) in [(&out, "gguf"), (&fake, "fake")] {
+            let mut a = vec![
+                "run",
+                "--model",
+                s(&model),
+                "--out",
+                s(dir),
+                "--format",
+                format,
+                "--gguf-type",
+                choice,
+                "--method",
+                method,
+                "--layers",
+                layers,
+                "--quiet",
+            ];
+            if method != "rtn" {
+                a.extend_from_slice(&with_calib);
+            }
+            let (code, _, err) = run(&a);
+            assert_eq!(code, 0, "run {choice} {format}: {err}");
+        }
+        let file = out.join("model.gguf");
+        let o = Command::new(&py)
+            .arg("scripts/check_gguf_weights.py")
+            .args([s(&file), s(&fake)])
+            .output()
+            .unwrap();
+        let row = last_json(&o, "check_gguf_weights.py");
+        let n_layers = layers
+            .split_once('-')
+            .map(|(a, b)| b.parse::<u64>().unwrap() - a.parse::<u64>().unwrap() + 1)
+            .unwrap();
+        assert_eq!(
+            row["compared"],
+            7 * n_layers,
+            "{choice}: {}",
+            row["compared"]
+        );
+        assert_eq!(row["mismatched"], serde_json::json!([]), "{choice}");
+        assert_eq!(row["max_abs_diff"], 0.0, "{choice}");
+        let our_types = row["types"].as_object().unwrap();
+        let mut held: Vec<&str> = our_types
+            .values()
+            .filter_map(|v| v.as_str())
+            .filter(|t| !t.starts_with('F'))
+            .collect();
+        held.sort();
+        held.dedup();
+        let mut want = types.to_vec();
+        want.sort();
+        assert_eq!(held, want, "{choice}: the types of its quantized linears");
+
+        // llama.cpp's choice of type for every linear of the quantized layers.
+        let theirs = tmp.path().join(format!("{choice}-llama.gguf"));
+        let o = Command::new(&llama)
+            .arg("scripts/llamacpp_quantize.py")
+            .args([s(&file), s(&theirs), choice, "--requantize"])
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "llamacpp_quantize.py {choice}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let g = GgufFile::open(&theirs).unwrap();
+        for (name, ty) in our_types {
+            let ty = ty.as_str().unwrap();
+            if ty.starts_with('F') {
+                continue; // a layer outside --layers
+            }
+            let t = g.tensor(name).unwrap().ggml_type.to_string();
+            if t != ty {
+                failures.push(format!("{choice}: {name} is {ty} here, {t} in llama.cpp's"));
+            }
+        }
+
+        if choice == "q3_k_m" {
+            let want = ours(&fake, &text);
+            let imported = tmp.path().join(format!("{choice}-imported"));
+            let (code, _, err) = run(&["import-gguf", s(&file), "--out", s(&imported)]);
+            assert_eq!(code, 0, "import-gguf {choice}: {err}");
+            let back = ours(&imported, &text);
+            assert!(
+                (back - want).abs() <= 1e-9 * want,
+                "{choice}: import-gguf + eval {back} vs the fake folder's {want}"
+            );
+            let o = Command::new(&llama)
+                .arg("scripts/llamacpp_ppl.py")
+                .args([s(&file), s(&text)])
+                .args(["--seqlen", SEQLEN, "--max-windows", WINDOWS])
+                .output()
+                .unwrap();
+            let mut row = last_json(&o, "llamacpp_ppl.py");
+            row["loader"] = "llama.cpp".into();
+            check_loader_ppl(
+                &mut failures,
+                &out,
+                &row,
+                "eval of the fake folder",
+                want,
+                TOL_LLAMA_CPP,
+            );
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
 #[test]
 fn gguf_refusals_come_before_any_work() {
     let tmp = tempfile::tempdir().unwrap();
@@ -282,6 +449,42 @@ fn gguf_refusals_come_before_any_work() {
             s(&calib),
         ],
         &["gguf", "2-bit"],
+    );
+    // --gguf-type: the type decides widths, groups and symmetry; its grids are the CPU's.
+    check(
+        &["--gguf-type", "q4_k", "--method", "rtn", "--sym"],
+        &["--gguf-type q4_k", "--sym"],
+    );
+    check(
+        &["--gguf-type", "q4_k", "--method", "rtn", "--device", "cuda"],
+        &["--gguf-type q4_k", "--device cpu"],
+    );
+    check(
+        &[
+            "--gguf-type",
+            "q4_k",
+            "--method",
+            "gptq",
+            "--static-groups",
+            "--calib",
+            s(&calib),
+        ],
+        &["--static-groups", "--gguf-type"],
+    );
+    check(&["--gguf-type", "q9_k"], &["--gguf-type q9_k", "q4_k_m"]);
+    assert_user_error(
+        &[
+            "run",
+            "--model",
+            s(&model),
+            "--out",
+            s(&out),
+            "--gguf-type",
+            "q4_k",
+            "--method",
+            "rtn",
+        ],
+        &["--gguf-type q4_k", "--format gguf"],
     );
     // An architecture llama.cpp's llama loader does not take, and a folder without its tokenizer.
     let mistral = tmp.path().join("mistral");

@@ -824,6 +824,18 @@ fn hostile_config_fields_are_refused() {
             }),
             vec!["config.json", "num_experts_per_tok=3"],
         ),
+        (
+            "qwen2-moe with a dense layer",
+            Box::new(move |v| {
+                v["architectures"] = arch("Qwen2MoeForCausalLM");
+                v["num_experts"] = serde_json::json!(2);
+                v["num_experts_per_tok"] = serde_json::json!(1);
+                v["moe_intermediate_size"] = serde_json::json!(32);
+                v["shared_expert_intermediate_size"] = serde_json::json!(64);
+                v["mlp_only_layers"] = serde_json::json!([1]);
+            }),
+            vec!["config.json", "dense layers", "Qwen2-MoE"],
+        ),
     ];
     for (case, edit, needles) in cases {
         edit_config(&m, edit);

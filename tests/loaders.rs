@@ -5,8 +5,9 @@
 //!
 //! The demo model, RTN with the default layout (auto: groups of 64, the largest of 128/64/32 dividing
 //! SmolLM2's d_in 576 and 1536, which GPTQModel's 4-bit CPU kernel takes; see `loader_warning`), at every
-//! bit width in the default format and asymmetric grid, plus the symmetric 4-bit grid in the v1 format:
-//! five checkpoints, ten loads.
+//! bit width in the default format and asymmetric grid, plus the symmetric 4-bit grid in the v1 format, plus
+//! a rotated GPTQ 4-bit checkpoint (`run --rotate`: norms folded, Hadamard rotations fused into the weights,
+//! lm_head untied; the loaders run it unchanged): six checkpoints, twelve loads.
 
 mod common;
 
@@ -39,27 +40,45 @@ fn gptq_checkpoints_load_in_gptqmodel_and_transformers() {
     let py = loaders_python("gptqmodel, optimum, transformers");
     let tmp = tempfile::tempdir().unwrap();
     let text = texts_dir().join("moby-dick.txt");
-    let variants: [(&str, &[&str]); 5] = [
-        ("w2", &["--wbits", "2"]),
-        ("w3", &["--wbits", "3"]),
-        ("w4", &["--wbits", "4"]),
-        ("w8", &["--wbits", "8"]),
-        ("w4-sym-v1", &["--wbits", "4", "--sym", "--format", "gptq"]),
+    // Min-max scales for the rotated GPTQ run: the Hessian-weighted search over 30 blocks triples its time,
+    // and the loaders see the same layout either way.
+    let mut rotated = vec![
+        "--method",
+        "gptq",
+        "--wbits",
+        "4",
+        "--rotate",
+        "--scale-search",
+        "minmax",
+        "--nsamples",
+        "2",
+        "--seqlen",
+        "128",
+        "--calib",
+    ];
+    let calib = common::sotu_speeches(|y| y < 1830);
+    rotated.extend(calib.iter().map(String::as_str));
+    let rtn = |extra: &'static [&'static str]| {
+        let mut a = vec!["--method", "rtn"];
+        a.extend_from_slice(extra);
+        a
+    };
+    let variants: [(&str, Vec<&str>); 6] = [
+        ("w2", rtn(&["--wbits", "2"])),
+        ("w3", rtn(&["--wbits", "3"])),
+        ("w4", rtn(&["--wbits", "4"])),
+        ("w8", rtn(&["--wbits", "8"])),
+        (
+            "w4-sym-v1",
+            rtn(&["--wbits", "4", "--sym", "--format", "gptq"]),
+        ),
+        ("rotated-gptq-w4", rotated),
     ];
     let model = demo_model();
     let mut dirs = Vec::new();
-    for (name, extra) in variants {
+    for (name, extra) in &variants {
         let out = tmp.path().join(name);
-        let mut a = vec![
-            "run",
-            "--model",
-            s(&model),
-            "--out",
-            s(&out),
-            "--method",
-            "rtn",
-            "--quiet",
-        ];
+        let mut a = vec!["run", "--model", s(&model), "--out", s(&out), "--quiet"];
         a.extend_from_slice(extra);
         let (code, _, err) = run(&a);
         assert_eq!(code, 0, "run {name}: {err}");
@@ -67,6 +86,11 @@ fn gptq_checkpoints_load_in_gptqmodel_and_transformers() {
         let cfg: serde_json::Value =
             serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
         assert_eq!(cfg["quantization_config"]["group_size"], 64, "{name}");
+        if name.starts_with("rotated") {
+            let rot = &cfg["boa_cuda"]["rotation"];
+            assert_eq!(rot["kind"], "hadamard", "{name}: {cfg}");
+            assert_eq!(cfg["tie_word_embeddings"], false, "{name}");
+        }
         dirs.push(out);
     }
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/check_loaders.py");

@@ -38,8 +38,8 @@ use boa_cuda::backend::cuda::{
     XxtVariant,
 };
 use boa_cuda::ops::{
-    AttnShape, Codes, Grid, GridMode, Grids, Mat, MatData, QuantOps, QuantSpec, QuantizedLinear,
-    ScaleSearch, Swept, Tensor, Traffic,
+    AttnShape, Codes, Grid, GridMode, Grids, Lattice, Mat, MatData, QuantOps, QuantSpec,
+    QuantizedLinear, ScaleSearch, Swept, Tensor, Traffic,
 };
 use boa_cuda::quant::boa::{BoaOptions, ColHessian, boa_quantize};
 use boa_cuda::quant::gptq::{GptqOptions, gptq_quantize, static_col_group, to_host};
@@ -1230,7 +1230,8 @@ fn parity_weights(ops: &dyn QuantOps, at: &Place) {
             &at.f32(w.clone(), 1, rows, n),
             &at.grids(s.clone(), zz.clone(), rows, ng),
             &col_group,
-            maxq,
+            // maxq 7: 3 bits.
+            &QuantSpec::new(3, Some(g), false, ScaleSearch::MinMax),
         )
         .unwrap();
     let (qv, cv) = (ops.read_f32(&q).unwrap(), ops.read_codes(&codes).unwrap());
@@ -2222,6 +2223,52 @@ fn parity_refusals_cpu() {
 #[test]
 fn parity_refusals_cuda() {
     with_cuda(|b| parity_refusals(b, &Place::cuda(b)));
+}
+
+/// GGUF lattices (quant/lattice.rs) are searched on the CPU only: the device search, sweeps and RTN refuse a
+/// spec on one with an error (`run` refuses `--device cuda` with --gguf-type before any work) rather than
+/// compute free grids in its place; the CPU takes the same calls.
+#[test]
+fn lattice_specs_are_the_cpus() {
+    let lattice = |ops: &dyn QuantOps, at: &Place| -> Vec<bool> {
+        let mut rng = rng();
+        let (rows, n, g) = (4usize, 64usize, 32usize);
+        let spec = QuantSpec::new(4, Some(g), false, ScaleSearch::MinMax).on(Lattice::Super {
+            len: 64,
+            sc_max: 63,
+            m_max: 63,
+        });
+        let w = randn(&mut rng, rows * n, 1.0);
+        let u = upper_f32(&mut rng, n);
+        let idx: Vec<usize> = (0..n).collect();
+        let searched =
+            ops.search_grids(&at.f32(w.clone(), 1, rows, n), None, &[idx], &[0], g, &spec);
+        let cg: Vec<u32> = (0..n).map(|c| (c / g) as u32).collect();
+        let (s, z) = grids_for(&w, rows, n, g, 15);
+        let rtn = ops.rtn(
+            &at.f32(w.clone(), 1, rows, n),
+            &at.grids(s, z, rows, n / g),
+            &cg,
+            &spec,
+        );
+        let swept = ops.gptq_sweep(
+            at.f32(w, 1, rows, n),
+            &at.f32(u, 1, n, n),
+            GridMode::Dynamic {
+                g,
+                h: None,
+                spec: &spec,
+            },
+            32,
+            15,
+        );
+        vec![searched.is_ok(), rtn.is_ok(), swept.is_ok()]
+    };
+    assert_eq!(lattice(&CpuBackend, &Place::cpu()), [true, true, true]);
+    with_cuda(|b| {
+        let at = Place::cuda(b);
+        assert_eq!(lattice(b, &at), [false, false, false], "cuda");
+    });
 }
 
 // ---------------------------------------------------------------------------------------------------------

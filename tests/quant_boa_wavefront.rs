@@ -9,6 +9,7 @@
 #[path = "quant_common/mod.rs"]
 mod common;
 
+use boa_cuda::ops::Lattice;
 use boa_cuda::quant::Real;
 use boa_cuda::quant::boa::{ColFactor, boa_sweep, boa_sweep_rowwise};
 use boa_cuda::quant::gptq::DynamicGroups;
@@ -27,6 +28,9 @@ enum Grids {
     StaticGroups(usize),
     /// Dynamic groups of g columns, searched during the sweep; symmetric?
     Dynamic(usize, ScaleSearch, bool),
+    /// Dynamic groups of g columns on a K-quant lattice (`Lattice::Super`) of super-blocks of `len`
+    /// columns, whose d is searched at each super-block's first column; symmetric?
+    Super(usize, usize, ScaleSearch, bool),
 }
 
 struct Case {
@@ -83,7 +87,7 @@ fn run_variants<T: Real>(c: &Case, variants: &[(bool, usize)]) -> Vec<Out<T>> {
     }
     let (g, n_groups) = match c.grids {
         Grids::PerChannel => (n, 1),
-        Grids::StaticGroups(g) | Grids::Dynamic(g, ..) => (g, n.div_ceil(g)),
+        Grids::StaticGroups(g) | Grids::Dynamic(g, ..) | Grids::Super(g, ..) => (g, n.div_ceil(g)),
     };
     let col_group: Vec<u32> = match c.grids {
         // Group of sweep column k: that of original column (k·7 + 3) mod n — a scrambled but valid map.
@@ -106,10 +110,17 @@ fn run_variants<T: Real>(c: &Case, variants: &[(bool, usize)]) -> Vec<Out<T>> {
                 }
             })
             .collect(),
-        Grids::Dynamic(..) => vec![Grid::default(); nh * dh * n_groups],
+        Grids::Dynamic(..) | Grids::Super(..) => vec![Grid::default(); nh * dh * n_groups],
     };
     let spec = match c.grids {
         Grids::Dynamic(g, search, sym) => QuantSpec::new(c.bits, Some(g), sym, search),
+        Grids::Super(g, len, search, sym) => {
+            QuantSpec::new(c.bits, Some(g), sym, search).on(Lattice::Super {
+                len,
+                sc_max: 63,
+                m_max: if sym { 0 } else { 63 },
+            })
+        }
         _ => QuantSpec::new(c.bits, None, false, ScaleSearch::MinMax),
     };
     let blocks: Vec<Vec<Vec<f32>>> = h_cols
@@ -124,10 +135,12 @@ fn run_variants<T: Real>(c: &Case, variants: &[(bool, usize)]) -> Vec<Out<T>> {
         .map(|f| ColFactor {
             u: &u_cols[f],
             col_group: &col_group,
-            dynamic: matches!(c.grids, Grids::Dynamic(..)).then(|| DynamicGroups {
-                g,
-                h_blocks: &blocks[f],
-                spec: &spec,
+            dynamic: matches!(c.grids, Grids::Dynamic(..) | Grids::Super(..)).then(|| {
+                DynamicGroups {
+                    g,
+                    h_blocks: &blocks[f],
+                    spec: &spec,
+                }
             }),
         })
         .collect();
@@ -201,6 +214,12 @@ fn blocked_sweep_equals_rowwise_sweep_f64() {
                 (Dynamic(16, ScaleSearch::Hessian, false), 40),
                 (Dynamic(24, ScaleSearch::Mse, false), 16),
                 (Dynamic(32, ScaleSearch::Hessian, false), 128),
+                // A K-quant lattice (the same knife edges, so asymmetric and wide groups): each
+                // super-block's d at its first column, then its groups' integer scales and offsets; lazy
+                // batches and BoA's column blocks are cut at super-blocks.
+                (Super(16, 64, ScaleSearch::Hessian, false), 5),
+                (Super(16, 64, ScaleSearch::Hessian, false), 128),
+                (Super(16, 32, ScaleSearch::Mse, false), 40),
             ] {
                 for bits in [2, 3, 4] {
                     seed += 1;

@@ -154,6 +154,24 @@ fn next_block(partial: &Path) -> usize {
         .unwrap_or(0) as usize
 }
 
+/// Starts `args`, slowed after each block, and SIGKILLs it once `partial` records a finished block: the kill
+/// lands between blocks 1 and `n_layers`. Returns the blocks it finished.
+fn kill_after_a_block(args: &[&str], partial: &Path, n_layers: usize) -> usize {
+    let mut child = bin()
+        .args(args)
+        .env("BOA_TEST_SLOW_BLOCK_MS", "3000")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for_a_block(&mut child, partial);
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    let done = next_block(partial);
+    assert!((1..n_layers).contains(&done), "killed after {done} blocks");
+    done
+}
+
 #[test]
 fn kill_then_resume_matches_uninterrupted_run() {
     let tmp = tempfile::tempdir().unwrap();
@@ -162,29 +180,9 @@ fn kill_then_resume_matches_uninterrupted_run() {
     let reference = tmp.path().join("reference");
     run_ok(&run_args(&m, &reference, &calib), None);
 
-    // The run to kill: slowed after each block so the kill lands between blocks 1 and 4.
     let out = tmp.path().join("out");
     let partial = tmp.path().join(".out.partial");
-    let mut child = bin()
-        .args(run_args(&m, &out, &calib))
-        .env("BOA_TEST_SLOW_BLOCK_MS", "3000")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let t0 = Instant::now();
-    while next_block(&partial) < 1 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(300),
-            "no block recorded in 300 s"
-        );
-        assert!(child.try_wait().unwrap().is_none(), "the run ended early");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    child.kill().unwrap(); // SIGKILL
-    child.wait().unwrap();
-    let done = next_block(&partial);
-    assert!((1..4).contains(&done), "killed after {done} blocks");
+    let done = kill_after_a_block(&run_args(&m, &out, &calib), &partial, 4);
     assert!(!out.exists(), "a killed run left a folder at --out");
     // Its lock file stays behind (naming a dead pid): the resume below must take it over.
     assert!(tmp.path().join(".out.lock").is_file());
@@ -228,6 +226,49 @@ fn kill_then_resume_matches_uninterrupted_run() {
         4,
         "per-layer reports of the blocks done before the kill are lost"
     );
+}
+
+/// `run --rotate` killed after a block and continued with --resume: the rotated model is written again
+/// inside the partial folder (the rotation is deterministic), and the output is the uninterrupted run's.
+#[test]
+fn kill_then_resume_under_rotate_matches_uninterrupted_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = model(tmp.path(), 3);
+    let calib = texts_dir().join("moby-dick.txt");
+    let with_rotate = |out| {
+        let mut a = run_args(&m, out, &calib);
+        a.extend(["--rotate", "--format", "gptq_v2"]);
+        a
+    };
+    let reference = tmp.path().join("reference");
+    run_ok(&with_rotate(&reference), None);
+    let cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(reference.join("config.json")).unwrap()).unwrap();
+    assert!(
+        cfg["boa_cuda"]["rotation"].is_object(),
+        "the reference is not rotated: {cfg}"
+    );
+
+    let out = tmp.path().join("out");
+    let partial = tmp.path().join(".out.partial");
+    kill_after_a_block(&with_rotate(&out), &partial, 3);
+    assert!(
+        partial.join("rotated").join("config.json").is_file(),
+        "the killed run's rotated model is not in its partial folder"
+    );
+    let mut args = with_rotate(&out);
+    args.retain(|a| *a != "--quiet");
+    args.push("--resume");
+    let o = bin().args(&args).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "resume failed: {err}");
+    assert!(err.contains("resuming from block"), "{err}");
+    assert!(!partial.exists(), "the partial folder outlived the publish");
+    assert!(
+        !out.join("rotated").exists(),
+        "the rotated copy leaked into the output"
+    );
+    assert_same(&reference, &out);
 }
 
 #[test]

@@ -14,7 +14,7 @@ use safetensors::SafeTensors;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-const ARCHS: [&str; 8] = [
+const ARCHS: [&str; 9] = [
     "llama3",
     "llama_bias",
     "mistral",
@@ -23,6 +23,7 @@ const ARCHS: [&str; 8] = [
     "gemma3",
     "qwen3_moe",
     "mixtral",
+    "qwen2_moe",
 ];
 const SEQLEN: usize = 64;
 const WINDOWS: usize = 2;
@@ -320,9 +321,10 @@ fn logits_rel_err2(out: &Path, r: &Reference) -> f64 {
 }
 
 /// The experts of the MoE models: each quantized by GPTQ on the tokens routed to it (every routed token
-/// counted once, or weighted by its router probability squared), with the fallback when too few arrive.
-/// Prints the tokens each expert received and its linears' errors, and the model's output error of each
-/// variant.
+/// counted once, or weighted by its router probability squared), with the fallback when too few arrive; a
+/// shared expert (Qwen2-MoE) by GPTQ on every token, its gate and the router listed as kept in full
+/// precision. Prints the tokens each expert received and its linears' errors, and the model's output error
+/// of each variant.
 #[test]
 fn moe_experts_are_quantized_on_the_tokens_routed_to_them() {
     let root = references();
@@ -334,7 +336,7 @@ fn moe_experts_are_quantized_on_the_tokens_routed_to_them() {
         "{:<10} {:<26} {:>16}",
         "model", "expert statistics", "logits rel err²"
     )];
-    for name in ["qwen3_moe", "mixtral"] {
+    for name in ["qwen3_moe", "mixtral", "qwen2_moe"] {
         let dir = root.join(name);
         let r = reference(&dir);
         let cfg = Model::open(&dir).unwrap().cfg;
@@ -345,7 +347,9 @@ fn moe_experts_are_quantized_on_the_tokens_routed_to_them() {
             // Every expert below the threshold: the fallback everywhere.
             ("fallback (all experts)", &["--moe-min-tokens", "1000000"]),
         ];
-        for (label, extra) in variants {
+        // Qwen2-MoE's shared expert reads every token whatever the variant: its default alone (CI time).
+        let n_variants = if moe.shared_expert.is_some() { 1 } else { 3 };
+        for (label, extra) in variants.into_iter().take(n_variants) {
             let out = tmp
                 .path()
                 .join(format!("{name}-{}", label.replace(' ', "_")));
@@ -376,6 +380,17 @@ fn moe_experts_are_quantized_on_the_tokens_routed_to_them() {
                 serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap())
                     .unwrap();
             let fallback = label.starts_with("fallback");
+            let kept: Vec<&str> = report["full_precision"]
+                .as_array()
+                .map(|v| v.iter().map(|n| n.as_str().unwrap()).collect())
+                .unwrap_or_default();
+            let mut expect_kept = vec![format!("{}.weight", moe.router)];
+            expect_kept.extend(
+                moe.shared_expert
+                    .iter()
+                    .map(|s| format!("{}.weight", s.gate)),
+            );
+            assert_eq!(kept, expect_kept, "{name}: full_precision");
             let mut rows = Vec::new();
             for layer in report["layers"].as_array().unwrap() {
                 let l = layer["layer"].as_u64().unwrap();
@@ -399,6 +414,35 @@ fn moe_experts_are_quantized_on_the_tokens_routed_to_them() {
                     NSAMPLES * 64 * moe.top_k,
                     "{name} layer {l}: routed tokens"
                 );
+                // The shared expert: GPTQ on every token (no routed count), below RTN, in every variant.
+                let shared: Vec<&serde_json::Value> = lins
+                    .iter()
+                    .filter(|x| {
+                        x["name"]
+                            .as_str()
+                            .unwrap()
+                            .starts_with("mlp.shared_expert.")
+                    })
+                    .collect();
+                assert_eq!(
+                    shared.len(),
+                    if moe.shared_expert.is_some() { 3 } else { 0 },
+                    "{name} layer {l}: shared expert linears"
+                );
+                for lin in shared {
+                    let lname = lin["name"].as_str().unwrap();
+                    assert!(lin["tokens"].is_null(), "{name} {lname}: tokens");
+                    assert_eq!(lin["method"], "gptq", "{name} {label} layer {l} {lname}");
+                    let e = lin["error"].as_f64().unwrap();
+                    assert!(
+                        e < lin["rtn_error"].as_f64().unwrap(),
+                        "{name} {label} layer {l} {lname}: error {e} not below RTN's"
+                    );
+                    rows.push(format!(
+                        "  layer {l} {lname:<32} tokens   all  error {e:>10.4e}  rtn {:>10.4e}",
+                        lin["rtn_error"].as_f64().unwrap()
+                    ));
+                }
                 for lin in lins.iter().filter(|x| x["tokens"].is_u64()) {
                     let lname = lin["name"].as_str().unwrap();
                     let is_down = lname.ends_with(".down_proj") || lname.ends_with(".w2");

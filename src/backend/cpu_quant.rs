@@ -6,7 +6,7 @@
 
 use super::cpu::{self, CpuBackend};
 use crate::ops::{
-    AttnShape, Codes, Grid, GridMode, Grids, Mat, MatData, Packed, QuantOps, QuantSpec,
+    AttnShape, Codes, Grid, GridMode, Grids, Lattice, Mat, MatData, Packed, QuantOps, QuantSpec,
     QuantizedLinear, Result, RopeAverage, ScaleSearch, Swept, Tensor, check_rope_row_hessians,
 };
 use crate::quant::Real;
@@ -16,8 +16,9 @@ use crate::quant::hessian::{
     CHUNK_TOKENS, add_xxt_f64, finish, fold_grams, gram_f32, group_means, k_row_hessians,
     q_row_hessians, scale_by_norm_weight, v_row_hessians_from_wout,
 };
+use crate::quant::lattice::lattice_row;
 use crate::quant::linalg::{cholesky_upper_inverse, permute_sym};
-use crate::quant::quantizer::{dequantize, h_block_f32, quantize, search_grids_rows};
+use crate::quant::quantizer::{h_block_f32, quant_dequant, search_grids_rows};
 use anyhow::{anyhow, bail};
 use rayon::prelude::*;
 use std::borrow::Cow;
@@ -174,6 +175,30 @@ fn search_all<T: Real + IntoMat>(
         let (r0, nr) = (p0 * rp, (p1 - p0) * rp);
         p0 = p1;
         let wp = &w[r0 * n..(r0 + nr) * n];
+        if spec.lattice != Lattice::Free {
+            // A GGUF lattice: row by row, each K-quant super-block's d before its groups.
+            let blocks: Vec<Vec<f32>> = match h.filter(|_| hessian) {
+                Some(h) => {
+                    let ix = idx
+                        .get(f)
+                        .ok_or_else(|| anyhow!("search_grids: no index for matrix {f}"))?;
+                    let hf = &h[f * n * n..(f + 1) * n * n];
+                    (0..n_groups)
+                        .map(|k| index_block_f32(hf, n, ix, k * g, g.min(n - k * g)))
+                        .collect()
+                }
+                None => Vec::new(),
+            };
+            let refs: Vec<&[f32]> = blocks.iter().map(Vec::as_slice).collect();
+            let rg: Vec<Vec<Grid<T>>> = wp
+                .par_chunks(n)
+                .map(|row| lattice_row(row, &refs, g, spec))
+                .collect();
+            for (r, gr) in rg.into_iter().enumerate() {
+                grids[(r0 + r) * n_groups..(r0 + r + 1) * n_groups].copy_from_slice(&gr);
+            }
+            continue;
+        }
         for k in 0..n_groups {
             let len = g.min(n - k * g);
             let hb = match h.filter(|_| hessian) {
@@ -455,7 +480,7 @@ fn rtn_t<T: Real + IntoMat>(
     n: usize,
     grids: &Grids,
     col_group: &[u32],
-    maxq: u32,
+    spec: &QuantSpec,
 ) -> Result<(Mat, Codes)> {
     let g = grids_vec::<T>(grids)?;
     let ng = grids.n_groups();
@@ -466,15 +491,16 @@ fn rtn_t<T: Real + IntoMat>(
             grids.rows()
         );
     }
-    let maxq = T::from_f64(maxq as f64);
+    let maxq = T::from_f64(spec.maxq() as f64);
+    let offset = spec.offset();
     let mut codes = vec![0u8; rows * n];
     let mut q = vec![T::ZERO; rows * n];
     for r in 0..rows {
         for c in 0..n {
             let gr = g[r * ng + col_group[c] as usize];
-            let v = quantize(w[r * n + c], gr.scale, gr.zero, maxq);
+            let (v, qv) = quant_dequant(w[r * n + c], gr, maxq, offset);
             codes[r * n + c] = v.to_f64() as u8;
-            q[r * n + c] = dequantize(v, gr.scale, gr.zero);
+            q[r * n + c] = qv;
         }
     }
     Ok((T::into_mat(q, 1, rows, n), Codes::Host(codes)))
@@ -840,11 +866,17 @@ impl QuantOps for CpuBackend {
         Ok((w_hat, Codes::Host(codes), grids))
     }
 
-    fn rtn(&self, w: &Mat, grids: &Grids, col_group: &[u32], maxq: u32) -> Result<(Mat, Codes)> {
+    fn rtn(
+        &self,
+        w: &Mat,
+        grids: &Grids,
+        col_group: &[u32],
+        spec: &QuantSpec,
+    ) -> Result<(Mat, Codes)> {
         let (rows, n) = (w.rows, w.cols);
         match vals(w, "W")? {
-            Vals::F32(v) => rtn_t(&v, rows, n, grids, col_group, maxq),
-            Vals::F64(v) => rtn_t(&v, rows, n, grids, col_group, maxq),
+            Vals::F32(v) => rtn_t(&v, rows, n, grids, col_group, spec),
+            Vals::F64(v) => rtn_t(&v, rows, n, grids, col_group, spec),
         }
     }
 

@@ -5,9 +5,10 @@
 //! start: symmetric, 32-column groups, f16 scales, zero 2^(b−1).
 //!   Q4_0  { f16 d; u8 qs[16] }   x[i] = (q[i] − 8)·d, low nibbles elements 0..15, high nibbles 16..31;
 //!   Q8_0  { f16 d; i8 qs[32] }   x[i] = qs[i]·d, qs = q − 128;
-//! so ggml decodes f16(s)·(q − z), exactly what `--format fake` writes. Not written: Q4_1 (its min
-//! m = −d·z is not exactly an f16 for most scales) and the K-quants (their sub-block scales are themselves
-//! quantized: the sweep's grids would have to be constrained first).
+//! so ggml decodes f16(s)·(q − z), exactly what `--format fake` writes. The other types (`--gguf-type`:
+//! Q5_0, Q4_1, Q5_1, the K-quants) have grids GPTQ's layout cannot hold (f16 offsets, K-quant sub-block
+//! scales on a super-block's f16 d): their grids were constrained before the sweep (model/gguf/codec.rs,
+//! quant/lattice.rs), and the run keeps them as GGUF blocks (`CodecLinear`), copied into the file as they are.
 //!
 //! Everything else is stored as convert_hf_to_gguf.py stores it for the llama architecture: q/k rows permuted
 //! for llama.cpp's interleaved RoPE (`qk_row_order`), norms in F32, embeddings, lm_head and linears outside
@@ -33,10 +34,11 @@ pub const FILE_NAME: &str = "model.gguf";
 /// Columns per GGUF block of the 32-value types.
 pub const BLOCK: usize = 32;
 
-/// llama.cpp `LLAMA_FTYPE_MOSTLY_*` of a file whose linears are mostly `ty`.
-fn file_type(ty: GgmlType) -> u32 {
-    match ty {
-        GgmlType::Q8_0 => 7,
+/// llama.cpp `LLAMA_FTYPE_MOSTLY_*` of a Q4_0/Q8_0 file whose linears are mostly `bits` wide (a
+/// `--gguf-type` file: `GgufType::file_type`).
+pub fn file_type_of_bits(bits: u32) -> u32 {
+    match block_type(bits) {
+        Some(GgmlType::Q8_0) => 7,
         _ => 2, // Q4_0
     }
 }
@@ -146,6 +148,106 @@ fn packed_bytes(
     Ok(out)
 }
 
+/// A linear of a codec type (`gguf_mix::via_codec`) as the run keeps it: its GGUF blocks, rows in HF order,
+/// in the shard as `{prefix}.ggml_{type}` (U8 [d_out × row bytes]; `blocks_suffix`), since its grids are
+/// not GPTQ's. `--format fake` writes their decode instead.
+pub struct CodecLinear {
+    pub ty: GgmlType,
+    pub d_out: usize,
+    pub d_in: usize,
+    pub bytes: Vec<u8>,
+}
+
+/// The shard suffix of a linear stored as `ty` blocks: "ggml_q4_k".
+pub fn blocks_suffix(ty: GgmlType) -> String {
+    format!("ggml_{}", ty.to_string().to_ascii_lowercase())
+}
+
+/// The type of a shard tensor kind written by `blocks_suffix`.
+fn blocks_type(kind: &str) -> Option<GgmlType> {
+    let t = kind.strip_prefix("ggml_")?;
+    crate::model::gguf::codec::WRITTEN
+        .into_iter()
+        .find(|ty| ty.to_string().eq_ignore_ascii_case(t))
+}
+
+impl CodecLinear {
+    /// Encodes a quantized linear's codes [d_out × d_in] and grids [d_out × n_groups] (scales; zero points
+    /// or offsets) row by row; an error (a grid off the type's lattice) names the tensor and row.
+    pub fn encode(
+        name: &str,
+        ty: GgmlType,
+        codes: &[u8],
+        scales: &[f64],
+        zeros: &[f64],
+        d_out: usize,
+        d_in: usize,
+    ) -> anyhow::Result<CodecLinear> {
+        let c = crate::model::gguf::codec::codec(ty)
+            .ok_or_else(|| anyhow::anyhow!("{name}: GGUF type {ty} is not written"))?;
+        let ng = d_in / c.group;
+        if codes.len() != d_out * d_in || scales.len() != d_out * ng || zeros.len() != scales.len()
+        {
+            anyhow::bail!(
+                "{name}: codes or grids do not fit [{d_out} × {d_in}] in groups of {}",
+                c.group
+            );
+        }
+        let rows: Vec<Vec<u8>> = (0..d_out)
+            .into_par_iter()
+            .map(|r| {
+                c.encode_row(
+                    &codes[r * d_in..(r + 1) * d_in],
+                    &scales[r * ng..(r + 1) * ng],
+                    &zeros[r * ng..(r + 1) * ng],
+                )
+                .map_err(|m| anyhow::anyhow!("{name} as {ty}, row {r}: {m}"))
+            })
+            .collect::<anyhow::Result<_>>()?;
+        Ok(CodecLinear {
+            ty,
+            d_out,
+            d_in,
+            bytes: rows.concat(),
+        })
+    }
+
+    /// Ŵ [d_out × d_in] as ggml decodes it.
+    pub fn decode(&self) -> anyhow::Result<Vec<f32>> {
+        crate::model::gguf::dequant::dequantize(
+            "linear",
+            self.ty,
+            &self.bytes,
+            self.d_out * self.d_in,
+        )
+    }
+
+    /// The shard entries of `prefix`: the blocks, or (`fake`) their decode in `dtype`.
+    pub fn entries(
+        &self,
+        prefix: &str,
+        fake: bool,
+        dtype: Dtype,
+    ) -> anyhow::Result<Vec<crate::export::safetensors_out::TensorEntry<'static>>> {
+        use crate::export::safetensors_out::TensorEntry;
+        Ok(vec![if fake {
+            TensorEntry::new(
+                format!("{prefix}.weight"),
+                dtype,
+                vec![self.d_out, self.d_in],
+                crate::export::hf_folder::f32_to_bytes(dtype, &self.decode()?),
+            )
+        } else {
+            TensorEntry::new(
+                format!("{prefix}.{}", blocks_suffix(self.ty)),
+                Dtype::U8,
+                vec![self.d_out, self.bytes.len() / self.d_out.max(1)],
+                self.bytes.clone(),
+            )
+        }])
+    }
+}
+
 /// How one GGUF tensor is made from the run's shards.
 enum Source {
     /// A float tensor as stored (its rows in `order` when given).
@@ -157,6 +259,8 @@ enum Source {
     Vector { hf: String },
     /// A packed linear (`hf` is its prefix).
     Packed { hf: String, order: Vec<usize> },
+    /// A linear's GGUF blocks (`CodecLinear`), rows in `order`.
+    Blocks { hf: String, order: Vec<usize> },
 }
 
 fn float_type(dtype: Dtype) -> Option<GgmlType> {
@@ -220,7 +324,7 @@ pub fn write_model_gguf(
     cfg: &Config,
     dir: &Path,
     bits_of: &dyn Fn(&str) -> u32,
-    base_bits: u32,
+    file_type: u32,
     name: &str,
     out: &Path,
 ) -> anyhow::Result<Written> {
@@ -251,6 +355,7 @@ pub fn write_model_gguf(
         if matches!(kind, "qzeros" | "scales" | "g_idx") {
             continue;
         }
+        let blocks = blocks_type(kind);
         let short = base
             .strip_prefix("model.layers.")
             .and_then(|r| r.split_once('.'))
@@ -265,7 +370,34 @@ pub fn write_model_gguf(
                 format!("tensor {hf} has no place in llama.cpp's llama architecture"),
             )
         })?;
-        let (tensor, source) = if kind == "qweight" {
+        let (tensor, source) = if let Some(ty) = blocks {
+            // [d_out, row bytes] of `ty` blocks.
+            let (d_out, row) = match e.shape.as_slice() {
+                [r, c] => (*r, *c),
+                _ => (0, 0),
+            };
+            let per = ty.type_size() as usize;
+            if e.dtype != Dtype::U8 || d_out == 0 || row % per != 0 {
+                return Err(file_err(
+                    dir,
+                    format!(
+                        "tensor {hf} ({:?} {:?}) is not rows of {ty} blocks",
+                        e.dtype, e.shape
+                    ),
+                ));
+            }
+            (
+                GgufTensor {
+                    name: gguf,
+                    dims: vec![(row / per) as u64 * ty.block_size(), d_out as u64],
+                    ty,
+                },
+                Source::Blocks {
+                    hf: hf.clone(),
+                    order: order(d_out).unwrap_or_else(|| (0..d_out).collect()),
+                },
+            )
+        } else if kind == "qweight" {
             let bits = bits_of(base);
             let ty = block_type(bits).ok_or_else(|| {
                 crate::input_err!(
@@ -323,7 +455,6 @@ pub fn write_model_gguf(
         sources.push(source);
     }
 
-    let base_ty = block_type(base_bits).unwrap_or(GgmlType::Q4_0);
     let a = |k: &str| format!("llama.{k}");
     let ctx = cfg.json["max_position_embeddings"].as_u64().unwrap_or(2048);
     let mut kvs = vec![
@@ -333,7 +464,7 @@ pub fn write_model_gguf(
             "general.quantized_by".to_string(),
             Kv::Str(format!("boa-cuda {}", env!("CARGO_PKG_VERSION"))),
         ),
-        ("general.file_type".to_string(), Kv::U32(file_type(base_ty))),
+        ("general.file_type".to_string(), Kv::U32(file_type)),
         ("general.quantization_version".to_string(), Kv::U32(2)),
         (
             a("context_length"),
@@ -359,6 +490,15 @@ pub fn write_model_gguf(
             Source::Packed { hf, order } => {
                 let p = read_packed(store, hf, bits_of(hf))?;
                 packed_bytes(&p, t.ty, order, hf)
+            }
+            Source::Blocks { hf, order } => {
+                let raw = store.bytes(hf)?;
+                let row = raw.len() / order.len();
+                Ok(order
+                    .iter()
+                    .flat_map(|&r| &raw[r * row..(r + 1) * row])
+                    .copied()
+                    .collect())
             }
             Source::Vector { hf } => {
                 let e = store.entry(hf).expect("listed");

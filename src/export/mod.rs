@@ -3,6 +3,7 @@
 
 pub mod compressed_tensors;
 pub mod convert;
+pub mod gguf_mix;
 pub mod gguf_model;
 pub mod gguf_out;
 mod gguf_vocab;

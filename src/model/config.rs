@@ -363,4 +363,76 @@ mod tests {
             assert!(e.contains(why), "{extra}: {e}");
         }
     }
+
+    #[test]
+    fn qwen2_moe_lists_its_shared_expert_and_refuses_dense_layers() {
+        let q2 = r#""architectures": ["Qwen2MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 24, "shared_expert_intermediate_size": 40"#;
+        let c = parse(q2).unwrap();
+        let m = c.block.moe.as_ref().unwrap();
+        let s = m.shared_expert.as_ref().unwrap();
+        assert_eq!((s.gate, s.d_ff), ("mlp.shared_expert_gate", 40));
+        assert_eq!((m.router, m.renormalize), ("mlp.gate", false));
+        // Attention (q/k/v biases by default, none on o), the shared expert, then the experts.
+        assert_eq!(c.block.linears.len(), 4 + 3 + 3 * 4);
+        let b: Vec<String> = c.block.bias_names().collect();
+        assert_eq!(b.len(), 3);
+        assert!(b.iter().all(|n| !n.contains("o_proj")));
+        let names: Vec<&str> = c.block.linears[4..8]
+            .iter()
+            .map(|l| l.name.as_str())
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "mlp.shared_expert.gate_proj",
+                "mlp.shared_expert.up_proj",
+                "mlp.shared_expert.down_proj",
+                "mlp.experts.0.gate_proj"
+            ]
+        );
+        let [g, u, d] = c.block.dense_mlp().unwrap();
+        assert_eq!((g, u, d), (4, 5, 6));
+        assert_eq!(
+            (c.block.linears[d].d_in, c.block.linears[d].d_out),
+            (40, 64)
+        );
+        assert!(c.block.linears[4..7].iter().all(|l| l.expert.is_none()));
+        // No dense MLP and no shared expert: none every token goes through.
+        let mixtral = parse(
+            r#""architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 2"#,
+        )
+        .unwrap();
+        assert_eq!(mixtral.block.dense_mlp(), None);
+        let c = parse(&format!(
+            r#"{q2}, "qkv_bias": false, "norm_topk_prob": true"#
+        ))
+        .unwrap();
+        assert_eq!(c.block.bias_names().count(), 0);
+        assert!(c.block.moe.unwrap().renormalize);
+        // Qwen2-MoE's default layer_types: the even layers below max_window_layers slide.
+        let c = parse(&format!(
+            r#"{q2}, "use_sliding_window": true, "sliding_window": 16, "max_window_layers": 2"#
+        ))
+        .unwrap();
+        assert_eq!(
+            (c.block.window_at(0), c.block.window_at(1)),
+            (Some(16), None)
+        );
+        let no_shared = r#""architectures": ["Qwen2MoeForCausalLM"], "num_experts": 4,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 24"#;
+        for (config, why) in [
+            (format!(r#"{q2}, "mlp_only_layers": [1]"#), "dense layers"),
+            (format!(r#"{q2}, "decoder_sparse_step": 2"#), "dense layers"),
+            (format!(r#"{q2}, "mlp_bias": true"#), "mlp_bias"),
+            (no_shared.to_string(), "shared_expert_intermediate_size"),
+            (
+                format!(r#"{no_shared}, "shared_expert_intermediate_size": 0"#),
+                "shared_expert_intermediate_size",
+            ),
+        ] {
+            let e = parse(&config).unwrap_err();
+            assert!(e.contains(why), "{config}: {e}");
+        }
+    }
 }

@@ -74,6 +74,8 @@ pub struct BlockWeights {
     pub norms: Vec<Vec<f32>>,
     /// An MoE block's router weight [n_experts × d] (never quantized).
     pub router: Option<Vec<f32>>,
+    /// An MoE block's shared-expert gate w_g [1 × d] (never quantized).
+    pub shared_gate: Option<Vec<f32>>,
 }
 
 impl BlockWeights {
@@ -235,7 +237,8 @@ pub struct BlockTrace {
     pub attn_out: Tensor,
     /// Input of gate/up (after the MLP RMSNorm) [n_seq·t × d].
     pub x_mlp: Tensor,
-    /// Input of down_proj (SwiGLU output) [n_seq·t × d_ff]; empty in an MoE block.
+    /// Input of down_proj (SwiGLU output) [n_seq·t × d_ff]: the dense MLP's, or an MoE block's shared
+    /// expert's; empty in an MoE block without one.
     pub act: Tensor,
     /// An MoE block's experts' inputs on the tokens routed to each, by expert.
     pub experts: Vec<super::moe::ExpertTrace>,
@@ -335,10 +338,14 @@ pub fn block_forward(
             let expert_lin = |i: usize, x: &Tensor, n: usize| {
                 w.linears[i].forward_t(be, x, n, resident.and_then(|r| r.get(i)))
             };
-            let (y, experts) = super::moe::sparse_mlp(
+            let gates = super::moe::MoeGates {
+                router,
+                shared: w.shared_gate.as_deref(),
+            };
+            let out = super::moe::sparse_mlp(
                 be,
                 &w.desc.linears,
-                router,
+                gates,
                 &expert_lin,
                 moe,
                 &xm,
@@ -346,7 +353,7 @@ pub fn block_forward(
                 trace.is_some(),
             )
             .with_context(of("the experts (mlp)"))?;
-            (y, Tensor::default(), experts)
+            (out.y, out.shared_act.unwrap_or_default(), out.experts)
         }
         None => {
             let gate = lin(Role::Gate, &xm)?;
@@ -563,6 +570,9 @@ impl Model {
                 format!("{p}{}.weight", m.router),
                 vec![m.n_experts, self.cfg.d],
             ));
+            if let Some(s) = &m.shared_expert {
+                v.push((format!("{p}{}.weight", s.gate), vec![1, self.cfg.d]));
+            }
         }
         for ld in &desc.linears {
             let name = &ld.name;
@@ -627,6 +637,13 @@ impl Model {
                     &format!("{p}{}.weight", m.router),
                     &[m.n_experts, self.cfg.d],
                 )?),
+                None => None,
+            },
+            shared_gate: match desc.moe.as_ref().and_then(|m| m.shared_expert.as_ref()) {
+                Some(s) => Some(
+                    self.store
+                        .f32(&format!("{p}{}.weight", s.gate), &[1, self.cfg.d])?,
+                ),
                 None => None,
             },
             norms: desc

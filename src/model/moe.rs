@@ -1,10 +1,13 @@
-//! The sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral): route each token to its top-k experts, run each
-//! expert's SwiGLU on the rows routed to it, and add the outputs weighted by the router's probabilities.
+//! The sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral, Qwen2-MoE): route each token to its top-k experts,
+//! run each expert's SwiGLU on the rows routed to it, and add the outputs weighted by the router's
+//! probabilities; where the block has a shared expert (Qwen2-MoE), add its SwiGLU on every token, scaled by
+//! sigmoid(w_g · x).
 //!
-//! Routing (a softmax over [m × n_experts] logits and a top-k) and the gather/scatter of rows run on the host;
-//! the experts' linears and activations run on the backend, on each linear's resident copy where it has one
-//! (so the quantized forward reads Ŵ where the quantizer left it). The sums follow transformers'
-//! order (experts in ascending index, each adding into the output), so the f32 results agree closely.
+//! Routing (a softmax over [m × n_experts] logits and a top-k), the shared expert's sigmoid gate and the
+//! gather/scatter of rows run on the host; the experts' linears and activations run on the backend, on each
+//! linear's resident copy where it has one (so the quantized forward reads Ŵ where the quantizer left it).
+//! The sums follow transformers' order (experts in ascending index, each adding into the output, then the
+//! gated shared expert), so the f32 results agree closely.
 
 use super::arch::{LinearDesc, MoeDesc, Role};
 use crate::backend::{Backend, Tensor};
@@ -54,37 +57,86 @@ pub fn route(
     routed
 }
 
-/// The MLP of an MoE block on its input `xm` [m × d]: Σ_k p_k · down_k(silu(gate_k x) ⊙ up_k x) per token,
-/// and, with `trace`, each expert's routed inputs. `linears` is the block's description; `lin(i, x, n)` runs
-/// its linear i on n rows (the block forward's own, on the resident copy).
+/// An MoE MLP's output and, when traced, what its statistics read.
+pub struct SparseMlp {
+    /// [m × d].
+    pub y: Tensor,
+    /// Each expert's routed inputs, by expert (empty unless traced).
+    pub experts: Vec<ExpertTrace>,
+    /// The shared expert's activation (its down_proj's input) on every token [m × d_shared], when traced.
+    pub shared_act: Option<Tensor>,
+}
+
+/// The high-precision weights of an MoE MLP: the router [n_experts × d] and the shared expert's gate w_g
+/// [1 × d] where the block has one.
+#[derive(Clone, Copy)]
+pub struct MoeGates<'a> {
+    pub router: &'a [f32],
+    pub shared: Option<&'a [f32]>,
+}
+
+/// The MLP of an MoE block on its input `xm` [m × d]: Σ_k p_k · down_k(silu(gate_k x) ⊙ up_k x) per token
+/// (+ sigmoid(w_g · x) · shared(x) where the block has a shared expert), and, with `trace`, what the
+/// statistics read. `linears` is the block's description; `lin(i, x, n)` runs its linear i on n rows (the
+/// block forward's own, on the resident copy).
 #[allow(clippy::too_many_arguments)]
 pub fn sparse_mlp(
     be: &dyn Backend,
     linears: &[LinearDesc],
-    router: &[f32],
+    gates: MoeGates<'_>,
     lin: &dyn Fn(usize, &Tensor, usize) -> Result<Tensor>,
     moe: &MoeDesc,
     xm: &Tensor,
     m: usize,
     trace: bool,
-) -> Result<(Tensor, Vec<ExpertTrace>)> {
+) -> Result<SparseMlp> {
+    let router = gates.router;
     let d = router.len() / moe.n_experts;
     let x = be.read(xm)?;
     anyhow::ensure!(x.len() == m * d, "sparse_mlp: x is not [m={m} × d={d}]");
-    let logits = be.linear(&x, router, None, m, d, moe.n_experts)?;
-    let routed = route(&logits, moe.n_experts, moe.top_k, moe.renormalize);
-    // Each expert's gate, up and down in the description.
+    // Each expert's gate, up and down in the description, and the shared expert's (no expert).
     let mut idx = vec![[usize::MAX; 3]; moe.n_experts];
+    let mut shared_idx = [usize::MAX; 3];
     for (i, ld) in linears.iter().enumerate() {
-        if let Some(e) = ld.expert {
-            let slot = match ld.role {
-                Role::Gate => 0,
-                Role::Up => 1,
-                _ => 2,
-            };
-            idx[e][slot] = i;
+        let slot = match ld.role {
+            Role::Gate => 0,
+            Role::Up => 1,
+            Role::Down => 2,
+            _ => continue,
+        };
+        match ld.expert {
+            Some(e) => idx[e][slot] = i,
+            None => shared_idx[slot] = i,
         }
     }
+    // The shared expert first, as transformers runs it: (σ(w_g · x) per token, its output, its activation).
+    let shared = match (&moe.shared_expert, gates.shared) {
+        (None, _) => None,
+        (Some(_), None) => anyhow::bail!("the block has no shared_expert_gate weight"),
+        (Some(_), Some(w_g)) => {
+            anyhow::ensure!(
+                shared_idx.iter().all(|&i| i < linears.len()) && w_g.len() == d,
+                "the shared expert lacks a gate, up or down linear, or its gate weight is not [1 × {d}]"
+            );
+            let lin = |slot: usize, x: &Tensor| {
+                let i = shared_idx[slot];
+                lin(i, x, m).with_context(|| format!("forward of {}", linears[i].name))
+            };
+            let gate = lin(0, xm)?;
+            let up = lin(1, xm)?;
+            let act = be.swiglu_t(&gate, &up)?;
+            drop((gate, up));
+            let y = be.read(&lin(2, &act)?)?.into_owned();
+            let s: Vec<f32> = be
+                .linear(&x, w_g, None, m, d, 1)?
+                .iter()
+                .map(|&z| 1.0 / (1.0 + (-z).exp()))
+                .collect();
+            Some((s, y, act))
+        }
+    };
+    let logits = be.linear(&x, router, None, m, d, moe.n_experts)?;
+    let routed = route(&logits, moe.n_experts, moe.top_k, moe.renormalize);
     let mut out = vec![0f32; m * d];
     let mut traces = Vec::with_capacity(if trace { moe.n_experts } else { 0 });
     for (e, rows) in routed.iter().enumerate() {
@@ -128,7 +180,20 @@ pub fn sparse_mlp(
             });
         }
     }
-    Ok((be.to_device(Tensor::Host(out))?, traces))
+    let shared_act = match shared {
+        Some((s, y, act)) => {
+            for ((o, y), &s) in out.chunks_mut(d).zip(y.chunks(d)).zip(&s) {
+                o.iter_mut().zip(y).for_each(|(o, &y)| *o += s * y);
+            }
+            trace.then_some(act)
+        }
+        None => None,
+    };
+    Ok(SparseMlp {
+        y: be.to_device(Tensor::Host(out))?,
+        experts: traces,
+        shared_act,
+    })
 }
 
 #[cfg(test)]

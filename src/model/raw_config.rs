@@ -52,6 +52,10 @@ pub struct RawConfig {
     #[serde(default)]
     pub norm_topk_prob: bool,
     pub moe_intermediate_size: Option<usize>,
+    /// Qwen2-MoE: the shared expert's intermediate size, and whether q/k/v carry biases (transformers'
+    /// default: they do).
+    pub shared_expert_intermediate_size: Option<usize>,
+    pub qkv_bias: Option<bool>,
     pub decoder_sparse_step: Option<usize>,
     #[serde(default)]
     pub mlp_only_layers: Vec<usize>,

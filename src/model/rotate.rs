@@ -73,6 +73,16 @@ pub struct RotationInfo {
 }
 
 impl RotationInfo {
+    /// What config.json records: everything but the time taken, so that the same rotation writes the same
+    /// bytes (a resumed or repeated run is byte-identical; the time goes to report.json).
+    pub fn config_json(&self) -> serde_json::Value {
+        let mut v = serde_json::to_value(self).expect("plain data serializes");
+        if let Some(m) = v.as_object_mut() {
+            m.remove("seconds");
+        }
+        v
+    }
+
     /// The lines printed on stderr: which matrices were used, and any fallback with its reason.
     pub fn lines(&self) -> Vec<String> {
         let mut v = Vec::new();
@@ -223,7 +233,7 @@ pub fn rotate_model(
             config[key] = "float32".into();
         }
     }
-    config["boa_cuda"] = serde_json::json!({ "rotation": info });
+    config["boa_cuda"] = serde_json::json!({ "rotation": info.config_json() });
     folder.write_json("config.json", &config)?;
     folder.copy_model_files(&src.dir)?;
     folder.publish()?;

@@ -22,7 +22,7 @@ pub mod tensor;
 
 pub use mat::{Codes, Grids, Mat, MatData, Packed, QuantizedLinear, Swept};
 pub use rope::RopeAverage;
-pub use spec::{AttnShape, Grid, QuantSpec, ScaleSearch};
+pub use spec::{AttnShape, Grid, Lattice, QuantSpec, ScaleSearch};
 pub use tensor::Tensor;
 
 pub type Result<T> = anyhow::Result<T>;
@@ -281,8 +281,15 @@ pub trait QuantOps: Send + Sync {
         col_perms: &[Vec<usize>],
     ) -> Result<(Mat, Codes, Grids)>;
 
-    /// Round to nearest on fixed grids (no error feedback): Q and codes of W, column c on group col_group[c].
-    fn rtn(&self, w: &Mat, grids: &Grids, col_group: &[u32], maxq: u32) -> Result<(Mat, Codes)>;
+    /// Round to nearest on fixed grids (no error feedback): Q and codes of W, column c on group col_group[c],
+    /// with `spec`'s width and grid form (zero point or offset, `QuantSpec::offset`).
+    fn rtn(
+        &self,
+        w: &Mat,
+        grids: &Grids,
+        col_group: &[u32],
+        spec: &QuantSpec,
+    ) -> Result<(Mat, Codes)>;
 
     /// The GPTQ sweep (Alg. 2 with lazy batches of `block` columns) of W [rows × n] in sweep order with
     /// U [n × n] (upper, sweep order).

@@ -8,7 +8,8 @@
 //! not fit, the run is refused up front with the breakdown, instead of failing hours in.
 //!
 //! A mixture-of-experts block holds its experts' weights and, from the one FP forward, every expert's two
-//! input covariances. When a GPU cannot hold them all, the plan takes the experts in groups (the largest
+//! input covariances; a shared expert (Qwen2-MoE) is held like the attention, whatever the group, with its
+//! down_proj's input covariance. When a GPU cannot hold them all, the plan takes the experts in groups (the largest
 //! power-of-two share that fits; the block's FP forward then runs once per group) before it moves X off the
 //! device.
 
@@ -38,6 +39,8 @@ pub struct ExpertShape {
     pub top_k: usize,
     /// Each expert's intermediate size.
     pub d_expert: usize,
+    /// The shared expert's intermediate size (Qwen2-MoE); 0 without one.
+    pub d_shared: usize,
 }
 
 impl ModelShape {
@@ -53,6 +56,7 @@ impl ModelShape {
                 n_experts: m.n_experts,
                 top_k: m.top_k,
                 d_expert: m.d_expert,
+                d_shared: m.shared_expert.as_ref().map_or(0, |s| s.d_ff),
             }),
         }
     }
@@ -72,15 +76,34 @@ impl ModelShape {
         [(q, d), (kv, d), (kv, d), (d, q), (f, d), (f, d), (d, f)]
     }
 
-    /// The attention's weights, the norms and an MoE block's router.
+    /// The shared expert's intermediate size; 0 without one.
+    fn d_shared(&self) -> usize {
+        self.experts.map_or(0, |e| e.d_shared)
+    }
+
+    /// The shared expert's (d_out, d_in) of gate, up, down; empty without one.
+    fn shared_linears(&self) -> Vec<(usize, usize)> {
+        match self.d_shared() {
+            0 => Vec::new(),
+            s => vec![(s, self.d), (s, self.d), (self.d, s)],
+        }
+    }
+
+    /// What a block holds whatever the expert group: the attention's weights, the norms and an MoE block's
+    /// router and shared expert (its gate w_g too).
     fn attention_params(&self) -> usize {
         let router = self.experts.map_or(0, |e| e.n_experts * self.d);
+        let shared = match self.d_shared() {
+            0 => 0,
+            s => 3 * self.d * s + self.d,
+        };
         self.linears()[..4]
             .iter()
             .map(|(o, i)| o * i)
             .sum::<usize>()
             + 2 * self.d
             + router
+            + shared
     }
 
     /// One MLP's weights (one expert's in an MoE block).
@@ -291,13 +314,15 @@ fn fixed_items(
     let held = shape.attention_params() + group * shape.mlp_params();
     let blocks = held as u64 * wb * target.resident_blocks() as u64;
     // Input covariances of q/k/v, o and the MLP input; V's per-KV-group H_col; q/k row Hessians; down's
-    // input covariance, or each held expert's two (its routed inputs and its activation).
+    // input covariance, or each held expert's two (its routed inputs and its activation) and the shared
+    // expert's down_proj input (its gate/up read the MLP input's).
     let stats = if with_stats {
         let dh = shape.d_h as u64;
         let heads = (shape.n_heads + shape.n_kv_heads) as u64;
+        let s = shape.d_shared() as u64;
         let mlp = match shape.experts {
             None => f * f,
-            Some(_) => group as u64 * (d * d + f * f),
+            Some(_) => group as u64 * (d * d + f * f) + s * s,
         };
         (3 * d * d + mlp + shape.n_kv_heads as u64 * d * d + heads * dh * dh) * sb
     } else {
@@ -310,9 +335,10 @@ fn fixed_items(
     let d_kv_heads = shape.n_kv_heads as u64;
     let work = shape
         .linears()
-        .iter()
+        .into_iter()
+        .chain(shape.shared_linears())
         .enumerate()
-        .map(|(k, &(o, i))| {
+        .map(|(k, (o, i))| {
             let factors = if k == 2 { d_kv_heads } else { 1 };
             (6 * o * i) as u64 * 4 + 2 * factors * (i * i) as u64 * 4
         })
@@ -320,6 +346,9 @@ fn fixed_items(
         .unwrap_or(0);
     let weights_name = match (target, shape.experts) {
         (Target::Gpu, None) => "block weights ×2 (current + prefetch)",
+        (Target::Gpu, Some(e)) if e.d_shared > 0 => {
+            "block weights ×2 (attention, router, shared expert, the experts held)"
+        }
         (Target::Gpu, Some(_)) => "block weights ×2 (attention, router, the experts held)",
         (Target::Cpu, _) => "block weights (f32)",
     };
@@ -335,11 +364,17 @@ fn fixed_items(
 /// inputs, q, k, v, the attention output and the MLP's down output (6·d + 2·d_kv), gate, up and act (3·d_ff).
 /// Attention probabilities are formed tile by tile (flash style) and need no t×t buffer per head.
 /// An MoE block has, per token, its router logits and, for each of its top-k experts, the gathered input,
-/// gate, up, act and output rows instead.
+/// gate, up, act and output rows instead, and a shared expert's gate, up, act, output and sigmoid gate.
 fn forward_workspace(shape: &ModelShape, tokens: usize) -> u64 {
     let mlp = match shape.experts {
         None => 3 * shape.d_ff,
-        Some(e) => e.n_experts + e.top_k * (3 * e.d_expert + 2 * shape.d),
+        Some(e) => {
+            let shared = match e.d_shared {
+                0 => 0,
+                s => 3 * s + shape.d + 1,
+            };
+            e.n_experts + e.top_k * (3 * e.d_expert + 2 * shape.d) + shared
+        }
     };
     let per_token = 6 * shape.d + 2 * shape.d_kv() + mlp;
     (tokens * per_token * F32) as u64
@@ -399,7 +434,7 @@ mod tests {
     }
 
     /// (name, shape, published parameter count of the whole model, vocabulary).
-    fn moe_shapes() -> [(&'static str, ModelShape, f64, usize); 3] {
+    fn moe_shapes() -> [(&'static str, ModelShape, f64, usize); 5] {
         let moe = |d, n_layers, n_heads, n_kv, n_experts, top_k, d_expert| ModelShape {
             d,
             d_ff: 0,
@@ -411,10 +446,17 @@ mod tests {
                 n_experts,
                 top_k,
                 d_expert,
+                d_shared: 0,
             }),
         };
+        // Qwen2-MoE: the same with a shared expert of `d_shared`.
+        let shared = |s: ModelShape, d_shared| ModelShape {
+            experts: s.experts.map(|e| ExpertShape { d_shared, ..e }),
+            ..s
+        };
         [
-            // config.json of Qwen3-30B-A3B, Mixtral-8x7B-v0.1, Qwen3-235B-A22B.
+            // config.json of Qwen3-30B-A3B, Mixtral-8x7B-v0.1, Qwen3-235B-A22B, Qwen1.5-MoE-A2.7B (14.3B
+            // parameters), Qwen2-57B-A14B.
             (
                 "Qwen3-30B-A3B",
                 moe(2048, 48, 32, 4, 128, 8, 768),
@@ -431,6 +473,18 @@ mod tests {
                 "Qwen3-235B-A22B",
                 moe(4096, 94, 64, 4, 128, 8, 1536),
                 235e9,
+                151936,
+            ),
+            (
+                "Qwen1.5-MoE-A2.7B",
+                shared(moe(2048, 24, 16, 16, 60, 4, 1408), 5632),
+                14.3e9,
+                151936,
+            ),
+            (
+                "Qwen2-57B-A14B",
+                shared(moe(3584, 28, 28, 4, 64, 8, 2560), 20480),
+                57.4e9,
                 151936,
             ),
         ]
@@ -480,6 +534,54 @@ mod tests {
         // The host plan holds the whole block: no groups there.
         let cpu = plan(&s, CALIB, Target::Cpu, 1 << 40, 8).unwrap();
         assert_eq!(cpu.expert_group, Some(128));
+    }
+
+    #[test]
+    fn a_shared_expert_is_held_beside_every_expert_group() {
+        // Qwen2-57B-A14B: a 20480-wide shared expert beside 64 experts of 2560.
+        let (name, s, _, _) = moe_shapes()[4];
+        let e = s.experts.unwrap();
+        let without = ModelShape {
+            experts: Some(ExpertShape { d_shared: 0, ..e }),
+            ..s
+        };
+        let item = |p: &MemoryPlan, prefix: &str| {
+            p.items
+                .iter()
+                .find(|(n, _)| n.starts_with(prefix))
+                .map_or(0, |i| i.1)
+        };
+        let (d, d_s) = (s.d as u64, e.d_shared as u64);
+        for budget in [80 * GB, 141 * GB, 24 * GB] {
+            let p =
+                plan(&s, CALIB, Target::Gpu, budget, 8).unwrap_or_else(|m| panic!("{name}: {m}"));
+            let q = plan(&without, CALIB, Target::Gpu, budget, 8).unwrap();
+            println!("{name}, {} GB: {p}", budget / GB);
+            if p.expert_group != q.expert_group {
+                continue;
+            }
+            // Its gate/up/down and w_g in f32, twice (the prefetched block), whatever the group.
+            assert_eq!(
+                item(&p, "block weights") - item(&q, "block weights"),
+                2 * 4 * (3 * d * d_s + d),
+                "{p}"
+            );
+            // Its down_proj's input covariance (gate/up read the MLP input's, already counted).
+            assert_eq!(
+                item(&p, "block statistics") - item(&q, "block statistics"),
+                4 * d_s * d_s,
+                "{p}"
+            );
+            // The widest linear is now its down_proj (d_in 20480).
+            assert!(item(&p, "quantization workspace") > item(&q, "quantization workspace"));
+        }
+        // On 24 GB the experts go in groups; the shared expert stays in every one.
+        let p = plan(&s, CALIB, Target::Gpu, 24 * GB, 8).unwrap();
+        let g = p.expert_group.unwrap() as u64;
+        assert!(g < 64, "{p}");
+        let held = s.attention_params() as u64 + g * s.mlp_params() as u64;
+        assert!(held > 3 * d * d_s);
+        assert_eq!(item(&p, "block weights"), 2 * 4 * held, "{p}");
     }
 
     fn shapes() -> [(&'static str, ModelShape); 4] {

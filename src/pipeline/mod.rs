@@ -149,6 +149,19 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
     if let Some(n) = note {
         progress.line(&n);
     }
+    if let Some(t) = opts.gguf_type
+        && be.device_memory().is_some()
+        && t.types()
+            .into_iter()
+            .any(crate::export::gguf_mix::via_codec)
+    {
+        return Err(crate::input_err!(
+            "--gguf-type {}: its grids (GGUF lattices: quant/lattice.rs) are searched on the CPU only, not \
+             on {}: pass --device cpu",
+            t.name(),
+            be.name()
+        ));
+    }
     let traffic_start = be.traffic();
     let model = Model::open(&opts.model)?;
     if model.gptq.is_some() {
@@ -159,7 +172,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
     }
     // The default group size follows the model's widths; everything after this reads the resolved one.
     // GGUF's blocks are 32 columns whatever the widths.
-    let gguf = opts.format == OutFormat::Gguf;
+    let gguf = opts.format == OutFormat::Gguf || opts.gguf_type.is_some();
     let resolved = RunOptions {
         group_size: match (gguf, opts.group_size) {
             (true, options::GroupSize::Auto) => {
@@ -263,7 +276,8 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
             let export = resume::Export {
                 format: opts.format,
                 bits: opts.wbits,
-                mixed_bits: opts.bits.is_some(),
+                // Per-linear widths (--avg-bits) or GGUF codecs (--gguf-type): not converted.
+                mixed_bits: opts.bits.is_some() || opts.gguf_type.is_some(),
                 dtype: model.store.main_dtype(),
                 quantized: &|l| layers.contains(l),
             };
@@ -470,15 +484,12 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                         .zip(&cfg.block.linears)
                         .map(|((q, _), ld)| {
                             let name = &ld.name;
-                            be.pack(q)
+                            store_linear(be, q, quantize_block::gguf_type(opts, cfg, l, ld))
                                 .with_context(|| format!("layer {l} {name}: packing"))
                         })
                         .collect::<anyhow::Result<Vec<_>>>()?;
                     // qweight words, then scales and zeros as f32 (QuantOps::pack's downloads).
-                    floor_bytes += packed
-                        .iter()
-                        .map(|p| 4 * p.qweight.len() as u64 + 8 * (p.d_out * p.n_groups) as u64)
-                        .sum::<u64>();
+                    floor_bytes += packed.iter().map(StoredLinear::down_bytes).sum::<u64>();
                     timings.quantize += t.elapsed().as_secs_f64();
                     let [factor, search, sweep] = crate::quant::profile::take();
                     (timings.factor, timings.search, timings.sweep) = (
@@ -583,6 +594,12 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
         timings.total = base_total + t_start.elapsed().as_secs_f64();
         let mut report = RunReport::new(opts, be.name(), reports, timings, n_seq * opts.seqlen);
         report.traffic = traffic;
+        if let Some(m) = &cfg.block.moe {
+            report.full_precision = std::iter::once(m.router)
+                .chain(m.shared_expert.as_ref().map(|s| s.gate))
+                .map(|n| format!("{n}.weight"))
+                .collect();
+        }
         let mut report_json = serde_json::to_value(&report)?;
         if let Some(info) = rotation {
             report_json["rotation"] = serde_json::to_value(info)?;
@@ -649,7 +666,10 @@ fn write_gguf(
         &model.cfg,
         &model.dir,
         &|p| bits.get(p).copied().unwrap_or(opts.wbits),
-        opts.wbits,
+        opts.gguf_type.map_or(
+            crate::export::gguf_model::file_type_of_bits(opts.wbits),
+            |t| t.file_type(),
+        ),
         &name,
         &folder.tmp.join(crate::export::gguf_model::FILE_NAME),
     )
@@ -673,7 +693,10 @@ fn write_hf_configs(
             "group_size": opts.group_size.columns().map(|g| g as i64).unwrap_or(-1), "sym": opts.sym,
             "format": opts.format.name()});
         if let Some(info) = rotation {
-            config["boa_cuda"]["rotation"] = serde_json::to_value(info)?;
+            config["boa_cuda"]["rotation"] = info.config_json();
+        }
+        if let Some(t) = opts.gguf_type {
+            config["boa_cuda"]["gguf_type"] = t.name().into();
         }
         if opts.format == OutFormat::CompressedTensors {
             // Every Linear is a target; the unquantized ones must be named or the loader looks for their
@@ -828,7 +851,7 @@ fn install_quantized(
 fn quantized_entries<'a>(
     model: &'a Model,
     l: usize,
-    quantized: &[crate::ops::Packed],
+    quantized: &[StoredLinear],
     format: OutFormat,
     sym: bool,
     dtype: safetensors::Dtype,
@@ -845,21 +868,63 @@ fn quantized_entries<'a>(
         {
             Some(i) => {
                 let prefix = format!("model.layers.{l}.{}", model.cfg.block.linears[i].name);
-                out.extend(if format == OutFormat::CompressedTensors {
-                    crate::export::compressed_tensors::linear_entries(
-                        &prefix,
-                        &quantized[i],
-                        sym,
-                        dtype,
-                    )?
-                } else {
-                    linear_entries(&prefix, &quantized[i], format, dtype)?
+                out.extend(match &quantized[i] {
+                    StoredLinear::Blocks(c) => {
+                        c.entries(&prefix, format == OutFormat::Fake, dtype)?
+                    }
+                    StoredLinear::Packed(p) if format == OutFormat::CompressedTensors => {
+                        crate::export::compressed_tensors::linear_entries(&prefix, p, sym, dtype)?
+                    }
+                    StoredLinear::Packed(p) => linear_entries(&prefix, p, format, dtype)?,
                 })
             }
             None => out.push(e),
         }
     }
     Ok(out)
+}
+
+/// A quantized linear as the shard holds it: GPTQ's packed tensors, or (a `--gguf-type` codec type whose
+/// grids GPTQ's layout cannot hold) its GGUF blocks.
+enum StoredLinear {
+    Packed(crate::ops::Packed),
+    Blocks(crate::export::gguf_model::CodecLinear),
+}
+
+impl StoredLinear {
+    /// Bytes the backend handed to the host for it (`run --profile`'s floor).
+    fn down_bytes(&self) -> u64 {
+        match self {
+            StoredLinear::Packed(p) => {
+                4 * p.qweight.len() as u64 + 8 * (p.d_out * p.n_groups) as u64
+            }
+            // Encoded on the host (codec types run on the CPU only): nothing crossed.
+            StoredLinear::Blocks(_) => 0,
+        }
+    }
+}
+
+/// Packs a quantized linear (`ty`: its GGUF type under --gguf-type): a codec type is encoded from its codes
+/// and grids read back to the host (a CPU run: the codec types refuse the GPU before any work).
+fn store_linear(
+    be: &dyn Backend,
+    q: &crate::ops::QuantizedLinear,
+    ty: Option<crate::model::gguf::GgmlType>,
+) -> anyhow::Result<StoredLinear> {
+    match ty.filter(|&t| crate::export::gguf_mix::via_codec(t)) {
+        Some(t) => Ok(StoredLinear::Blocks(
+            crate::export::gguf_model::CodecLinear::encode(
+                "linear",
+                t,
+                &be.read_codes(&q.codes)?,
+                &be.read_f64(&q.grids.scale)?,
+                &be.read_f64(&q.grids.zero)?,
+                q.d_out,
+                q.d_in,
+            )?,
+        )),
+        None => Ok(StoredLinear::Packed(be.pack(q)?)),
+    }
 }
 
 /// Embeddings, final norm and lm_head as stored.

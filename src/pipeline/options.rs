@@ -1,6 +1,7 @@
 //! Options of `boa-cuda run`, validated before any long work starts.
 
 use crate::backend::Device;
+use crate::export::gguf_mix;
 use crate::export::gptq_packed::OutFormat;
 use std::path::PathBuf;
 
@@ -238,6 +239,11 @@ pub struct RunOptions {
     pub resume: bool,
     /// What the linears are written as (fake-quant or packed GPTQ).
     pub format: OutFormat,
+    /// `--gguf-type`: each linear's GGUF block type, whose codec states its grids (export/gguf_mix.rs); with
+    /// `--format gguf` or `fake` (the same weights, dequantized). Absent from the fingerprint when off, so
+    /// fingerprints of other runs are unchanged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gguf_type: Option<crate::export::gguf_mix::GgufType>,
     /// Rotate the model (norms folded, R1 and R2 fused into the weights) before calibration
     /// (model/rotate.rs). In the fingerprint, so a resumed run never mixes rotated and unrotated blocks;
     /// absent from it when off, so fingerprints of unrotated runs are unchanged.
@@ -268,7 +274,8 @@ pub const SUPPORTED_WBITS: [u32; 4] = [2, 3, 4, 8];
 impl RunOptions {
     /// Checks what can be checked without the model.
     pub fn validate(&self) -> Result<(), String> {
-        if !SUPPORTED_WBITS.contains(&self.wbits) {
+        // Under --gguf-type the types set each linear's width (5 and 6 bits too); wbits is the narrowest.
+        if self.gguf_type.is_none() && !SUPPORTED_WBITS.contains(&self.wbits) {
             return Err(format!(
                 "--wbits {} is not supported (supported: 2, 3, 4, 8)",
                 self.wbits
@@ -356,7 +363,9 @@ impl RunOptions {
                     .into(),
             );
         }
-        if self.format == OutFormat::Gguf {
+        if let Some(t) = self.gguf_type {
+            self.check_gguf_type(t)?;
+        } else if self.format == OutFormat::Gguf {
             self.check_gguf()?;
         }
         if self.calib.is_empty() && self.needs_calibration() {
@@ -385,9 +394,9 @@ impl RunOptions {
         };
         if let Some(w) = widths.iter().find(|&&w| block_type(w).is_none()) {
             return Err(format!(
-                "--format gguf writes 4-bit (Q4_0) and 8-bit (Q8_0) linears exactly; {w}-bit would need \
-                 GGUF's K-quants, which are not written yet: use --wbits 4 or 8 (--bit-choices 4,8), or \
-                 --format gptq_v2"
+                "--format gguf writes 4-bit (Q4_0) and 8-bit (Q8_0) linears by --wbits; for {w}-bit pass \
+                 --gguf-type (GGUF's K-quants: q2_k, q3_k, q4_k, q5_k, q6_k, or llama.cpp's presets such as \
+                 q4_k_m) instead of --wbits, use --wbits 4 or 8 (--bit-choices 4,8), or --format gptq_v2"
             ));
         }
         match self.group_size {
@@ -415,6 +424,56 @@ impl RunOptions {
                  with no g_idx: drop --act-order"
                     .into(),
             );
+        }
+        Ok(())
+    }
+
+    /// What `--gguf-type` takes: the types decide widths, groups and symmetry, and their grids are searched
+    /// as the sweep goes (GPTQ/BoA) in contiguous blocks.
+    fn check_gguf_type(&self, t: gguf_mix::GgufType) -> Result<(), String> {
+        let name = t.name();
+        if !matches!(self.format, OutFormat::Gguf | OutFormat::Fake) {
+            return Err(format!(
+                "--gguf-type {name} needs --format gguf (or fake, for the same weights dequantized), not \
+                 --format {}",
+                self.format.name()
+            ));
+        }
+        if self.bits.is_some() {
+            return Err(format!(
+                "--gguf-type {name} sets every linear's width: drop --avg-bits"
+            ));
+        }
+        if !matches!(
+            self.group_size,
+            GroupSize::Auto | GroupSize::Columns(crate::export::gguf_model::BLOCK)
+        ) {
+            return Err(format!(
+                "--gguf-type {name} sets the groups (its blocks): leave --group-size at auto"
+            ));
+        }
+        if self.sym {
+            return Err(format!(
+                "--gguf-type {name} sets the symmetry of each type's grid: drop --sym"
+            ));
+        }
+        if self.act_order {
+            return Err(format!(
+                "--act-order with --gguf-type {name} is not supported: GGUF's blocks are contiguous \
+                 columns with no g_idx: drop --act-order"
+            ));
+        }
+        if self.device == Device::Cuda && t.types().into_iter().any(gguf_mix::via_codec) {
+            return Err(format!(
+                "--gguf-type {name}: its grids (GGUF lattices, quant/lattice.rs) are searched on the CPU \
+                 only: pass --device cpu"
+            ));
+        }
+        if self.static_groups && self.method != Method::Rtn {
+            return Err(format!(
+                "--static-groups with --gguf-type {name}: a K-quant super-block's scale is searched when \
+                 the sweep reaches it (dynamic groups): drop --static-groups"
+            ));
         }
         Ok(())
     }

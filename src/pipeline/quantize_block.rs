@@ -6,7 +6,9 @@
 use super::options::{Method, RunOptions, ScaleSearchArg, VRowHessian};
 use super::stats::BlockStats;
 use crate::model::Config;
-use crate::model::arch::{NormRole, Role};
+use crate::model::arch::{LinearDesc, NormRole, Role};
+use crate::model::gguf::GgmlType;
+use crate::model::gguf::codec::codec;
 use crate::model::llama::BlockWeights;
 use crate::ops::{Mat, QuantOps, QuantSpec, QuantizedLinear, Result, ScaleSearch};
 use crate::quant::allocate::{Candidate, allocate};
@@ -36,17 +38,49 @@ pub struct LinearReport {
     pub tokens: Option<usize>,
 }
 
-pub fn spec(opts: &RunOptions, bits: u32) -> QuantSpec {
-    let search = match opts.scale_search {
+fn search(opts: &RunOptions) -> ScaleSearch {
+    match opts.scale_search {
         ScaleSearchArg::Hessian => ScaleSearch::Hessian,
         ScaleSearchArg::Mse => ScaleSearch::Mse,
         ScaleSearchArg::Minmax => ScaleSearch::MinMax,
-    };
-    QuantSpec::new(bits, opts.group_size.columns(), opts.sym, search)
+    }
 }
 
-fn gptq_options(opts: &RunOptions, seqlen: usize, bits: u32) -> GptqOptions {
-    let mut g = GptqOptions::new(spec(opts, bits));
+pub fn spec(opts: &RunOptions, bits: u32) -> QuantSpec {
+    QuantSpec::new(bits, opts.group_size.columns(), opts.sym, search(opts))
+}
+
+/// The GGUF block type of linear `ld` of block `layer` under `--gguf-type` (None without it).
+pub fn gguf_type(
+    opts: &RunOptions,
+    cfg: &Config,
+    layer: usize,
+    ld: &LinearDesc,
+) -> Option<GgmlType> {
+    let n_gqa = cfg.n_heads / cfg.n_kv_heads.max(1);
+    opts.gguf_type
+        .map(|t| t.linear_type(ld.role, layer, cfg.n_layers, ld.d_in, n_gqa))
+}
+
+/// What linear `ld` is quantized to: its GGUF type's grids under `--gguf-type` (model/gguf/codec.rs), else
+/// `bits` with the run's groups and symmetry.
+pub fn linear_spec(
+    opts: &RunOptions,
+    cfg: &Config,
+    layer: usize,
+    ld: &LinearDesc,
+    bits: u32,
+) -> Result<QuantSpec> {
+    match gguf_type(opts, cfg, layer, ld) {
+        Some(ty) => codec(ty)
+            .map(|c| c.spec(search(opts)))
+            .ok_or_else(|| crate::input_err!("{}: GGUF type {ty} is not written", ld.name)),
+        None => Ok(spec(opts, bits)),
+    }
+}
+
+fn gptq_options(opts: &RunOptions, seqlen: usize, spec: QuantSpec) -> GptqOptions {
+    let mut g = GptqOptions::new(spec);
     g.act_order = opts.act_order;
     g.static_groups = opts.static_groups;
     g.damp = opts.damp;
@@ -65,7 +99,10 @@ fn rtn_forms(
 ) -> Result<(f64, Vec<f64>)> {
     let mut deltas = Vec::with_capacity(bits.len());
     for &b in bits {
-        let minmax = QuantSpec::new(b, opts.group_size.columns(), opts.sym, ScaleSearch::MinMax);
+        let minmax = QuantSpec {
+            search: ScaleSearch::MinMax,
+            ..spec(opts, b)
+        };
         let rtn = rtn_quantize(ops, w, None, &minmax)?;
         deltas.push(ops.sub(w, &rtn.w_hat)?);
     }
@@ -83,17 +120,16 @@ fn relative_errors(
     w: &Mat,
     q: &QuantizedLinear,
     h: &Mat,
-    opts: &RunOptions,
+    spec: &QuantSpec,
     known: Option<(f64, f64)>,
 ) -> Result<(f64, f64)> {
     let mut mats = Vec::with_capacity(3);
     if known.is_none() {
-        let minmax = QuantSpec::new(
-            q.bits,
-            opts.group_size.columns(),
-            opts.sym,
-            ScaleSearch::MinMax,
-        );
+        // Min-max RTN on the same grids (a GGUF type's lattice included).
+        let minmax = QuantSpec {
+            search: ScaleSearch::MinMax,
+            ..*spec
+        };
         let rtn = rtn_quantize(ops, w, None, &minmax)?;
         mats.push(ops.sub(w, &rtn.w_hat)?);
     }
@@ -204,7 +240,8 @@ pub fn quantize_block(
     for (i, ld) in desc.linears.iter().enumerate() {
         let name = ld.name.as_str();
         let start = Instant::now();
-        let g = gptq_options(opts, opts.seqlen, bits[i]);
+        let lspec = linear_spec(opts, cfg, layer, ld, bits[i])?;
+        let g = gptq_options(opts, opts.seqlen, lspec);
         let w = &weights[i];
         let ctx = || format!("layer {layer} {name}");
         // None for an expert's down_proj that too few tokens reached (BlockStats::h_col): RTN.
@@ -213,7 +250,7 @@ pub fn quantize_block(
         let (q, method) = match (opts.method, h) {
             (Method::Rtn, _) | (_, None) => {
                 let hs = h.filter(|_| opts.scale_search == ScaleSearchArg::Hessian);
-                let mut sp = spec(opts, bits[i]);
+                let mut sp = lspec;
                 // An under-routed expert's down_proj has no H to weigh the scale search with.
                 if hs.is_none() && sp.search == ScaleSearch::Hessian {
                     sp.search = ScaleSearch::Mse;
@@ -284,7 +321,7 @@ pub fn quantize_block(
             ),
         };
         let (rtn_error, error) = match h {
-            Some(h) => relative_errors(ops, w, &q, h, opts, known[i])
+            Some(h) => relative_errors(ops, w, &q, h, &lspec, known[i])
                 .with_context(|| format!("layer {layer} {name}: error report"))?,
             None => (f64::NAN, f64::NAN),
         };
@@ -296,7 +333,7 @@ pub fn quantize_block(
                 method,
                 rtn_error,
                 error,
-                bits: bits[i],
+                bits: lspec.bits,
                 seconds,
                 tokens,
             },

@@ -98,6 +98,10 @@ pub struct RunReport {
     pub peak_rss_bytes: Option<u64>,
     /// Host↔device traffic per quantized block (traffic.rs; empty on the CPU).
     pub traffic: super::traffic::TrafficReport,
+    /// The weights of a quantized block that are copied through in full precision although they are linear
+    /// maps (names under `model.layers.{l}.`): an MoE block's router and shared-expert gate.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub full_precision: Vec<String>,
 }
 
 impl RunReport {
@@ -117,6 +121,7 @@ impl RunReport {
             seconds,
             peak_rss_bytes: peak_rss_bytes(),
             traffic: Default::default(),
+            full_precision: Vec::new(),
         }
     }
 

@@ -146,7 +146,8 @@ struct State {
 pub struct Export<'a> {
     pub format: OutFormat,
     pub bits: u32,
-    /// --avg-bits chose each linear's width: conversion, which unpacks at `bits`, is refused.
+    /// --avg-bits chose each linear's width, or --gguf-type its GGUF type: conversion, which unpacks at
+    /// `bits`, is refused.
     pub mixed_bits: bool,
     /// The model's dtype (what fake-quant weights are written in).
     pub dtype: safetensors::Dtype,
@@ -443,9 +444,9 @@ fn convert(
     }
     if export.mixed_bits && !blocks.is_empty() {
         return Err(crate::input_err!(
-            "cannot --resume from {} with --format {}: it was made with --format {} and --avg-bits, and \
-             conversion of per-linear bit widths is not supported; resume with --format {}, or run without \
-             --resume to start over",
+            "cannot --resume from {} with --format {}: it was made with --format {} and --avg-bits or \
+             --gguf-type, and conversion of per-linear bit widths or GGUF types is not supported; resume \
+             with --format {}, or run without --resume to start over",
             tmp.display(),
             to.name(),
             then.name(),

@@ -16,7 +16,8 @@ pub struct BlockStats {
     pub h_attn: Mat,
     pub h_o: Mat,
     pub h_mlp: Mat,
-    /// None in a mixture-of-experts block (each expert's down_proj has its own, in `experts`).
+    /// The dense MLP's down_proj input covariance, or an MoE block's shared expert's; None in an MoE block
+    /// without one (each expert's down_proj has its own, in `experts`).
     pub h_down: Option<Mat>,
     /// An MoE block's per-expert statistics, by expert.
     pub experts: Vec<ExpertStats>,
@@ -117,8 +118,8 @@ pub fn collect(
     // What each statistic is for, in errors: the linears that read it.
     const H_ATTN: &str = "H_col of self_attn.q_proj, k_proj and v_proj";
     const H_O: &str = "H_col of self_attn.o_proj";
-    const H_MLP: &str = "H_col of mlp.gate_proj and up_proj";
-    const H_DOWN: &str = "H_col of mlp.down_proj";
+    const H_MLP: &str = "H_col of the MLP's gate_proj and up_proj";
+    const H_DOWN: &str = "H_col of the MLP's down_proj";
     const H_EXPERT: &str = "an expert's H_col";
     const C_K: &str = "the key covariances (H_row of self_attn.q_proj)";
     const C_Q: &str = "the query covariances (H_row of self_attn.k_proj)";
@@ -128,9 +129,12 @@ pub fn collect(
         h_attn: Accumulator::xxt(be, d).with_context(of(H_ATTN))?,
         h_o: Accumulator::xxt(be, h * d_h).with_context(of(H_O))?,
         h_mlp: Accumulator::xxt(be, d).with_context(of(H_MLP))?,
-        h_down: match &cfg.block.moe {
-            None => Some(Accumulator::xxt(be, cfg.d_ff).with_context(of(H_DOWN))?),
-            Some(_) => None,
+        // The down_proj of the MLP every token goes through (dense, or an MoE block's shared expert).
+        h_down: match cfg.block.dense_mlp() {
+            Some([.., down]) => {
+                Some(Accumulator::xxt(be, cfg.block.linears[down].d_in).with_context(of(H_DOWN))?)
+            }
+            None => None,
         },
         experts: match &cfg.block.moe {
             Some(m) => (0..m.n_experts)

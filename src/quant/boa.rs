@@ -15,9 +15,10 @@ use super::Real;
 use super::gptq::{
     DynamicGroups, GptqOptions, dynamic_groups, g_idx_of, gptq_block_sweep, static_col_group,
 };
+use super::lattice::SuperScale;
 use super::plan::{FactorCache, Plan, plan};
 use super::profile::{Phase, timed};
-use super::quantizer::{Grid, ScaleSearch, dequantize, quantize, search_grid};
+use super::quantizer::{Grid, ScaleSearch, quant_dequant};
 use crate::ops::{GridMode, Mat, QuantOps, QuantizedLinear, Result};
 use anyhow::Context;
 use rayon::prelude::*;
@@ -258,13 +259,16 @@ fn sweep_heads<T: Real>(
     let u = cf.u;
     let maxq_t = T::from_f64(maxq as f64);
     let dynamic = cf.dynamic.as_ref();
-    // A dynamic group is searched over all its columns at its first one, so it must lie in one block: only
-    // then have the rows above already quantized, and handed down their cross-row terms for, all of it.
-    let bw = match dynamic {
-        Some(dg) if dg.g <= block_size => block_size / dg.g * dg.g,
-        Some(dg) => dg.g,
+    let offset = dynamic.is_some_and(|dg| dg.spec.offset());
+    // A dynamic group (a K-quant super-block: `unit`) is searched over all its columns at its first one, so
+    // it must lie in one block: only then have the rows above already quantized, and handed down their
+    // cross-row terms for, all of it.
+    let bw = match dynamic.map(|dg| dg.unit()) {
+        Some(u) if u <= block_size => block_size / u * u,
+        Some(u) => u,
         None => block_size,
     };
+    let mut sup = vec![SuperScale::default(); nh];
     // U_row[i, j] / U_row[i, i], computed as the row-by-row sweep does (same bits).
     let f: Vec<T> = (0..nh * d_h * d_h)
         .map(|k| {
@@ -310,24 +314,28 @@ fn sweep_heads<T: Real>(
                 let c = i1 + k;
                 let ucc = u[c * n + c];
                 let urow = &u[c * n + c + 1..c * n + i2];
-                let group_start = dynamic.filter(|dg| c % dg.g == 0).map(|dg| {
-                    let g = c / dg.g;
-                    let hb =
-                        (dg.spec.search == ScaleSearch::Hessian).then(|| dg.h_blocks[g].as_slice());
-                    (dg, g, dg.g.min(n - c), hb)
-                });
+                let group_start = dynamic
+                    .filter(|dg| c % dg.g == 0)
+                    .map(|dg| (dg, c / dg.g, dg.g.min(n - c)));
+                let super_start = dynamic
+                    .and_then(|dg| dg.super_len())
+                    .is_some_and(|sl| c % sl == 0);
                 let cg = cf.col_group[c] as usize;
                 for (h, xh) in x.chunks_mut(bw).enumerate() {
                     let row = h * d_h + j;
                     let gr_row = &mut grids[row * n_groups..(row + 1) * n_groups];
-                    if let Some((dg, g, gl, hb)) = group_start {
-                        gr_row[g] = search_grid(&xh[k..k + gl], hb, dg.spec);
+                    if let Some((dg, g, gl)) = group_start {
+                        if super_start {
+                            // The whole super-block is in this block (bw is a multiple of it).
+                            let sn = dg.unit().min(n - c);
+                            sup[h] = dg.super_scale(&xh[k..k + sn], g);
+                        }
+                        gr_row[g] = dg.grid(&xh[k..k + gl], g, sup[h]);
                     }
                     let gr = gr_row[cg];
                     let (head, tail) = xh[..len].split_at_mut(k + 1);
                     let wc = head[k];
-                    let qc = quantize(wc, gr.scale, gr.zero, maxq_t);
-                    let qv = dequantize(qc, gr.scale, gr.zero);
+                    let (qc, qv) = quant_dequant(wc, gr, maxq_t, offset);
                     q[row * n + c] = qv;
                     codes[row * n + c] = qc.to_f64() as u8;
                     let err = (wc - qv) / ucc;
@@ -431,6 +439,7 @@ pub fn boa_quantize<'h>(
         .context("sweep setup (dead inputs)")?;
     let gl = g.spec.group_len(n);
     let dynamic = dynamic_groups(&g.spec, n, g.static_groups);
+    super::gptq::check_lattice_dynamic(&g.spec, dynamic)?;
     let hessian = g.spec.search == ScaleSearch::Hessian;
     // Sweep order: rows of each head by its row permutation, columns by its column factor's permutation.
     let row_perm: Vec<usize> = (0..n_heads)

@@ -8,10 +8,12 @@
 //! against.
 
 use super::Real;
+use super::lattice::{SuperScale, lattice_grid, super_scale};
 use super::linalg::{DEFAULT_DAMP, MAX_DAMP_TRIES};
 use super::plan::FactorCache;
 use super::profile::{Phase, timed};
-use super::quantizer::{Grid, QuantSpec, ScaleSearch, dequantize, quantize, search_grid};
+use super::quantizer::{Grid, QuantSpec, ScaleSearch, dequantize, quant_dequant};
+use crate::ops::Lattice;
 use crate::ops::{GridMode, Mat, QuantOps, QuantizedLinear, Result};
 use anyhow::Context;
 use rayon::prelude::*;
@@ -95,12 +97,52 @@ impl<T: Real> Quantized<T> {
 }
 
 /// Dynamic group-wise grids of a sweep: group k covers sweep columns [k·g, min((k+1)·g, n)) and is searched
-/// when the sweep reaches column k·g, from the current weights.
+/// when the sweep reaches column k·g, from the current weights. On a K-quant lattice (`Lattice::Super`) the
+/// super-block's d is searched first, at its first column (quant/lattice.rs).
 pub struct DynamicGroups<'a> {
     pub g: usize,
     /// Per group, the [len × len] diagonal block of H in sweep order (f32; empty unless Hessian search).
     pub h_blocks: &'a [Vec<f32>],
     pub spec: &'a QuantSpec,
+}
+
+impl DynamicGroups<'_> {
+    /// Columns of a super-block whose scale is fixed at its first column (None: groups only).
+    pub fn super_len(&self) -> Option<usize> {
+        match self.spec.lattice {
+            Lattice::Super { len, .. } => Some(len),
+            _ => None,
+        }
+    }
+
+    /// Columns that must be searched together at their first one: the super-block, else the group.
+    pub fn unit(&self) -> usize {
+        self.super_len().unwrap_or(self.g)
+    }
+
+    fn h_block(&self, k: usize) -> Option<&[f32]> {
+        (self.spec.search == ScaleSearch::Hessian).then(|| self.h_blocks[k].as_slice())
+    }
+
+    /// The grid of group k from its current weights `w` (`sup`: its super-block's scales on `Super`).
+    pub fn grid<T: Real>(&self, w: &[T], k: usize, sup: SuperScale<T>) -> Grid<T> {
+        match self.spec.lattice {
+            // The free search itself: the grids (and so the codes) of every existing format, to the bit.
+            Lattice::Free => super::quantizer::search_grid(w, self.h_block(k), self.spec),
+            _ => lattice_grid(w, self.h_block(k), self.spec, sup),
+        }
+    }
+
+    /// The super-block scales from its current weights `w` (all its columns), its first group k0.
+    pub fn super_scale<T: Real>(&self, w: &[T], k0: usize) -> SuperScale<T> {
+        let blocks: Vec<&[f32]> = match self.spec.search {
+            ScaleSearch::Hessian => (k0..k0 + w.len().div_ceil(self.g))
+                .map(|k| self.h_blocks[k].as_slice())
+                .collect(),
+            _ => Vec::new(),
+        };
+        super_scale(w, &blocks, self.g, self.spec)
+    }
 }
 
 /// Rows per parallel task: depends on the shape only, so results do not depend on the thread count.
@@ -230,6 +272,9 @@ fn sweep_rows_impl<T: Real>(
     maxq: u32,
 ) {
     let maxq_t = T::from_f64(maxq as f64);
+    let offset = dynamic.is_some_and(|dg| dg.spec.offset());
+    let super_len = dynamic.and_then(|dg| dg.super_len());
+    let mut sup = vec![SuperScale::default(); if super_len.is_some() { rows } else { 0 }];
     let mut e = vec![T::ZERO; rows * bs]; // E [rows × B] of the current block
     let mut i1 = 0;
     while i1 < n {
@@ -241,17 +286,28 @@ fn sweep_rows_impl<T: Real>(
                 i2 = s;
             }
         }
+        if let Some(sl) = super_len {
+            // A super-block starts a block: at its first column every column of it has every earlier
+            // update, so its d is searched on the weights the column-at-a-time sweep would have.
+            i2 = i2.min((i1 / sl + 1) * sl);
+        }
         for c in i1..i2 {
             if let Some(dg) = dynamic
                 && c % dg.g == 0
             {
                 let k = c / dg.g;
                 let len = dg.g.min(n - c);
-                let hb =
-                    (dg.spec.search == ScaleSearch::Hessian).then(|| dg.h_blocks[k].as_slice());
+                if let Some(sl) = super_len
+                    && c % sl == 0
+                {
+                    let sn = sl.min(n - c);
+                    for (r, s) in sup.iter_mut().enumerate() {
+                        *s = dg.super_scale(&w[r * n + c..r * n + c + sn], k);
+                    }
+                }
                 for r in 0..rows {
-                    grids[r * n_groups + k] =
-                        search_grid(&w[r * n + c..r * n + c + len], hb, dg.spec);
+                    let s = sup.get(r).copied().unwrap_or_default();
+                    grids[r * n_groups + k] = dg.grid(&w[r * n + c..r * n + c + len], k, s);
                 }
             }
             let ucc = u[c * n + c];
@@ -259,8 +315,7 @@ fn sweep_rows_impl<T: Real>(
             for r in 0..rows {
                 let gr = grids[r * n_groups + col_group[c] as usize];
                 let wc = w[r * n + c];
-                let qc = quantize(wc, gr.scale, gr.zero, maxq_t); // Alg. 2 l.4
-                let qv = dequantize(qc, gr.scale, gr.zero);
+                let (qc, qv) = quant_dequant(wc, gr, maxq_t, offset); // Alg. 2 l.4
                 q[r * n + c] = qv;
                 codes[r * n + c] = qc.to_f64() as u8;
                 let err = (wc - qv) / ucc; // Alg. 2 l.5
@@ -309,6 +364,19 @@ pub fn dynamic_groups(spec: &QuantSpec, n: usize, static_groups: bool) -> bool {
     spec.group_size.is_some() && spec.group_len(n) < n && !static_groups
 }
 
+/// A sweep's grids on a GGUF lattice are searched as it goes (dynamic groups): a static grid there would
+/// need the lattice's offset form in every backend's static sweep, which is not written.
+pub(crate) fn check_lattice_dynamic(spec: &QuantSpec, dynamic: bool) -> Result<()> {
+    if spec.lattice != Lattice::Free && !dynamic {
+        return Err(crate::input_err!(
+            "grids on a GGUF lattice ({:?}) need dynamic groups (no --static-groups, groups narrower than \
+             the input)",
+            spec.lattice
+        ));
+    }
+    Ok(())
+}
+
 /// GPTQ-quantizes W [d_out × d_in] with H = H_col [d_in × d_in] (undamped, as the statistics give it),
 /// through `ops`; the plan of `h` comes from `cache` when another layer of the block made it (same result,
 /// one factorization fewer). The result's `error` is tr(ΔW H ΔWᵀ) from the sweep's own loss (`Swept::loss`,
@@ -340,6 +408,7 @@ pub fn gptq_quantize<'h>(
         .zero_cols(w, &plan.dead)
         .context("sweep setup (dead inputs)")?;
     let dynamic = dynamic_groups(&opts.spec, d_in, opts.static_groups);
+    check_lattice_dynamic(&opts.spec, dynamic)?;
     let hessian = opts.spec.search == ScaleSearch::Hessian;
     let (wp, col_group, mode_grids) = if dynamic {
         let (wp, _) = ops

@@ -16,6 +16,7 @@ pub mod boa;
 pub mod boa_reference;
 pub mod gptq;
 pub mod hessian;
+pub mod lattice;
 pub mod linalg;
 pub mod pack;
 pub mod plan;

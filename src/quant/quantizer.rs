@@ -64,8 +64,34 @@ pub fn dequantize<T: Real>(q: T, scale: T, zero: T) -> T {
     scale * (q - zero)
 }
 
+/// q = clamp(round((w + m)/s), 0, maxq) on an offset grid (`QuantSpec::offset`): ŵ = s·q − m.
+#[inline(always)]
+pub fn quantize_offset<T: Real>(w: T, scale: T, m: T, maxq: T) -> T {
+    ((w + m) / scale).round_ties_even().max(T::ZERO).min(maxq)
+}
+
+/// ŵ = s·q − m: ggml's K-quant order (d·sc)·q − dmin·m, one rounding (the subtraction) when s·q and m are
+/// exact, as they are on a GGUF lattice (model/gguf/kquant.rs).
+#[inline(always)]
+pub fn dequantize_offset<T: Real>(q: T, scale: T, m: T) -> T {
+    scale * q - m
+}
+
+/// (q, ŵ) of `w` on `g`: an offset grid when `offset` (`QuantSpec::offset`), else a zero-point grid (the
+/// formulas above, so a zero-point grid's codes are those of [`quantize`] to the bit).
+#[inline(always)]
+pub fn quant_dequant<T: Real>(w: T, g: Grid<T>, maxq: T, offset: bool) -> (T, T) {
+    if offset {
+        let q = quantize_offset(w, g.scale, g.zero, maxq);
+        (q, dequantize_offset(q, g.scale, g.zero))
+    } else {
+        let q = quantize(w, g.scale, g.zero, maxq);
+        (q, dequantize(q, g.scale, g.zero))
+    }
+}
+
 /// The range [min(w,0), max(w,0)] (symmetric: [−m, m], m = max(|min|, max)); all-zero → [−1, 1].
-fn range<T: Real>(w: &[T], sym: bool) -> (T, T) {
+pub(crate) fn range<T: Real>(w: &[T], sym: bool) -> (T, T) {
     let mut lo = T::ZERO;
     let mut hi = T::ZERO;
     for &x in w {
@@ -156,7 +182,7 @@ pub fn search_grid<T: Real>(w: &[T], h: Option<&[f32]>, spec: &QuantSpec) -> Gri
     }
 }
 
-fn shrink(i: usize) -> f64 {
+pub(crate) fn shrink(i: usize) -> f64 {
     1.0 - i as f64 / SHRINK_STEPS as f64
 }
 

@@ -22,7 +22,7 @@ pub fn rtn_quantize(
     let g = spec.group_len(d_in);
     let grids = ops.search_grids(w, h, &[identity(d_in)], &[0], g, spec)?;
     let g_idx: Vec<u32> = (0..d_in).map(|c| (c / g) as u32).collect();
-    let (w_hat, codes) = ops.rtn(w, &grids, &g_idx, spec.maxq())?;
+    let (w_hat, codes) = ops.rtn(w, &grids, &g_idx, spec)?;
     Ok(QuantizedLinear {
         d_out,
         d_in,

@@ -699,6 +699,7 @@ impl QuantOps for CudaBackend {
         if g == 0 {
             bail!("search_grids: group width 0");
         }
+        free_lattice("search_grids", spec)?;
         let hd = match h {
             Some(h) if spec.search == crate::ops::ScaleSearch::Hessian => {
                 if h.rows != n || h.cols != n || h_of_part.iter().any(|&f| f >= h.batch) {
@@ -773,7 +774,15 @@ impl QuantOps for CudaBackend {
         Ok((w_hat, Codes::Device(codes), grids))
     }
 
-    fn rtn(&self, w: &Mat, grids: &Grids, col_group: &[u32], maxq: u32) -> Result<(Mat, Codes)> {
+    fn rtn(
+        &self,
+        w: &Mat,
+        grids: &Grids,
+        col_group: &[u32],
+        spec: &QuantSpec,
+    ) -> Result<(Mat, Codes)> {
+        free_lattice("rtn", spec)?;
+        let maxq = spec.maxq();
         let (rows, n, ng) = (w.rows, w.cols, grids.n_groups());
         crate::ops::check_col_group("rtn", 0, col_group, n, ng)?;
         if grids.rows() != rows {
@@ -821,6 +830,9 @@ impl QuantOps for CudaBackend {
             );
         }
         grids.check("gptq_sweep", n)?;
+        if let GridMode::Dynamic { spec, .. } = &grids {
+            free_lattice("gptq_sweep", spec)?;
+        }
         let bs = block.min(GPTQ_MAX_BLOCK);
         let mut w_d = into_dev(w, "W")?;
         let w0 = self.copy_of(&w_d)?;
@@ -949,6 +961,9 @@ impl QuantOps for CudaBackend {
     ) -> Result<Swept> {
         let (rows, n) = (w.rows, w.cols);
         grids.check("boa_sweep", n)?;
+        if let GridMode::Dynamic { spec, .. } = &grids {
+            free_lattice("boa_sweep", spec)?;
+        }
         let n_heads = rows / d_h.max(1);
         let (grids, col_group) = match grids {
             GridMode::Dynamic { g, h, spec } => {
@@ -1161,4 +1176,16 @@ impl CudaBackend {
             delta_sq: s.delta_sq,
         })
     }
+}
+
+/// The device searches and sweeps implement the free grids (scale, integer zero) only: a GGUF lattice
+/// (ops::Lattice, quant/lattice.rs) is the CPU's, and `run` refuses the combination before any work.
+fn free_lattice(op: &str, spec: &QuantSpec) -> Result<()> {
+    if spec.lattice != crate::ops::Lattice::Free {
+        bail!(
+            "{op}: grids on the {:?} lattice are searched on the CPU only (--device cpu)",
+            spec.lattice
+        );
+    }
+    Ok(())
 }

@@ -30,6 +30,7 @@ pub(super) fn describe(raw: &RawConfig, dims: Dims) -> Result<BlockDesc, String>
             top_k,
             renormalize: true,
             d_expert: dims.d_ff,
+            shared_expert: None,
         }),
         ..swiglu_block(linears, pre_norms(dims.d), sliding(raw, Sliding::AllLayers))
     })

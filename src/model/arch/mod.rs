@@ -7,6 +7,7 @@
 mod gemma3;
 mod llama;
 mod mixtral;
+mod qwen2_moe;
 mod qwen3;
 mod qwen3_moe;
 
@@ -94,6 +95,20 @@ pub struct MoeDesc {
     pub renormalize: bool,
     /// Each expert's intermediate size.
     pub d_expert: usize,
+    /// A SwiGLU MLP every token goes through beside the routed experts (Qwen2-MoE).
+    pub shared_expert: Option<SharedExpertDesc>,
+}
+
+/// Qwen2-MoE's shared expert: a SwiGLU MLP of intermediate size `d_ff` on every token, its output scaled per
+/// token by sigmoid(w_g · x) and added to the routed experts' sum. Its gate/up/down are the block's linears
+/// that belong to no expert after the attention (`expert: None`, roles Gate/Up/Down): they read the MLP
+/// input's covariance over every token, like a dense MLP. w_g [1 × d] is kept in full precision, like the
+/// router.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SharedExpertDesc {
+    /// w_g's name under `model.layers.{l}.` without `.weight`.
+    pub gate: &'static str,
+    pub d_ff: usize,
 }
 
 /// Where a norm sits.
@@ -174,6 +189,17 @@ impl BlockDesc {
         self.linears.iter().position(|l| l.name == name)
     }
 
+    /// The gate, up and down of the MLP every token goes through: the dense MLP, or an MoE block's shared
+    /// expert; None in an MoE block without one.
+    pub fn dense_mlp(&self) -> Option<[usize; 3]> {
+        let find = |role| {
+            self.linears
+                .iter()
+                .position(|l| l.role == role && l.expert.is_none())
+        };
+        Some([find(Role::Gate)?, find(Role::Up)?, find(Role::Down)?])
+    }
+
     pub fn norm(&self, role: NormRole) -> Option<(usize, &NormDesc)> {
         self.norms.iter().enumerate().find(|(_, n)| n.role == role)
     }
@@ -228,6 +254,7 @@ pub const SUPPORTED_ARCHITECTURES: &[&str] = &[
     "Gemma3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
 ];
 
 /// The block of `architecture`, or why this config cannot be run here (a field that changes the math and is
@@ -241,6 +268,7 @@ pub fn describe(architecture: &str, raw: &RawConfig, dims: Dims) -> Result<Block
         "Gemma3ForCausalLM" => gemma3::describe(raw, dims),
         "Qwen3MoeForCausalLM" => qwen3_moe::describe(raw, dims),
         "MixtralForCausalLM" => mixtral::describe(raw, dims),
+        "Qwen2MoeForCausalLM" => qwen2_moe::describe(raw, dims),
         a => Err(format!(
             "unsupported architecture {a}; supported: {}",
             SUPPORTED_ARCHITECTURES.join(", ")
@@ -344,6 +372,9 @@ pub(super) enum Sliding {
     Qwen,
     /// The `layer_types` entries marked sliding (Gemma 3).
     LayerTypes,
+    /// Only with `use_sliding_window`, then the `layer_types` entries marked sliding (by default transformers
+    /// marks the even layers below `max_window_layers`) (Qwen2-MoE).
+    Qwen2Moe,
 }
 
 /// The window and the layers it applies to; (None, []) when no layer slides. Query i attends to keys j with
@@ -361,7 +392,11 @@ pub(super) fn sliding(raw: &RawConfig, rule: Sliding) -> (Option<usize>, Vec<boo
         Sliding::Qwen if raw.layer_types.is_empty() => (0..n)
             .map(|i| i >= raw.max_window_layers.unwrap_or(28))
             .collect(),
-        Sliding::Qwen | Sliding::LayerTypes => (0..n).map(by_types).collect(),
+        Sliding::Qwen2Moe if !raw.use_sliding_window => vec![false; n],
+        Sliding::Qwen2Moe if raw.layer_types.is_empty() => (0..n)
+            .map(|i| i % 2 == 0 && i < raw.max_window_layers.unwrap_or(28))
+            .collect(),
+        Sliding::Qwen | Sliding::Qwen2Moe | Sliding::LayerTypes => (0..n).map(by_types).collect(),
     };
     match raw.sliding_window {
         Some(w) if layers.iter().any(|&s| s) => (Some(w), layers),

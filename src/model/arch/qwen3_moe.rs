@@ -40,6 +40,7 @@ pub(super) fn describe(raw: &RawConfig, dims: Dims) -> Result<BlockDesc, String>
             top_k,
             renormalize: raw.norm_topk_prob,
             d_expert: d_e,
+            shared_expert: None,
         }),
         ..swiglu_block(linears, norms, sliding(raw, Sliding::Qwen))
     })
