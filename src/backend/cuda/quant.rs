@@ -424,8 +424,11 @@ impl QuantOps for CudaBackend {
             let mut a = CpuBackend.stat_acc(acc.batch, acc.rows)?;
             CpuBackend.stat_v_col(&mut a, &host(x)?, &host(q)?, &host(k)?, s, n_seq)?;
             let mut sum = self.read_f32(acc)?;
+            let cpu_sum = a
+                .host_f64()
+                .ok_or_else(|| anyhow!("stat_v_col: the CPU's sums are not f64"))?;
             sum.iter_mut()
-                .zip(a.host_f64().expect("CPU sums are f64"))
+                .zip(cpu_sum)
                 .for_each(|(x, &y)| *x += y as f32);
             *dev_mut(acc, "accumulator")? = self.upload(&sum, "upload accumulator")?;
             return Ok(());
