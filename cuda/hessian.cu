@@ -35,19 +35,25 @@
 //   (128, 4) launch bound; without the min-blocks hint ptxas spilled 4 B on sm_90a), 26 KB smem.
 // ---------------------------------------------------------------------------------------------------------
 // v_col: per query head h, G_h [d × d] = (A_h X)ᵀ (A_h X), A_h = causal softmax(Q_h K_hᵀ/√d_h) [t × t],
-//   X [t × d], Q [t × h·d_h], K [t × h_kv·d_h] (query head h reads KV head h / (h/h_kv)). Three kernels:
+//   X [t × d], Q [t × h·d_h], K [t × h_kv·d_h] (query head h reads KV head h / (h/h_kv)), d_h ≤ 256. With a
+//   sliding window (Mistral, Gemma 3's local layers) A_h keeps only keys i − window < j ≤ i of query i: the
+//   stats sum over those, attn_x masks the rest and skips the key tiles before its first row's window. Each
+//   attn_x variant has two instantiations by the head dim its tiles hold (kDh): 128 (the Llama family) and 256
+//   (attn_x_kernel_v1_d256, attn_x_kernel_v2[_bf16]_d256: Gemma 3), in dynamic smem. Three kernels:
 //     softmax_stats_kernel  grid ceil(t·h/4), block 128: one warp per (head, query row): the row's max and
-//                           Σ exp(s − max) over the causal keys (scores recomputed, never stored);
-//     attn_x_kernel_v1      grid (ceil(d/64), ceil(t/32)), block 256, 45 KB static smem: Y = A_h X for one head,
+//                           Σ exp(s − max) over the causal (windowed) keys (scores recomputed, never stored);
+//     attn_x_kernel_v1      grid (ceil(d/64), ceil(t/32)), block 256, 44.3 KB dynamic smem (76.3 KB at kDh =
+//                           256, opted in at load): Y = A_h X for one head,
 //                           flash-attention style: per 32-key tile the 32×32 probabilities are formed in shared
 //                           memory from the stats and multiplied into the 32×64 output tile, f32 FFMA; A_h never
 //                           reaches global memory (only Y [t × d], one head at a time). The exact baseline.
 //     attn_x_kernel_v2      grid (ceil(d/256), ceil(t/64)) (heaviest causal row tile first), block 256 (8 warps),
-//                           93.5 KB dynamic smem (opted in at load; 2 CTAs per SM): per 64-key tile j ≤ i,
+//                           93.5 KB dynamic smem (opted in at load; 2 CTAs per SM; 125.5 KB at kDh = 256, one
+//                           CTA per SM): per 64-key tile j ≤ i,
 //                           S = Q_i K_jᵀ on tensor cores (fp16 operands, f32 accumulate) → f32 smem → P =
 //                           exp(S/√d_h − m_i)/l_i masked, bf16 smem → acc[64 × 256] += P X_j (bf16 X, f32
-//                           accumulate in registers). smem: Q 17 KB + K 17 KB (fp16, d_h padded to 128) +
-//                           S 17 KB + P 9 KB + X 33 KB (bf16) + stats; the output tile is staged through the
+//                           accumulate in registers). smem: Q 17 KB + K 17 KB (fp16, d_h padded to 128; 33 KB
+//                           each at 256) + S 17 KB + P 9 KB + X 33 KB (bf16) + stats; the output tile is staged through the
 //                           same bytes for a guarded store. One copy of the tile, no cp.async pipeline: the
 //                           second CTA on the SM hides the staging.
 //     hessian_xxt           the Gram of Y into G_h.
@@ -67,9 +73,14 @@
 //   staging, not the tensor cores; expect ~25–35% of the bf16 ceiling (the bench reports it). Next steps if
 //   it matters: X converted to bf16 once per sequence (half the dominant bytes, 16-byte cp.async), a
 //   double-buffered cp.async pipeline, mma.sync with P kept in registers (no S/P round trip through smem).
+//   Gemma-3-1B-like layer (t = 2048, d = 1152, 4 query heads over 1 KV head, d_h = 256; 128 sequences): the
+//   Gram t·d² = 2.7 GFLOP per head and sequence dominates A_h X's t²·d/2 = 2.4 GFLOP; a local layer (window 512)
+//   cuts A_h X to ≈ t·512·d = 1.2 GFLOP (its key tiles before the window are skipped). ≈ 2.6 TFLOP per global
+//   layer → a few ms at the tensor-core rate.
 //   Variants measured: none yet (no GPU run so far).
-// ptxas (nvcc 13.0, sm_90a / sm_80), 0 spills: softmax_stats 32 / 40 regs, 2 KB smem; attn_x v1 64 / 79 regs,
-//   45 KB smem; attn_x v2 128 / 128 regs (the (256, 2) launch bound's cap), 93.5 KB dynamic smem.
+// ptxas (nvcc 13.0, sm_90a / sm_80), 0 spills: softmax_stats 32 / 40 regs, 4 KB smem; attn_x v1 64 / 48 regs
+//   (both kDh), 44.3 / 76.3 KB dynamic smem; attn_x v2 128 / 128 regs (the (256, 2) launch bound's cap), 93.5 /
+//   125.5 KB dynamic smem.
 // ---------------------------------------------------------------------------------------------------------
 
 #include <cuda_bf16.h>
@@ -90,7 +101,8 @@ constexpr int kXxtV2Pad = 8;        // bf16 elements of row padding (keeps wmma'
 constexpr int kXxtV2CPad = 4;       // f32 padding of the accumulator staging tile
 
 constexpr int kStatsWarps = 4;      // softmax_stats: warps (= query rows) per block
-constexpr int kMaxDh = 128;         // largest head dimension the attention kernels take
+constexpr int kMaxDh = 256;         // largest head dimension the attention kernels take (Gemma 3)
+constexpr int kNarrowDh = 128;      // attn_x: head dims ≤ this take the narrow instantiation (smaller smem)
 constexpr int kAxRows = 32;         // attn_x: query rows per block
 constexpr int kAxKeys = 32;         // attn_x: keys per stage
 constexpr int kAxCols = 64;         // attn_x: columns of X / Y per block
@@ -103,24 +115,42 @@ constexpr int kAx2Rows = 64;        // query rows per CTA (= keys per stage, so 
 constexpr int kAx2Keys = 64;        // keys per stage
 constexpr int kAx2Cols = 256;       // columns of X / Y per CTA (= threads: one column per thread when staging)
 constexpr int kAx2Threads = 256;    // 8 warps
-constexpr int kAx2QkLd = kMaxDh + 8;       // fp16 row stride of q_sh / k_sh (16 B pad: rows start 4 banks apart)
 constexpr int kAx2SLd = kAx2Keys + 4;      // f32 row stride of the score tile
 constexpr int kAx2PLd = kAx2Keys + 8;      // bf16 row stride of the probability tile
 constexpr int kAx2XLd = kAx2Cols + 8;      // bf16 row stride of the X tile
 constexpr int kAx2YLd = kAx2Cols + 4;      // f32 row stride of the output staging tile (aliases the others)
-// Byte offsets into the dynamic shared memory; every one a multiple of 32 B (wmma's pointer alignment).
-constexpr int kAx2QOff = 0;
-constexpr int kAx2KOff = kAx2QOff + kAx2Rows * kAx2QkLd * 2;
-constexpr int kAx2SOff = kAx2KOff + kAx2Keys * kAx2QkLd * 2;
-constexpr int kAx2POff = kAx2SOff + kAx2Rows * kAx2SLd * 4;
-constexpr int kAx2XOff = kAx2POff + kAx2Rows * kAx2PLd * 2;
-constexpr int kAx2StatOff = kAx2XOff + kAx2Keys * kAx2XLd * 2;
-constexpr int kAx2SmemBytes = kAx2StatOff + 2 * kAx2Rows * 4;  // 95 744 B: two CTAs fit an SM (228 KB)
-static_assert(kAx2KOff % 32 == 0 && kAx2SOff % 32 == 0 && kAx2POff % 32 == 0 && kAx2XOff % 32 == 0 &&
-                  kAx2StatOff % 32 == 0,
-              "wmma needs 32-byte aligned tile bases");
-static_assert(kAx2SmemBytes == 95744, "hessian.rs AX2_SMEM_BYTES");
-static_assert(kAx2Rows * kAx2YLd * 4 <= kAx2SmemBytes, "the output staging tile must fit the aliased buffers");
+// attn_x v2's dynamic shared memory for head dims padded to kDh (128 or 256): byte offsets, every one a multiple
+// of 32 B (wmma's pointer alignment).
+template <int kDh>
+struct Ax2Layout {
+    static constexpr int kQkLd = kDh + 8;  // fp16 row stride of q_sh / k_sh (16 B pad: rows start 4 banks apart)
+    static constexpr int kQOff = 0;
+    static constexpr int kKOff = kQOff + kAx2Rows * kQkLd * 2;
+    static constexpr int kSOff = kKOff + kAx2Keys * kQkLd * 2;
+    static constexpr int kPOff = kSOff + kAx2Rows * kAx2SLd * 4;
+    static constexpr int kXOff = kPOff + kAx2Rows * kAx2PLd * 2;
+    static constexpr int kStatOff = kXOff + kAx2Keys * kAx2XLd * 2;
+    static constexpr int kBytes = kStatOff + 2 * kAx2Rows * 4;
+    static_assert(kKOff % 32 == 0 && kSOff % 32 == 0 && kPOff % 32 == 0 && kXOff % 32 == 0 && kStatOff % 32 == 0,
+                  "wmma needs 32-byte aligned tile bases");
+    static_assert(kAx2Rows * kAx2YLd * 4 <= kBytes, "the output staging tile must fit the aliased buffers");
+};
+// 95 744 B: two CTAs fit an SM (228 KB); 128 512 B at kDh = 256: one per SM (sm_80: 163 KB per block).
+static_assert(Ax2Layout<kNarrowDh>::kBytes == 95744, "hessian.rs AX2_SMEM_BYTES");
+static_assert(Ax2Layout<kMaxDh>::kBytes == 128512, "hessian.rs AX2_SMEM_BYTES_WIDE");
+
+// attn_x v1's dynamic shared memory (f32): q [kAxRows][kDh], k [kAxKeys][kDh + 1], p [kAxRows][kAxKeys + 1],
+// x [kAxKeys][kAxCols]. 45 312 B at kDh = 128 (no opt-in needed), 78 080 B at 256.
+template <int kDh>
+struct Ax1Layout {
+    static constexpr int kQOff = 0;  // in floats
+    static constexpr int kKOff = kQOff + kAxRows * kDh;
+    static constexpr int kPOff = kKOff + kAxKeys * (kDh + 1);
+    static constexpr int kXOff = kPOff + kAxRows * (kAxKeys + 1);
+    static constexpr int kBytes = (kXOff + kAxKeys * kAxCols) * 4;
+};
+static_assert(Ax1Layout<kNarrowDh>::kBytes == 45312, "hessian.rs AX1_SMEM_BYTES");
+static_assert(Ax1Layout<kMaxDh>::kBytes == 78080, "hessian.rs AX1_SMEM_BYTES_WIDE");
 static_assert(kAx2Rows == kAx2Keys, "the causal loop bound assumes aligned query and key tiles");
 static_assert(kAx2Cols == kAx2Threads, "X staging maps one column per thread");
 static_assert(kAx2Threads == 8 * kWarpSize, "the warp tiling below is for 8 warps");
@@ -251,13 +281,15 @@ hessian_xxt_kernel_v2(float* __restrict__ h,        // [batch × d × d] accumul
     }
 }
 
-// One warp per (head, query row i): stats[head·t + i] = (max_j s_ij, Σ_j exp(s_ij − max)), j ≤ i,
+// One warp per (head, query row i): stats[head·t + i] = (max_j s_ij, Σ_j exp(s_ij − max)), i − window < j ≤ i,
 // s_ij = q_i·k_j / √d_h.
 extern "C" __global__ void __launch_bounds__(kStatsWarps * kWarpSize)
 softmax_stats_kernel(float2* __restrict__ stats,    // [h × t] (row max, Σ exp) out
                      const float* __restrict__ q,   // [t × h·d_h] post-RoPE queries
                      const float* __restrict__ k,   // [t × h_kv·d_h] post-RoPE keys
-                     const uint32_t t, const uint32_t n_heads, const uint32_t n_kv, const uint32_t d_h) {
+                     const uint32_t t, const uint32_t n_heads, const uint32_t n_kv,
+                     const uint32_t d_h,            // ≤ kMaxDh
+                     const uint32_t window) {       // keys per query, itself included (≥ 1; t: none)
     __shared__ float q_sh[kStatsWarps][kMaxDh];
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const uint32_t row = blockIdx.x * kStatsWarps + warp;  // = head·t + i
@@ -269,7 +301,8 @@ softmax_stats_kernel(float2* __restrict__ stats,    // [h × t] (row max, Σ exp
     __syncwarp();
     const float scale = rsqrtf((float)d_h);
     float mx = -INFINITY, sum = 0.f;
-    for (uint32_t j = lane; j <= i; j += kWarpSize) {
+    const uint32_t j_lo = i + 1 > window ? i + 1 - window : 0;  // the oldest key the window keeps
+    for (uint32_t j = j_lo + lane; j <= i; j += kWarpSize) {
         const float* k_row = k + (size_t)j * n_kv * d_h + kvh * d_h;
         float s = 0.f;
         for (uint32_t c = 0; c < d_h; ++c) s += q_sh[warp][c] * k_row[c];
@@ -285,19 +318,25 @@ softmax_stats_kernel(float2* __restrict__ stats,    // [h × t] (row max, Σ exp
 }
 
 // v1: Y [t × d] = A_h X for one query head, A_h formed a 32×32 tile at a time from the scores and the stats,
-// all in f32 FFMA (the exact baseline).
-extern "C" __global__ void __launch_bounds__(kAxThreads)
-attn_x_kernel_v1(float* __restrict__ y,             // [t × d] out
-              const float* __restrict__ x,       // [t × d] block input
-              const float* __restrict__ q,       // [t × h·d_h]
-              const float* __restrict__ k,       // [t × h_kv·d_h]
-              const float2* __restrict__ stats,  // [h × t] from softmax_stats_kernel
-              const uint32_t head, const uint32_t t, const uint32_t n_heads, const uint32_t n_kv,
-              const uint32_t d_h, const uint32_t d) {
-    __shared__ float q_sh[kAxRows][kMaxDh];        // this block's query rows (broadcast reads)
-    __shared__ float k_sh[kAxKeys][kMaxDh + 1];    // key tile, padded: lane = key reads distinct banks
-    __shared__ float p_sh[kAxRows][kAxKeys + 1];   // probabilities of the tile
-    __shared__ float x_sh[kAxKeys][kAxCols];       // X rows of the key tile, this block's columns
+// all in f32 FFMA (the exact baseline). kDh: the head dim the shared-memory tiles hold (d_h ≤ kDh).
+template <int kDh>
+__device__ __forceinline__ void
+attn_x_v1_impl(float* __restrict__ y,             // [t × d] out
+               const float* __restrict__ x,       // [t × d] block input
+               const float* __restrict__ q,       // [t × h·d_h]
+               const float* __restrict__ k,       // [t × h_kv·d_h]
+               const float2* __restrict__ stats,  // [h × t] from softmax_stats_kernel
+               const uint32_t head, const uint32_t t, const uint32_t n_heads, const uint32_t n_kv,
+               const uint32_t d_h, const uint32_t d,
+               const uint32_t window) {           // keys per query, itself included (≥ 1; t: none)
+    using L = Ax1Layout<kDh>;
+    extern __shared__ __align__(16) float ax1_smem[];  // L::kBytes, opted in by the launcher past 48 KB
+    auto q_sh = reinterpret_cast<float (*)[kDh]>(ax1_smem + L::kQOff);           // query rows (broadcast reads)
+    auto k_sh = reinterpret_cast<float (*)[kDh + 1]>(ax1_smem + L::kKOff);       // key tile, padded: lane = key
+                                                                                 // reads distinct banks
+    auto p_sh = reinterpret_cast<float (*)[kAxKeys + 1]>(ax1_smem + L::kPOff);   // probabilities of the tile
+    auto x_sh = reinterpret_cast<float (*)[kAxCols]>(ax1_smem + L::kXOff);       // X rows of the key tile
+    if (d_h > kDh) return;  // the launcher refuses this; never index past q_sh's row
     const uint32_t kvh = head / (n_heads / n_kv);
     const uint32_t c0 = blockIdx.x * kAxCols, i0 = blockIdx.y * kAxRows;
     const int tid = threadIdx.x;
@@ -312,7 +351,9 @@ attn_x_kernel_v1(float* __restrict__ y,             // [t × d] out
 #pragma unroll
     for (int u = 0; u < kAxCols / 8; ++u) acc[u] = 0.f;
     const uint32_t i_last = min(i0 + kAxRows, t) - 1;  // causal: keys beyond the last query row add nothing
-    for (uint32_t j0 = 0; j0 <= i_last; j0 += kAxKeys) {
+    // Row i0's window starts earliest (at i0 + 1 − window): the key tiles before that one are masked for all.
+    const uint32_t j_begin = i0 + 1 > window ? (i0 + 1 - window) / kAxKeys * kAxKeys : 0;
+    for (uint32_t j0 = j_begin; j0 <= i_last; j0 += kAxKeys) {
         __syncthreads();  // previous tile fully consumed (and q_sh written, first time round)
         for (int e = tid; e < kAxKeys * (int)d_h; e += kAxThreads) {
             const int r = e / d_h, c = e % d_h;
@@ -327,7 +368,7 @@ attn_x_kernel_v1(float* __restrict__ y,             // [t × d] out
             const int r = e / kAxKeys, jj = e % kAxKeys;  // warp: one query row, 32 keys
             const uint32_t i = i0 + r, j = j0 + jj;
             float p = 0.f;
-            if (i < t && j <= i) {
+            if (i < t && j <= i && i - j < window) {
                 float s = 0.f;
                 for (uint32_t c = 0; c < d_h; ++c) s += q_sh[r][c] * k_sh[jj][c];
                 const float2 st = stats[(size_t)head * t + i];
@@ -353,6 +394,23 @@ attn_x_kernel_v1(float* __restrict__ y,             // [t × d] out
     }
 }
 
+// v1 entry points (style.md rule 17): d_h ≤ 128 (Llama, Qwen, Mistral), 128 < d_h ≤ 256 (Gemma 3).
+extern "C" __global__ void __launch_bounds__(kAxThreads)
+attn_x_kernel_v1(float* __restrict__ y, const float* __restrict__ x, const float* __restrict__ q,
+                 const float* __restrict__ k, const float2* __restrict__ stats, const uint32_t head,
+                 const uint32_t t, const uint32_t n_heads, const uint32_t n_kv, const uint32_t d_h,
+                 const uint32_t d, const uint32_t window) {
+    attn_x_v1_impl<kNarrowDh>(y, x, q, k, stats, head, t, n_heads, n_kv, d_h, d, window);
+}
+
+extern "C" __global__ void __launch_bounds__(kAxThreads)
+attn_x_kernel_v1_d256(float* __restrict__ y, const float* __restrict__ x, const float* __restrict__ q,
+                      const float* __restrict__ k, const float2* __restrict__ stats, const uint32_t head,
+                      const uint32_t t, const uint32_t n_heads, const uint32_t n_kv, const uint32_t d_h,
+                      const uint32_t d, const uint32_t window) {
+    attn_x_v1_impl<kMaxDh>(y, x, q, k, stats, head, t, n_heads, n_kv, d_h, d, window);
+}
+
 // v2: Y [t × d] = A_h X on tensor cores (wmma m16n16k16, f32 accumulate), flash style: per 64-key tile the
 // scores S = Q_i K_jᵀ (fp16 operands) go through shared memory as f32, become P = exp(S/√d_h − m_i)/l_i (the
 // causal mask applied, rounded to bf16) and are multiplied into the 64 × 256 output tile with X_j (bf16).
@@ -370,7 +428,7 @@ attn_x_kernel_v1(float* __restrict__ y,             // [t × d] out
 __device__ __forceinline__ void store_y(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store_y(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 
-template <class TOut>
+template <int kDh, class TOut>
 __device__ __forceinline__ void
 attn_x_v2_impl(TOut* __restrict__ y,              // [t × d] out, row-major (f32, or bf16 for a cuBLAS Gram)
                  const float* __restrict__ x,       // [t × d] block input, row-major f32 (bf16 on staging)
@@ -379,19 +437,22 @@ attn_x_v2_impl(TOut* __restrict__ y,              // [t × d] out, row-major (f3
                  const float2* __restrict__ stats,  // [n_heads × t] (row max, Σ exp) from softmax_stats_kernel
                  const uint32_t head,               // query head h; reads KV head h / (n_heads / n_kv)
                  const uint32_t t, const uint32_t n_heads, const uint32_t n_kv,
-                 const uint32_t d_h,                // ≤ kMaxDh; zero-padded to a multiple of 16 in shared memory
-                 const uint32_t d) {                // columns of X and Y
+                 const uint32_t d_h,                // ≤ kDh; zero-padded to a multiple of 16 in shared memory
+                 const uint32_t d,                  // columns of X and Y
+                 const uint32_t window) {           // keys per query, itself included (≥ 1; t: none)
     using namespace nvcuda;
-    extern __shared__ __align__(128) unsigned char ax2_smem[];  // kAx2SmemBytes, opted in by the launcher
-    auto q_sh = reinterpret_cast<__half (*)[kAx2QkLd]>(ax2_smem + kAx2QOff);  // [row][dim]
-    auto k_sh = reinterpret_cast<__half (*)[kAx2QkLd]>(ax2_smem + kAx2KOff);  // [key][dim]
-    auto s_sh = reinterpret_cast<float (*)[kAx2SLd]>(ax2_smem + kAx2SOff);           // [row][key]
-    auto p_sh = reinterpret_cast<__nv_bfloat16 (*)[kAx2PLd]>(ax2_smem + kAx2POff);   // [row][key]
-    auto x_sh = reinterpret_cast<__nv_bfloat16 (*)[kAx2XLd]>(ax2_smem + kAx2XOff);   // [key][col]
-    auto y_sh = reinterpret_cast<float (*)[kAx2YLd]>(ax2_smem);                      // [row][col], after the loop
-    float* m_sh = reinterpret_cast<float*>(ax2_smem + kAx2StatOff);                  // row max of the scores
-    float* linv_sh = m_sh + kAx2Rows;                                                // 1 / Σ exp; 0 past t
-    if (d_h > kMaxDh) return;  // the launcher refuses this; never index past q_sh's row
+    using L = Ax2Layout<kDh>;
+    constexpr int kQkLd = L::kQkLd;
+    extern __shared__ __align__(128) unsigned char ax2_smem[];  // L::kBytes, opted in by the launcher
+    auto q_sh = reinterpret_cast<__half (*)[kQkLd]>(ax2_smem + L::kQOff);             // [row][dim]
+    auto k_sh = reinterpret_cast<__half (*)[kQkLd]>(ax2_smem + L::kKOff);             // [key][dim]
+    auto s_sh = reinterpret_cast<float (*)[kAx2SLd]>(ax2_smem + L::kSOff);            // [row][key]
+    auto p_sh = reinterpret_cast<__nv_bfloat16 (*)[kAx2PLd]>(ax2_smem + L::kPOff);    // [row][key]
+    auto x_sh = reinterpret_cast<__nv_bfloat16 (*)[kAx2XLd]>(ax2_smem + L::kXOff);    // [key][col]
+    auto y_sh = reinterpret_cast<float (*)[kAx2YLd]>(ax2_smem);                       // [row][col], after the loop
+    float* m_sh = reinterpret_cast<float*>(ax2_smem + L::kStatOff);                   // row max of the scores
+    float* linv_sh = m_sh + kAx2Rows;                                                 // 1 / Σ exp; 0 past t
+    if (d_h > kDh) return;  // the launcher refuses this; never index past q_sh's row
 
     const uint32_t kvh = head / (n_heads / n_kv);
     const uint32_t c0 = blockIdx.x * kAx2Cols;
@@ -428,7 +489,9 @@ attn_x_v2_impl(TOut* __restrict__ y,              // [t × d] out, row-major (f3
     const bool col_in = c0 + tid < d;
     const float* x_gl = x + c0 + tid;  // this thread's column of X
     const uint32_t i_last = min(i0 + kAx2Rows, t) - 1;  // causal: keys past the last query row add nothing
-    for (uint32_t j0 = 0; j0 <= i_last; j0 += kAx2Keys) {
+    // Row i0's window starts earliest (at i0 + 1 − window): the key tiles before that one are masked for all.
+    const uint32_t j_begin = i0 + 1 > window ? (i0 + 1 - window) / kAx2Keys * kAx2Keys : 0;
+    for (uint32_t j0 = j_begin; j0 <= i_last; j0 += kAx2Keys) {
         __syncthreads();  // the previous tile fully consumed (and q_sh, m_sh written, first time round)
         for (uint32_t e = tid; e < kAx2Keys * dh16; e += kAx2Threads) {
             const uint32_t r = e / dh16, c = e % dh16, j = j0 + r;
@@ -451,11 +514,11 @@ attn_x_v2_impl(TOut* __restrict__ y,              // [t × d] out, row-major (f3
             wmma::fill_fragment(s_acc[1], 0.f);
             for (uint32_t kk = 0; kk < dh16; kk += 16) {
                 wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> fq;
-                wmma::load_matrix_sync(fq, &q_sh[s_row][kk], kAx2QkLd);
+                wmma::load_matrix_sync(fq, &q_sh[s_row][kk], kQkLd);
 #pragma unroll
                 for (int b = 0; b < 2; ++b) {
                     wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> fk;
-                    wmma::load_matrix_sync(fk, &k_sh[s_key + 16 * b][kk], kAx2QkLd);
+                    wmma::load_matrix_sync(fk, &k_sh[s_key + 16 * b][kk], kQkLd);
                     wmma::mma_sync(s_acc[b], fq, fk, s_acc[b]);
                 }
             }
@@ -465,14 +528,15 @@ attn_x_v2_impl(TOut* __restrict__ y,              // [t × d] out, row-major (f3
         }
         __syncthreads();
 
-        // P = exp(S/√d_h − m_i) / l_i below the diagonal, 0 above it and past t. A warp covers 32 keys of one
-        // row: conflict-free f32 reads, contiguous bf16 writes.
+        // P = exp(S/√d_h − m_i) / l_i below the diagonal (and inside the window), 0 above it, past t and before
+        // the window. A warp covers 32 keys of one row: conflict-free f32 reads, contiguous bf16 writes.
 #pragma unroll 4
         for (int e = tid; e < kAx2Rows * kAx2Keys; e += kAx2Threads) {
             const int r = e / kAx2Keys, jj = e % kAx2Keys;
             const uint32_t i = i0 + r, j = j0 + jj;
             // A select, not a multiply: exp of a masked score can overflow to inf, and inf·0 is NaN.
-            const float p = (i < t && j <= i) ? __expf(s_sh[r][jj] * scale - m_sh[r]) * linv_sh[r] : 0.f;
+            const bool seen = i < t && j <= i && i - j < window;
+            const float p = seen ? __expf(s_sh[r][jj] * scale - m_sh[r]) * linv_sh[r] : 0.f;
             p_sh[r][jj] = __float2bfloat16_rn(p);
         }
         __syncthreads();
@@ -512,12 +576,13 @@ attn_x_v2_impl(TOut* __restrict__ y,              // [t × d] out, row-major (f3
     }
 }
 
+// v2 entry points (style.md rule 17): Y in f32 or bf16, d_h ≤ 128 (two CTAs per SM) or ≤ 256 (Gemma 3; one).
 extern "C" __global__ void __launch_bounds__(kAx2Threads, 2)  // 2 CTAs per SM: one stages while the other computes
 attn_x_kernel_v2(float* __restrict__ y, const float* __restrict__ x, const float* __restrict__ q,
                  const float* __restrict__ k, const float2* __restrict__ stats, const uint32_t head,
                  const uint32_t t, const uint32_t n_heads, const uint32_t n_kv, const uint32_t d_h,
-                 const uint32_t d) {
-    attn_x_v2_impl(y, x, q, k, stats, head, t, n_heads, n_kv, d_h, d);
+                 const uint32_t d, const uint32_t window) {
+    attn_x_v2_impl<kNarrowDh>(y, x, q, k, stats, head, t, n_heads, n_kv, d_h, d, window);
 }
 
 // The same with Y in bf16: the operand of the cuBLAS Gram (XxtVariant::Cublas), written once instead of an f32
@@ -526,6 +591,106 @@ extern "C" __global__ void __launch_bounds__(kAx2Threads, 2)
 attn_x_kernel_v2_bf16(__nv_bfloat16* __restrict__ y, const float* __restrict__ x, const float* __restrict__ q,
                       const float* __restrict__ k, const float2* __restrict__ stats, const uint32_t head,
                       const uint32_t t, const uint32_t n_heads, const uint32_t n_kv, const uint32_t d_h,
-                      const uint32_t d) {
-    attn_x_v2_impl(y, x, q, k, stats, head, t, n_heads, n_kv, d_h, d);
+                      const uint32_t d, const uint32_t window) {
+    attn_x_v2_impl<kNarrowDh>(y, x, q, k, stats, head, t, n_heads, n_kv, d_h, d, window);
+}
+
+// The same two at d_h ≤ 256 (128.5 KB of shared memory: one CTA per SM, so the register bound is the same).
+extern "C" __global__ void __launch_bounds__(kAx2Threads, 2)
+attn_x_kernel_v2_d256(float* __restrict__ y, const float* __restrict__ x, const float* __restrict__ q,
+                      const float* __restrict__ k, const float2* __restrict__ stats, const uint32_t head,
+                      const uint32_t t, const uint32_t n_heads, const uint32_t n_kv, const uint32_t d_h,
+                      const uint32_t d, const uint32_t window) {
+    attn_x_v2_impl<kMaxDh>(y, x, q, k, stats, head, t, n_heads, n_kv, d_h, d, window);
+}
+
+extern "C" __global__ void __launch_bounds__(kAx2Threads, 2)
+attn_x_kernel_v2_bf16_d256(__nv_bfloat16* __restrict__ y, const float* __restrict__ x,
+                           const float* __restrict__ q, const float* __restrict__ k,
+                           const float2* __restrict__ stats, const uint32_t head, const uint32_t t,
+                           const uint32_t n_heads, const uint32_t n_kv, const uint32_t d_h, const uint32_t d,
+                           const uint32_t window) {
+    attn_x_v2_impl<kMaxDh>(y, x, q, k, stats, head, t, n_heads, n_kv, d_h, d, window);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// rope_moments + rope_row_hessians: BoA's row Hessians of W_Q and W_K (design.md §4.3) made where the
+//   per-head covariances are, so nothing of d_h² crosses to the host (it did: C_K and C_Q down, H_row up,
+//   ~4 MB per block at Gemma 3's d_h = 256, a sixth of a 270M block's weights).
+//   rope_moments_kernel: the position moments of the RoPE average for frequencies θ [half], positions
+//     0..P−1: cc[i,j] = mean_p cos(pθ_i)cos(pθ_j), cs[i,j] = mean_p cos(pθ_i)sin(pθ_j), ss[i,j] = mean_p
+//     sin(pθ_i)sin(pθ_j), in f64 (angles reach P·θ_0 ≈ 2048 rad: f32 angles would be off by ~1e-4 rad).
+//     Launch: grid half, block 128 (thread j < half; half ≤ 128, d_h ≤ 256), no smem; thread (i, j) sums
+//     over p in order, as the CPU twin.
+//   rope_row_hessians_kernel: out[o] = diag(g) M_o diag(g), M_o[a,b] = cc[k]·C̄[a,b] + s_b·cs[k]·C̄[a,b̄] +
+//     s_a·cs[k']·C̄[ā,b] + s_a·s_b·ss[k]·C̄[ā,b̄] (k = (a mod half, b mod half), k' its transpose, ā the
+//     rotation partner of a, s_a = +1 for a < half, −1 after), C̄ = the source covariance of output o (one
+//     KV head's for W_Q, its query heads' mean for W_K), in f64, stored f32.
+//     Launch: grid (ceil(d_h²/256), n_out), block 256, no smem: one output element per thread.
+//   CPU twin: ops::RopeAverage::{new, apply} through quant::hessian::{q,k}_row_hessians and
+//   scale_by_norm_weight (CpuBackend::rope_row_hessians); launchers: launch_rope_moments,
+//   launch_rope_row_hessians (backend/cuda/hessian.rs); parity test: parity_rope_row_hessians
+//   (tests/parity_quant.rs).
+// Roofline: moments half²·P·(2 sincos + 3 FMA) in f64: d_h 256, P 2048: 33.5M sincos ≈ 0.1–0.3 ms of an
+//   H200's f64 units; d_h 128: a quarter. The Hessians: 4 reads and ~10 flop per element of n_out·d_h²
+//   (≤ 2 MB at 32 heads × 128²): µs. Once per block each (q and k share the moments' layer).
+// Variants measured: none yet (no GPU run so far).
+// ---------------------------------------------------------------------------------------------------------
+constexpr int kRopeMomentThreads = 128;  // rope_moments: threads (= j) per block; half ≤ this
+constexpr int kRopeRowThreads = 256;     // rope_row_hessians: threads per block
+
+extern "C" __global__ void __launch_bounds__(kRopeMomentThreads)
+rope_moments_kernel(double* __restrict__ mom,            // [3 × half × half] out: cc, cs, ss
+                    const double* __restrict__ inv_freq,  // [half] θ_i
+                    const uint32_t half,                  // ≤ kRopeMomentThreads
+                    const uint32_t positions) {           // P (0 is read as 1 for the mean)
+    const uint32_t i = blockIdx.x, j = threadIdx.x;
+    if (i >= half || j >= half) return;
+    double cc = 0.0, cs = 0.0, ss = 0.0;
+    for (uint32_t p = 0; p < positions; ++p) {
+        double si, ci, sj, cj;
+        sincos((double)p * inv_freq[i], &si, &ci);
+        sincos((double)p * inv_freq[j], &sj, &cj);
+        cc += ci * cj;
+        cs += ci * sj;
+        ss += si * sj;
+    }
+    const double inv = 1.0 / (double)(positions > 0 ? positions : 1);
+    const size_t k = (size_t)i * half + j, hh = (size_t)half * half;
+    mom[k] = cc * inv;
+    mom[hh + k] = cs * inv;
+    mom[2 * hh + k] = ss * inv;
+}
+
+extern "C" __global__ void __launch_bounds__(kRopeRowThreads)
+rope_row_hessians_kernel(float* __restrict__ out,           // [n_out × d_h × d_h] out
+                         const float* __restrict__ c,       // [batch × d_h × d_h] finished covariances
+                         const double* __restrict__ mom,    // [3 × half × half] from rope_moments_kernel
+                         const float* __restrict__ g,       // [d_h] per-head norm weight (ones: none)
+                         const uint32_t n_out, const uint32_t batch,  // one a multiple of the other
+                         const uint32_t d_h) {              // = 2·half
+    const uint32_t o = blockIdx.y;
+    const uint32_t e = blockIdx.x * kRopeRowThreads + threadIdx.x;
+    const uint32_t dd = d_h * d_h;
+    if (e >= dd) return;
+    const uint32_t half = d_h / 2, a = e / d_h, b = e % d_h;
+    // C̄ of output o: one source when n_out ≥ batch (a query head reads its KV head), else the mean of r.
+    const uint32_t r = n_out >= batch ? 1 : batch / n_out;
+    const uint32_t src = n_out >= batch ? o / (n_out / batch) : o * r;
+    auto cbar = [&](uint32_t x, uint32_t y) {
+        double s = 0.0;
+        for (uint32_t q = 0; q < r; ++q) s += (double)c[(size_t)(src + q) * dd + (size_t)x * d_h + y] / (double)r;
+        return s;
+    };
+    const uint32_t pa = a < half ? a + half : a - half, pb = b < half ? b + half : b - half;
+    const double sa = a < half ? 1.0 : -1.0, sb = b < half ? 1.0 : -1.0;
+    const uint32_t fa = a % half, fb = b % half;
+    const size_t k = (size_t)fa * half + fb, kt = (size_t)fb * half + fa, hh = (size_t)half * half;
+    const double* cc = mom;
+    const double* cs = mom + hh;
+    const double* ss = mom + 2 * hh;
+    double m = cc[k] * cbar(a, b) + sb * cs[k] * cbar(a, pb) + sa * cs[kt] * cbar(pa, b) +
+               sa * sb * ss[k] * cbar(pa, pb);
+    m *= (double)g[a] * (double)g[b];
+    out[(size_t)o * dd + e] = (float)m;
 }

@@ -1,5 +1,6 @@
-// ops.cu — model ops of the Llama block forward (design.md §6 "ops"): token embedding, RMSNorm, RoPE, SwiGLU,
-// causal GQA attention (flash-style), the causal softmax probabilities of one sequence, and the two small
+// ops.cu — model ops of the Llama block forward (design.md §6 "ops"): token embedding (scaled for Gemma),
+// RMSNorm, RoPE, SwiGLU, GeGLU (Gemma), causal GQA attention (flash-style, sliding windows, d_h ≤ 256), the
+// causal softmax probabilities of one sequence, and the two small
 // helpers of the cuBLAS linear (bias add, f32 → bf16 operand conversion; the GEMM itself is cuBLAS,
 // src/backend/cuda/gemm.rs).
 // Kernels other than rms_norm take their sizes as plain scalar arguments (no params struct: nothing to mirror).
@@ -58,12 +59,13 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-constexpr int kElementwiseThreads = 256;  // rope, swiglu, bias_add, f32_to_bf16: threads per block
+constexpr int kElementwiseThreads = 256;  // rope, swiglu, geglu, bias_add, f32_to_bf16, embed: threads per block
 constexpr int kAttnProbsWarps = 4;        // attention_probs: warps (= query rows) per block
-constexpr int kAttnQueries = 64;          // causal_attention: query rows per CTA
-constexpr int kAttnThreadsPerQuery = 4;   // causal_attention: threads sharing one query row (consecutive lanes)
-constexpr int kAttnThreads = kAttnQueries * kAttnThreadsPerQuery;  // 256
-constexpr int kAttnKeys = 32;             // causal_attention: keys per shared-memory tile
+constexpr int kAttnThreads = 256;         // causal_attention (flash): threads per CTA, every head dim
+constexpr int kAttnTpqNarrow = 4;         // flash, kD ≤ 128: threads sharing one query row (consecutive lanes)
+constexpr int kAttnKeysNarrow = 32;       // flash, kD ≤ 128: keys per shared-memory tile
+constexpr int kAttnTpqWide = 8;           // flash, kD = 256: threads per query row (halves each one's registers)
+constexpr int kAttnKeysWide = 16;         // flash, kD = 256: keys per tile (K and V tiles stay at 32 KB)
 constexpr int kAttnV1Threads = 128;       // causal_attention v1: threads (= query rows) per block
 
 // --- GPU kernels ------------------------------------------------------------------------------------------
@@ -190,6 +192,32 @@ swiglu_kernel(float* __restrict__ out,         // [n] out
 }
 
 // ---------------------------------------------------------------------------------------------------------
+// geglu: out[i] = gelu_tanh(gate[i]) · up[i], gelu_tanh(g) = ½ g (1 + tanh(√(2/π) (g + 0.044715 g³))):
+//   transformers' "gelu_pytorch_tanh", Gemma's MLP activation, elementwise over n values.
+//   CPU twin: cpu::geglu via Backend::geglu (Rust's f32 tanh, libm's tanhf; tanhf here is within 2 ulp of
+//   it, and nvcc may fuse the polynomial's products into FMAs: the products agree up to rounding); launcher:
+//   launch_geglu; parity test: parity_geglu.
+// Launch shape: grid min(ceil(n/256), 65535·8), block 256, no smem, grid-stride, one element per thread per
+//   step, as swiglu.
+// Roofline: memory-bound, 12 bytes per element (2 reads, 1 write); tanhf is ~20 instructions, far under the
+//   ~100 flop/byte an H200 can spend. Gemma-3-1B (d_ff 6912) on 128 × 2048 tokens: 21.7 GB → ≈ 4.5 ms at
+//   4.8 TB/s per calibration pass.
+// Variants measured: none yet (no GPU run so far).
+// ---------------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(kElementwiseThreads)
+geglu_kernel(float* __restrict__ out,         // [n] out
+             const float* __restrict__ gate,  // [n]
+             const float* __restrict__ up,    // [n]
+             const uint64_t n) {
+    constexpr float kBeta = 0.7978846f;  // √(2/π), the CPU twin's constant
+    const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+    for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const float g = gate[i];
+        out[i] = 0.5f * g * (1.f + tanhf(kBeta * (g + 0.044715f * g * g * g))) * up[i];
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
 // bias_add: Y [m × n] += b [n] broadcast over rows (the bias of the cuBLAS linear, gemm.rs).
 // Launch shape: grid min(ceil(m·n/256), 65535·8), block 256, no smem, grid-stride.
 // Roofline: memory-bound, 8 bytes per element of Y (b stays in L1/L2); a separate pass because cublasSgemm has
@@ -220,11 +248,13 @@ f32_to_bf16_kernel(__nv_bfloat16* __restrict__ out,  // [n] out
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// embed: X [rows × d] = table[ids[r], :] for every row r: the token embedding gather, so the calibration
+// embed: X [rows × d] = table[ids[r], :] · scale for every row r (scale: Gemma's √d, else 1, which is exact):
+//   the token embedding gather, so the calibration
 //   activations (4 GiB at 7B with 128 × 2048 tokens) are made where they stay instead of crossing PCIe; the
 //   table [vocab × d] is uploaded once (0.5 GB at 7B in f32). ids are checked < vocab by the launcher's caller
-//   (CudaBackend::try_embed_t). CPU twin: the default Backend::embed_t (a host row copy); launcher:
-//   launch_embed; parity test: parity_embed (tests/parity_ops.rs), which must match bit for bit.
+//   (CudaBackend::try_embed_t). CPU twin: the default Backend::embed_t (a host row copy, times the scale in
+//   f32 as model::Model::embed does); launcher: launch_embed; parity test: parity_embed (tests/parity_ops.rs),
+//   which must match bit for bit (one f32 product per element on both sides).
 // Launch shape: grid min(ceil(rows·d/256), 65535·8), block 256, no smem, grid-stride over output elements:
 //   adjacent threads write adjacent columns of one row, so both the table row read and the write coalesce.
 // Roofline: memory-bound, 8 bytes per element (table row read, X written) + 4 per row for the id:
@@ -236,11 +266,12 @@ embed_kernel(float* __restrict__ x,               // [rows × d] out, row-major
              const float* __restrict__ table,     // [vocab × d] row-major
              const uint32_t* __restrict__ ids,    // [rows], each < vocab
              const uint64_t total,                // rows·d
-             const uint32_t d) {
+             const uint32_t d,
+             const float scale) {                 // the model's embedding scale (1: none)
     const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
     for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
         const uint64_t r = i / d;
-        x[i] = table[(uint64_t)ids[r] * d + (i - r * d)];
+        x[i] = table[(uint64_t)ids[r] * d + (i - r * d)] * scale;
     }
 }
 
@@ -305,8 +336,9 @@ attention_probs_kernel(float* __restrict__ p,        // [h × t × t] out, row-m
 // causal_attention v1 (naive): the same function as the flash kernels below (see their header for the math
 //   and layouts), as a direct port of the CPU twin: one thread per (sequence, head, query row); pass 1 takes
 //   the row max of the scaled scores, pass 2 recomputes each score, accumulates l = Σ e^(s − max) and
-//   O[i] += e^(s − max)·V[j] straight in global memory, and pass 3 divides by l. Any d_h. The baseline when
-//   the flash kernels drift (style.md rule 4), selected by AttentionVariant::Naive.
+//   O[i] += e^(s − max)·V[j] straight in global memory, and pass 3 divides by l. Any d_h, and the same sliding
+//   window (keys i − window < j ≤ i). The baseline when the flash kernels drift (style.md rule 4), selected by
+//   AttentionVariant::Naive.
 // Launch shape: grid (ceil(t/128), h, n_seq), block 128, no smem; threads with i ≥ t return at once.
 // Roofline: the flash kernels' 2·n_seq·h·t²·d_h flop plus another half of it (QKᵀ twice), but every score
 //   reads a key row per thread (uncoalesced across the warp) and every P·V step a read-modify-write of the
@@ -319,7 +351,8 @@ causal_attention_kernel_v1(float* __restrict__ o,        // [n_seq·t × h·d_h]
                            const float* __restrict__ k,  // [n_seq·t × h_kv·d_h] row-major
                            const float* __restrict__ v,  // [n_seq·t × h_kv·d_h] row-major
                            const uint32_t t, const uint32_t h, const uint32_t h_kv, const uint32_t d_h,
-                           const float scale) {  // 1/√d_h
+                           const uint32_t window,  // keys per query, itself included (≥ 1; t: none)
+                           const float scale) {    // 1/√d_h
     const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
     const uint32_t hd = blockIdx.y, s = blockIdx.z;
     if (i >= t) return;
@@ -329,9 +362,10 @@ causal_attention_kernel_v1(float* __restrict__ o,        // [n_seq·t × h·d_h]
     float* o_row = o + (((uint64_t)s * t + i) * h + hd) * d_h;
     const float* k_seq = k + (uint64_t)s * t * kv_gl_stride + (uint64_t)kv * d_h;
     const float* v_seq = v + (uint64_t)s * t * kv_gl_stride + (uint64_t)kv * d_h;
+    const uint32_t j_lo = i + 1 > window ? i + 1 - window : 0;  // the oldest key the window keeps
 
     float m = -INFINITY;
-    for (uint32_t j = 0; j <= i; ++j) {
+    for (uint32_t j = j_lo; j <= i; ++j) {
         const float* k_row = k_seq + j * kv_gl_stride;
         float dot = 0.f;
         for (uint32_t c = 0; c < d_h; ++c) dot += q_row[c] * k_row[c];
@@ -339,7 +373,7 @@ causal_attention_kernel_v1(float* __restrict__ o,        // [n_seq·t × h·d_h]
     }
     for (uint32_t c = 0; c < d_h; ++c) o_row[c] = 0.f;
     float l = 0.f;
-    for (uint32_t j = 0; j <= i; ++j) {
+    for (uint32_t j = j_lo; j <= i; ++j) {
         const float* k_row = k_seq + j * kv_gl_stride;
         const float* v_row = v_seq + j * kv_gl_stride;
         float dot = 0.f;
@@ -353,53 +387,72 @@ causal_attention_kernel_v1(float* __restrict__ o,        // [n_seq·t × h·d_h]
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// causal_attention v2 (flash, the default): O = softmax(Q Kᵀ/√d_h + causal mask) V per (sequence, query
-//   head), GQA (query head hd reads KV head hd / (h/h_kv)), without ever storing the probabilities:
-//   flash-attention's online softmax (running max m, running sum l, accumulator rescaled by e^(m_old − m_new)
-//   when the max grows), all f32.
+// causal_attention v2 (flash, the default): O = softmax(Q Kᵀ/√d_h + mask) V per (sequence, query head), GQA
+//   (query head hd reads KV head hd / (h/h_kv)), without ever storing the probabilities: flash-attention's
+//   online softmax (running max m, running sum l, accumulator rescaled by e^(m_old − m_new) when the max
+//   grows), all f32. The mask is causal, and with a sliding window (Mistral, Gemma 3's local layers) query i
+//   sees only keys i − window < j ≤ i (window keys, itself included; window = t is no window).
 //   Q, O [n_seq·t × h·d_h], K, V [n_seq·t × h_kv·d_h], row-major, token i of sequence s in row s·t + i.
-//   CPU twin: cpu::causal_attention_head via CpuBackend::causal_attention; launcher: launch_causal_attention;
-//   parity test: parity_causal_attention. kD ∈ {64, 128} is the padded head dim (d_h ≤ kD, the tail zero);
-//   d_h > 128 takes v1 (any d_h) or the CPU (the flash launcher refuses it).
+//   CPU twin: cpu::attention via CpuBackend::causal_attention / Backend::causal_attention_t (window);
+//   launcher: launch_causal_attention; parity tests: parity_causal_attention, parity_windowed_attention.
+//   kD ∈ {64, 128, 256} is the padded head dim (d_h ≤ kD, the tail zero); d_h > 256 takes v1 (any d_h) or the
+//   CPU (the flash launcher refuses it).
 //
-// Launch shape: grid (ceil(t/64), h, n_seq), block 256, static smem 2·32·kD·4 B (16 KB at kD = 64, 32 KB at
-//   128). CTA (qt, hd, s) owns query rows qt·64 .. qt·64+63 of head hd in sequence s; it walks key tiles of 32
-//   keys from key 0 up to its last query row (the causal mask skips the rest), K and V tiles staged in smem by
-//   all 256 threads (coalesced along d_h), then:
+// Launch shape: grid (ceil(t/Q), h, n_seq), block 256, static smem 2·kKeys·kD·4 B, where a query row is shared
+//   by kTpq threads and Q = 256/kTpq rows per CTA:
+//     kD =  64: kTpq 4, Q 64, tiles of 32 keys, 16 KB;
+//     kD = 128: kTpq 4, Q 64, tiles of 32 keys, 32 KB;
+//     kD = 256: kTpq 8, Q 32, tiles of 16 keys, 32 KB (Gemma 3; 8 threads per row keep q and the output
+//               accumulator at 32 + 32 registers per thread, and the half-height tiles keep the static smem
+//               under 48 KB).
+//   CTA (qt, hd, s) owns query rows qt·Q .. qt·Q+Q−1 of head hd in sequence s; it walks key tiles from the
+//   first key its first row's window keeps (key 0 without a window) up to its last query row (the causal
+//   mask skips the rest), K and V tiles staged in smem by all 256 threads (coalesced along d_h), then:
 //
-//        query row r (0..63) ← threads 4r .. 4r+3 (consecutive lanes of one warp), thread 4r+g owns the head
-//        dims c·4 + g (c < kD/4): its slice of q (pre-scaled by 1/√d_h) and of the output accumulator live
-//        in registers.
-//        scores: each thread dots its q slice with its dims of all 32 keys, and two xor-shuffles (1, 2) sum
-//        the 4 slices, so every thread of the row holds all 32 scores, bit-identical across the 4 (fp add is
-//        commutative), hence identical m and l with no further exchange.
-//        mask: key j > query i → −∞. Key 0 is in the first tile and visible to every row, so m is finite
-//        from the first tile on and e^(−∞ − m) = 0 never meets −∞ − (−∞).
+//        query row r (0..Q−1) ← threads kTpq·r .. kTpq·r+kTpq−1 (consecutive lanes of one warp), thread
+//        kTpq·r+g owns the head dims c·kTpq + g (c < kD/kTpq): its slice of q (pre-scaled by 1/√d_h) and of
+//        the output accumulator live in registers.
+//        scores: each thread dots its q slice with its dims of all the tile's keys, and log2(kTpq)
+//        xor-shuffles (1, 2[, 4]) sum the slices, so every thread of the row holds all the tile's scores,
+//        bit-identical across the kTpq (fp add is commutative), hence identical m and l with no further
+//        exchange.
+//        mask: key j > query i, or j ≤ i − window → −∞. Without a window key 0 is in the first tile and
+//        visible to every row, so m is finite from the first tile on. With one, a row may see no key of a
+//        tile (all older than its window: rows late in the CTA, early tiles): its m stays −∞, and the
+//        exponentials are then taken against 0 instead (e^(−∞ − 0) = 0), never −∞ − (−∞). Key i itself is
+//        always visible, so l > 0 at the end.
 //
 //   Rows past t (the last tile) compute on zero queries and are never stored; every thread reaches every
-//   barrier and shuffle. Smem reads: lanes 4r+g read K[j][c·4+g], 4 consecutive words broadcast to the 8 rows
-//   of the warp → conflict-free.
-// Roofline: 2·n_seq·h·t²·d_h flop over the causal half (QKᵀ and PV); 7B-sized call (n_seq 8, t 512, h 32,
-//   d_h 128): 17 GFLOP → ≈ 0.3 ms at the H200's ~60 TFLOP/s f32 (no tensor cores: this is the f32 reference
-//   path); bytes (Q, K, V, O once: 4 × 16.8 MB) ≈ 14 µs, so arithmetic-bound. One smem load per FMA caps this
-//   version at roughly a third of f32 peak; a tensor-core (bf16 mma) variant is the next step once measured.
+//   barrier and shuffle. Smem reads: lanes kTpq·r+g read K[j][c·kTpq+g], kTpq consecutive words broadcast to
+//   the 32/kTpq rows of the warp → conflict-free.
+// Roofline: 2·n_seq·h·t²·d_h flop over the causal half (QKᵀ and PV), 4·n_seq·h·t·window·d_h with a window
+//   (less the first window's triangle); 7B-sized call (n_seq 8, t 512, h 32, d_h 128): 17 GFLOP → ≈ 0.3 ms at
+//   the H200's ~60 TFLOP/s f32 (no tensor cores: this is the f32 reference path); bytes (Q, K, V, O once:
+//   4 × 16.8 MB) ≈ 14 µs, so arithmetic-bound. One smem load per FMA caps this version at roughly a third of
+//   f32 peak; a tensor-core (bf16 mma) variant is the next step once measured. Gemma-3-1B-like call (n_seq 8,
+//   t 2048, h 4, d_h 256, window 512 on the local layers): global 8.6 GFLOP, local 7.5 GFLOP (the window
+//   skips the key tiles before it) → ≈ 0.15 ms each at f32 peak, ~0.5 ms at this kernel's third of it.
 // Checked without a GPU: profiling/emulate_causal_attention.py replays this thread map, tiling, mask and online
-//   softmax in numpy f32 (rel. error ≤ 2.4e-7 vs f64 on six shapes, 2026-11-30); CUDA semantics unverified.
+//   softmax in numpy f32 (rel. error ≤ 2.4e-7 vs f64 on six shapes, 2026-11-30; kD ≤ 128, no window); the CPU
+//   emulator of the CUDA stack runs the kernels themselves (profiling/emu); CUDA semantics unverified.
 // Variants measured: none yet (no GPU run so far).
 // ---------------------------------------------------------------------------------------------------------
-template <int kD>
+template <int kD, int kTpq, int kKeys>
 __device__ __forceinline__ void causal_attention_tile(
     float* __restrict__ o, const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-    const uint32_t t, const uint32_t h, const uint32_t h_kv, const uint32_t d_h, const float scale) {
-    constexpr int kSlice = kD / kAttnThreadsPerQuery;  // head dims per thread
-    __shared__ float k_sh[kAttnKeys][kD];
-    __shared__ float v_sh[kAttnKeys][kD];
+    const uint32_t t, const uint32_t h, const uint32_t h_kv, const uint32_t d_h, const uint32_t window,
+    const float scale) {
+    constexpr int kQueries = kAttnThreads / kTpq;  // query rows per CTA
+    constexpr int kSlice = kD / kTpq;              // head dims per thread
+    static_assert(kTpq == 4 || kTpq == 8, "the score reduction below shuffles within groups of 4 or 8 lanes");
+    __shared__ float k_sh[kKeys][kD];
+    __shared__ float v_sh[kKeys][kD];
 
     const uint32_t s = blockIdx.z, hd = blockIdx.y;
     const uint32_t kv = hd / (h / h_kv);
-    const int r = threadIdx.x / kAttnThreadsPerQuery;  // query row within the tile
-    const int g = threadIdx.x % kAttnThreadsPerQuery;  // which dim slice of the row
-    const uint32_t q0 = blockIdx.x * kAttnQueries;
+    const int r = threadIdx.x / kTpq;  // query row within the tile
+    const int g = threadIdx.x % kTpq;  // which dim slice of the row
+    const uint32_t q0 = blockIdx.x * kQueries;
     const uint32_t i = q0 + r;  // query position in the sequence
     const bool live = i < t;
     const uint64_t q_gl_stride = (uint64_t)h * d_h;    // row stride of Q and O
@@ -412,17 +465,19 @@ __device__ __forceinline__ void causal_attention_tile(
         const float* q_row = q + ((uint64_t)s * t + i) * q_gl_stride + (uint64_t)hd * d_h;
 #pragma unroll
         for (int c = 0; c < kSlice; ++c) {
-            const uint32_t d = c * kAttnThreadsPerQuery + g;
+            const uint32_t d = c * kTpq + g;
             q_rg[c] = (live && d < d_h) ? q_row[d] * scale : 0.f;
             acc[c] = 0.f;
         }
     }
     float m = -INFINITY, l = 0.f;
 
-    const uint32_t key_end = min(q0 + kAttnQueries, t);  // keys 0..key_end−1 can be visible to this tile
-    for (uint32_t j0 = 0; j0 < key_end; j0 += kAttnKeys) {
+    const uint32_t key_end = min(q0 + kQueries, t);  // keys 0..key_end−1 can be visible to this tile
+    // Row q0's window starts earliest (at q0 + 1 − window): the tiles before that one are masked for every row.
+    const uint32_t key_begin = q0 + 1 > window ? (q0 + 1 - window) / kKeys * kKeys : 0;
+    for (uint32_t j0 = key_begin; j0 < key_end; j0 += kKeys) {
         __syncthreads();  // every thread is done reading the previous tile
-        for (int e = threadIdx.x; e < kAttnKeys * kD; e += kAttnThreads) {
+        for (int e = threadIdx.x; e < kKeys * kD; e += kAttnThreads) {
             const int jj = e / kD, d = e % kD;
             const uint32_t j = j0 + jj;
             const bool in = j < t && (uint32_t)d < d_h;
@@ -431,29 +486,32 @@ __device__ __forceinline__ void causal_attention_tile(
         }
         __syncthreads();
 
-        float sc[kAttnKeys];
+        float sc[kKeys];
         float m_tile = -INFINITY;
 #pragma unroll
-        for (int jj = 0; jj < kAttnKeys; ++jj) {
+        for (int jj = 0; jj < kKeys; ++jj) {
             float part = 0.f;
 #pragma unroll
-            for (int c = 0; c < kSlice; ++c) part += q_rg[c] * k_sh[jj][c * kAttnThreadsPerQuery + g];
-            part += __shfl_xor_sync(kFullMask, part, 1);
-            part += __shfl_xor_sync(kFullMask, part, 2);
-            sc[jj] = (j0 + jj <= i) ? part : -INFINITY;  // causal mask (also hides keys ≥ t, as i < t or dead)
+            for (int c = 0; c < kSlice; ++c) part += q_rg[c] * k_sh[jj][c * kTpq + g];
+#pragma unroll
+            for (int off = 1; off < kTpq; off *= 2) part += __shfl_xor_sync(kFullMask, part, off);
+            // Causal (also hides keys ≥ t, as i < t or dead) and windowed: j ≤ i, i − j < window.
+            const uint32_t j = j0 + jj;
+            sc[jj] = (j <= i && i - j < window) ? part : -INFINITY;
             m_tile = fmaxf(m_tile, sc[jj]);
         }
-        const float m_new = fmaxf(m, m_tile);  // finite: see the header
-        const float corr = expf(m - m_new);    // 0 on the first tile (m = −∞)
+        const float m_new = fmaxf(m, m_tile);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // −∞ only under a window: see the header
+        const float corr = expf(m - m_use);                      // 0 while m = −∞
         l *= corr;
 #pragma unroll
         for (int c = 0; c < kSlice; ++c) acc[c] *= corr;
 #pragma unroll
-        for (int jj = 0; jj < kAttnKeys; ++jj) {
-            const float pj = expf(sc[jj] - m_new);
+        for (int jj = 0; jj < kKeys; ++jj) {
+            const float pj = expf(sc[jj] - m_use);
             l += pj;
 #pragma unroll
-            for (int c = 0; c < kSlice; ++c) acc[c] += pj * v_sh[jj][c * kAttnThreadsPerQuery + g];
+            for (int c = 0; c < kSlice; ++c) acc[c] += pj * v_sh[jj][c * kTpq + g];
         }
         m = m_new;
     }
@@ -463,21 +521,23 @@ __device__ __forceinline__ void causal_attention_tile(
     float* o_row = o + ((uint64_t)s * t + i) * q_gl_stride + (uint64_t)hd * d_h;
 #pragma unroll
     for (int c = 0; c < kSlice; ++c) {
-        const uint32_t d = c * kAttnThreadsPerQuery + g;
+        const uint32_t d = c * kTpq + g;
         if (d < d_h) o_row[d] = acc[c] * inv;
     }
 }
 
-// Explicit entry points of v2 (flash), one per padded head dim (style.md rule 17): 64 (SmolLM2-135M) and 128
-// (Llama, Mistral and Qwen 7B). d_h ≤ 64 takes the d64 kernel, 64 < d_h ≤ 128 the d128 one (the tail dims are zero).
+// Explicit entry points of v2 (flash), one per padded head dim (style.md rule 17): 64 (SmolLM2-135M), 128
+// (Llama, Mistral and Qwen 7B) and 256 (Gemma 3 270M–12B). d_h ≤ 64 takes the d64 kernel, 64 < d_h ≤ 128 the
+// d128 one, 128 < d_h ≤ 256 the d256 one (the tail dims are zero).
 extern "C" __global__ void __launch_bounds__(kAttnThreads)
 causal_attention_kernel_d64(float* __restrict__ o,        // [n_seq·t × h·d_h] out, row-major
                             const float* __restrict__ q,  // [n_seq·t × h·d_h] row-major
                             const float* __restrict__ k,  // [n_seq·t × h_kv·d_h] row-major
                             const float* __restrict__ v,  // [n_seq·t × h_kv·d_h] row-major
                             const uint32_t t, const uint32_t h, const uint32_t h_kv, const uint32_t d_h,
-                            const float scale) {  // 1/√d_h
-    causal_attention_tile<64>(o, q, k, v, t, h, h_kv, d_h, scale);
+                            const uint32_t window,  // keys per query, itself included (≥ 1; t: no window)
+                            const float scale) {    // 1/√d_h
+    causal_attention_tile<64, kAttnTpqNarrow, kAttnKeysNarrow>(o, q, k, v, t, h, h_kv, d_h, window, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(kAttnThreads)
@@ -486,6 +546,18 @@ causal_attention_kernel_d128(float* __restrict__ o,        // [n_seq·t × h·d_
                              const float* __restrict__ k,  // [n_seq·t × h_kv·d_h] row-major
                              const float* __restrict__ v,  // [n_seq·t × h_kv·d_h] row-major
                              const uint32_t t, const uint32_t h, const uint32_t h_kv, const uint32_t d_h,
-                             const float scale) {  // 1/√d_h
-    causal_attention_tile<128>(o, q, k, v, t, h, h_kv, d_h, scale);
+                             const uint32_t window,  // keys per query, itself included (≥ 1; t: no window)
+                             const float scale) {    // 1/√d_h
+    causal_attention_tile<128, kAttnTpqNarrow, kAttnKeysNarrow>(o, q, k, v, t, h, h_kv, d_h, window, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(kAttnThreads)
+causal_attention_kernel_d256(float* __restrict__ o,        // [n_seq·t × h·d_h] out, row-major
+                             const float* __restrict__ q,  // [n_seq·t × h·d_h] row-major
+                             const float* __restrict__ k,  // [n_seq·t × h_kv·d_h] row-major
+                             const float* __restrict__ v,  // [n_seq·t × h_kv·d_h] row-major
+                             const uint32_t t, const uint32_t h, const uint32_t h_kv, const uint32_t d_h,
+                             const uint32_t window,  // keys per query, itself included (≥ 1; t: no window)
+                             const float scale) {    // 1/√d_h
+    causal_attention_tile<256, kAttnTpqWide, kAttnKeysWide>(o, q, k, v, t, h, h_kv, d_h, window, scale);
 }

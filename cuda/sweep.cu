@@ -43,6 +43,16 @@
 //   addresses in distinct banks), δ_sh[c][j] (stride 129: read at (s − i, j), written at (s − i, i)), the
 //   U_col block, the codes. One barrier per step. This is BoA block variant v1 (sweep.rs BoaBlockVariant::W32).
 //
+// boa_block_kernel_d256: the same kernel (one template, boa_block_impl) for heads of 129–256 rows (Gemma 3's
+//   d_h = 256): block 256 threads (thread i = row i), column blocks of 16 so the static smem stays under 48 KB
+//   (w_sh [16][258] 16.1 KB, δ_sh [16][257] 16.1 KB, U_col block 1.1 KB, codes 4 KB: 37.3 KB); the even W
+//   stride 258 keeps the wavefront's addresses in distinct banks as 130 does. Whatever BoaBlockVariant is
+//   selected, a head wider than 128 runs this kernel (v2's 128-column tiles of 256 rows would need 420 KB).
+//   Depth: 16 + 255 = 271 barrier steps per 16-column block, n/16·271 ≈ 17·n in all against v1's
+//   n/32·159 ≈ 5·n at d_h = 128: the wavefront's fill (d_h − 1 steps per block) dominates at this width.
+//   Gemma-3-1B's q_proj (4 heads × 256 rows, n = 1152): 72 blocks × 271 = 19.5K steps, ~10–20 ms at v1's
+//   per-step estimate (the cross-row dot has up to 255 terms), plus 71 trailing GEMMs of k = 16.
+//
 // boa_block_kernel_v2 (BoaBlockVariant::W128): the same wavefront over a 128-column block, so a 4096-wide
 //   projection takes 32 block launches of d_h + 127 = 255 steps (Σ 8.2K barrier steps) instead of 128 of 159
 //   (20.4K), and the trailing GEMMs get k = 128 (4× less W traffic). Same CPU twin and parity test (both
@@ -98,8 +108,10 @@ constexpr int kGptqMaxBw = 128;   // gptq_block: widest column block; must match
 constexpr int kGemmTile = 64;
 constexpr int kGemmK = 16;
 constexpr int kGemmThreads = 256;
-constexpr int kBoaMaxDh = 128;    // boa_block: must match BOA_MAX_DH in sweep.rs
+constexpr int kBoaMaxDh = 128;    // boa_block, boa_block_v2: must match BOA_NARROW_DH in sweep.rs
 constexpr int kBoaBw = 32;        // boa_block: column block width; must match BOA_BLOCK in sweep.rs
+constexpr int kBoaWideDh = 256;   // boa_block_kernel_d256: must match BOA_MAX_DH in sweep.rs
+constexpr int kBoaWideBw = 16;    // boa_block_kernel_d256: column block width; must match BOA_BLOCK_WIDE
 constexpr int kBoaWStride = kBoaMaxDh + 2;
 constexpr int kBoaDStride = kBoaMaxDh + 1;
 constexpr int kBoa2Bw = 128;      // boa_block_v2: column block width; must match BOA_BLOCK_V2 in sweep.rs
@@ -217,24 +229,27 @@ sweep_trailing_gemm_kernel(float* __restrict__ c,        // [rows × ncol], row 
         }
 }
 
-extern "C" __global__ void __launch_bounds__(kBoaMaxDh)
-boa_block_kernel(float* __restrict__ w,              // [n_heads·d_h × n] in: W with earlier blocks' own updates
-                 const float* __restrict__ w0,       // [n_heads·d_h × n] the weights before the sweep
-                 float* __restrict__ q,              // [n_heads·d_h × n] out: Q of block columns
-                 uint8_t* __restrict__ codes,        // [n_heads·d_h × n] out
-                 float* __restrict__ e,              // [bw × n_heads·d_h] out: E of the block, column-major
-                 const float* __restrict__ u_col,    // [n × n] shared, or [n_heads × n × n] per head
-                 const uint64_t u_head_stride,       // 0 (shared U_col) or n² (per head)
-                 const float* __restrict__ f_row,    // [n_heads × d_h × d_h]: F[j, i] = U_row[j, i]/U_row[j, j]
-                 const float* __restrict__ scales,   // [n_heads·d_h × n_groups]
-                 const float* __restrict__ zeros,    // [n_heads·d_h × n_groups]
-                 const uint32_t* __restrict__ col_group,  // [n]
-                 const uint32_t d_h, const uint32_t n, const uint32_t n_groups, const uint32_t i1,
-                 const uint32_t i2, const float maxq) {
-    __shared__ float w_sh[kBoaBw][kBoaWStride];   // own-updated W of the block; Q once quantized
-    __shared__ float dl_sh[kBoaBw][kBoaDStride];  // δ_{j,c}
-    __shared__ float u_sh[kBoaBw][kBoaBw + 1];    // U_col[i1.., i1..] block
-    __shared__ uint8_t c_sh[kBoaBw][kBoaMaxDh];
+// boa_block_kernel's body for heads of up to kDh rows (= threads) and column blocks of kBw: the one code of
+// both its instantiations (style.md: one copy, variants by template).
+template <int kDh, int kBw>
+__device__ __forceinline__ void boa_block_impl(
+    float* __restrict__ w,              // [n_heads·d_h × n] in: W with earlier blocks' own updates
+    const float* __restrict__ w0,       // [n_heads·d_h × n] the weights before the sweep
+    float* __restrict__ q,              // [n_heads·d_h × n] out: Q of block columns
+    uint8_t* __restrict__ codes,        // [n_heads·d_h × n] out
+    float* __restrict__ e,              // [bw × n_heads·d_h] out: E of the block, column-major
+    const float* __restrict__ u_col,    // [n × n] shared, or [n_heads × n × n] per head
+    const uint64_t u_head_stride,       // 0 (shared U_col) or n² (per head)
+    const float* __restrict__ f_row,    // [n_heads × d_h × d_h]: F[j, i] = U_row[j, i]/U_row[j, j]
+    const float* __restrict__ scales,   // [n_heads·d_h × n_groups]
+    const float* __restrict__ zeros,    // [n_heads·d_h × n_groups]
+    const uint32_t* __restrict__ col_group,  // [n]
+    const uint32_t d_h, const uint32_t n, const uint32_t n_groups, const uint32_t i1,
+    const uint32_t i2, const float maxq) {  // i2 − i1 ≤ kBw, d_h ≤ kDh = blockDim.x
+    __shared__ float w_sh[kBw][kDh + 2];   // own-updated W of the block; Q once quantized (even stride: header)
+    __shared__ float dl_sh[kBw][kDh + 1];  // δ_{j,c}
+    __shared__ float u_sh[kBw][kBw + 1];   // U_col[i1.., i1..] block
+    __shared__ uint8_t c_sh[kBw][kDh];
     const uint32_t head = blockIdx.x, tid = threadIdx.x, bw = i2 - i1;
     const uint32_t rows_total = gridDim.x * d_h, row0 = head * d_h;
     const float* uc = u_col + u_head_stride * head;
@@ -274,6 +289,30 @@ boa_block_kernel(float* __restrict__ w,              // [n_heads·d_h × n] in: 
         q[(size_t)(row0 + ii) * n + i1 + c] = w_sh[c][ii];
         codes[(size_t)(row0 + ii) * n + i1 + c] = c_sh[c][ii];
     }
+}
+
+
+extern "C" __global__ void __launch_bounds__(kBoaMaxDh)
+boa_block_kernel(float* __restrict__ w, const float* __restrict__ w0, float* __restrict__ q,
+                 uint8_t* __restrict__ codes, float* __restrict__ e, const float* __restrict__ u_col,
+                 const uint64_t u_head_stride, const float* __restrict__ f_row, const float* __restrict__ scales,
+                 const float* __restrict__ zeros, const uint32_t* __restrict__ col_group, const uint32_t d_h,
+                 const uint32_t n, const uint32_t n_groups, const uint32_t i1, const uint32_t i2,
+                 const float maxq) {  // arguments as boa_block_impl's; d_h ≤ 128, i2 − i1 ≤ 32
+    boa_block_impl<kBoaMaxDh, kBoaBw>(w, w0, q, codes, e, u_col, u_head_stride, f_row, scales, zeros, col_group,
+                                      d_h, n, n_groups, i1, i2, maxq);
+}
+
+extern "C" __global__ void __launch_bounds__(kBoaWideDh)
+boa_block_kernel_d256(float* __restrict__ w, const float* __restrict__ w0, float* __restrict__ q,
+                      uint8_t* __restrict__ codes, float* __restrict__ e, const float* __restrict__ u_col,
+                      const uint64_t u_head_stride, const float* __restrict__ f_row,
+                      const float* __restrict__ scales, const float* __restrict__ zeros,
+                      const uint32_t* __restrict__ col_group, const uint32_t d_h, const uint32_t n,
+                      const uint32_t n_groups, const uint32_t i1, const uint32_t i2,
+                      const float maxq) {  // arguments as boa_block_impl's; 128 < d_h ≤ 256, i2 − i1 ≤ 16
+    boa_block_impl<kBoaWideDh, kBoaWideBw>(w, w0, q, codes, e, u_col, u_head_stride, f_row, scales, zeros,
+                                           col_group, d_h, n, n_groups, i1, i2, maxq);
 }
 
 extern "C" __global__ void __launch_bounds__(kBoaMaxDh, 1)

@@ -560,6 +560,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             seed,
         } => {
             let spec = boa_cuda::model::synth::SynthSpec {
+                arch: boa_cuda::model::synth::SynthArch::Llama,
                 d,
                 d_ff,
                 n_layers: layers,

@@ -276,15 +276,71 @@ fn parity_swiglu(b: &dyn Backend) {
     );
 }
 
+// --- geglu -------------------------------------------------------------------------------------------------
+
+/// gelu_tanh in f32 (the CPU's f32 polynomial and tanh, or CUDA's tanhf within 2 ulp, FMA-contracted) vs the
+/// f64 formula. For g < 0, 1 + tanh(z) cancels (at g = −5, tanh(z) = −1 + 1e-8 rounds to −1 and the f32
+/// result is 0 against 5e-8·|u| in f64): the formula's own f32 error is absolute, a few u of the terms
+/// ½·|g|·|u|·(1 + |tanh z|), not of the result. So the error is taken normwise against the terms' scale,
+/// ‖y − ref‖ / ‖g ⊙ u‖ ≲ 3u ≈ 2e-7; 2e-6 leaves 10× headroom. A wrong constant (√(2/π) or 0.044715) moves
+/// every unsaturated element by ~1e-4 of g·u.
+const GEGLU_TOL: f64 = 2e-6;
+
+fn parity_geglu(b: &dyn Backend) {
+    let mut rng = rng();
+    let mut worst = 0f64;
+    for n in SWIGLU_N {
+        // Mostly |g| < 6 (where gelu bends), a few far out (±100: tanh saturates).
+        let gate: Vec<f32> = (0..n)
+            .map(|i| {
+                if i % 97 == 5 {
+                    rng.random_range(-100.0f32..100.0)
+                } else {
+                    rng.random_range(-6.0f32..6.0)
+                }
+            })
+            .collect();
+        let up: Vec<f32> = (0..n).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+        let y = b.geglu(&gate, &up).unwrap();
+        assert_eq!(y.len(), n, "{}: geglu output length", b.name());
+        let beta = (2.0 / std::f64::consts::PI).sqrt();
+        let reference: Vec<f64> = gate
+            .iter()
+            .zip(&up)
+            .map(|(&g, &u)| {
+                let g = g as f64;
+                0.5 * g * (1.0 + (beta * (g + 0.044715 * g * g * g)).tanh()) * u as f64
+            })
+            .collect();
+        let (mut num, mut den) = (0f64, 0f64);
+        for ((&a, &r), (&g, &u)) in y.iter().zip(&reference).zip(gate.iter().zip(&up)) {
+            num += (a as f64 - r).powi(2); // NaN (an unwritten output) propagates and fails
+            den += (g as f64 * u as f64).powi(2);
+        }
+        let err = (num / den.max(f64::MIN_POSITIVE)).sqrt();
+        assert!(
+            err <= GEGLU_TOL,
+            "{}: geglu n={n}: rel. error {err:.3e} > {GEGLU_TOL:.0e} (NaN = unwritten output)",
+            b.name()
+        );
+        worst = worst.max(err);
+    }
+    println!(
+        "{}: geglu max rel. error {worst:.3e} (bound {GEGLU_TOL:.0e})",
+        b.name()
+    );
+}
+
 // --- embedding -------------------------------------------------------------------------------------------
 
 /// (vocab, d, tokens): SmolLM2's width over a small vocabulary, a width that is no multiple of 4 with one
 /// token, and more output elements than one elementwise grid covers (the grid-stride loop).
 const EMBED_SHAPES: [(usize, usize, usize); 3] = [(50, 576, 37), (7, 1001, 1), (300, 4096, 1100)];
 
-/// The gather moves values and computes nothing, so it must match the host row copy bit for bit, from a
-/// table in the backend's own memory (`upload_weight`) and from a host tensor alike; an id past the table is
-/// refused (the CUDA kernel would read out of bounds).
+/// The gather moves values and computes at most one f32 product (Gemma's √d scale), so it must match the host
+/// row copy times the scale bit for bit, unscaled and scaled, from a table in the backend's own memory
+/// (`upload_weight`) and from a host tensor alike; an id past the table is refused (the CUDA kernel would read
+/// out of bounds).
 fn parity_embed(b: &dyn Backend) {
     use boa_cuda::backend::Tensor;
     let mut rng = rng();
@@ -301,20 +357,23 @@ fn parity_embed(b: &dyn Backend) {
             ids[1] = 0;
             ids[2] = ids[0];
         }
-        let want: Vec<f32> = ids
-            .iter()
-            .flat_map(|&i| table[i as usize * d..(i as usize + 1) * d].iter().copied())
-            .collect();
         let resident = b.upload_weight(&table).unwrap();
         let host = Tensor::Host(table.clone());
-        for t in [resident.as_ref(), Some(&host)].into_iter().flatten() {
-            let x = b.embed_t(t, &ids, d).unwrap();
-            assert_eq!(
-                b.read(&x).unwrap().as_ref(),
-                want.as_slice(),
-                "{}: embed vocab={vocab} d={d} tokens={tokens} from {t:?}",
-                b.name()
-            );
+        for scale in [1.0, (d as f32).sqrt()] {
+            let want: Vec<f32> = ids
+                .iter()
+                .flat_map(|&i| table[i as usize * d..(i as usize + 1) * d].iter())
+                .map(|&v| v * scale)
+                .collect();
+            for t in [resident.as_ref(), Some(&host)].into_iter().flatten() {
+                let x = b.embed_t(t, &ids, d, scale).unwrap();
+                assert_eq!(
+                    b.read(&x).unwrap().as_ref(),
+                    want.as_slice(),
+                    "{}: embed vocab={vocab} d={d} tokens={tokens} scale={scale} from {t:?}",
+                    b.name()
+                );
+            }
         }
     }
     println!(
@@ -328,7 +387,7 @@ fn parity_embed(b: &dyn Backend) {
 fn embed_refuses_an_id_past_the_table_on_cuda() {
     with_cuda(|b| {
         let table = boa_cuda::backend::Tensor::Host(vec![0.0; 4 * 8]);
-        let e = b.try_embed_t(&table, &[1, 4], 8).unwrap_err();
+        let e = b.try_embed_t(&table, &[1, 4], 8, 1.0).unwrap_err();
         assert!(e.to_string().contains("token id 4"), "{e}");
     });
 }
@@ -344,8 +403,8 @@ const ATTN_TOL: f64 = 2e-5;
 /// (n_seq, t, h, h_kv, d_h): one token; GQA 2:1 over two 64-query tiles plus a partial; d_h = 128 with t one
 /// past two tiles and GQA 3:1; SmolLM2 (9 heads over 3 KV heads of 64); d_h = 80 (padded into the d128
 /// kernel); no GQA (h = h_kv), d_h = 32; four key tiles of 128-wide heads, GQA 2:1; an odd d_h (17); d_h = 192
-/// (above the flash kernels' 128: the naive kernel or the CPU).
-const ATTN_SHAPES: [(usize, usize, usize, usize, usize); 9] = [
+/// (padded into the d256 kernel); d_h = 256 (Gemma 3) over three 32-row query tiles, GQA 2:1.
+const ATTN_SHAPES: [(usize, usize, usize, usize, usize); 10] = [
     (1, 1, 1, 1, 64),
     (2, 70, 4, 2, 64),
     (1, 129, 6, 2, 128),
@@ -355,6 +414,7 @@ const ATTN_SHAPES: [(usize, usize, usize, usize, usize); 9] = [
     (1, 200, 4, 2, 128),
     (1, 20, 3, 1, 17),
     (1, 5, 2, 2, 192),
+    (1, 70, 4, 2, 256),
 ];
 
 /// Q [n·t × h·d_h] or K/V [n·t × h_kv·d_h] with random rows; query rows get a random scale 10^±1, so some
@@ -373,7 +433,7 @@ fn attn_input(rng: &mut ChaCha8Rng, rows: usize, width: usize, row_scale: bool) 
 }
 
 /// Causal softmax probabilities [t × t] of one (sequence, head) in f64: Q rows at q[(i)·q_stride + q_off..],
-/// K rows at k[j·k_stride + k_off..].
+/// K rows at k[j·k_stride + k_off..]; query i sees keys i − window < j ≤ i (window ≥ t: every earlier key).
 #[allow(clippy::too_many_arguments)]
 fn probs_ref(
     q: &[f32],
@@ -382,20 +442,23 @@ fn probs_ref(
     d_h: usize,
     (q_stride, q_off): (usize, usize),
     (k_stride, k_off): (usize, usize),
+    window: usize,
 ) -> Vec<f64> {
     let scale = 1.0 / (d_h as f64).sqrt();
     let mut p = vec![0f64; t * t];
     for i in 0..t {
+        let lo = (i + 1).saturating_sub(window);
         let row = &mut p[i * t..(i + 1) * t];
-        for (j, pj) in row.iter_mut().enumerate().take(i + 1) {
+        for (j, pj) in row.iter_mut().enumerate().take(i + 1).skip(lo) {
             *pj = (0..d_h)
                 .map(|c| q[i * q_stride + q_off + c] as f64 * k[j * k_stride + k_off + c] as f64)
                 .sum::<f64>()
                 * scale;
         }
-        let max = row[..=i].iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-        let sum: f64 = row[..=i].iter().map(|s| (s - max).exp()).sum();
-        for pj in &mut row[..=i] {
+        let live = &mut row[lo..=i];
+        let max = live.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let sum: f64 = live.iter().map(|s| (s - max).exp()).sum();
+        for pj in live {
             *pj = (*pj - max).exp() / sum;
         }
     }
@@ -425,6 +488,7 @@ fn parity_attention_probs(b: &dyn Backend) {
                 d_h,
                 (h * d_h, head * d_h),
                 (h_kv * d_h, kv * d_h),
+                t,
             ));
         }
         let err = rel_err(&p, &reference);
@@ -455,6 +519,36 @@ fn parity_attention_probs(b: &dyn Backend) {
     );
 }
 
+/// O of causal GQA attention in f64 from the f64 probabilities (`probs_ref`, `window` as there).
+fn attention_ref(
+    (q, k, v): (&[f32], &[f32], &[f32]),
+    n_seq: usize,
+    (t, h, h_kv, d_h): (usize, usize, usize, usize),
+    window: usize,
+) -> Vec<f64> {
+    let (qw, kw) = (h * d_h, h_kv * d_h);
+    let mut reference = vec![0f64; n_seq * t * qw];
+    for s in 0..n_seq {
+        let (qs, ks) = (
+            &q[s * t * qw..(s + 1) * t * qw],
+            &k[s * t * kw..(s + 1) * t * kw],
+        );
+        let vs = &v[s * t * kw..(s + 1) * t * kw];
+        for head in 0..h {
+            let kv = head / (h / h_kv);
+            let p = probs_ref(qs, ks, t, d_h, (qw, head * d_h), (kw, kv * d_h), window);
+            for i in 0..t {
+                for c in 0..d_h {
+                    reference[(s * t + i) * qw + head * d_h + c] = (0..=i)
+                        .map(|j| p[i * t + j] * vs[j * kw + kv * d_h + c] as f64)
+                        .sum();
+                }
+            }
+        }
+    }
+    reference
+}
+
 fn parity_causal_attention(b: &dyn Backend) {
     let mut rng = rng();
     let mut worst = 0f64;
@@ -472,25 +566,7 @@ fn parity_causal_attention(b: &dyn Backend) {
             "{}: causal_attention output length",
             b.name()
         );
-        let mut reference = vec![0f64; n_seq * t * qw];
-        for s in 0..n_seq {
-            let (qs, ks) = (
-                &q[s * t * qw..(s + 1) * t * qw],
-                &k[s * t * kw..(s + 1) * t * kw],
-            );
-            let vs = &v[s * t * kw..(s + 1) * t * kw];
-            for head in 0..h {
-                let kv = head / (h / h_kv);
-                let p = probs_ref(qs, ks, t, d_h, (qw, head * d_h), (kw, kv * d_h));
-                for i in 0..t {
-                    for c in 0..d_h {
-                        reference[(s * t + i) * qw + head * d_h + c] = (0..=i)
-                            .map(|j| p[i * t + j] * vs[j * kw + kv * d_h + c] as f64)
-                            .sum();
-                    }
-                }
-            }
-        }
+        let reference = attention_ref((&q, &k, &v), n_seq, (t, h, h_kv, d_h), t);
         let err = rel_err(&o, &reference);
         assert!(
             err <= ATTN_TOL,
@@ -502,6 +578,63 @@ fn parity_causal_attention(b: &dyn Backend) {
     }
     println!(
         "{}: causal_attention max rel. error {worst:.3e} (bound {ATTN_TOL:.0e})",
+        b.name()
+    );
+}
+
+/// (n_seq, t, h, h_kv, d_h, window) of the sliding-window attention (Mistral; Gemma 3's local layers, d_h 256):
+/// a window shorter than one key tile over several tiles and sequences; a 128-wide head with t one past two
+/// query tiles; d_h = 256 (the wide flash kernel: 32-row CTAs, 16-key tiles) whose later rows see nothing of
+/// the first tiles; a window of 1 (each query sees only itself: O = V); a window one short of t; and one
+/// longer than t (no window at all).
+const WINDOW_SHAPES: [(usize, usize, usize, usize, usize, usize); 6] = [
+    (2, 70, 4, 2, 64, 24),
+    (1, 129, 2, 1, 128, 40),
+    (1, 75, 2, 1, 256, 20),
+    (1, 33, 3, 3, 17, 1),
+    (1, 40, 2, 2, 256, 39),
+    (1, 20, 2, 1, 80, 64),
+];
+
+/// `causal_attention_t` with a window against the f64 reference of the windowed softmax, on tensors as the
+/// block forward calls it (the tolerance of the causal one: the window only removes terms).
+fn parity_windowed_attention(b: &dyn Backend) {
+    use boa_cuda::backend::Tensor;
+    let mut rng = rng();
+    let mut worst = 0f64;
+    for (n_seq, t, h, h_kv, d_h, window) in WINDOW_SHAPES {
+        let (qw, kw) = (h * d_h, h_kv * d_h);
+        let q = attn_input(&mut rng, n_seq * t, qw, true);
+        let k = attn_input(&mut rng, n_seq * t, kw, false);
+        let v = attn_input(&mut rng, n_seq * t, kw, false);
+        let up = |x: &[f32]| b.to_device(Tensor::Host(x.to_vec())).unwrap();
+        let o = b
+            .causal_attention_t(
+                &up(&q),
+                &up(&k),
+                &up(&v),
+                n_seq,
+                t,
+                h,
+                h_kv,
+                d_h,
+                Some(window),
+            )
+            .unwrap();
+        let o = b.read(&o).unwrap();
+        assert_eq!(o.len(), n_seq * t * qw, "{}: output length", b.name());
+        let reference = attention_ref((&q, &k, &v), n_seq, (t, h, h_kv, d_h), window);
+        let err = rel_err(&o, &reference);
+        assert!(
+            err <= ATTN_TOL,
+            "{}: windowed attention n_seq={n_seq} t={t} h={h} h_kv={h_kv} d_h={d_h} window={window}: rel. \
+             error {err:.3e} > {ATTN_TOL:.0e} (NaN = unwritten output)",
+            b.name()
+        );
+        worst = worst.max(err);
+    }
+    println!(
+        "{}: windowed attention max rel. error {worst:.3e} (bound {ATTN_TOL:.0e})",
         b.name()
     );
 }
@@ -578,6 +711,16 @@ fn parity_swiglu_cuda() {
 }
 
 #[test]
+fn parity_geglu_cpu() {
+    parity_geglu(&CpuBackend);
+}
+
+#[test]
+fn parity_geglu_cuda() {
+    with_cuda(|b| parity_geglu(b));
+}
+
+#[test]
 fn parity_embed_cpu() {
     parity_embed(&CpuBackend);
 }
@@ -605,12 +748,28 @@ fn parity_causal_attention_cpu() {
 #[test]
 fn parity_causal_attention_cuda() {
     with_cuda(|b| {
-        // Every variant, the naive one included (style.md rules 4 and 12); d_h = 192 runs v1 on the GPU and
-        // the flash variant's CPU fallback.
+        // Every variant, the naive one included (style.md rules 4 and 12); d_h = 192 and 256 run the flash
+        // variant's widest kernel (kD = 256).
         for v in AttentionVariant::ALL {
             println!("causal_attention variant {v:?}");
             b.set_attention_variant(v);
             parity_causal_attention(b);
+        }
+    });
+}
+
+#[test]
+fn parity_windowed_attention_cpu() {
+    parity_windowed_attention(&CpuBackend);
+}
+
+#[test]
+fn parity_windowed_attention_cuda() {
+    with_cuda(|b| {
+        for v in AttentionVariant::ALL {
+            println!("windowed attention variant {v:?}");
+            b.set_attention_variant(v);
+            parity_windowed_attention(b);
         }
     });
 }

@@ -188,7 +188,8 @@ fn xxt_add(acc: &mut [f64], x: &[f32], m: usize, d: usize, ld: usize, c0: usize)
     }
 }
 
-/// W_V's column sums of one sequence: per KV head, Σ over its query heads of (A_h X)ᵀ (A_h X).
+/// W_V's column sums of one sequence: per KV head, Σ over its query heads of (A_h X)ᵀ (A_h X), A_h under the
+/// causal mask and the shape's sliding window (query i sees keys i − window < j ≤ i).
 fn v_col_ref(acc: &mut [f64], x: &[f32], q: &[f32], k: &[f32], s: AttnShape) {
     let AttnShape {
         t, h, h_kv, d_h, d, ..
@@ -198,7 +199,8 @@ fn v_col_ref(acc: &mut [f64], x: &[f32], q: &[f32], k: &[f32], s: AttnShape) {
         let kvh = head / gs;
         let mut y = vec![0f64; t * d];
         for i in 0..t {
-            let sc: Vec<f64> = (0..=i)
+            let lo = (i + 1).saturating_sub(s.window.unwrap_or(t));
+            let sc: Vec<f64> = (lo..=i)
                 .map(|j| {
                     (0..d_h)
                         .map(|c| {
@@ -212,7 +214,7 @@ fn v_col_ref(acc: &mut [f64], x: &[f32], q: &[f32], k: &[f32], s: AttnShape) {
             let mx = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let e: Vec<f64> = sc.iter().map(|&v| (v - mx).exp()).collect();
             let sum: f64 = e.iter().sum();
-            for (j, &ej) in e.iter().enumerate() {
+            for (j, &ej) in (lo..).zip(&e) {
                 let p = ej / sum;
                 for c in 0..d {
                     y[i * d + c] += p * x[j * d + c] as f64;
@@ -474,8 +476,9 @@ fn parity_statistics(ops: &dyn QuantOps, at: &Place, xxt_tol: f64, attn_tol: f64
     }
 
     // V's column statistics, through the algorithms' Accumulator (stat_v_col, then stat_finish with the query
-    // heads per KV head as divisor): GQA 2:1 and 4:1, d_h 64, 72 and 128, d off the tiles, several sequences, and
-    // d_h = 136 (> 128: CUDA's host route).
+    // heads per KV head as divisor): GQA 2:1 and 4:1, d_h 64, 72 and 128, d off the tiles, several sequences;
+    // d_h = 136 and 256 (Gemma 3: the kernels' wide instantiations); sliding windows (Mistral, Gemma 3's local
+    // layers) shorter than a key tile, crossing tiles, and rows whose window starts past the first tiles.
     for (n_seq, s) in [
         (
             1,
@@ -556,6 +559,39 @@ fn parity_statistics(ops: &dyn QuantOps, at: &Place, xxt_tol: f64, attn_tol: f64
                 window: None,
             },
         ),
+        (
+            1,
+            AttnShape {
+                t: 70,
+                h: 2,
+                h_kv: 1,
+                d_h: 64,
+                d: 72,
+                window: Some(20),
+            },
+        ),
+        (
+            2,
+            AttnShape {
+                t: 40,
+                h: 2,
+                h_kv: 1,
+                d_h: 256,
+                d: 40,
+                window: None,
+            },
+        ),
+        (
+            1,
+            AttnShape {
+                t: 130,
+                h: 2,
+                h_kv: 1,
+                d_h: 256,
+                d: 48,
+                window: Some(50),
+            },
+        ),
     ] {
         let AttnShape {
             t, h, h_kv, d_h, d, ..
@@ -584,10 +620,9 @@ fn parity_statistics(ops: &dyn QuantOps, at: &Place, xxt_tol: f64, attn_tol: f64
         let f = 2.0 / (tokens as f64 * (h / h_kv) as f64);
         let want: Vec<f64> = reference.iter().map(|&v| v * f).collect();
         let err = rel_err(&ops.read_f64(&hm).unwrap(), &want);
-        let tol = if d_h > 128 { ATTN_F32_TOL } else { attn_tol };
         assert!(
-            err <= tol,
-            "{who}: stat_v_col {s:?} × {n_seq}: rel. error {err:.3e} > {tol:.0e}"
+            err <= attn_tol,
+            "{who}: stat_v_col {s:?} × {n_seq}: rel. error {err:.3e} > {attn_tol:.0e}"
         );
         worst[2] = worst[2].max(err);
     }
@@ -621,6 +656,137 @@ fn parity_statistics(ops: &dyn QuantOps, at: &Place, xxt_tol: f64, attn_tol: f64
         "{who}: statistics max rel. errors: xxt {:.2e}, head_cov {:.2e}, v_col {:.2e}, wout {:.2e} \
          (bounds {xxt_tol:.0e}, attention {attn_tol:.0e})",
         worst[0], worst[1], worst[2], worst[3]
+    );
+}
+
+/// One RoPE-averaged matrix, (1/P) Σ_p R_pᵀ C R_p, with R_p built per position as the rotate-half rotation
+/// (column a of R_p: cos(pθ_f) at row a and s_a·sin(pθ_f) at its partner ā, f = a mod d_h/2, s_a = +1 in the
+/// first half, −1 in the second), in f64: not the moments decomposition the backends use.
+fn rope_avg_ref(c: &[f64], d_h: usize, theta: &[f64], positions: usize) -> Vec<f64> {
+    let half = d_h / 2;
+    let mut m = vec![0f64; d_h * d_h];
+    for p in 0..positions {
+        // Nonzeros of column a of R_p: (row, value).
+        let col = |a: usize| {
+            let f = a % half;
+            let (sin, cos) = (p as f64 * theta[f]).sin_cos();
+            let (partner, sign) = if a < half {
+                (a + half, 1.0)
+            } else {
+                (a - half, -1.0)
+            };
+            [(a, cos), (partner, sign * sin)]
+        };
+        for a in 0..d_h {
+            for b in 0..d_h {
+                let mut v = 0.0;
+                for (x, rx) in col(a) {
+                    for (y, ry) in col(b) {
+                        v += rx * c[x * d_h + y] * ry;
+                    }
+                }
+                m[a * d_h + b] += v;
+            }
+        }
+    }
+    m.iter_mut().for_each(|v| *v /= positions.max(1) as f64);
+    m
+}
+
+/// QuantOps::rope_row_hessians (BoA's H_row of W_Q and W_K) against `rope_avg_ref`: W_Q from KV-head
+/// covariances (GQA 3:1), W_K from query-head covariances averaged per group, with and without a q/k norm
+/// weight, d_h 64 and Gemma 3's 256 at a local layer's window of positions and a global layer's base, and one
+/// position (R_0 = I: the output is C̄ itself). Inputs are f32-representable. Tolerance: the CPU sums in f64
+/// in another order than the reference (≤ 1e-12 normwise); CUDA computes in f64 and stores f32 (≤ 1e-6,
+/// ~10× the rounding to f32).
+fn parity_rope_row_hessians(ops: &dyn QuantOps, at: &Place) {
+    use boa_cuda::ops::RopeAverage;
+    let mut rng = rng();
+    let who = &at.name;
+    let tol = if is_f64(at) { 1e-12 } else { 1e-6 };
+    let mut worst = 0f64;
+    for (d_h, batch, n_out, positions, base, with_norm) in [
+        (64, 2, 6, 128, 10_000.0, false),
+        (64, 6, 2, 128, 10_000.0, true),
+        (256, 1, 2, 48, 10_000.0, true),
+        (256, 2, 1, 130, 1_000_000.0, false),
+        (32, 3, 3, 1, 10_000.0, false),
+    ] {
+        let dd = d_h * d_h;
+        // Symmetric covariances A Aᵀ / d_h with a ±1 scale per matrix, rounded to f32.
+        let mut c = Vec::with_capacity(batch * dd);
+        for _ in 0..batch {
+            let a = randn(&mut rng, dd, 1.0);
+            for i in 0..d_h {
+                for j in 0..d_h {
+                    let v: f64 = (0..d_h)
+                        .map(|k| a[i * d_h + k] as f64 * a[j * d_h + k] as f64)
+                        .sum::<f64>()
+                        / d_h as f64;
+                    c.push(v as f32 as f64);
+                }
+            }
+        }
+        let g: Vec<f32> = (0..d_h).map(|_| rng.random_range(0.5f32..1.5)).collect();
+        let theta = RopeAverage::llama_inv_freq(d_h, base);
+        let rope = RopeAverage::new(&theta, positions);
+        let h = ops
+            .rope_row_hessians(
+                &at.f64(c.clone(), batch, d_h, d_h),
+                n_out,
+                &rope,
+                with_norm.then_some(g.as_slice()),
+            )
+            .expect("rope_row_hessians");
+        assert_eq!((h.batch, h.rows, h.cols), (n_out, d_h, d_h));
+        let mut reference = Vec::with_capacity(n_out * dd);
+        for o in 0..n_out {
+            let srcs: Vec<usize> = if n_out >= batch {
+                vec![o / (n_out / batch)]
+            } else {
+                let r = batch / n_out;
+                (o * r..(o + 1) * r).collect()
+            };
+            let mut cbar = vec![0f64; dd];
+            for &s_i in &srcs {
+                for (x, &v) in cbar.iter_mut().zip(&c[s_i * dd..(s_i + 1) * dd]) {
+                    *x += v / srcs.len() as f64;
+                }
+            }
+            let mut m = rope_avg_ref(&cbar, d_h, &theta, positions);
+            if with_norm {
+                for a in 0..d_h {
+                    for b in 0..d_h {
+                        m[a * d_h + b] *= g[a] as f64 * g[b] as f64;
+                    }
+                }
+            }
+            reference.extend(m);
+        }
+        let err = rel_err(&ops.read_f64(&h).unwrap(), &reference);
+        assert!(
+            err <= tol,
+            "{who}: rope_row_hessians d_h={d_h} {batch} → {n_out} positions={positions} norm={with_norm}: \
+             rel. error {err:.3e} > {tol:.0e}"
+        );
+        worst = worst.max(err);
+    }
+    // Refused: a norm weight of the wrong length, and outputs that do not divide the covariances.
+    let c = at.f64(vec![0.0; 3 * 16], 3, 4, 4);
+    let rope = RopeAverage::new(&RopeAverage::llama_inv_freq(4, 1e4), 8);
+    assert!(ops.rope_row_hessians(&c, 2, &rope, None).is_err());
+    assert!(
+        ops.rope_row_hessians(&c, 3, &rope, Some(&[1.0; 3]))
+            .is_err()
+    );
+    // W_V's identity row Hessians.
+    let id = ops.identity_hessians(2, 5).expect("identity_hessians");
+    let want: Vec<f64> = (0..50)
+        .map(|e| f64::from(u8::from(e % 25 % 6 == 0)))
+        .collect();
+    assert_eq!(ops.read_f64(&id).unwrap(), want, "{who}: identity_hessians");
+    println!(
+        "{who}: rope_row_hessians max rel. error {worst:.2e} (bound {tol:.0e}); identity exact"
     );
 }
 
@@ -1427,7 +1593,7 @@ fn boa_inputs(
     }
 }
 
-/// BoA sweeps with static grids: shared and per-head U_col, d_h 16 to 128, n off the 32/128-column blocks.
+/// BoA sweeps with static grids: shared and per-head U_col, d_h 16 to 256, n off the 16/32/128-column blocks.
 fn parity_boa_sweep(ops: &dyn QuantOps, at: &Place) {
     let mut rng = rng();
     let who = &at.name;
@@ -1438,8 +1604,10 @@ fn parity_boa_sweep(ops: &dyn QuantOps, at: &Place) {
         (4, 16, 77, 32, false, 3),
         // Per-head U_col over three heads, nine 32-column blocks and three of 128.
         (3, 32, 260, 100, true, 7),
-        // d_h > 128: CUDA's host route (the kernels hold at most 128 rows of a head).
+        // d_h > 128: CUDA's wide-head kernel (256 threads, 16-column blocks) whatever the block variant;
+        // Gemma 3's 256 with per-head U_col over three blocks.
         (1, 136, 40, 40, false, 7),
+        (2, 256, 40, 20, true, 3),
     ] {
         let bi = boa_inputs(&mut rng, n_heads, d_h, n, per_head);
         let rows = n_heads * d_h;
@@ -2159,6 +2327,16 @@ fn parity_statistics_cuda() {
             }
         }
     });
+}
+
+#[test]
+fn parity_rope_row_hessians_cpu() {
+    parity_rope_row_hessians(&CpuBackend, &Place::cpu());
+}
+
+#[test]
+fn parity_rope_row_hessians_cuda() {
+    with_cuda(|b| parity_rope_row_hessians(b, &Place::cuda(b)));
 }
 
 #[test]

@@ -22,6 +22,7 @@ fn s(p: &Path) -> &str {
 fn model(dir: &Path, n_layers: usize) -> PathBuf {
     let m = dir.join("model");
     let spec = SynthSpec {
+        arch: boa_cuda::model::synth::SynthArch::Llama,
         d: 128,
         d_ff: 576,
         n_layers,

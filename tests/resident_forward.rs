@@ -149,7 +149,7 @@ fn the_table_gather_is_the_checkpoint_embedding() {
     let vocab = model.cfg.vocab as u32;
     let ids: Vec<u32> = (0..40).map(|i| (i * 7919) % vocab).collect();
     let table = Tensor::Host(model.embed_table().unwrap());
-    let x = CpuBackend.embed_t(&table, &ids, model.cfg.d).unwrap();
+    let x = CpuBackend.embed_t(&table, &ids, model.cfg.d, 1.0).unwrap();
     assert_eq!(x.host().unwrap(), model.embed(&ids).unwrap().as_slice());
     let e = model.check_ids(&[vocab]).unwrap_err();
     assert!(e.to_string().contains("outside the vocabulary"), "{e}");

@@ -7,13 +7,14 @@
 use super::cpu::{self, CpuBackend};
 use crate::ops::{
     AttnShape, Codes, Grid, GridMode, Grids, Lattice, Mat, MatData, Packed, QuantOps, QuantSpec,
-    QuantizedLinear, Result, ScaleSearch, Swept, Tensor,
+    QuantizedLinear, Result, RopeAverage, ScaleSearch, Swept, Tensor, check_rope_row_hessians,
 };
 use crate::quant::Real;
 use crate::quant::boa::{ColFactor, boa_sweep};
 use crate::quant::gptq::{DynamicGroups, gptq_block_sweep};
 use crate::quant::hessian::{
-    CHUNK_TOKENS, add_xxt_f64, finish, fold_grams, gram_f32, v_row_hessians_from_wout,
+    CHUNK_TOKENS, add_xxt_f64, finish, fold_grams, gram_f32, group_means, k_row_hessians,
+    q_row_hessians, scale_by_norm_weight, v_row_hessians_from_wout,
 };
 use crate::quant::lattice::lattice_row;
 use crate::quant::linalg::{cholesky_upper_inverse, permute_sym};
@@ -649,6 +650,29 @@ impl QuantOps for CpuBackend {
         }
         let v = v_row_hessians_from_wout(&w, w_o.rows, n_heads, n_kv, d_h);
         Ok(Mat::f64(v, n_kv, d_h, d_h))
+    }
+
+    /// The f64 oracle: quant::hessian's position average of the covariances' f64 values (the engine's
+    /// reference, as it was computed before this was a backend op).
+    fn rope_row_hessians(
+        &self,
+        c: &Mat,
+        n_out: usize,
+        rope: &RopeAverage,
+        norm: Option<&[f32]>,
+    ) -> Result<Mat> {
+        check_rope_row_hessians(c, n_out, rope, norm)?;
+        let (batch, d_h) = (c.batch, c.rows);
+        let cv = as_f64(c, "rope_row_hessians")?;
+        let mut h = if n_out >= batch {
+            q_row_hessians(&cv, n_out, batch, rope)
+        } else {
+            k_row_hessians(&group_means(&cv, batch, d_h, n_out), rope)
+        };
+        if let Some(g) = norm {
+            scale_by_norm_weight(&mut h, g);
+        }
+        Ok(Mat::f64(h, n_out, d_h, d_h))
     }
 
     fn read_f64(&self, m: &Mat) -> Result<Vec<f64>> {

@@ -95,8 +95,8 @@ pub trait Backend: QuantOps + Send + Sync {
     /// SwiGLU: silu(gate) ⊙ up, elementwise.
     fn swiglu(&self, gate: &[f32], up: &[f32]) -> Result<Vec<f32>>;
 
-    /// GeGLU: gelu_tanh(gate) ⊙ up, elementwise (Gemma's MLP). On the host unless a backend has its own
-    /// (the CUDA backend has no kernel for it yet, so Gemma's activations make a round trip there).
+    /// GeGLU: gelu_tanh(gate) ⊙ up, elementwise (Gemma's MLP). On the host unless a backend has its own (the
+    /// CUDA backend has a kernel).
     fn geglu(&self, gate: &[f32], up: &[f32]) -> Result<Vec<f32>> {
         cpu::geglu(gate, up)
     }
@@ -168,12 +168,16 @@ pub trait Backend: QuantOps + Send + Sync {
     }
 
     /// Rows `ids` of an embedding table [vocab × d] (this backend's copy, from `upload_weight`, or a host
-    /// tensor) → [ids.len() × d], where this backend computes. The caller checks every id < vocab.
-    fn embed_t(&self, table: &Tensor, ids: &[u32], d: usize) -> Result<Tensor> {
+    /// tensor) → [ids.len() × d], each value times `scale` in f32 (Gemma's √d, as `Model::embed` applies it;
+    /// 1 leaves the rows as they are), where this backend computes. The caller checks every id < vocab.
+    fn embed_t(&self, table: &Tensor, ids: &[u32], d: usize, scale: f32) -> Result<Tensor> {
         let table = self.read(table)?;
         let mut x = Vec::with_capacity(ids.len() * d);
         for &id in ids {
             x.extend_from_slice(&table[id as usize * d..(id as usize + 1) * d]);
+        }
+        if scale != 1.0 {
+            x.iter_mut().for_each(|v| *v *= scale);
         }
         self.to_device(Tensor::Host(x))
     }
@@ -307,9 +311,9 @@ fn update_on_host<B: Backend + ?Sized>(
     }
 }
 
-/// Sliding-window attention on the host for any backend: the CPU backend's own, and a device backend's route
-/// (no kernel masks a window yet: a round trip of q, k, v and the output per windowed layer).
-pub fn windowed_attention_on_host<B: Backend + ?Sized>(
+/// Sliding-window attention on the host: the CPU backend's own (the CUDA backend masks windows in its
+/// kernels).
+fn windowed_attention_on_host<B: Backend + ?Sized>(
     be: &B,
     (q, k, v): (&Tensor, &Tensor, &Tensor),
     n_seq: usize,

@@ -130,12 +130,12 @@ pub fn window_nll(
         for group in pass.chunks(chunk) {
             let ids: Vec<u32> = group.iter().flat_map(|w| w.iter().copied()).collect();
             count += group.len() * (t - 1);
-            // A scaled embedding (Gemma) is gathered on the host: the device table is the unscaled head.
+            // A scaled embedding (Gemma) is scaled by the gather: a tied table is the unscaled head.
             let table = table_t.as_ref().or(head_t.as_ref());
-            xs.push(match table.filter(|_| c.block.embed_scale.is_none()) {
+            xs.push(match table {
                 Some(table) => {
                     model.check_ids(&ids)?;
-                    be.embed_t(table, &ids, c.d)?
+                    be.embed_t(table, &ids, c.d, c.block.embed_scale.unwrap_or(1.0))?
                 }
                 None => be.to_device(Tensor::Host(model.embed(&ids)?))?,
             });

@@ -1,13 +1,29 @@
-//! Synthetic Llama models with seeded random weights: tiny ones for tests (a byte-level tokenizer of 256
-//! tokens, so any text tokenizes) and real-shaped ones for benchmarks.
+//! Synthetic Llama (and Gemma 3) models with seeded random weights: tiny ones for tests (a byte-level tokenizer
+//! of 256 tokens, so any text tokenizes) and real-shaped ones for benchmarks.
 
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use safetensors::{Dtype, tensor::TensorView};
 use std::path::Path;
 
+/// The architecture a synthetic model's config.json declares.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SynthArch {
+    /// LlamaForCausalLM (Qwen2ForCausalLM with `qkv_bias`), d_h = d / n_heads.
+    Llama,
+    /// Gemma3ForCausalLM: head_dim of its own, per-head q/k norms, sandwich norms stored as (1 + w)'s w,
+    /// GeGLU, √d-scaled embeddings, and local layers with a sliding window (every layer l with
+    /// (l + 1) % global_every ≠ 0; the others global, each kind with its own RoPE base).
+    Gemma3 {
+        head_dim: usize,
+        sliding_window: usize,
+        global_every: usize,
+    },
+}
+
 #[derive(Clone, Debug)]
 pub struct SynthSpec {
+    pub arch: SynthArch,
     pub d: usize,
     pub d_ff: usize,
     pub n_layers: usize,
@@ -23,6 +39,7 @@ impl SynthSpec {
     /// A model small enough for a test to quantize in seconds: d 64, 4 heads over 2 KV heads (GQA), d_h 16.
     pub fn tiny() -> SynthSpec {
         SynthSpec {
+            arch: SynthArch::Llama,
             d: 64,
             d_ff: 160,
             n_layers: 2,
@@ -32,6 +49,14 @@ impl SynthSpec {
             tie_word_embeddings: false,
             qkv_bias: false,
             seed: 0,
+        }
+    }
+
+    /// The head dimension: Gemma 3's own, else d / n_heads.
+    pub fn d_h(&self) -> usize {
+        match self.arch {
+            SynthArch::Llama => self.d / self.n_heads.max(1),
+            SynthArch::Gemma3 { head_dim, .. } => head_dim,
         }
     }
 }
@@ -44,7 +69,9 @@ pub fn write_model_new(dir: &Path, s: &SynthSpec) -> anyhow::Result<()> {
             "every size of a synthetic model must be positive"
         ));
     }
-    if !s.d.is_multiple_of(s.n_heads) || !s.n_heads.is_multiple_of(s.n_kv_heads) {
+    if (s.arch == SynthArch::Llama && !s.d.is_multiple_of(s.n_heads))
+        || !s.n_heads.is_multiple_of(s.n_kv_heads)
+    {
         return Err(crate::input_err!(
             "--d {} must be a multiple of --heads {}, and --heads of --kv-heads {}",
             s.d,
@@ -56,7 +83,7 @@ pub fn write_model_new(dir: &Path, s: &SynthSpec) -> anyhow::Result<()> {
     super::config::Config::parse(&config_json(s).to_string())
         .map_err(|m| crate::input_err!("synth-model would write a model that run refuses: {m}"))?;
     // write_model holds every tensor in memory about three times over (values, bytes, the file's buffer).
-    let d_h = s.d / s.n_heads;
+    let d_h = s.d_h();
     let per_layer = [
         (s.n_heads * d_h, s.d),
         (s.n_kv_heads * d_h, s.d),
@@ -97,7 +124,30 @@ pub fn write_model_new(dir: &Path, s: &SynthSpec) -> anyhow::Result<()> {
 
 /// The config.json of a synthetic model.
 fn config_json(s: &SynthSpec) -> serde_json::Value {
-    let d_h = s.d / s.n_heads;
+    let d_h = s.d_h();
+    if let SynthArch::Gemma3 {
+        sliding_window,
+        global_every,
+        ..
+    } = s.arch
+    {
+        let layer_types: Vec<&str> = (0..s.n_layers)
+            .map(|l| match (l + 1) % global_every.max(1) {
+                0 => "full_attention",
+                _ => "sliding_attention",
+            })
+            .collect();
+        return serde_json::json!({
+            "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+            "hidden_size": s.d, "intermediate_size": s.d_ff, "num_hidden_layers": s.n_layers,
+            "num_attention_heads": s.n_heads, "num_key_value_heads": s.n_kv_heads, "head_dim": d_h,
+            "query_pre_attn_scalar": d_h, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
+            "rope_local_base_freq": 10000.0, "sliding_window": sliding_window, "layer_types": layer_types,
+            "vocab_size": s.vocab, "tie_word_embeddings": s.tie_word_embeddings,
+            "max_position_embeddings": 4096, "hidden_activation": "gelu_pytorch_tanh",
+            "attention_bias": false, "torch_dtype": "float32",
+        });
+    }
     serde_json::json!({
         "architectures": [if s.qkv_bias { "Qwen2ForCausalLM" } else { "LlamaForCausalLM" }],
         "model_type": if s.qkv_bias { "qwen2" } else { "llama" },
@@ -112,7 +162,7 @@ fn config_json(s: &SynthSpec) -> serde_json::Value {
 /// Writes config.json, model.safetensors (f32) and a byte-level tokenizer.json into `dir`.
 pub fn write_model(dir: &Path, s: &SynthSpec) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir)?;
-    let d_h = s.d / s.n_heads;
+    let d_h = s.d_h();
     let config = config_json(s);
     std::fs::write(
         dir.join("config.json"),
@@ -155,13 +205,34 @@ pub fn write_model(dir: &Path, s: &SynthSpec) -> anyhow::Result<()> {
     if !s.tie_word_embeddings {
         mat("lm_head.weight".into(), s.vocab, s.d, &mut rng);
     }
+    let gemma = matches!(s.arch, SynthArch::Gemma3 { .. });
+    // Gemma scales by (1 + w): its weights are drawn around 0 for the same gains.
+    let (gain, offset) = match gemma {
+        true => (-0.2..0.2, 1.0),
+        false => (0.8..1.2, 0.0),
+    };
+    let norms: &[(&str, usize)] = match gemma {
+        true => &[
+            ("input_layernorm", s.d),
+            ("post_attention_layernorm", s.d),
+            ("pre_feedforward_layernorm", s.d),
+            ("post_feedforward_layernorm", s.d),
+            ("self_attn.q_norm", d_h),
+            ("self_attn.k_norm", d_h),
+        ],
+        false => &[("input_layernorm", s.d), ("post_attention_layernorm", s.d)],
+    };
     for l in 0..s.n_layers {
-        for n in ["input_layernorm", "post_attention_layernorm"] {
-            let v = (0..s.d).map(|_| rng.random_range(0.8..1.2)).collect();
-            tensors.push((format!("model.layers.{l}.{n}.weight"), vec![s.d], v));
+        for &(n, len) in norms {
+            let v = (0..len).map(|_| rng.random_range(gain.clone())).collect();
+            tensors.push((format!("model.layers.{l}.{n}.weight"), vec![len], v));
         }
     }
-    tensors.push(("model.norm.weight".into(), vec![s.d], vec![1.0; s.d]));
+    tensors.push((
+        "model.norm.weight".into(),
+        vec![s.d],
+        vec![1.0 - offset; s.d],
+    ));
     // Biases were drawn as [1 × r] matrices; store them as vectors.
     for t in tensors.iter_mut().filter(|t| t.0.ends_with(".bias")) {
         t.1 = vec![t.1[1]];

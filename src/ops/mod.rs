@@ -3,7 +3,8 @@
 //! it keeps: the CPU on host vectors with the f64 oracle code of `quant/` (bit for bit the engine's reference),
 //! CUDA on device memory. Between a block's upload and its packed output nothing of size O(d_in²) or O(weights)
 //! crosses to the host: the algorithms move only what is small (a diagonal, permutations, a few sums per
-//! linear, the per-head d_h × d_h statistics) and the packed result.
+//! linear; BoA's per-head row Hessians are made where the statistics are, `rope_row_hessians`) and the packed
+//! result.
 //!
 //! A leaf: this module imports nothing from `quant/` or `backend/`, so both can import it without a cycle.
 //! Every method is fallible; an error names the op and the shapes, and the caller adds the layer, the linear
@@ -15,10 +16,12 @@
 //! of a batch of Hessians or factors.
 
 pub mod mat;
+pub mod rope;
 pub mod spec;
 pub mod tensor;
 
 pub use mat::{Codes, Grids, Mat, MatData, Packed, QuantizedLinear, Swept};
+pub use rope::RopeAverage;
 pub use spec::{AttnShape, Grid, Lattice, QuantSpec, ScaleSearch};
 pub use tensor::Tensor;
 
@@ -66,6 +69,30 @@ impl GridMode<'_> {
         }
         Ok(())
     }
+}
+
+/// What every backend refuses in `rope_row_hessians`: covariances that are not [batch × d_h × d_h] for the
+/// average's d_h, a norm weight of another length, or n_out and batch neither a multiple of the other.
+pub fn check_rope_row_hessians(
+    c: &Mat,
+    n_out: usize,
+    rope: &RopeAverage,
+    norm: Option<&[f32]>,
+) -> Result<()> {
+    let d_h = rope.d_h();
+    let fits = c.rows == d_h
+        && c.cols == d_h
+        && c.batch > 0
+        && n_out > 0
+        && (n_out.is_multiple_of(c.batch) || c.batch.is_multiple_of(n_out))
+        && norm.is_none_or(|g| g.len() == d_h);
+    anyhow::ensure!(
+        fits,
+        "rope_row_hessians: covariances {} for {n_out} outputs of d_h {d_h} (norm weight of {:?})",
+        c.describe(),
+        norm.map(<[f32]>::len)
+    );
+    Ok(())
 }
 
 /// A column map `col_group` (number `f` of its kind) for `n` columns and `n_groups` grids per row: one entry
@@ -158,6 +185,30 @@ pub trait QuantOps: Send + Sync {
     /// W_V's row Hessians from the paper's Table 1: per KV head, W_out,hᵀ W_out,h [d_h × d_h] averaged over the
     /// query heads h sharing it; `w_o` is o_proj [d × n_heads·d_h].
     fn wout_row_hessians(&self, w_o: &Mat, n_heads: usize, n_kv: usize, d_h: usize) -> Result<Mat>;
+
+    /// BoA's row Hessians of W_Q or W_K (design.md §4.3), [n_out × d_h × d_h] from the finished per-head
+    /// covariances `c` [batch × d_h × d_h] of the other side's post-RoPE vectors: output o is
+    /// diag(g) (mean_p R_pᵀ C̄_o R_p) diag(g) with the position average `rope` and g = `norm` (a per-head
+    /// q/k RMSNorm's weight, [d_h]; none: 1). C̄_o is c[o / (n_out / batch)] when n_out ≥ batch (W_Q: each
+    /// query head takes its KV head's key covariance) and the mean of c[o·r .. (o+1)·r], r = batch / n_out,
+    /// otherwise (W_K: its query heads' covariances averaged).
+    fn rope_row_hessians(
+        &self,
+        c: &Mat,
+        n_out: usize,
+        rope: &RopeAverage,
+        norm: Option<&[f32]>,
+    ) -> Result<Mat>;
+
+    /// `batch` identity matrices [n × n], as a Hessian of this backend (W_V's default row Hessians).
+    fn identity_hessians(&self, batch: usize, n: usize) -> Result<Mat> {
+        let mut h = self.stat_acc(batch, n)?;
+        let ones: Vec<(usize, usize, f64)> = (0..batch)
+            .flat_map(|b| (0..n).map(move |i| (b, i, 1.0)))
+            .collect();
+        self.set_diag(&mut h, &ones)?;
+        Ok(h)
+    }
 
     // ---- What the algorithms read back or hand in (small: O(n), O(heads·d_h²)).
 

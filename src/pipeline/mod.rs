@@ -325,13 +325,13 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                 // the table, gathered there, so X never crosses PCIe.
                 let x = match &calib_ids {
                     Some(flat) => {
-                        // A scaled embedding (Gemma) is gathered on the host (the table is also the head).
-                        let table = if placement.embed_on_device && cfg.block.embed_scale.is_none()
-                        {
+                        // A scaled embedding (Gemma) is scaled by the gather: the table is also the head.
+                        let table = if placement.embed_on_device {
                             be.upload_weight(&model.embed_table()?)?
                         } else {
                             None
                         };
+                        let scale = cfg.block.embed_scale.unwrap_or(1.0);
                         flat.chunks(placement.chunk_seqs * opts.seqlen)
                             .map(|ids| {
                                 Ok(match &table {
@@ -339,7 +339,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                                         model.check_ids(ids)?;
                                         place_t(
                                             be.as_ref(),
-                                            be.embed_t(t, ids, cfg.d)?,
+                                            be.embed_t(t, ids, cfg.d, scale)?,
                                             &placement,
                                         )?
                                     }

@@ -14,9 +14,7 @@ use crate::ops::{Mat, QuantOps, QuantSpec, QuantizedLinear, Result, ScaleSearch}
 use crate::quant::allocate::{Candidate, allocate};
 use crate::quant::boa::{BoaOptions, ColHessian, boa_quantize};
 use crate::quant::gptq::{GptqOptions, gptq_quantize};
-use crate::quant::hessian::{
-    RopeAverage, group_means, k_row_hessians, q_row_hessians, scale_by_norm_weight,
-};
+use crate::quant::hessian::RopeAverage;
 use crate::quant::plan::FactorCache;
 use crate::quant::rtn::rtn_quantize;
 use anyhow::Context;
@@ -269,20 +267,16 @@ pub fn quantize_block(
                 b.act_order_row = opts.act_order_row;
                 let q = match ld.role {
                     // W_Q and W_K share H_col (and its plan, through `factors`); W_V's per-head H_col are its own.
+                    // Made where the statistics are (on a device, nothing of d_h² crosses to the host).
                     Role::Q | Role::K => {
-                        let (mut h_row, heads, norm) = if ld.role == Role::Q {
-                            let c_k = ops.read_f64(&a.c_k).context("H_row")?;
-                            let hr = q_row_hessians(&c_k, cfg.n_heads, cfg.n_kv_heads, &rope);
-                            (hr, cfg.n_heads, norms.q)
+                        let (c, heads, norm) = if ld.role == Role::Q {
+                            (&a.c_k, cfg.n_heads, norms.q)
                         } else {
-                            let c_q = ops.read_f64(&a.c_q).context("H_row")?;
-                            let means = group_means(&c_q, cfg.n_heads, d_h, cfg.n_kv_heads);
-                            (k_row_hessians(&means, &rope), cfg.n_kv_heads, norms.k)
+                            (&a.c_q, cfg.n_kv_heads, norms.k)
                         };
-                        if let Some(g) = norm {
-                            scale_by_norm_weight(&mut h_row, g);
-                        }
-                        let h_row = ops.hessian(h_row, heads, d_h).context("H_row")?;
+                        let h_row = ops
+                            .rope_row_hessians(c, heads, &rope, norm)
+                            .context("H_row")?;
                         boa_quantize(
                             ops,
                             w,
@@ -296,13 +290,9 @@ pub fn quantize_block(
                     }
                     _ => {
                         let h_row = match opts.v_row_hessian {
-                            VRowHessian::Identity => {
-                                let id = crate::quant::hessian::identity_row_hessians(
-                                    cfg.n_kv_heads,
-                                    d_h,
-                                );
-                                ops.hessian(id, cfg.n_kv_heads, d_h).context("H_row")?
-                            }
+                            VRowHessian::Identity => ops
+                                .identity_hessians(cfg.n_kv_heads, d_h)
+                                .context("H_row")?,
                             VRowHessian::Wout => {
                                 let (o, _) = desc
                                     .linear(Role::O)

@@ -5,7 +5,8 @@ use super::CudaError;
 use crate::nvtx::range;
 use crate::ops::AttnShape;
 use cudarc::driver::{
-    CudaFunction, CudaModule, CudaStream, CudaView, CudaViewMut, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut, LaunchConfig,
+    PushKernelArg,
 };
 use std::sync::Arc;
 
@@ -66,26 +67,35 @@ impl AttnXVariant {
 const XXT_V1_TILE: u32 = 16;
 const XXT_V2_TILE: u32 = 64;
 const XXT_V2_THREADS: u32 = 128;
-/// Must match kStatsWarps, kMaxDh, kAxRows, kAxCols, kAxThreads in cuda/hessian.cu.
+/// Must match kStatsWarps, kMaxDh, kNarrowDh, kAxRows, kAxCols, kAxThreads in cuda/hessian.cu.
 const STATS_WARPS: u32 = 4;
-pub const ATTN_MAX_DH: usize = 128;
+pub const ATTN_MAX_DH: usize = 256;
+/// Head dims up to this take the attn_x kernels' narrow instantiation, above it (≤ ATTN_MAX_DH) the wide one.
+const NARROW_DH: usize = 128;
 const AX_ROWS: u32 = 32;
 const AX_COLS: u32 = 64;
 const AX_THREADS: u32 = 256;
-/// Must match kAx2Rows, kAx2Cols, kAx2Threads, kAx2SmemBytes in cuda/hessian.cu.
+/// attn_x v1's dynamic shared memory, narrow and wide (Ax1Layout<kDh>::kBytes in cuda/hessian.cu).
+const AX1_SMEM_BYTES: u32 = 45_312;
+const AX1_SMEM_BYTES_WIDE: u32 = 78_080;
+/// Must match kAx2Rows, kAx2Cols, kAx2Threads, Ax2Layout<kDh>::kBytes in cuda/hessian.cu.
 const AX2_ROWS: u32 = 64;
 const AX2_COLS: u32 = 256;
 const AX2_THREADS: u32 = 256;
 const AX2_SMEM_BYTES: u32 = 95_744;
+const AX2_SMEM_BYTES_WIDE: u32 = 128_512;
 
 pub struct HessianKernels {
     xxt_v1: CudaFunction,
     xxt_v2: CudaFunction,
     softmax_stats: CudaFunction,
-    attn_x_v1: CudaFunction,
-    attn_x_v2: CudaFunction,
+    /// attn_x by variant, narrow (d_h ≤ 128) and wide (d_h ≤ 256): [narrow, wide].
+    attn_x_v1: [CudaFunction; 2],
+    attn_x_v2: [CudaFunction; 2],
     /// v2 writing Y in bf16, the operand of the cuBLAS Gram.
-    attn_x_v2_bf16: CudaFunction,
+    attn_x_v2_bf16: [CudaFunction; 2],
+    rope_moments: CudaFunction,
+    rope_row_hessians: CudaFunction,
 }
 
 impl HessianKernels {
@@ -95,22 +105,34 @@ impl HessianKernels {
             xxt_v1: get(XxtVariant::F32Tiled.kernel_name())?,
             xxt_v2: get(XxtVariant::Bf16Wmma.kernel_name())?,
             softmax_stats: get("softmax_stats_kernel")?,
-            attn_x_v1: get(AttnXVariant::F32Tiled.kernel_name())?,
-            attn_x_v2: opt_in(get(AttnXVariant::Bf16Wmma.kernel_name())?)?,
-            attn_x_v2_bf16: opt_in(get("attn_x_kernel_v2_bf16")?)?,
+            attn_x_v1: [
+                get(AttnXVariant::F32Tiled.kernel_name())?,
+                opt_in(get("attn_x_kernel_v1_d256")?, AX1_SMEM_BYTES_WIDE)?,
+            ],
+            attn_x_v2: [
+                opt_in(get(AttnXVariant::Bf16Wmma.kernel_name())?, AX2_SMEM_BYTES)?,
+                opt_in(get("attn_x_kernel_v2_d256")?, AX2_SMEM_BYTES_WIDE)?,
+            ],
+            attn_x_v2_bf16: [
+                opt_in(get("attn_x_kernel_v2_bf16")?, AX2_SMEM_BYTES)?,
+                opt_in(get("attn_x_kernel_v2_bf16_d256")?, AX2_SMEM_BYTES_WIDE)?,
+            ],
+            rope_moments: get("rope_moments_kernel")?,
+            rope_row_hessians: get("rope_row_hessians_kernel")?,
         })
     }
 }
 
-/// Over the 48 KB a launch may ask for by default: attn_x v2's dynamic limit must be raised once per function
-/// (HOPPER.md), or every launch fails with "invalid argument".
-fn opt_in(f: CudaFunction) -> Result<CudaFunction, CudaError> {
+/// Over the 48 KB a launch may ask for by default: an attn_x kernel's dynamic limit must be raised once per
+/// function (HOPPER.md), or every launch fails with "invalid argument". Every device the kernels are built for
+/// (sm_80: 163 KB per block, sm_90: 227 KB) grants the widest, 125.5 KB.
+fn opt_in(f: CudaFunction, bytes: u32) -> Result<CudaFunction, CudaError> {
     f.set_attribute(
         cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        AX2_SMEM_BYTES as i32,
+        bytes as i32,
     )
     .map_err(launch_err(
-        "opt attn_x_kernel_v2 into 93.5 KB of dynamic shared memory",
+        "opt an attn_x kernel into its dynamic shared memory",
     ))?;
     Ok(f)
 }
@@ -210,7 +232,8 @@ pub fn launch_hessian_xxt(
     Ok(())
 }
 
-/// stats [h × t] (row max, Σ exp) of the causal softmax of every query head.
+/// stats [h × t] (row max, Σ exp) of the causal softmax of every query head, each query seeing at most
+/// `window` keys (itself included; ≥ t: no window).
 #[allow(clippy::too_many_arguments)]
 pub fn launch_softmax_stats(
     stream: &Arc<CudaStream>,
@@ -222,9 +245,11 @@ pub fn launch_softmax_stats(
     h: usize,
     h_kv: usize,
     d_h: usize,
+    window: usize,
 ) -> Result<(), CudaError> {
     const OP: &str = "softmax_stats";
     if d_h > ATTN_MAX_DH
+        || window == 0
         || h_kv == 0
         || !h.is_multiple_of(h_kv)
         || stats.len() != 2 * h * t
@@ -234,7 +259,8 @@ pub fn launch_softmax_stats(
         return Err(CudaError::Shape {
             op: OP,
             msg: format!(
-                "t={t}, h={h}, h_kv={h_kv}, d_h={d_h} (≤ {ATTN_MAX_DH}), stats.len={}, q.len={}, k.len={}",
+                "t={t}, h={h}, h_kv={h_kv}, d_h={d_h} (≤ {ATTN_MAX_DH}), window={window} (≥ 1), stats.len={}, \
+                 q.len={}, k.len={}",
                 stats.len(),
                 q.len(),
                 kk.len()
@@ -246,6 +272,7 @@ pub fn launch_softmax_stats(
     }
     let rows = u32_of(OP, "h·t", h * t)?;
     let (t32, h32, hkv32, dh32) = (t as u32, h as u32, h_kv as u32, d_h as u32);
+    let w32 = window.min(t) as u32;
     let cfg = LaunchConfig {
         grid_dim: (rows.div_ceil(STATS_WARPS), 1, 1),
         block_dim: (STATS_WARPS * 32, 1, 1),
@@ -259,9 +286,11 @@ pub fn launch_softmax_stats(
         .arg(&t32)
         .arg(&h32)
         .arg(&hkv32)
-        .arg(&dh32);
+        .arg(&dh32)
+        .arg(&w32);
     // SAFETY: arguments match softmax_stats_kernel(float2* stats, const float* q, const float* k, uint32 t,
-    // n_heads, n_kv, d_h); stats holds h·t float2 (= 2·h·t f32, checked), q and k their [t × ·] shapes.
+    // n_heads, n_kv, d_h, window); stats holds h·t float2 (= 2·h·t f32, checked), q and k their [t × ·] shapes,
+    // d_h ≤ kMaxDh (q_sh's row).
     unsafe { b.launch(cfg) }.map_err(launch_err("launch softmax_stats"))?;
     Ok(())
 }
@@ -281,7 +310,8 @@ impl AttnXOut<'_, '_> {
     }
 }
 
-/// Y [t × d] = A_head X, A formed tile by tile from Q, K and the stats, by the chosen kernel variant.
+/// Y [t × d] = A_head X, A formed tile by tile from Q, K and the stats (made with the same `window`), by the
+/// chosen kernel variant.
 #[allow(clippy::too_many_arguments)]
 pub fn launch_attn_x(
     stream: &Arc<CudaStream>,
@@ -298,9 +328,11 @@ pub fn launch_attn_x(
     h_kv: usize,
     d_h: usize,
     d: usize,
+    window: usize,
 ) -> Result<(), CudaError> {
     const OP: &str = "attn_x";
     if d_h > ATTN_MAX_DH
+        || window == 0
         || h_kv == 0
         || !h.is_multiple_of(h_kv)
         || head >= h
@@ -313,7 +345,9 @@ pub fn launch_attn_x(
     {
         return Err(CudaError::Shape {
             op: OP,
-            msg: format!("head={head}, t={t}, h={h}, h_kv={h_kv}, d_h={d_h}, d={d}"),
+            msg: format!(
+                "head={head}, t={t}, h={h}, h_kv={h_kv}, d_h={d_h}, d={d}, window={window}"
+            ),
         });
     }
     if t == 0 || d == 0 {
@@ -321,24 +355,26 @@ pub fn launch_attn_x(
     }
     let (t32, d32) = (u32_of(OP, "t", t)?, u32_of(OP, "d", d)?);
     let (head32, h32, hkv32, dh32) = (head as u32, h as u32, h_kv as u32, d_h as u32);
+    let w32 = window.min(t) as u32;
+    let wide = usize::from(d_h > NARROW_DH);
     let (cfg, f) = match variant {
         AttnXVariant::F32Tiled => (
             LaunchConfig {
                 grid_dim: (d32.div_ceil(AX_COLS), t32.div_ceil(AX_ROWS), 1),
                 block_dim: (AX_THREADS, 1, 1),
-                shared_mem_bytes: 0,
+                shared_mem_bytes: [AX1_SMEM_BYTES, AX1_SMEM_BYTES_WIDE][wide],
             },
-            &k.attn_x_v1,
+            &k.attn_x_v1[wide],
         ),
         AttnXVariant::Bf16Wmma => (
             LaunchConfig {
                 grid_dim: (d32.div_ceil(AX2_COLS), t32.div_ceil(AX2_ROWS), 1),
                 block_dim: (AX2_THREADS, 1, 1),
-                shared_mem_bytes: AX2_SMEM_BYTES,
+                shared_mem_bytes: [AX2_SMEM_BYTES, AX2_SMEM_BYTES_WIDE][wide],
             },
             match y {
-                AttnXOut::F32(_) => &k.attn_x_v2,
-                AttnXOut::Bf16(_) => &k.attn_x_v2_bf16,
+                AttnXOut::F32(_) => &k.attn_x_v2[wide],
+                AttnXOut::Bf16(_) => &k.attn_x_v2_bf16[wide],
             },
         ),
     };
@@ -357,12 +393,118 @@ pub fn launch_attn_x(
         .arg(&h32)
         .arg(&hkv32)
         .arg(&dh32)
-        .arg(&d32);
-    // SAFETY: arguments match attn_x_kernel_v{1,2}(float* y, const float* x, q, k, const float2* stats, uint32 head,
-    // (attn_x_kernel_v2_bf16: __nv_bfloat16* y, u16's size and alignment)
-    // t, n_heads, n_kv, d_h, d); every buffer has the shape checked above; out-of-range rows/cols are guarded;
-    // v2's dynamic shared memory is the size its layout needs and was opted into at load.
+        .arg(&d32)
+        .arg(&w32);
+    // SAFETY: arguments match attn_x_kernel_v{1,2}[_d256](float* y, const float* x, q, k, const float2* stats,
+    // uint32 head, t, n_heads, n_kv, d_h, d, window) (attn_x_kernel_v2_bf16[_d256]: __nv_bfloat16* y, u16's
+    // size and alignment); every buffer has the shape checked above, d_h ≤ the instantiation's kDh (narrow up
+    // to 128, wide up to 256); out-of-range rows/cols are guarded; the dynamic shared memory is the size its
+    // layout needs (static_asserts in hessian.cu) and was opted into at load where it passes 48 KB.
     unsafe { b.launch(cfg) }.map_err(launch_err("launch attn_x"))?;
+    Ok(())
+}
+
+/// Must match kRopeMomentThreads and kRopeRowThreads in cuda/hessian.cu.
+const ROPE_MOMENT_THREADS: usize = 128;
+const ROPE_ROW_THREADS: u32 = 256;
+
+/// mom [3 × half × half] (f64) = the RoPE average's position moments cc, cs, ss of frequencies `inv_freq`
+/// [half] over positions 0..positions−1 (ops::RopeAverage::new on the device).
+pub fn launch_rope_moments(
+    stream: &Arc<CudaStream>,
+    k: &HessianKernels,
+    mom: &mut CudaSlice<f64>,
+    inv_freq: &CudaSlice<f64>,
+    positions: usize,
+) -> Result<(), CudaError> {
+    const OP: &str = "rope_moments";
+    let half = inv_freq.len();
+    if half == 0 || half > ROPE_MOMENT_THREADS || mom.len() != 3 * half * half {
+        return Err(CudaError::Shape {
+            op: OP,
+            msg: format!(
+                "half={half} (1..={ROPE_MOMENT_THREADS}), mom.len={}",
+                mom.len()
+            ),
+        });
+    }
+    let (half32, p32) = (half as u32, u32_of(OP, "positions", positions)?);
+    let cfg = LaunchConfig {
+        grid_dim: (half32, 1, 1),
+        block_dim: (ROPE_MOMENT_THREADS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let _r = range(c"rope_moments");
+    let mut b = stream.launch_builder(&k.rope_moments);
+    b.arg(mom).arg(inv_freq).arg(&half32).arg(&p32);
+    // SAFETY: arguments match rope_moments_kernel(double* mom, const double* inv_freq, uint32 half, uint32
+    // positions); mom holds 3·half² and inv_freq half f64 (checked), threads j ≥ half return at once.
+    unsafe { b.launch(cfg) }.map_err(launch_err("launch rope_moments"))?;
+    Ok(())
+}
+
+/// out [n_out × d_h × d_h] = diag(g) (mean_p R_pᵀ C̄_o R_p) diag(g) from the finished covariances c
+/// [batch × d_h × d_h] and the moments of `launch_rope_moments` (QuantOps::rope_row_hessians).
+#[allow(clippy::too_many_arguments)]
+pub fn launch_rope_row_hessians(
+    stream: &Arc<CudaStream>,
+    k: &HessianKernels,
+    out: &mut CudaSlice<f32>,
+    c: &CudaSlice<f32>,
+    mom: &CudaSlice<f64>,
+    g: &CudaSlice<f32>,
+    n_out: usize,
+    batch: usize,
+    d_h: usize,
+) -> Result<(), CudaError> {
+    const OP: &str = "rope_row_hessians";
+    let half = d_h / 2;
+    let dd = d_h * d_h;
+    if d_h == 0
+        || !d_h.is_multiple_of(2)
+        || n_out == 0
+        || batch == 0
+        || !(n_out.is_multiple_of(batch) || batch.is_multiple_of(n_out))
+        || out.len() < n_out * dd
+        || c.len() < batch * dd
+        || mom.len() != 3 * half * half
+        || g.len() != d_h
+    {
+        return Err(CudaError::Shape {
+            op: OP,
+            msg: format!(
+                "n_out={n_out}, batch={batch}, d_h={d_h}, out.len={}, c.len={}, mom.len={}, g.len={}",
+                out.len(),
+                c.len(),
+                mom.len(),
+                g.len()
+            ),
+        });
+    }
+    let (n32, b32, d32) = (
+        u32_of(OP, "n_out", n_out)?,
+        u32_of(OP, "batch", batch)?,
+        u32_of(OP, "d_h", d_h)?,
+    );
+    let cfg = LaunchConfig {
+        grid_dim: (u32_of(OP, "d_h²", dd)?.div_ceil(ROPE_ROW_THREADS), n32, 1),
+        block_dim: (ROPE_ROW_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let _r = range(c"rope_row_hessians");
+    let mut b = stream.launch_builder(&k.rope_row_hessians);
+    b.arg(out)
+        .arg(c)
+        .arg(mom)
+        .arg(g)
+        .arg(&n32)
+        .arg(&b32)
+        .arg(&d32);
+    // SAFETY: arguments match rope_row_hessians_kernel(float* out, const float* c, const double* mom,
+    // const float* g, uint32 n_out, batch, d_h); out holds n_out·d_h², c batch·d_h², mom 3·(d_h/2)², g d_h
+    // (checked); one of n_out, batch divides the other, so every source index is < batch; threads past d_h²
+    // return at once.
+    unsafe { b.launch(cfg) }.map_err(launch_err("launch rope_row_hessians"))?;
     Ok(())
 }
 
@@ -382,6 +524,7 @@ impl super::CudaBackend {
         let AttnShape {
             t, h, h_kv, d_h, d, ..
         } = s;
+        let window = s.window.unwrap_or(t);
         if h == 0 || t == 0 || d == 0 {
             return Err(CudaError::Shape {
                 op: "time_attn_x",
@@ -407,6 +550,7 @@ impl super::CudaBackend {
             h,
             h_kv,
             d_h,
+            window,
         )?;
         let launch = |y: &mut cudarc::driver::CudaSlice<f32>, head: usize| {
             launch_attn_x(
@@ -424,6 +568,7 @@ impl super::CudaBackend {
                 h_kv,
                 d_h,
                 d,
+                window,
             )
         };
         launch(&mut y, 0)?;

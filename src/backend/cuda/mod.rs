@@ -8,10 +8,10 @@
 //! returns the reason as a string when any step fails. `select_backend` turns that into a CPU fallback
 //! (`--device auto`) or an error (`--device cuda`).
 //!
-//! On the GPU: rms_norm, rope, swiglu, causal_attention (flash d_h ≤ 128, naive any), attention_probs (ops.rs ↔ cuda/ops.cu),
+//! On the GPU: rms_norm, rope, swiglu, geglu, causal_attention (flash d_h ≤ 256, naive any; sliding windows too), attention_probs (ops.rs ↔ cuda/ops.cu),
 //! linear (cuBLAS, gemm.rs), packed_linear (qgemm.rs ↔ cuda/qgemm.cu: fused dequant + dot for m ≤ 16,
 //! dequantize + cuBLAS above), plus the QuantOps of quant.rs. Still on the CPU, each saying why at its
-//! method: flash causal_attention with d_h > 128, linear and packed_linear with m > 16 when libcublas is
+//! method: flash causal_attention with d_h > 256, linear and packed_linear with m > 16 when libcublas is
 //! missing (noted once on stderr), and degenerate shapes (k = 0).
 
 pub mod abi;
@@ -150,6 +150,8 @@ pub struct CudaBackend {
     qgemm: std::sync::OnceLock<Result<qgemm::QgemmKernels, String>>,
     /// The host layer's transfer counts (traffic.rs), for a GPU; the emulator counts for itself.
     counters: traffic::HostCounters,
+    /// RoPE cos/sin tables already uploaded (resident.rs `rope_tables`): a run's layers share one or two.
+    rope_tables: std::sync::Mutex<Vec<resident::RopeTablesOnDevice>>,
 }
 
 /// Loads the embedded fatbin of cuda/`stem`.cu, or says why it cannot.
@@ -294,6 +296,7 @@ impl CudaBackend {
             blas: std::sync::OnceLock::new(),
             qgemm: std::sync::OnceLock::new(),
             counters: Default::default(),
+            rope_tables: Default::default(),
         })
     }
 
@@ -490,7 +493,13 @@ impl CudaBackend {
         self.finish(o, "swiglu")
     }
 
-    /// Causal GQA attention on the GPU (the flash variant takes d_h ≤ ops::ATTN_MAX_D_H); see
+    /// gelu_tanh(gate) ⊙ up on the GPU; see `Backend::geglu`.
+    pub fn try_geglu(&self, gate: &[f32], up: &[f32]) -> Result<Vec<f32>, CudaError> {
+        let o = self.try_geglu_t(&Tensor::Host(gate.to_vec()), &Tensor::Host(up.to_vec()))?;
+        self.finish(o, "geglu")
+    }
+
+    /// Causal GQA attention on the GPU (the flash variant takes d_h ≤ ops::ATTN_MAX_D_H = 256); see
     /// `Backend::causal_attention`.
     #[allow(clippy::too_many_arguments)]
     pub fn try_causal_attention(
@@ -505,8 +514,17 @@ impl CudaBackend {
         d_h: usize,
     ) -> Result<Vec<f32>, CudaError> {
         let host = |x: &[f32]| Tensor::Host(x.to_vec());
-        let o =
-            self.try_causal_attention_t(&host(q), &host(k), &host(v), n_seq, t, h, h_kv, d_h)?;
+        let o = self.try_causal_attention_t(
+            &host(q),
+            &host(k),
+            &host(v),
+            n_seq,
+            t,
+            h,
+            h_kv,
+            d_h,
+            None,
+        )?;
         self.finish(o, "causal_attention")
     }
 
@@ -631,8 +649,8 @@ impl Backend for CudaBackend {
         })
     }
 
-    /// With the flash variant, d_h > 128 (no model we target) runs on the CPU: those kernels keep a query
-    /// row's slice of q and of the output in registers, sized by the padded head dim kD ∈ {64, 128}.
+    /// With the flash variant, d_h > 256 (no model we target) runs on the CPU: those kernels keep a query
+    /// row's slice of q and of the output in registers, sized by the padded head dim kD ∈ {64, 128, 256}.
     fn causal_attention(
         &self,
         q: &[f32],
@@ -675,6 +693,11 @@ impl Backend for CudaBackend {
     fn swiglu(&self, gate: &[f32], up: &[f32]) -> crate::ops::Result<Vec<f32>> {
         self.try_swiglu(gate, up)
             .map_err(|e| anyhow::anyhow!("{} swiglu (n={}): {e}", self.name, gate.len()))
+    }
+
+    fn geglu(&self, gate: &[f32], up: &[f32]) -> crate::ops::Result<Vec<f32>> {
+        self.try_geglu(gate, up)
+            .map_err(|e| anyhow::anyhow!("{} geglu (n={}): {e}", self.name, gate.len()))
     }
 
     fn device_memory(&self) -> Option<(u64, u64)> {
@@ -729,8 +752,14 @@ impl Backend for CudaBackend {
         Ok(Some(t))
     }
 
-    fn embed_t(&self, table: &Tensor, ids: &[u32], d: usize) -> crate::ops::Result<Tensor> {
-        self.try_embed_t(table, ids, d)
+    fn embed_t(
+        &self,
+        table: &Tensor,
+        ids: &[u32],
+        d: usize,
+        scale: f32,
+    ) -> crate::ops::Result<Tensor> {
+        self.try_embed_t(table, ids, d, scale)
             .map_err(|e| anyhow::anyhow!("{} embed ({} ids, d={d}): {e}", self.name, ids.len()))
     }
 
@@ -827,20 +856,11 @@ impl Backend for CudaBackend {
         d_h: usize,
         window: Option<usize>,
     ) -> crate::ops::Result<Tensor> {
-        // The kernels mask causally only: a sliding window takes the host route.
-        if let Some(w) = window.filter(|&w| w < t) {
-            return crate::backend::windowed_attention_on_host(
-                self,
-                (q, k, v),
-                n_seq,
-                (t, h, h_kv, d_h),
-                w,
-            );
-        }
-        self.try_causal_attention_t(q, k, v, n_seq, t, h, h_kv, d_h)
+        self.try_causal_attention_t(q, k, v, n_seq, t, h, h_kv, d_h, window)
             .map_err(|e| {
- anyhow::anyhow!(
-                    "{} causal_attention (n_seq={n_seq}, t={t}, h={h}, h_kv={h_kv}, d_h={d_h}): {e}",
+                anyhow::anyhow!(
+                    "{} causal_attention (n_seq={n_seq}, t={t}, h={h}, h_kv={h_kv}, d_h={d_h}, \
+                     window={window:?}): {e}",
                     self.name
                 )
             })
@@ -849,6 +869,11 @@ impl Backend for CudaBackend {
     fn swiglu_t(&self, gate: &Tensor, up: &Tensor) -> crate::ops::Result<Tensor> {
         self.try_swiglu_t(gate, up)
             .map_err(|e| anyhow::anyhow!("{} swiglu (n={}): {e}", self.name, gate.len()))
+    }
+
+    fn geglu_t(&self, gate: &Tensor, up: &Tensor) -> crate::ops::Result<Tensor> {
+        self.try_geglu_t(gate, up)
+            .map_err(|e| anyhow::anyhow!("{} geglu (n={}): {e}", self.name, gate.len()))
     }
 
     fn add_t(&self, x: &mut Tensor, y: &Tensor) -> crate::ops::Result<()> {

@@ -40,7 +40,8 @@ pub enum AttentionVariant {
     /// v1: one thread per query row, a direct port of the CPU twin (two-pass softmax, P·V accumulated in
     /// global memory), any d_h; the baseline when v2 drifts.
     Naive = 1,
-    /// v2: flash-style, one CTA per 64 queries, online softmax over 32-key smem tiles, d_h ≤ 128; the default.
+    /// v2: flash-style, one CTA per 64 queries (32 at d_h > 128), online softmax over smem key tiles,
+    /// d_h ≤ 256; the default.
     Flash = 2,
 }
 
@@ -53,21 +54,22 @@ const RMS_NORM_V1_THREADS: u32 = 128;
 /// v2: warps (= rows) per block. Must match kRmsNormV2Warps in cuda/ops.cu (its __launch_bounds__).
 const RMS_NORM_V2_WARPS: u32 = 4;
 
-/// Threads per block of the elementwise kernels (rope, swiglu, bias_add, f32_to_bf16, embed). Must match
+/// Threads per block of the elementwise kernels (rope, swiglu, geglu, bias_add, f32_to_bf16, embed). Must match
 /// kElementwiseThreads in cuda/ops.cu (their __launch_bounds__).
 const ELEMENTWISE_THREADS: u32 = 256;
 /// Most blocks an elementwise launch uses; the kernels grid-stride over the rest.
 const ELEMENTWISE_MAX_BLOCKS: u64 = 65535 * 8;
 /// attention_probs: warps (= query rows) per block. Must match kAttnProbsWarps in cuda/ops.cu.
 const ATTN_PROBS_WARPS: u32 = 4;
-/// causal_attention: query rows per CTA and threads per CTA. Must match kAttnQueries and kAttnThreads in
-/// cuda/ops.cu.
-const ATTN_QUERIES: u32 = 64;
+/// causal_attention (flash): threads per CTA, and query rows per CTA for kD ≤ 128 and kD = 256. Must match
+/// kAttnThreads / kAttnTpqNarrow and kAttnThreads / kAttnTpqWide in cuda/ops.cu.
 const ATTN_THREADS: u32 = 256;
+const ATTN_QUERIES: u32 = 64;
+const ATTN_QUERIES_WIDE: u32 = 32;
 /// causal_attention v1: threads (= query rows) per block. Must match kAttnV1Threads in cuda/ops.cu.
 const ATTN_V1_THREADS: u32 = 128;
-/// Largest head dim the flash causal_attention kernels take (their padded kD); v1 takes any.
-pub const ATTN_MAX_D_H: usize = 128;
+/// Largest head dim the flash causal_attention kernels take (their widest padded kD); v1 takes any.
+pub const ATTN_MAX_D_H: usize = 256;
 
 /// Function handles of cuda/ops.cu, loaded once per context.
 pub struct OpsKernels {
@@ -75,6 +77,7 @@ pub struct OpsKernels {
     rms_norm_v2: CudaFunction,
     rope: CudaFunction,
     swiglu: CudaFunction,
+    geglu: CudaFunction,
     bias_add: CudaFunction,
     f32_to_bf16: CudaFunction,
     embed: CudaFunction,
@@ -82,6 +85,7 @@ pub struct OpsKernels {
     causal_attention_v1: CudaFunction,
     causal_attention_d64: CudaFunction,
     causal_attention_d128: CudaFunction,
+    causal_attention_d256: CudaFunction,
 }
 
 impl OpsKernels {
@@ -93,6 +97,7 @@ impl OpsKernels {
             rms_norm_v2: get(RmsNormVariant::WarpPerRow)?,
             rope: get_named("rope_kernel")?,
             swiglu: get_named("swiglu_kernel")?,
+            geglu: get_named("geglu_kernel")?,
             bias_add: get_named("bias_add_kernel")?,
             f32_to_bf16: get_named("f32_to_bf16_kernel")?,
             embed: get_named("embed_kernel")?,
@@ -100,6 +105,7 @@ impl OpsKernels {
             causal_attention_v1: get_named("causal_attention_kernel_v1")?,
             causal_attention_d64: get_named("causal_attention_kernel_d64")?,
             causal_attention_d128: get_named("causal_attention_kernel_d128")?,
+            causal_attention_d256: get_named("causal_attention_kernel_d256")?,
         })
     }
 
@@ -255,10 +261,28 @@ pub fn launch_rope(
     Ok(())
 }
 
-/// out [n] = silu(gate) ⊙ up; see `Backend::swiglu`. Asynchronous on `stream`.
-pub fn launch_swiglu(
+/// Which gated activation `launch_gated` runs: silu (SwiGLU) or gelu_tanh (GeGLU).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gated {
+    Silu,
+    GeluTanh,
+}
+
+impl Gated {
+    fn name(self) -> &'static str {
+        match self {
+            Gated::Silu => "swiglu",
+            Gated::GeluTanh => "geglu",
+        }
+    }
+}
+
+/// out [n] = act(gate) ⊙ up with act silu (`Backend::swiglu`) or gelu_tanh (`Backend::geglu`). Asynchronous
+/// on `stream`.
+pub fn launch_gated(
     stream: &Arc<CudaStream>,
     k: &OpsKernels,
+    act: Gated,
     out: &mut CudaSlice<f32>,
     gate: &CudaSlice<f32>,
     up: &CudaSlice<f32>,
@@ -266,7 +290,7 @@ pub fn launch_swiglu(
     let n = gate.len();
     if up.len() != n || out.len() != n {
         return Err(CudaError::Shape {
-            op: "swiglu",
+            op: act.name(),
             msg: format!(
                 "gate.len={n}, up.len={}, out.len={} must be equal",
                 up.len(),
@@ -278,17 +302,20 @@ pub fn launch_swiglu(
         return Ok(());
     }
     let n64 = n as u64;
-    let _r = range(c"swiglu");
-    let mut b = stream.launch_builder(&k.swiglu);
+    let (f, _r) = match act {
+        Gated::Silu => (&k.swiglu, range(c"swiglu")),
+        Gated::GeluTanh => (&k.geglu, range(c"geglu")),
+    };
+    let mut b = stream.launch_builder(f);
     b.arg(out).arg(gate).arg(up).arg(&n64);
-    // SAFETY: matches swiglu_kernel(float* out, const float* gate, const float* up, uint64 n); all three hold
-    // n f32 (checked above).
-    unsafe { b.launch(elementwise_cfg(n64)) }.map_err(launch_err("launch swiglu"))?;
+    // SAFETY: matches swiglu_kernel / geglu_kernel(float* out, const float* gate, const float* up, uint64 n);
+    // all three hold n f32 (checked above).
+    unsafe { b.launch(elementwise_cfg(n64)) }.map_err(launch_err("launch gated activation"))?;
     Ok(())
 }
 
-/// X [ids.len() × d] = rows `ids` of table [vocab × d]. Asynchronous on `stream`. Every id must be < vocab
-/// (the caller checks: the kernel reads table[id] unguarded).
+/// X [ids.len() × d] = rows `ids` of table [vocab × d], times `scale` (Gemma's √d; 1 is exact). Asynchronous
+/// on `stream`. Every id must be < vocab (the caller checks: the kernel reads table[id] unguarded).
 pub fn launch_embed(
     stream: &Arc<CudaStream>,
     k: &OpsKernels,
@@ -296,6 +323,7 @@ pub fn launch_embed(
     table: &CudaSlice<f32>,
     ids: &CudaSlice<u32>,
     d: usize,
+    scale: f32,
 ) -> Result<(), CudaError> {
     let rows = ids.len();
     let (Ok(d32), Some(total)) = (u32::try_from(d), rows.checked_mul(d)) else {
@@ -320,8 +348,9 @@ pub fn launch_embed(
     let n = total as u64;
     let _r = range(c"embed");
     let mut b = stream.launch_builder(&k.embed);
-    b.arg(x).arg(table).arg(ids).arg(&n).arg(&d32);
-    // SAFETY: matches embed_kernel(float* x, const float* table, const uint32* ids, uint64 total, uint32 d);
+    b.arg(x).arg(table).arg(ids).arg(&n).arg(&d32).arg(&scale);
+    // SAFETY: matches embed_kernel(float* x, const float* table, const uint32* ids, uint64 total, uint32 d,
+    // float scale);
     // x holds rows·d f32 (checked above) and every ids[r] < table.len()/d (the caller's contract), so each
     // read table[ids[r]·d + c], c < d, is in bounds.
     unsafe { b.launch(elementwise_cfg(n)) }.map_err(launch_err("launch embed"))?;
@@ -473,8 +502,9 @@ pub fn launch_attention_probs(
     Ok(())
 }
 
-/// O [n_seq·t × h·d_h] = causal GQA attention of Q [n_seq·t × h·d_h], K, V [n_seq·t × h_kv·d_h] (d_h ≤ 128
-/// for the flash variant); see `Backend::causal_attention`. Asynchronous on `stream`.
+/// O [n_seq·t × h·d_h] = causal GQA attention of Q [n_seq·t × h·d_h], K, V [n_seq·t × h_kv·d_h] (d_h ≤ 256
+/// for the flash variant), each query seeing at most `window` keys, itself included (`window` ≥ t: no
+/// window); see `Backend::causal_attention_t`. Asynchronous on `stream`.
 #[allow(clippy::too_many_arguments)]
 pub fn launch_causal_attention(
     stream: &Arc<CudaStream>,
@@ -485,22 +515,27 @@ pub fn launch_causal_attention(
     key: &CudaSlice<f32>,
     v: &CudaSlice<f32>,
     n_seq: usize,
-    t: usize,
-    h: usize,
-    h_kv: usize,
-    d_h: usize,
+    (t, h, h_kv, d_h): (usize, usize, usize, usize),
+    window: usize,
 ) -> Result<(), CudaError> {
     let (t32, h32, h_kv32, d_h32) = attention_dims("causal_attention", t, h, h_kv, d_h)?;
     let err = |msg: String| CudaError::Shape {
         op: "causal_attention",
-        msg: format!("{msg} (n_seq={n_seq}, t={t}, h={h}, h_kv={h_kv}, d_h={d_h})"),
+        msg: format!(
+            "{msg} (n_seq={n_seq}, t={t}, h={h}, h_kv={h_kv}, d_h={d_h}, window={window})"
+        ),
     };
     // v1 walks any head dim; only the flash kernels pad it to a fixed kD.
     if variant == AttentionVariant::Flash && d_h > ATTN_MAX_D_H {
         return Err(err(format!(
-            "d_h > {ATTN_MAX_D_H} (the flash kernels' padded head dim)"
+            "d_h > {ATTN_MAX_D_H} (the flash kernels' widest padded head dim)"
         )));
     }
+    if window == 0 {
+        return Err(err("a window must keep at least the query's own key".into()));
+    }
+    // Past t the window hides nothing: the kernels take t for "no window".
+    let window32 = window.min(t) as u32;
     let (q_len, kv_len) = (n_seq * t * h * d_h, n_seq * t * h_kv * d_h);
     if q.len() != q_len || o.len() != q_len || key.len() != kv_len || v.len() != kv_len {
         return Err(err(format!(
@@ -527,12 +562,15 @@ pub fn launch_causal_attention(
         AttentionVariant::Flash if d_h <= 64 => {
             (&k.causal_attention_d64, ATTN_QUERIES, ATTN_THREADS)
         }
-        AttentionVariant::Flash => (&k.causal_attention_d128, ATTN_QUERIES, ATTN_THREADS),
+        AttentionVariant::Flash if d_h <= 128 => {
+            (&k.causal_attention_d128, ATTN_QUERIES, ATTN_THREADS)
+        }
+        AttentionVariant::Flash => (&k.causal_attention_d256, ATTN_QUERIES_WIDE, ATTN_THREADS),
     };
     let cfg = LaunchConfig {
         grid_dim: (t32.div_ceil(rows_per_block), h32, n_seq32),
         block_dim: (threads, 1, 1),
-        shared_mem_bytes: 0, // flash: static smem, 2 tiles of 32 keys × kD f32 (16 / 32 KB); v1: none
+        shared_mem_bytes: 0, // flash: static smem, K and V tiles (16 / 32 / 32 KB); v1: none
     };
     let scale = 1.0 / (d_h as f32).sqrt();
     let _r = range(c"causal_attention");
@@ -545,11 +583,12 @@ pub fn launch_causal_attention(
         .arg(&h32)
         .arg(&h_kv32)
         .arg(&d_h32)
+        .arg(&window32)
         .arg(&scale);
-    // SAFETY: matches causal_attention_kernel_{v1,d64,d128}(float* o, const float* q, const float* k,
-    // const float* v, uint32 t, uint32 h, uint32 h_kv, uint32 d_h, float scale); buffer lengths checked above,
-    // d_h ≤ the flash kernel's kD, h_kv divides h; the grid covers every (query rows, head, sequence) and rows
-    // ≥ t store nothing.
+    // SAFETY: matches causal_attention_kernel_{v1,d64,d128,d256}(float* o, const float* q, const float* k,
+    // const float* v, uint32 t, uint32 h, uint32 h_kv, uint32 d_h, uint32 window, float scale); buffer lengths
+    // checked above, d_h ≤ the flash kernel's kD, h_kv divides h, 1 ≤ window ≤ t; the grid covers every
+    // (query rows, head, sequence) with the kernel's rows per CTA, and rows ≥ t store nothing.
     unsafe { b.launch(cfg) }.map_err(launch_err("launch causal_attention"))?;
     Ok(())
 }

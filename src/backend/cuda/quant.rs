@@ -1,17 +1,17 @@
 //! `QuantOps` on CUDA: the quantization core on device buffers (design.md §12 "Device residency"). A
 //! block's accumulators, Hessians, factors, weights, grids and codes are `Mat`s in device memory from the
-//! statistics to the packed output; the host receives diagonals (O(n)), a few sums per linear, the per-head
-//! d_h × d_h statistics BoA's row Hessians are made from, and the packed tensors.
+//! statistics to the packed output; the host receives diagonals (O(n)), a few sums per linear and the packed
+//! tensors (BoA's per-head row Hessians are made on the device too: `rope_row_hessians`).
 //!
 //! Kernels: statistics hessian.rs, factors cholesky.rs / solver.rs (cuSOLVER for n > 128), data movement and
 //! small passes core.rs, sweeps sweep.rs, the scale search search.rs, the report's products gemm.rs (cuBLAS).
 //! Every input must already be on the device (`CudaBackend::upload_mat`): a host `Mat` here is an error,
 //! never a silent copy.
 //!
-//! Still through the host, each saying so at its method (issue 19, to be moved): the static-grid BoA sweep
-//! with d_h > 128, V's statistics with d_h > 128. The scale search (static and the GPTQ sweep's dynamic groups)
-//! is on the device (search.rs); the BoA sweep's dynamic groups are searched inside its own kernel
-//! (boa_dynamic.rs, any d_h).
+//! Still through the host, each saying so at its method: the static-grid BoA sweep and V's statistics with
+//! d_h > 256 (no model we target; Gemma 3's 256 and sliding windows run on the device). The scale search
+//! (static and the GPTQ sweep's dynamic groups) is on the device (search.rs); the BoA sweep's dynamic groups
+//! are searched inside its own kernel (boa_dynamic.rs, any d_h).
 
 use super::cholesky::{CHOLESKY_MAX_N, launch_cholesky};
 use super::core::{
@@ -19,7 +19,7 @@ use super::core::{
     launch_pack, launch_permute_sym, launch_rtn, launch_set_diag, launch_sub, launch_u_row_f,
     launch_zero_cols,
 };
-use super::hessian::ATTN_MAX_DH;
+use super::hessian::{ATTN_MAX_DH, launch_rope_moments, launch_rope_row_hessians};
 use super::sweep::{
     BOA_MAX_DH, BoaBlockVariant, BoaBuffers, GPTQ_MAX_BLOCK, GptqBuffers, GptqDynamicBuffers,
     Trailing, TrailingVariant, launch_boa_sweep, launch_gptq_sweep, launch_gptq_sweep_dynamic,
@@ -28,7 +28,7 @@ use super::{CudaBackend, CudaError, driver};
 use crate::backend::cpu::CpuBackend;
 use crate::ops::{
     AttnShape, Codes, GridMode, Grids, Mat, MatData, Packed, QuantOps, QuantSpec, QuantizedLinear,
-    Result, Swept, Tensor,
+    Result, RopeAverage, Swept, Tensor, check_rope_row_hessians,
 };
 use anyhow::{anyhow, bail};
 use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
@@ -402,8 +402,9 @@ impl QuantOps for CudaBackend {
         with_acc(acc, |t| self.try_head_covariance_t(t, x, m, nh, dh))
     }
 
-    /// With d_h > 128 (none of the Llama family) the attention tiles do not fit: the CPU's sums of the same
-    /// sequences are added in (a host round trip of X, Q and K).
+    /// On the device for d_h ≤ 256, sliding windows included (the Llama family, Mistral, Gemma 3). Wider heads
+    /// (no model we target) do not fit the attention tiles: the CPU's sums of the same sequences are added in
+    /// (a host round trip of X, Q and K).
     fn stat_v_col(
         &self,
         acc: &mut Mat,
@@ -413,8 +414,8 @@ impl QuantOps for CudaBackend {
         s: AttnShape,
         n_seq: usize,
     ) -> Result<()> {
-        // Wider heads than the kernels take, or a sliding window (they mask causally only): on the host.
-        if s.d_h > ATTN_MAX_DH || s.window.is_some_and(|w| w < s.t) {
+        // Wider heads than the kernels take: on the host.
+        if s.d_h > ATTN_MAX_DH {
             let host = |t: &Tensor| -> Result<Tensor> {
                 Ok(Tensor::Host(
                     crate::backend::Backend::read(self, t)?.into_owned(),
@@ -423,8 +424,11 @@ impl QuantOps for CudaBackend {
             let mut a = CpuBackend.stat_acc(acc.batch, acc.rows)?;
             CpuBackend.stat_v_col(&mut a, &host(x)?, &host(q)?, &host(k)?, s, n_seq)?;
             let mut sum = self.read_f32(acc)?;
+            let cpu_sum = a
+                .host_f64()
+                .ok_or_else(|| anyhow!("stat_v_col: the CPU's sums are not f64"))?;
             sum.iter_mut()
-                .zip(a.host_f64().expect("CPU sums are f64"))
+                .zip(cpu_sum)
                 .for_each(|(x, &y)| *x += y as f32);
             *dev_mut(acc, "accumulator")? = self.upload(&sum, "upload accumulator")?;
             return Ok(());
@@ -472,6 +476,52 @@ impl QuantOps for CudaBackend {
             }
         }
         self.hessian(out, n_kv, d_h)
+    }
+
+    /// On the device for d_h ≤ 256: the position moments from θ (≤ 1 KB up), then every output element from
+    /// the covariances where they are; only θ and the norm weight [d_h] cross.
+    fn rope_row_hessians(
+        &self,
+        c: &Mat,
+        n_out: usize,
+        rope: &RopeAverage,
+        norm: Option<&[f32]>,
+    ) -> Result<Mat> {
+        check_rope_row_hessians(c, n_out, rope, norm)?;
+        let d_h = rope.d_h();
+        if d_h > ATTN_MAX_DH {
+            // Wider than the moments kernel's block (no model we target): the CPU's, on a host copy.
+            let host = Mat::f64(self.read_f64(c)?, c.batch, d_h, d_h);
+            let h = CpuBackend.rope_row_hessians(&host, n_out, rope, norm)?;
+            return self.upload_mat(h);
+        }
+        let half = d_h / 2;
+        let (inv_freq, positions) = rope.source();
+        let f_d = self.upload(inv_freq, "upload inv_freq")?;
+        let mut mom = self.zeros_of::<f64>(3 * half * half, "alloc moments")?;
+        launch_rope_moments(&self.stream, &self.quant.hessian, &mut mom, &f_d, positions)?;
+        let ones;
+        let g = match norm {
+            Some(g) => g,
+            None => {
+                ones = vec![1f32; d_h];
+                &ones
+            }
+        };
+        let g_d = self.upload(g, "upload norm weight")?;
+        let mut out = self.out_f32(n_out * d_h * d_h)?;
+        launch_rope_row_hessians(
+            &self.stream,
+            &self.quant.hessian,
+            &mut out,
+            dev(c, "covariances")?,
+            &mom,
+            &g_d,
+            n_out,
+            c.batch,
+            d_h,
+        )?;
+        Ok(dmat(out, n_out, d_h, d_h))
     }
 
     fn read_f64(&self, m: &Mat) -> Result<Vec<f64>> {
@@ -899,9 +949,9 @@ impl QuantOps for CudaBackend {
         })
     }
 
-    /// Static grids: the wavefront kernel (sweep.rs); heads wider than 128 with static grids: TEMPORARY HOST
-    /// ROUTE (issue 19), the CPU's sweep on the downloaded buffers. Dynamic groups: the group-lagged wavefront
-    /// of boa_dynamic.rs, on the device for any d_h.
+    /// Static grids: the wavefront kernels (sweep.rs; heads of up to 256 rows); heads wider than 256 with
+    /// static grids (no model we target): the CPU's sweep on the downloaded buffers. Dynamic groups: the
+    /// group-lagged wavefront of boa_dynamic.rs, on the device for any d_h.
     fn boa_sweep(
         &self,
         w: Mat,
@@ -968,7 +1018,7 @@ impl QuantOps for CudaBackend {
         let mut q_d = self.out_f32(rows * n)?;
         let mut c_d = self.out_u8(rows * n)?;
         let variant = self.boa_block_variant_in_use();
-        let mut e_d = self.zeros_of::<f32>(variant.block().min(n) * rows, "alloc E")?;
+        let mut e_d = self.zeros_of::<f32>(variant.block_for(d_h).min(n) * rows, "alloc E")?;
         launch_boa_sweep(
             &self.stream,
             &self.quant.sweep,

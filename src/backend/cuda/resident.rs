@@ -27,6 +27,18 @@ pub(super) struct VColScratch {
     y: CudaSlice<f32>,
 }
 
+/// A RoPE table pair on the device with the host values it was uploaded from (the cache key: compared in
+/// full, so a table freed and another allocated at its address is never mistaken for it).
+pub(super) struct RopeTablesOnDevice {
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    cos_d: CudaSlice<f32>,
+    sin_d: CudaSlice<f32>,
+}
+
+/// Most table pairs kept: a run has one (Llama) or two (Gemma 3's local and global layers) per length.
+const ROPE_TABLES_KEPT: usize = 4;
+
 /// Page-locked buffers that weights pass through on their way to the device, one per weight length: a block
 /// has at most three (q/o, k/v, gate/up/down), so 7B keeps ~0.25 GB page-locked and 70B ~1.2 GB, reused by
 /// every block. A length is staged from its second upload on, so a one-off upload (an embedding table, an LM
@@ -443,16 +455,35 @@ impl CudaBackend {
         if x.is_empty() || half == 0 {
             return Ok(());
         }
-        // The tables first: a failed upload then leaves x as it was.
-        let c_d = self.upload(&cos[..t * half], "upload cos")?;
-        let s_d = self.upload(&sin[..t * half], "upload sin")?;
+        // The tables first: a failed upload then leaves x as it was. Each forward calls this twice per block
+        // with the same tables: they go up once per run (at Gemma 3's d_h = 256 and 128 tokens, 131 KB a
+        // call, a third of a small block's weights, when each call uploaded its own).
+        let (cos, sin) = (&cos[..t * half], &sin[..t * half]);
+        let mut cache = self.rope_tables.lock().unwrap_or_else(|e| e.into_inner());
+        let hit = cache.iter().position(|e| e.cos == cos && e.sin == sin);
+        let i = match hit {
+            Some(i) => i,
+            None => {
+                let entry = RopeTablesOnDevice {
+                    cos_d: self.upload(cos, "upload cos")?,
+                    sin_d: self.upload(sin, "upload sin")?,
+                    cos: cos.to_vec(),
+                    sin: sin.to_vec(),
+                };
+                if cache.len() == ROPE_TABLES_KEPT {
+                    cache.remove(0);
+                }
+                cache.push(entry);
+                cache.len() - 1
+            }
+        };
         let mut x_d = self.owned_dev(std::mem::take(x))?;
         let r = ops::launch_rope(
             &self.stream,
             &self.ops,
             &mut x_d,
-            &c_d,
-            &s_d,
+            &cache[i].cos_d,
+            &cache[i].sin_d,
             t,
             n_heads,
             d_h,
@@ -461,6 +492,8 @@ impl CudaBackend {
         r
     }
 
+    /// Causal GQA attention on device tensors; `window`: each query sees at most that many keys, itself
+    /// included (a sliding-window layer).
     #[allow(clippy::too_many_arguments)]
     pub fn try_causal_attention_t(
         &self,
@@ -472,6 +505,7 @@ impl CudaBackend {
         h: usize,
         h_kv: usize,
         d_h: usize,
+        window: Option<usize>,
     ) -> Result<Tensor, CudaError> {
         if q.len() != n_seq * t * h * d_h || k.len() != n_seq * t * h_kv * d_h || v.len() != k.len()
         {
@@ -489,25 +523,22 @@ impl CudaBackend {
         if q.is_empty() {
             return Ok(Tensor::Host(Vec::new()));
         }
-        // The flash kernels pad the head dim to ATTN_MAX_D_H; above it the flash variant runs on the CPU (v1
-        // takes any head dim). Here, so the slice and tensor forms share it.
+        // The flash kernels pad the head dim to at most ATTN_MAX_D_H (256); above it the flash variant runs on
+        // the CPU (v1 takes any head dim). Here, so the slice and tensor forms share it.
         if self.attention_variant == ops::AttentionVariant::Flash && d_h > ops::ATTN_MAX_D_H {
             let host = |e: anyhow::Error| CudaError::Host {
-                op: "causal_attention (CPU, d_h > 128)",
+                op: "causal_attention (CPU, d_h > 256)",
                 msg: format!("{e:#}"),
             };
-            let o = CpuBackend
-                .causal_attention(
-                    &self.read(q).map_err(host)?,
-                    &self.read(k).map_err(host)?,
-                    &self.read(v).map_err(host)?,
-                    n_seq,
-                    t,
-                    h,
-                    h_kv,
-                    d_h,
-                )
-                .map_err(host)?;
+            let o = crate::backend::cpu::attention(
+                &self.read(q).map_err(host)?,
+                &self.read(k).map_err(host)?,
+                &self.read(v).map_err(host)?,
+                n_seq,
+                (t, h, h_kv, d_h),
+                window,
+            )
+            .map_err(host)?;
             return Ok(Tensor::Device(self.owned_dev(Tensor::Host(o))?));
         }
         let (q_d, k_d, v_d) = (self.dev(q)?, self.dev(k)?, self.dev(v)?);
@@ -521,19 +552,30 @@ impl CudaBackend {
             &k_d,
             &v_d,
             n_seq,
-            t,
-            h,
-            h_kv,
-            d_h,
+            (t, h, h_kv, d_h),
+            window.unwrap_or(t),
         )?;
         Ok(Tensor::Device(o))
     }
 
     pub fn try_swiglu_t(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor, CudaError> {
+        self.try_gated_t(ops::Gated::Silu, gate, up)
+    }
+
+    pub fn try_geglu_t(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor, CudaError> {
+        self.try_gated_t(ops::Gated::GeluTanh, gate, up)
+    }
+
+    fn try_gated_t(
+        &self,
+        act: ops::Gated,
+        gate: &Tensor,
+        up: &Tensor,
+    ) -> Result<Tensor, CudaError> {
         if gate.len() != up.len() {
             return Err(shape(
-                "swiglu",
-                format!("gate.len={} ≠ up.len={}", gate.len(), up.len()),
+                "gated activation",
+                format!("{act:?}: gate.len={} ≠ up.len={}", gate.len(), up.len()),
             ));
         }
         if gate.is_empty() {
@@ -541,12 +583,19 @@ impl CudaBackend {
         }
         let (g_d, u_d) = (self.dev(gate)?, self.dev(up)?);
         let mut o = self.output(gate.len())?;
-        ops::launch_swiglu(&self.stream, &self.ops, &mut o, &g_d, &u_d)?;
+        ops::launch_gated(&self.stream, &self.ops, act, &mut o, &g_d, &u_d)?;
         Ok(Tensor::Device(o))
     }
 
-    /// The embedding gather on the device: `ids` go up (4 bytes a token), X is made where it stays.
-    pub fn try_embed_t(&self, table: &Tensor, ids: &[u32], d: usize) -> Result<Tensor, CudaError> {
+    /// The embedding gather on the device, times `scale` (Gemma's √d; 1: none): `ids` go up (4 bytes a token),
+    /// X is made where it stays.
+    pub fn try_embed_t(
+        &self,
+        table: &Tensor,
+        ids: &[u32],
+        d: usize,
+        scale: f32,
+    ) -> Result<Tensor, CudaError> {
         if d == 0 || !table.len().is_multiple_of(d) {
             return Err(shape(
                 "embed",
@@ -569,7 +618,7 @@ impl CudaBackend {
             .clone_htod(ids)
             .map_err(driver("upload token ids"))?;
         let mut x = self.output(ids.len() * d)?;
-        ops::launch_embed(&self.stream, &self.ops, &mut x, &table_d, &ids_d, d)?;
+        ops::launch_embed(&self.stream, &self.ops, &mut x, &table_d, &ids_d, d, scale)?;
         Ok(Tensor::Device(x))
     }
 
@@ -726,6 +775,7 @@ impl CudaBackend {
         let AttnShape {
             t, h, h_kv, d_h, d, ..
         } = s;
+        let window = s.window.unwrap_or(t);
         let hk = &self.quant.hessian;
         launch_softmax_stats(
             &self.stream,
@@ -737,6 +787,7 @@ impl CudaBackend {
             h,
             h_kv,
             d_h,
+            window,
         )?;
         for head in 0..h {
             launch_attn_x(
@@ -754,6 +805,7 @@ impl CudaBackend {
                 h_kv,
                 d_h,
                 d,
+                window,
             )?;
             let g = slot(head);
             self.gram(
@@ -784,6 +836,7 @@ impl CudaBackend {
             t, h, h_kv, d_h, d, ..
         } = s;
         let (xs, qs, ks, st) = (t * d, t * h * d_h, t * h_kv * d_h, 2 * h * t);
+        let window = s.window.unwrap_or(t);
         let hk = &self.quant.hessian;
         let blas = self
             .blas()
@@ -803,6 +856,7 @@ impl CudaBackend {
                 h,
                 h_kv,
                 d_h,
+                window,
             )?;
         }
         // SAFETY: attn_x writes every element of each sequence's [t × d] part before the Gram reads it.
@@ -826,6 +880,7 @@ impl CudaBackend {
                     h_kv,
                     d_h,
                     d,
+                    window,
                 )?;
             }
             let g = head / gs;

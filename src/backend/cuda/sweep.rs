@@ -10,7 +10,9 @@
 //! The BoA block kernel has two variants too (`BoaBlockVariant`): v1 `boa_block_kernel`, 32 columns per block
 //! in static shared memory, and v2 `boa_block_kernel_v2`, 128 columns per block in 210 KB of dynamic shared
 //! memory (4× fewer block launches and wavefront fills; the trailing GEMMs get k = 128). v2 needs the
-//! opt-in above 48 KB at load; where the device cannot give it, the sweep runs v1 and says which ran.
+//! opt-in above 48 KB at load; where the device cannot give it, the sweep runs v1 and says which ran. Heads of
+//! 129–256 rows (Gemma 3) run `boa_block_kernel_d256`, v1's code with 256 threads and 16-column blocks,
+//! whichever variant is selected.
 
 use super::CudaError;
 use super::gemm::Blas;
@@ -28,20 +30,23 @@ pub const MODULE: &str = "sweep";
 /// Widest GPTQ column block (kGptqMaxBw); rows per CTA (kGptqRows).
 pub const GPTQ_MAX_BLOCK: usize = 128;
 const GPTQ_ROWS: u32 = 32;
-/// BoA: largest head dimension (kBoaMaxDh) and the column block widths of v1 (kBoaBw) and v2 (kBoa2Bw). The
-/// BoA block is the variant's width whatever the caller's block size: v1's δ and W tiles of 128 rows × 32
-/// columns already take 41 KB of static shared memory, v2's of 128 × 128 plus U_col's block 210 KB of dynamic.
+/// BoA: largest head dimension (kBoaWideDh), the largest of v1 and v2 (kBoaMaxDh), and the column block widths
+/// of v1 (kBoaBw), v2 (kBoa2Bw) and the wide-head kernel (kBoaWideBw). The BoA block is the kernel's width
+/// whatever the caller's block size: v1's δ and W tiles of 128 rows × 32 columns already take 41 KB of static
+/// shared memory, the wide kernel's of 256 × 16 37 KB, v2's of 128 × 128 plus U_col's block 210 KB of dynamic.
 /// The block width changes only the rounding order of the trailing updates, not the algorithm.
-pub const BOA_MAX_DH: usize = 128;
+pub const BOA_MAX_DH: usize = 256;
+pub const BOA_NARROW_DH: usize = 128;
 pub const BOA_BLOCK: usize = 32;
 pub const BOA_BLOCK_V2: usize = 128;
+pub const BOA_BLOCK_WIDE: usize = 16;
 /// kBoa2SmemBytes: w_sh [128][130] + δ_sh [128][129] + U_col [128][128] f32, col_group [128] u32, codes
 /// [128][128] u8.
-pub const BOA_V2_SMEM_BYTES: u32 = (BOA_BLOCK_V2 * (BOA_MAX_DH + 2) * 4
-    + BOA_BLOCK_V2 * (BOA_MAX_DH + 1) * 4
+pub const BOA_V2_SMEM_BYTES: u32 = (BOA_BLOCK_V2 * (BOA_NARROW_DH + 2) * 4
+    + BOA_BLOCK_V2 * (BOA_NARROW_DH + 1) * 4
     + BOA_BLOCK_V2 * BOA_BLOCK_V2 * 4
     + BOA_BLOCK_V2 * 4
-    + BOA_BLOCK_V2 * BOA_MAX_DH) as u32;
+    + BOA_BLOCK_V2 * BOA_NARROW_DH) as u32;
 const _: () = assert!(BOA_V2_SMEM_BYTES == 215_040);
 const GEMM_TILE: u32 = 64;
 const GEMM_THREADS: u32 = 256;
@@ -50,6 +55,8 @@ pub struct SweepKernels {
     gptq_block: CudaFunction,
     gemm: CudaFunction,
     boa_block: CudaFunction,
+    /// v1's code for heads of 129–256 rows.
+    boa_block_wide: CudaFunction,
     /// boa_block_kernel_v2 opted into its dynamic shared memory, or why it could not be (v1 runs instead).
     boa_block_v2: Result<CudaFunction, String>,
     gather_cols: CudaFunction,
@@ -62,6 +69,7 @@ impl SweepKernels {
             gptq_block: get("gptq_block_kernel")?,
             gemm: get("sweep_trailing_gemm_kernel")?,
             boa_block: get("boa_block_kernel")?,
+            boa_block_wide: get("boa_block_kernel_d256")?,
             boa_block_v2: {
                 let f = get("boa_block_kernel_v2")?;
                 // Over the 48 KB a launch may ask for by default: the limit is raised once per function
@@ -102,11 +110,20 @@ pub enum BoaBlockVariant {
 impl BoaBlockVariant {
     pub const ALL: [BoaBlockVariant; 2] = [BoaBlockVariant::W32, BoaBlockVariant::W128];
 
-    /// Columns per block launch (kBoaBw, kBoa2Bw).
+    /// Columns per block launch (kBoaBw, kBoa2Bw) for heads of ≤ 128 rows.
     pub fn block(self) -> usize {
         match self {
             BoaBlockVariant::W32 => BOA_BLOCK,
             BoaBlockVariant::W128 => BOA_BLOCK_V2,
+        }
+    }
+
+    /// Columns per block launch for heads of d_h rows: the variant's, or the wide-head kernel's past 128.
+    pub fn block_for(self, d_h: usize) -> usize {
+        if d_h > BOA_NARROW_DH {
+            BOA_BLOCK_WIDE
+        } else {
+            self.block()
         }
     }
 }
@@ -653,7 +670,7 @@ pub fn launch_boa_sweep(
     let rows = n_heads * d_h;
     let u_len = if per_head_u { n_heads * n * n } else { n * n };
     let variant = k.boa_block_in_use(variant);
-    let block = variant.block();
+    let block = variant.block_for(d_h);
     if d_h == 0
         || d_h > BOA_MAX_DH
         || buf.w.len() != rows * n
@@ -683,13 +700,14 @@ pub fn launch_boa_sweep(
     let _r = range(c"boa_sweep");
     let u_hs: u64 = if per_head_u { (n * n) as u64 } else { 0 };
     let (dh32, n32, ng32, maxq_f) = (d_h as u32, n as u32, n_groups as u32, maxq as f32);
-    let (func, smem) = match (variant, &k.boa_block_v2) {
-        (BoaBlockVariant::W128, Ok(f)) => (f, BOA_V2_SMEM_BYTES),
-        _ => (&k.boa_block, 0),
+    let (func, smem, threads) = match (variant, &k.boa_block_v2) {
+        _ if d_h > BOA_NARROW_DH => (&k.boa_block_wide, 0, BOA_MAX_DH),
+        (BoaBlockVariant::W128, Ok(f)) => (f, BOA_V2_SMEM_BYTES, BOA_NARROW_DH),
+        _ => (&k.boa_block, 0, BOA_NARROW_DH),
     };
     let cfg = LaunchConfig {
         grid_dim: (n_heads as u32, 1, 1),
-        block_dim: (BOA_MAX_DH as u32, 1, 1),
+        block_dim: (threads as u32, 1, 1),
         shared_mem_bytes: smem,
     };
     let mut i1 = 0;
@@ -715,11 +733,12 @@ pub fn launch_boa_sweep(
                 .arg(&i1_32)
                 .arg(&i2_32)
                 .arg(&maxq_f);
-            // SAFETY: arguments match boa_block_kernel{,_v2}(float* w, const float* w0, float* q, uint8* codes,
+            // SAFETY: arguments match boa_block_kernel{,_v2,_d256}(float* w, const float* w0, float* q, uint8* codes,
             // float* e, const float* u_col, uint64 u_head_stride, const float* f_row, scales, zeros,
             // const uint32* col_group, uint32 d_h, n, n_groups, i1, i2, float maxq); the grid is n_heads, so
-            // rows_total = n_heads·d_h matches the buffers checked above; d_h ≤ 128 = the block and smem
-            // tiles; i2 − i1 ≤ the variant's block = its smem column block, and e holds block·rows; v2's
+            // rows_total = n_heads·d_h matches the buffers checked above; d_h ≤ the kernel's block and smem
+            // tiles (128, or 256 for _d256); i2 − i1 ≤ the kernel's block = its smem column block, and e
+            // holds block·rows; v2's
             // dynamic shared memory is the size its layout needs (static_assert in sweep.cu) and was opted
             // into at load (only an Ok v2 function is launched).
             unsafe { lb.launch(cfg) }.map_err(launch_err("launch boa_block"))?;
