@@ -720,6 +720,73 @@ fn parity_geglu_cuda() {
     with_cuda(|b| parity_geglu(b));
 }
 
+/// (m, d, rows scattered): a whole expert of a 4-token chunk, a few rows of a 7B-wide chunk, a wide row.
+const SCATTER_SHAPES: [(usize, usize, usize); 3] = [(4, 576, 4), (700, 4096, 90), (3, 7001, 1)];
+
+/// `scatter_add_rows_t` against a plain loop, bit for bit, on a device accumulator and on a host one (the
+/// CUDA backend uploads it); and its refusals of a repeated or out-of-range row.
+fn parity_scatter_add_rows(b: &dyn Backend) {
+    use boa_cuda::backend::Tensor;
+    let mut rng = rng();
+    for (m, d, n) in SCATTER_SHAPES {
+        let base: Vec<f32> = (0..m * d).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        let y: Vec<f32> = (0..n * d).map(|_| rng.random_range(-4.0f32..4.0)).collect();
+        let w: Vec<f32> = (0..n).map(|_| rng.random_range(0.0f32..1.0)).collect();
+        // n distinct rows in a shuffled order, the last row among them.
+        let mut rows: Vec<u32> = (0..m as u32).collect();
+        for i in (1..rows.len()).rev() {
+            rows.swap(i, rng.random_range(0..=i));
+        }
+        rows.truncate(n);
+        if !rows.contains(&((m - 1) as u32)) {
+            rows[0] = (m - 1) as u32;
+        }
+        let mut want = base.clone();
+        for (r, (&row, &wr)) in rows.iter().zip(&w).enumerate() {
+            for c in 0..d {
+                want[row as usize * d + c] += y[r * d + c] * wr;
+            }
+        }
+        let y_t = b.to_device(Tensor::Host(y.clone())).unwrap();
+        for on_device in [true, false] {
+            let mut out = Tensor::Host(base.clone());
+            if on_device {
+                out = b.to_device(out).unwrap();
+            }
+            b.scatter_add_rows_t(&mut out, &y_t, d, &rows, &w).unwrap();
+            assert_eq!(
+                b.read(&out).unwrap().as_ref(),
+                want.as_slice(),
+                "{}: scatter_add_rows m={m} d={d} rows={n} (accumulator on the device: {on_device})",
+                b.name()
+            );
+        }
+    }
+    let mut out = b.to_device(Tensor::Host(vec![0.0; 4 * 8])).unwrap();
+    let y = b.to_device(Tensor::Host(vec![1.0; 2 * 8])).unwrap();
+    for (rows, why) in [([1u32, 1], "appears twice"), ([0, 4], "outside")] {
+        let err = b
+            .scatter_add_rows_t(&mut out, &y, 8, &rows, &[1.0, 1.0])
+            .unwrap_err();
+        assert!(format!("{err:#}").contains(why), "{}: {err:#}", b.name());
+    }
+    println!(
+        "{}: scatter_add_rows bit-exact at {} shapes",
+        b.name(),
+        SCATTER_SHAPES.len()
+    );
+}
+
+#[test]
+fn parity_scatter_add_rows_cpu() {
+    parity_scatter_add_rows(&CpuBackend);
+}
+
+#[test]
+fn parity_scatter_add_rows_cuda() {
+    with_cuda(|b| parity_scatter_add_rows(b));
+}
+
 #[test]
 fn parity_embed_cpu() {
     parity_embed(&CpuBackend);

@@ -29,7 +29,8 @@ EMU_STREAMS=lazy "$out/test_order"
 EMU_STREAMS=lazy "$out/test_null" "$out"
 tests=(--test parity_ops --test parity_quant --test parity_search --test parity_boa_dynamic --test parity_qgemm
        --test resident_forward --test device_run --test device_errors)
-# Every architecture's CUDA forward against transformers (needs the reference venv, as scripts/test.sh does).
+# Every architecture's CUDA forward against transformers, and the MoE runs' errors and traffic against the CPU's
+# (tests/transformers_parity.rs `on_cuda`; needs the reference venv, as scripts/test.sh does).
 
 # One pass of the CUDA tests on the emulator: $1 names it, $2 is what its device name must show (the
 # emulator says there which checks it ran with), the rest are the test targets. The environment picks the
@@ -66,7 +67,7 @@ EMU_SCHEDULE=reverse EMU_STREAMS=lazy pass "threads in reverse order, lazy strea
     "stream order, lazy streams, ptxas limits" "${tests[@]}"
 BOA_PYREF_PYTHON="${BOA_PYREF_PYTHON:-$(scripts/install_pyref.sh | tail -n1)}" EMU_SCHEDULE=forward \
     EMU_STREAMS=eager pass "architectures against transformers" "stream order" \
-    --test transformers_parity forward_matches_transformers_on_cuda
+    --test transformers_parity on_cuda
 # The race check (racecheck.h): its own build of the emulator; device_run adds only host code
 # and cuBLAS calls to what the others run, so it is left out (its launches are the parity tests' kernels), and
 # so is device_errors (the same runs, with injected faults).

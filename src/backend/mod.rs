@@ -291,6 +291,58 @@ pub trait Backend: QuantOps + Send + Sync {
             Ok(())
         })
     }
+
+    /// out[rows[r]] += y[r] · weights[r] for each row r of y [rows.len() × d], out [m × d]: an MoE MLP adding
+    /// each expert's output rows into the tokens routed to it. `rows` are distinct (an expert sees a token
+    /// once), so a device may add them in parallel; each element is one f32 product then one f32 sum.
+    fn scatter_add_rows_t(
+        &self,
+        out: &mut Tensor,
+        y: &Tensor,
+        d: usize,
+        rows: &[u32],
+        weights: &[f32],
+    ) -> Result<()> {
+        check_scatter(out.len(), y.len(), d, rows, weights)?;
+        let y = self.read(y)?;
+        update_on_host(self, out, |o| {
+            for ((&row, &w), src) in rows.iter().zip(weights).zip(y.chunks_exact(d)) {
+                let dst = &mut o[row as usize * d..(row as usize + 1) * d];
+                dst.iter_mut().zip(src).for_each(|(a, &v)| *a += v * w);
+            }
+            Ok(())
+        })
+    }
+}
+
+/// The contract of `scatter_add_rows_t`, checked on the host before any work: y is [rows.len() × d], every
+/// row is one of out's [m × d] rows, and no row repeats (a device adds the rows in parallel).
+pub fn check_scatter(
+    out_len: usize,
+    y_len: usize,
+    d: usize,
+    rows: &[u32],
+    weights: &[f32],
+) -> Result<()> {
+    ensure!(
+        d > 0
+            && out_len.is_multiple_of(d)
+            && rows.len() == weights.len()
+            && Some(y_len) == rows.len().checked_mul(d),
+        "scatter_add_rows: y.len={y_len} is not rows={}·d={d}, {} weights, or out.len={out_len} is not rows of d",
+        rows.len(),
+        weights.len()
+    );
+    let m = out_len / d;
+    let mut seen = vec![false; m];
+    for &r in rows {
+        let slot = seen.get_mut(r as usize).ok_or_else(|| {
+            anyhow::anyhow!("scatter_add_rows: row {r} is outside out's {m} rows")
+        })?;
+        ensure!(!*slot, "scatter_add_rows: row {r} appears twice");
+        *slot = true;
+    }
+    Ok(())
 }
 
 /// Applies `f` to x's values in place: directly when they are in host memory, else on a host copy that goes

@@ -3,14 +3,17 @@
 //! probabilities; where the block has a shared expert (Qwen2-MoE), add its SwiGLU on every token, scaled by
 //! sigmoid(w_g · x).
 //!
-//! Routing (a softmax over [m × n_experts] logits and a top-k), the shared expert's sigmoid gate and the
-//! gather/scatter of rows run on the host; the experts' linears and activations run on the backend, on each
-//! linear's resident copy where it has one (so the quantized forward reads Ŵ where the quantizer left it).
+//! Routing (a softmax over [m × n_experts] logits and a top-k) and the shared expert's sigmoid run on the
+//! host, on the logits alone; everything of size m × d runs on the backend: the router and gate products, the
+//! gather of each expert's rows (`embed_t` on the block's input), the experts' linears and activations (on each
+//! linear's resident copy where it has one, so the quantized forward reads Ŵ where the quantizer left it) and
+//! the weighted scatter-add of their outputs (`scatter_add_rows_t`). On a GPU the host sends O(m · top_k) row
+//! indices and weights and reads O(m · n_experts) logits per block, never the activations.
 //! The sums follow transformers' order (experts in ascending index, each adding into the output, then the
 //! gated shared expert), so the f32 results agree closely.
 
 use super::arch::{LinearDesc, MoeDesc, Role};
-use crate::backend::{Backend, Tensor};
+use crate::backend::{Backend, Tensor, Weight};
 use anyhow::{Context, Result};
 
 /// One expert's share of a block forward, kept for its statistics.
@@ -92,8 +95,7 @@ pub fn sparse_mlp(
 ) -> Result<SparseMlp> {
     let router = gates.router;
     let d = router.len() / moe.n_experts;
-    let x = be.read(xm)?;
-    anyhow::ensure!(x.len() == m * d, "sparse_mlp: x is not [m={m} × d={d}]");
+    anyhow::ensure!(xm.len() == m * d, "sparse_mlp: x is not [m={m} × d={d}]");
     // Each expert's gate, up and down in the description, and the shared expert's (no expert).
     let mut idx = vec![[usize::MAX; 3]; moe.n_experts];
     let mut shared_idx = [usize::MAX; 3];
@@ -126,21 +128,28 @@ pub fn sparse_mlp(
             let up = lin(1, xm)?;
             let act = be.swiglu_t(&gate, &up)?;
             drop((gate, up));
-            let y = be.read(&lin(2, &act)?)?.into_owned();
+            let y = lin(2, &act)?;
+            let z = be.linear_t(xm, Weight::host(w_g), None, m, d, 1)?;
             let s: Vec<f32> = be
-                .linear(&x, w_g, None, m, d, 1)?
+                .read(&z)?
                 .iter()
                 .map(|&z| 1.0 / (1.0 + (-z).exp()))
                 .collect();
             Some((s, y, act))
         }
     };
-    let logits = be.linear(&x, router, None, m, d, moe.n_experts)?;
-    let routed = route(&logits, moe.n_experts, moe.top_k, moe.renormalize);
-    let mut out = vec![0f32; m * d];
+    // Only the router's logits [m × n_experts] come to the host; the rows stay where the backend computes.
+    let logits = be.linear_t(xm, Weight::host(router), None, m, d, moe.n_experts)?;
+    let routed = route(
+        &be.read(&logits)?,
+        moe.n_experts,
+        moe.top_k,
+        moe.renormalize,
+    );
+    let mut out = be.zeros(m * d)?;
     let mut traces = Vec::with_capacity(if trace { moe.n_experts } else { 0 });
-    for (e, rows) in routed.iter().enumerate() {
-        if rows.is_empty() {
+    for (e, routes) in routed.iter().enumerate() {
+        if routes.is_empty() {
             if trace {
                 traces.push(ExpertTrace::default());
             }
@@ -150,12 +159,11 @@ pub fn sparse_mlp(
             idx[e].iter().all(|&i| i < linears.len()),
             "expert {e} lacks a gate, up or down linear"
         );
-        let n = rows.len();
-        let mut xe = Vec::with_capacity(n * d);
-        for &(tok, _) in rows {
-            xe.extend_from_slice(&x[tok * d..(tok + 1) * d]);
-        }
-        let xe = be.to_device(Tensor::Host(xe))?;
+        let n = routes.len();
+        let rows: Vec<u32> = routes.iter().map(|&(tok, _)| tok as u32).collect();
+        let weights: Vec<f32> = routes.iter().map(|&(_, p)| p).collect();
+        // A gather of xm's rows (the embedding gather's op, unscaled).
+        let xe = be.embed_t(xm, &rows, d, 1.0)?;
         let lin = |slot: usize, x: &Tensor| {
             let i = idx[e][slot];
             lin(i, x, n).with_context(|| format!("forward of {}", linears[i].name))
@@ -165,32 +173,25 @@ pub fn sparse_mlp(
         let act = be.swiglu_t(&gate, &up)?;
         drop((gate, up));
         let y = lin(2, &act)?;
-        let y = be.read(&y)?;
-        for (r, &(tok, p)) in rows.iter().enumerate() {
-            let src = &y[r * d..(r + 1) * d];
-            for (o, &v) in out[tok * d..(tok + 1) * d].iter_mut().zip(src) {
-                *o += v * p;
-            }
-        }
+        be.scatter_add_rows_t(&mut out, &y, d, &rows, &weights)?;
         if trace {
             traces.push(ExpertTrace {
                 x: xe,
                 act,
-                weights: rows.iter().map(|&(_, p)| p).collect(),
+                weights,
             });
         }
     }
     let shared_act = match shared {
         Some((s, y, act)) => {
-            for ((o, y), &s) in out.chunks_mut(d).zip(y.chunks(d)).zip(&s) {
-                o.iter_mut().zip(y).for_each(|(o, &y)| *o += s * y);
-            }
+            let all: Vec<u32> = (0..m as u32).collect();
+            be.scatter_add_rows_t(&mut out, &y, d, &all, &s)?;
             trace.then_some(act)
         }
         None => None,
     };
     Ok(SparseMlp {
-        y: be.to_device(Tensor::Host(out))?,
+        y: out,
         experts: traces,
         shared_act,
     })

@@ -880,4 +880,22 @@ impl Backend for CudaBackend {
         self.try_add_t(x, y)
             .map_err(|e| anyhow::anyhow!("{} add (n={}): {e}", self.name, y.len()))
     }
+
+    fn scatter_add_rows_t(
+        &self,
+        out: &mut Tensor,
+        y: &Tensor,
+        d: usize,
+        rows: &[u32],
+        weights: &[f32],
+    ) -> crate::ops::Result<()> {
+        self.try_scatter_add_rows_t(out, y, d, rows, weights)
+            .map_err(|e| {
+                anyhow::anyhow!(
+                    "{} scatter_add_rows ({} rows, d={d}): {e}",
+                    self.name,
+                    rows.len()
+                )
+            })
+    }
 }

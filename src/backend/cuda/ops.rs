@@ -81,6 +81,7 @@ pub struct OpsKernels {
     bias_add: CudaFunction,
     f32_to_bf16: CudaFunction,
     embed: CudaFunction,
+    scatter_add_rows: CudaFunction,
     attention_probs: CudaFunction,
     causal_attention_v1: CudaFunction,
     causal_attention_d64: CudaFunction,
@@ -101,6 +102,7 @@ impl OpsKernels {
             bias_add: get_named("bias_add_kernel")?,
             f32_to_bf16: get_named("f32_to_bf16_kernel")?,
             embed: get_named("embed_kernel")?,
+            scatter_add_rows: get_named("scatter_add_rows_kernel")?,
             attention_probs: get_named("attention_probs_kernel")?,
             causal_attention_v1: get_named("causal_attention_kernel_v1")?,
             causal_attention_d64: get_named("causal_attention_kernel_d64")?,
@@ -354,6 +356,50 @@ pub fn launch_embed(
     // x holds rows·d f32 (checked above) and every ids[r] < table.len()/d (the caller's contract), so each
     // read table[ids[r]·d + c], c < d, is in bounds.
     unsafe { b.launch(elementwise_cfg(n)) }.map_err(launch_err("launch embed"))?;
+    Ok(())
+}
+
+/// out[rows[r]] += y[r] · w[r] for each row r of y [rows.len() × d]; the caller has checked (check_scatter)
+/// that rows are distinct and inside out. Asynchronous on `stream`.
+pub fn launch_scatter_add_rows(
+    stream: &Arc<CudaStream>,
+    k: &OpsKernels,
+    out: &mut CudaSlice<f32>,
+    y: &CudaSlice<f32>,
+    rows: &CudaSlice<u32>,
+    w: &CudaSlice<f32>,
+    d: usize,
+) -> Result<(), CudaError> {
+    let n = rows.len();
+    let (Ok(d32), Some(total)) = (u32::try_from(d), n.checked_mul(d)) else {
+        return Err(CudaError::Shape {
+            op: "scatter_add_rows",
+            msg: format!("d={d} does not fit in u32 or rows={n}·d overflows"),
+        });
+    };
+    if d == 0 || y.len() != total || w.len() != n || !out.len().is_multiple_of(d) {
+        return Err(CudaError::Shape {
+            op: "scatter_add_rows",
+            msg: format!(
+                "y.len={} ≠ rows={n}·d={d}, w.len={} ≠ rows, or out.len={} is not a multiple of d",
+                y.len(),
+                w.len(),
+                out.len()
+            ),
+        });
+    }
+    if total == 0 {
+        return Ok(());
+    }
+    let total = total as u64;
+    let _r = range(c"scatter_add_rows");
+    let mut b = stream.launch_builder(&k.scatter_add_rows);
+    b.arg(out).arg(y).arg(rows).arg(w).arg(&total).arg(&d32);
+    // SAFETY: matches scatter_add_rows_kernel(float* out, const float* y, const uint32* rows, const float* w,
+    // uint64 total, uint32 d); y holds rows·d f32 and w rows f32 (checked above), and every rows[r] < out.len()/d
+    // and distinct (the caller's contract, check_scatter), so each out[rows[r]·d + c] is in bounds and written by
+    // one thread.
+    unsafe { b.launch(elementwise_cfg(total)) }.map_err(launch_err("launch scatter_add_rows"))?;
     Ok(())
 }
 

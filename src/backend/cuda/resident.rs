@@ -622,6 +622,42 @@ impl CudaBackend {
         Ok(Tensor::Device(x))
     }
 
+    pub fn try_scatter_add_rows_t(
+        &self,
+        out: &mut Tensor,
+        y: &Tensor,
+        d: usize,
+        rows: &[u32],
+        weights: &[f32],
+    ) -> Result<(), CudaError> {
+        crate::backend::check_scatter(out.len(), y.len(), d, rows, weights)
+            .map_err(|e| shape("scatter_add_rows", e.to_string()))?;
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let y_d = self.dev(y)?;
+        let rows_d = self
+            .stream
+            .clone_htod(rows)
+            .map_err(driver("upload scatter rows"))?;
+        let w_d = self
+            .stream
+            .clone_htod(weights)
+            .map_err(driver("upload scatter weights"))?;
+        let mut out_d = self.owned_dev(std::mem::take(out))?;
+        let r = ops::launch_scatter_add_rows(
+            &self.stream,
+            &self.ops,
+            &mut out_d,
+            &y_d,
+            &rows_d,
+            &w_d,
+            d,
+        );
+        *out = Tensor::Device(out_d);
+        r
+    }
+
     /// x += y through the bias-add kernel with one "row" of length x.len().
     pub fn try_add_t(&self, x: &mut Tensor, y: &Tensor) -> Result<(), CudaError> {
         if x.len() != y.len() {
