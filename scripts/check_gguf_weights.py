@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """A `run --format gguf` file's quantized linears, dequantized by the `gguf` package (gguf.quants.dequantize,
 the reader transformers uses; not our code), against the same run written as `--format fake`
-(tests/gguf_export.rs). llama.cpp's q/k row permutation is undone here as transformers does it (rows
-reshaped [n_head, hd/2, 2, cols] -> [n_head, 2, hd/2, cols]).
+(tests/gguf_export.rs). In llama-architecture files, llama.cpp's q/k row permutation is undone here as
+transformers does it (rows reshaped [n_head, hd/2, 2, cols] -> [n_head, 2, hd/2, cols]).
 
 Prints one JSON object: {"compared": n, "max_abs_diff": x, "mismatched": [names…], "types": {tensor: type}}.
 
@@ -35,9 +35,11 @@ def field(r, key):
 def main():
     path, fake = sys.argv[1:3]
     r = gguf.GGUFReader(path)
-    arch = "llama"
+    f = r.fields["general.architecture"]
+    arch = bytes(f.parts[f.data[0]]).decode()
+    # Only convert_hf_to_gguf.py's llama architecture permutes q/k rows (qwen2/qwen3 keep HF's).
     heads = {"attn_q": field(r, f"{arch}.attention.head_count"),
-             "attn_k": field(r, f"{arch}.attention.head_count_kv")}
+             "attn_k": field(r, f"{arch}.attention.head_count_kv")} if arch == "llama" else {}
     # Tensor name -> shard, read lazily (only the quantized linears are compared).
     shards = {}
     for f in sorted(glob.glob(os.path.join(fake, "*.safetensors"))):

@@ -72,6 +72,12 @@ def configs(vocab):
                                     use_sliding_window=True, sliding_window=40, max_window_layers=1,
                                     tie_word_embeddings=False,
                                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+        # Qwen3 with every released Qwen3's head_dim (128): transformers' GGUF loader does not read the
+        # file's key_length for qwen3 and takes Qwen3Config's default head_dim, 128 (tests/gguf_export.rs).
+        # Last, so the other models keep their seeds.
+        "qwen3_hd128": Qwen3Config(**c, head_dim=128, tie_word_embeddings=True, attention_bias=False,
+                                   use_sliding_window=False,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
     }
 
 

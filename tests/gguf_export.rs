@@ -55,11 +55,14 @@ fn last_json(o: &std::process::Output, script: &str) -> serde_json::Value {
 }
 
 fn quantize(out: &Path, format: &str, extra: &[&str]) {
-    let model = demo_model();
+    quantize_model(&demo_model(), out, format, extra);
+}
+
+fn quantize_model(model: &Path, out: &Path, format: &str, extra: &[&str]) {
     let mut a = vec![
         "run",
         "--model",
-        s(&model),
+        s(model),
         "--out",
         s(out),
         "--format",
@@ -486,7 +489,7 @@ fn gguf_refusals_come_before_any_work() {
         ],
         &["--gguf-type q4_k", "--format gguf"],
     );
-    // An architecture llama.cpp's llama loader does not take, and a folder without its tokenizer.
+    // A sliding window llama.cpp's llama architecture would not apply, and a folder without its tokenizer.
     let mistral = tmp.path().join("mistral");
     copy_dir(&model, &mistral);
     let cfg_path = mistral.join("config.json");
@@ -494,6 +497,7 @@ fn gguf_refusals_come_before_any_work() {
         serde_json::from_slice(&std::fs::read(&cfg_path).unwrap()).unwrap();
     cfg["architectures"] = serde_json::json!(["MistralForCausalLM"]);
     cfg["model_type"] = serde_json::json!("mistral");
+    cfg["sliding_window"] = serde_json::json!(256);
     std::fs::write(&cfg_path, cfg.to_string()).unwrap();
     assert_user_error(
         &[
@@ -507,7 +511,7 @@ fn gguf_refusals_come_before_any_work() {
             "--method",
             "rtn",
         ],
-        &["gguf", "MistralForCausalLM"],
+        &["gguf", "slides over 256", "\"llama\""],
     );
     let untokenized = tmp.path().join("untokenized");
     copy_dir(&model, &untokenized);
@@ -527,6 +531,186 @@ fn gguf_refusals_come_before_any_work() {
         &["tokenizer.json", "gguf"],
     );
     assert!(!out.exists(), "a refused run wrote {}", out.display());
+}
+
+/// Qwen2 (q/k/v biases; NEOX RoPE, so no q/k row permutation) and Qwen3 (per-head q/k norms, head_dim 32 ≠
+/// hidden / heads) as llama.cpp's "qwen2" and "qwen3": small random models of each, built by transformers'
+/// `from_config` (scripts/hf_reference.py, as tests/transformers_parity.rs builds them), BoA at 4 bits (Q4_0)
+/// and RTN at 8 bits (Q8_0), each also written as `--format fake`. The `gguf` package's dequantizer must give
+/// the fake twin's linears to the bit, import-gguf + eval its perplexity, transformers' GGUF loading both (on
+/// the Qwen3 whose head_dim is 128: transformers 5.24 ignores the file's key_length for qwen3), llama.cpp the
+/// same perplexity up to its Q8_0 activations. Mistral's sliding window and Gemma 3 (not written) are refused
+/// before work.
+#[test]
+fn gguf_qwen2_and_qwen3_load_in_transformers_and_llama_cpp() {
+    let py = pyref_python("gguf, numpy, safetensors, transformers");
+    let llama = llamacpp_python("llama_cpp, numpy");
+    let tmp = tempfile::tempdir().unwrap();
+    let text = texts_dir().join("moby-dick.txt");
+    let (seqlen, windows) = ("64", "2");
+    let o = Command::new(&py)
+        .arg("scripts/hf_reference.py")
+        .args(["--out", s(tmp.path())])
+        .args(["--tokenizer", s(&demo_model().join("tokenizer.json"))])
+        .args(["--text", s(&text), "--seqlen", seqlen, "--windows", windows])
+        .args([
+            "--only",
+            "qwen2",
+            "qwen3",
+            "qwen3_hd128",
+            "mistral",
+            "gemma3",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "hf_reference.py: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let boa: Vec<&str> = vec![
+        "--method",
+        "boa",
+        "--wbits",
+        "4",
+        "--nsamples",
+        "4",
+        "--seqlen",
+        "64",
+        "--calib",
+        s(&text),
+    ];
+    let rtn8: &[&str] = &["--method", "rtn", "--wbits", "8"];
+    // (model, its llama.cpp architecture, run, whether transformers can load it: its GGUF loader takes
+    // Qwen3's head_dim from Qwen3Config's default, 128, not from the file, so the 32-wide heads fail there).
+    let cases: [(&str, &str, &str, &[&str], bool); 5] = [
+        ("qwen2", "qwen2", "q4", &boa, true),
+        ("qwen2", "qwen2", "q8", rtn8, true),
+        ("qwen3", "qwen3", "q4", &boa, false),
+        ("qwen3", "qwen3", "q8", rtn8, false),
+        ("qwen3_hd128", "qwen3", "q4", &boa, true),
+    ];
+    let mut failures = Vec::new();
+    for (name, arch, tag, extra, transformers) in cases {
+        let model = tmp.path().join(name);
+        let ty = if tag == "q4" {
+            GgmlType::Q4_0
+        } else {
+            GgmlType::Q8_0
+        };
+        let out = tmp.path().join(format!("{name}-{tag}"));
+        let fake = tmp.path().join(format!("{name}-{tag}-fake"));
+        quantize_model(&model, &out, "gguf", extra);
+        quantize_model(&model, &fake, "fake", extra);
+        let file = out.join("model.gguf");
+        let g = GgufFile::open(&file).unwrap();
+        assert_eq!(
+            g.get_str("general.architecture").unwrap(),
+            Some(arch),
+            "{name}"
+        );
+        let ty_of = |t: &str| {
+            g.tensor(t)
+                .unwrap_or_else(|| panic!("{name}: no {t}"))
+                .ggml_type
+        };
+        assert_eq!(ty_of("blk.1.attn_q.weight"), ty, "{name}");
+        assert_eq!(ty_of("blk.1.ffn_down.weight"), ty, "{name}");
+        let own: &[&str] = if arch == "qwen2" {
+            &["attn_q.bias", "attn_k.bias", "attn_v.bias"]
+        } else {
+            &["attn_q_norm.weight", "attn_k_norm.weight"]
+        };
+        for t in own {
+            assert_eq!(ty_of(&format!("blk.0.{t}")), GgmlType::F32, "{name}");
+        }
+        if name == "qwen3" {
+            assert_eq!(g.get_u64("qwen3.attention.key_length").unwrap(), Some(32));
+        }
+
+        // The `gguf` package's dequantizer: every linear equal to the fake twin's, no rows permuted.
+        let o = Command::new(&py)
+            .arg("scripts/check_gguf_weights.py")
+            .args([s(&file), s(&fake)])
+            .output()
+            .unwrap();
+        let row = last_json(&o, "check_gguf_weights.py");
+        // 2 layers × 7 linears.
+        assert_eq!(row["compared"], 14, "{name} {tag}: {row}");
+        assert_eq!(row["mismatched"], serde_json::json!([]), "{name} {tag}");
+
+        let want = common::eval_ppl(&fake, &text, seqlen, windows);
+        let imported = tmp.path().join(format!("{name}-{tag}-imported"));
+        let (code, _, err) = run(&["import-gguf", s(&file), "--out", s(&imported)]);
+        assert_eq!(code, 0, "import-gguf {name} {tag}: {err}");
+        let back = common::eval_ppl(&imported, &text, seqlen, windows);
+        assert!(
+            (back - want).abs() <= 1e-9 * want,
+            "{name} {tag}: import-gguf + eval {back} vs the fake folder's {want}"
+        );
+
+        if transformers {
+            let o = Command::new(&py)
+                .arg("scripts/check_loaders.py")
+                .args(["--data", s(&text), "--seqlen", seqlen])
+                .args(["--max-windows", windows])
+                .args(["--tokenizer", s(&model), "--weights-like=-fake"])
+                .args(["--loader", "transformers-gguf", s(&out)])
+                .output()
+                .unwrap();
+            let row = last_json(&o, "check_loaders.py");
+            check_loader_ppl(
+                &mut failures,
+                &out,
+                &row,
+                "eval of the fake folder",
+                want,
+                TOL,
+            );
+            assert_eq!(row["compared"], 14, "{name} {tag}: {row}");
+            assert_eq!(row["max_abs_diff"], 0.0, "{name} {tag}: {row}");
+        }
+
+        let o = Command::new(&llama)
+            .arg("scripts/llamacpp_ppl.py")
+            .args([s(&file), s(&text)])
+            .args(["--seqlen", seqlen, "--max-windows", windows])
+            .output()
+            .unwrap();
+        let mut row = last_json(&o, "llamacpp_ppl.py");
+        row["loader"] = "llama.cpp".into();
+        check_loader_ppl(
+            &mut failures,
+            &out,
+            &row,
+            "eval of the fake folder",
+            want,
+            TOL_LLAMA_CPP,
+        );
+    }
+    let out = tmp.path().join("refused");
+    for (arch, needles) in [
+        ("mistral", ["gguf", "slides over 40"]),
+        ("gemma3", ["gguf", "Gemma3ForCausalLM"]),
+    ] {
+        let model = tmp.path().join(arch);
+        assert_user_error(
+            &[
+                "run",
+                "--model",
+                s(&model),
+                "--out",
+                s(&out),
+                "--format",
+                "gguf",
+                "--method",
+                "rtn",
+            ],
+            &needles,
+        );
+    }
+    assert!(!out.exists(), "a refused run wrote {}", out.display());
+    assert!(failures.is_empty(), "{failures:#?}");
 }
 
 /// A copy of a model folder whose weights are links to the original's.

@@ -556,7 +556,7 @@ fn hostile_ggufs_give_clear_errors() {
     let bert = synthetic("bert").bytes;
     expect_err(
         &write_file(&dir, "bert.gguf", &bert),
-        "general.architecture is \"bert\"; only \"llama\" and \"gemma3\" are supported",
+        "general.architecture is \"bert\"; only \"llama\", \"qwen2\", \"qwen3\" and \"gemma3\" are supported",
     );
 
     // Through the binary: one line, exit code 2, nothing at --out.
@@ -573,7 +573,8 @@ fn hostile_ggufs_give_clear_errors() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(
-        err.starts_with("error:") && err.contains("only \"llama\" and \"gemma3\" are supported"),
+        err.starts_with("error:")
+            && err.contains("only \"llama\", \"qwen2\", \"qwen3\" and \"gemma3\" are supported"),
         "{err}"
     );
     assert!(!err.contains("panicked") && !out.join("model.safetensors").exists());

@@ -60,6 +60,8 @@ fn references() -> &'static Path {
             .arg(calib_text())
             .args(["--seqlen", &SEQLEN.to_string()])
             .args(["--windows", &WINDOWS.to_string()])
+            .arg("--only")
+            .args(ARCHS)
             .output()
             .expect("spawn the reference python");
         assert!(

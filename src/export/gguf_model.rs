@@ -10,17 +10,18 @@
 //! scales on a super-block's f16 d): their grids were constrained before the sweep (model/gguf/codec.rs,
 //! quant/lattice.rs), and the run keeps them as GGUF blocks (`CodecLinear`), copied into the file as they are.
 //!
-//! Everything else is stored as convert_hf_to_gguf.py stores it for the llama architecture: q/k rows permuted
-//! for llama.cpp's interleaved RoPE (`qk_row_order`), norms in F32, embeddings, lm_head and linears outside
-//! `--layers` in the checkpoint's own float type, hyper-parameters under `llama.*`, the tokenizer under
-//! `tokenizer.ggml.*` (gguf_vocab.rs).
+//! Everything else is stored as convert_hf_to_gguf.py stores it for llama.cpp's "llama" (Llama, Mistral),
+//! "qwen2" or "qwen3" architecture (`Arch::of_hf`): q/k rows permuted for the llama architecture's
+//! interleaved RoPE (`qk_row_order`; the Qwens run NEOX RoPE on HF's rows), norms and Qwen2's q/k/v biases in
+//! F32, embeddings, lm_head and linears outside `--layers` in the checkpoint's own float type,
+//! hyper-parameters under `{arch}.*`, the tokenizer under `tokenizer.ggml.*` (gguf_vocab.rs).
 
 use super::gguf_out::{GgufTensor, Kv, write_gguf};
 use crate::error::file_err;
 use crate::model::arch::Role;
 use crate::model::config::Config;
 use crate::model::gguf::GgmlType;
-use crate::model::gguf::arch::llama_gguf_name;
+use crate::model::gguf::arch::{Arch, gguf_name};
 use crate::model::weights::{WeightStore, to_f32};
 use crate::quant::pack::{GptqVersion, PackedTensors};
 use half::f16;
@@ -52,21 +53,52 @@ pub fn block_type(bits: u32) -> Option<GgmlType> {
     }
 }
 
-/// Why a model with this config cannot be written as a llama.cpp GGUF (one line), checked before any work.
-/// The options (bits, groups, symmetry, act-order) are checked by `RunOptions::validate`.
-pub fn check_model(cfg: &Config, dir: &Path) -> Result<(), String> {
+/// The llama.cpp architecture a model of this config is written as, or why it cannot be (one line), checked
+/// before any work. The options (bits, groups, symmetry, act-order) are checked by `RunOptions::validate`.
+pub fn check_model(cfg: &Config, dir: &Path) -> Result<Arch, String> {
     let refuse = |what: String| Err(format!("--format gguf: {what}"));
-    if cfg.architecture != "LlamaForCausalLM" {
+    let Some(arch) = Arch::of_hf(&cfg.architecture) else {
         return refuse(format!(
-            "{} is not written yet (only LlamaForCausalLM, llama.cpp's \"llama\" architecture): use \
-             --format gptq_v2 or compressed-tensors",
+            "{} is not written yet (Llama, Mistral, Qwen2 and Qwen3 are: llama.cpp's \"llama\", \"qwen2\" \
+             and \"qwen3\"): use --format gptq_v2 or compressed-tensors",
             cfg.architecture
         ));
+    };
+    if !cfg.block.is_llama_like() {
+        return refuse(format!(
+            "the {} block has parts llama.cpp's \"{}\" architecture does not read",
+            cfg.architecture,
+            arch.key()
+        ));
     }
-    if !cfg.block.is_llama_like() || cfg.block.bias_names().next().is_some() {
-        return refuse(
-            "the block has biases or parts llama.cpp's llama architecture does not read".into(),
-        );
+    if let Some(l) = cfg
+        .block
+        .linears
+        .iter()
+        .find(|l| l.bias && !arch.bias_parts().contains(&l.name.as_str()))
+    {
+        return refuse(format!(
+            "{}.bias has no place in llama.cpp's \"{}\" architecture",
+            l.name,
+            arch.key()
+        ));
+    }
+    if cfg.block.qk_norm() != (arch == Arch::Qwen3) {
+        return refuse(format!(
+            "the q/k norms do not match llama.cpp's \"{}\" architecture",
+            arch.key()
+        ));
+    }
+    // convert_hf_to_gguf.py writes no window for these architectures, so llama.cpp would attend to every
+    // earlier position where the model masks the far ones.
+    if let Some(w) = cfg.block.sliding_window
+        && cfg.block.sliding_layers.iter().any(|&s| s)
+    {
+        return refuse(format!(
+            "the attention slides over {w} positions, and llama.cpp's \"{}\" architecture reads no sliding \
+             window",
+            arch.key()
+        ));
     }
     if cfg.rope_scaling.is_some() {
         return refuse(
@@ -79,7 +111,8 @@ pub fn check_model(cfg: &Config, dir: &Path) -> Result<(), String> {
             l.name, l.d_in
         ));
     }
-    super::gguf_vocab::tokenizer_kvs(dir, cfg.vocab).map(|_| ())
+    super::gguf_vocab::tokenizer_kvs(dir, cfg.vocab)?;
+    Ok(arch)
 }
 
 /// GGUF row r of a q/k projection holds HF row `order[r]`: convert_hf_to_gguf.py's
@@ -328,9 +361,11 @@ pub fn write_model_gguf(
     name: &str,
     out: &Path,
 ) -> anyhow::Result<Written> {
+    let arch = check_model(cfg, dir).map_err(|m| crate::input_err!("{m}"))?;
     let vocab =
         super::gguf_vocab::tokenizer_kvs(dir, cfg.vocab).map_err(|m| crate::input_err!("{m}"))?;
     let n_head = |role: Role| match role {
+        _ if !arch.permutes_qk() => None,
         Role::Q => Some(cfg.n_heads),
         Role::K => Some(cfg.n_kv_heads),
         _ => None,
@@ -364,10 +399,19 @@ pub fn write_model_gguf(
             .and_then(|s| cfg.block.linears.iter().find(|l| l.name == s))
             .map(|l| l.role);
         let order = |rows: usize| role.and_then(n_head).map(|h| qk_row_order(rows, h));
-        let gguf = llama_gguf_name(&format!("{base}.weight")).ok_or_else(|| {
+        // A linear's packed or block tensors are named after its weight.
+        let as_weight = if kind == "qweight" || blocks.is_some() {
+            format!("{base}.weight")
+        } else {
+            hf.clone()
+        };
+        let gguf = gguf_name(&as_weight, arch).ok_or_else(|| {
             file_err(
                 dir,
-                format!("tensor {hf} has no place in llama.cpp's llama architecture"),
+                format!(
+                    "tensor {hf} has no place in llama.cpp's \"{}\" architecture",
+                    arch.key()
+                ),
             )
         })?;
         let (tensor, source) = if let Some(ty) = blocks {
@@ -455,10 +499,13 @@ pub fn write_model_gguf(
         sources.push(source);
     }
 
-    let a = |k: &str| format!("llama.{k}");
+    let a = |k: &str| format!("{}.{k}", arch.key());
     let ctx = cfg.json["max_position_embeddings"].as_u64().unwrap_or(2048);
     let mut kvs = vec![
-        ("general.architecture".to_string(), Kv::Str("llama".into())),
+        (
+            "general.architecture".to_string(),
+            Kv::Str(arch.key().into()),
+        ),
         ("general.name".to_string(), Kv::Str(name.into())),
         (
             "general.quantized_by".to_string(),

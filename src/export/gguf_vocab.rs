@@ -7,7 +7,7 @@
 //! what is written: a pre-tokenizer llama.cpp would split differently is refused, never guessed.
 
 use super::gguf_out::Kv;
-use crate::model::gguf::tokenizer::LLAMA3_REGEX;
+use crate::model::gguf::tokenizer::{LLAMA3_REGEX, QWEN2_REGEX};
 use serde_json::Value;
 use std::path::Path;
 
@@ -49,12 +49,15 @@ fn pre_name(pre: &Value) -> Option<&'static str> {
                 }
                 [s, b]
                     if ty(s) == "Split"
-                        && s["pattern"]["Regex"].as_str() == Some(LLAMA3_REGEX)
                         && s["behavior"] == "Isolated"
                         && s["invert"] == false
                         && byte_level(b, false) =>
                 {
-                    Some("llama-bpe")
+                    match s["pattern"]["Regex"].as_str()? {
+                        LLAMA3_REGEX => Some("llama-bpe"),
+                        QWEN2_REGEX => Some("qwen2"),
+                        _ => None,
+                    }
                 }
                 _ => None,
             }
@@ -208,4 +211,25 @@ pub fn tokenizer_kvs(dir: &Path, vocab_size: usize) -> Result<Vec<(String, Kv)>,
         }
     }
     Ok(kvs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The pre_tokenizer block of a Llama 3 or Qwen2 tokenizer.json with this split regex.
+    fn split_then_bytes(regex: &str) -> Value {
+        serde_json::json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": false},
+            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false},
+        ]})
+    }
+
+    #[test]
+    fn split_regexes_name_llama_cpps_pre_tokenizers() {
+        assert_eq!(pre_name(&split_then_bytes(LLAMA3_REGEX)), Some("llama-bpe"));
+        assert_eq!(pre_name(&split_then_bytes(QWEN2_REGEX)), Some("qwen2"));
+        // A regex llama.cpp would split differently is refused, never guessed.
+        assert_eq!(pre_name(&split_then_bytes(r"\p{N}+|\s+")), None);
+    }
 }

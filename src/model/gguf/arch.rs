@@ -4,6 +4,8 @@
 //!
 //! * llama: convert_hf_to_gguf.py permutes the rows of q_proj/k_proj so llama.cpp can use interleaved (GPT-J
 //!   style) RoPE; `Fixup::Unpermute` inverts it.
+//! * qwen2, qwen3: no permutation (NEOX RoPE, HF's layout); Qwen2's q/k/v biases are `attn_{q,k,v}.bias`,
+//!   Qwen3's per-head norms `attn_{q,k}_norm`, both stored as HF stores them.
 //! * gemma3: no permutation (llama.cpp runs Gemma with NEOX RoPE, HF's half-split layout), but every RMSNorm
 //!   weight — the q/k norms and the sandwich norms included — was stored as w + 1 so llama.cpp can scale by
 //!   the weight alone; `Fixup::MinusOne` restores HF's w (transformers' GGUF loader, Gemma2TensorProcessor,
@@ -20,14 +22,18 @@ use crate::error::file_err;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Arch {
     Llama,
+    Qwen2,
+    Qwen3,
     Gemma3,
 }
 
 impl Arch {
     pub fn of(g: &GgufFile) -> Result<Arch> {
-        const SUPPORTED: &str = "only \"llama\" and \"gemma3\" are supported";
+        const SUPPORTED: &str = "only \"llama\", \"qwen2\", \"qwen3\" and \"gemma3\" are supported";
         match g.get_str("general.architecture")? {
             Some("llama") => Ok(Arch::Llama),
+            Some("qwen2") => Ok(Arch::Qwen2),
+            Some("qwen3") => Ok(Arch::Qwen3),
             Some("gemma3") => Ok(Arch::Gemma3),
             Some(other) => Err(file_err(
                 &g.path,
@@ -44,6 +50,8 @@ impl Arch {
     pub fn key(self) -> &'static str {
         match self {
             Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
             Arch::Gemma3 => "gemma3",
         }
     }
@@ -51,7 +59,34 @@ impl Arch {
     fn hf_architecture(self) -> &'static str {
         match self {
             Arch::Llama => "LlamaForCausalLM",
+            Arch::Qwen2 => "Qwen2ForCausalLM",
+            Arch::Qwen3 => "Qwen3ForCausalLM",
             Arch::Gemma3 => "Gemma3ForCausalLM",
+        }
+    }
+
+    /// The GGUF architecture `--format gguf` writes a model of this config.json architecture as (what
+    /// convert_hf_to_gguf.py picks: Mistral is llama.cpp's "llama"), None for one not written.
+    pub fn of_hf(architecture: &str) -> Option<Arch> {
+        match architecture {
+            "LlamaForCausalLM" | "MistralForCausalLM" => Some(Arch::Llama),
+            "Qwen2ForCausalLM" => Some(Arch::Qwen2),
+            "Qwen3ForCausalLM" => Some(Arch::Qwen3),
+            _ => None,
+        }
+    }
+
+    /// convert_hf_to_gguf.py permutes q/k rows for llama.cpp's interleaved RoPE in the llama architecture
+    /// only; the others run NEOX RoPE on HF's layout.
+    pub fn permutes_qk(self) -> bool {
+        self == Arch::Llama
+    }
+
+    /// The block parts (HF names under `model.layers.{l}.`) whose bias llama.cpp reads.
+    pub fn bias_parts(self) -> &'static [&'static str] {
+        match self {
+            Arch::Qwen2 => &["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+            _ => &[],
         }
     }
 }
@@ -113,8 +148,8 @@ pub fn hparams(g: &GgufFile, arch: Arch) -> Result<Hparams> {
         },
         eps: g.require_f64(&k("attention.layer_norm_rms_epsilon"))?,
         theta: g.get_f64(&k("rope.freq_base"))?.unwrap_or(match arch {
-            Arch::Llama => 10_000.0,
             Arch::Gemma3 => 1_000_000.0,
+            _ => 10_000.0,
         }),
         ctx: g.get_u64(&k("context_length"))?.unwrap_or(2048),
         gemma: None,
@@ -307,12 +342,19 @@ const LLAMA_BLOCK_NAMES: [(&str, &str); 9] = [
     ("ffn_norm", "post_attention_layernorm"),
 ];
 
+/// Qwen3's per-head norms: (GGUF, HF under `model.layers.{l}.`), without `.weight`.
+const QK_NORM_NAMES: [(&str, &str); 2] = [
+    ("attn_q_norm", "self_attn.q_norm"),
+    ("attn_k_norm", "self_attn.k_norm"),
+];
+
 /// GGUF tensor name → (HF name, fixup), or None for a name this importer does not know.
 pub fn hf_name(name: &str, h: &Hparams) -> Option<(String, Fixup)> {
-    let gemma = h.arch == Arch::Gemma3;
+    let arch = h.arch;
+    let gemma = arch == Arch::Gemma3;
     let norm_fix = if gemma { Fixup::MinusOne } else { Fixup::None };
     let (base, suffix) = name.rsplit_once('.')?;
-    if suffix != "weight" {
+    if suffix != "weight" && suffix != "bias" {
         return None;
     }
     if let Some(&(g, hf)) = GLOBAL_NAMES.iter().find(|(g, _)| *g == base) {
@@ -321,7 +363,7 @@ pub fn hf_name(name: &str, h: &Hparams) -> Option<(String, Fixup)> {
         } else {
             Fixup::None
         };
-        return Some((format!("{hf}.weight"), fix));
+        return (suffix == "weight").then(|| (format!("{hf}.weight"), fix));
     }
     let rest = base.strip_prefix("blk.")?;
     let (layer_text, part) = rest.split_once('.')?;
@@ -338,10 +380,10 @@ pub fn hf_name(name: &str, h: &Hparams) -> Option<(String, Fixup)> {
     let (hf, fix) = match shared.iter().find(|(g, _)| *g == part) {
         Some(&(g, hf)) => (
             hf,
-            match (g, gemma) {
-                ("attn_q", false) => Fixup::Unpermute(h.n_head),
-                ("attn_k", false) => Fixup::Unpermute(h.n_kv_head),
-                ("attn_norm", _) => norm_fix,
+            match g {
+                "attn_q" if arch.permutes_qk() => Fixup::Unpermute(h.n_head),
+                "attn_k" if arch.permutes_qk() => Fixup::Unpermute(h.n_kv_head),
+                "attn_norm" => norm_fix,
                 _ => Fixup::None,
             },
         ),
@@ -355,27 +397,50 @@ pub fn hf_name(name: &str, h: &Hparams) -> Option<(String, Fixup)> {
             "attn_k_norm" => ("self_attn.k_norm", norm_fix),
             _ => return None,
         },
+        None if arch == Arch::Qwen3 => (
+            QK_NORM_NAMES.iter().find(|(g, _)| *g == part)?.1,
+            Fixup::None,
+        ),
         None => return None,
     };
-    Some((format!("model.layers.{layer}.{hf}.weight"), fix))
+    if suffix == "bias" && !arch.bias_parts().contains(&hf) {
+        return None;
+    }
+    Some((format!("model.layers.{layer}.{hf}.{suffix}"), fix))
 }
 
-/// HF tensor name of a Llama checkpoint → its GGUF name (what convert_hf_to_gguf.py writes), or None for a
-/// tensor llama.cpp's llama architecture has no place for. The inverse of `hf_name` for `Arch::Llama`.
-pub fn llama_gguf_name(name: &str) -> Option<String> {
-    let base = name.strip_suffix(".weight")?;
-    if let Some((g, _)) = GLOBAL_NAMES.iter().find(|(_, hf)| *hf == base) {
+/// HF tensor name (`….weight` or `….bias`) → its GGUF name in `arch` (what convert_hf_to_gguf.py writes),
+/// or None for a tensor llama.cpp's architecture has no place for. The inverse of `hf_name` for the
+/// architectures `--format gguf` writes.
+pub fn gguf_name(name: &str, arch: Arch) -> Option<String> {
+    let (base, suffix) = name.rsplit_once('.')?;
+    if suffix == "weight"
+        && let Some((g, _)) = GLOBAL_NAMES.iter().find(|(_, hf)| *hf == base)
+    {
         return Some(format!("{g}.weight"));
     }
     let (layer_text, part) = base.strip_prefix("model.layers.")?.split_once('.')?;
     let layer: usize = layer_text.parse().ok()?;
-    let (g, _) = LLAMA_BLOCK_NAMES.iter().find(|(_, hf)| *hf == part)?;
-    Some(format!("blk.{layer}.{g}.weight"))
+    let qk_norms: &[(&str, &str)] = if arch == Arch::Qwen3 {
+        &QK_NORM_NAMES
+    } else {
+        &[]
+    };
+    let (g, hf) = LLAMA_BLOCK_NAMES
+        .iter()
+        .chain(qk_norms)
+        .find(|(_, hf)| *hf == part)?;
+    match suffix {
+        "weight" => {}
+        "bias" if arch.bias_parts().contains(hf) => {}
+        _ => return None,
+    }
+    Some(format!("blk.{layer}.{g}.{suffix}"))
 }
 
 /// The tensors of one layer (names under `model.layers.{l}.`, without `.weight`) that must be present.
 pub fn layer_parts(arch: Arch) -> &'static [&'static str] {
-    // Gemma 3's list starts with Llama's, so Llama's is its first nine.
+    // Gemma 3's and Qwen3's lists start with Llama's, so Llama's is their first nine.
     const GEMMA3: [&str; 13] = [
         "self_attn.q_proj",
         "self_attn.k_proj",
@@ -391,8 +456,22 @@ pub fn layer_parts(arch: Arch) -> &'static [&'static str] {
         "self_attn.q_norm",
         "self_attn.k_norm",
     ];
+    const QWEN3: [&str; 11] = [
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+        "input_layernorm",
+        "post_attention_layernorm",
+        "self_attn.q_norm",
+        "self_attn.k_norm",
+    ];
     match arch {
-        Arch::Llama => &GEMMA3[..9],
+        Arch::Llama | Arch::Qwen2 => &GEMMA3[..9],
+        Arch::Qwen3 => &QWEN3,
         Arch::Gemma3 => &GEMMA3,
     }
 }
@@ -401,6 +480,13 @@ pub fn layer_parts(arch: Arch) -> &'static [&'static str] {
 pub fn expected_shape(hf: &str, h: &Hparams, vocab: usize) -> Vec<usize> {
     let (q, kv) = (h.n_head * h.head_dim, h.n_kv_head * h.head_dim);
     let part = hf.rsplit('.').nth(1).unwrap_or("");
+    if hf.ends_with(".bias") {
+        return match part {
+            "q_proj" => vec![q],
+            "k_proj" | "v_proj" => vec![kv],
+            _ => vec![],
+        };
+    }
     match part {
         "embed_tokens" | "lm_head" => vec![vocab, h.d],
         "norm"
@@ -455,13 +541,24 @@ pub fn config_json(
         "use_cache": true,
     });
     let extra = match &h.gemma {
-        None => json!({
+        None if h.arch == Arch::Llama => json!({
             "model_type": "llama",
             "rope_theta": h.theta,
             "rope_scaling": null,
             "mlp_bias": false,
             "hidden_act": "silu",
             "pretraining_tp": 1,
+        }),
+        // Qwen2 always has q/k/v biases (its config has no switch); Qwen3 has none unless attention_bias,
+        // which llama.cpp's qwen3 does not read.
+        None => json!({
+            "model_type": h.arch.key(),
+            "rope_theta": h.theta,
+            "rope_scaling": null,
+            "hidden_act": "silu",
+            "use_sliding_window": false,
+            "sliding_window": null,
+            "max_window_layers": h.n_layer,
         }),
         Some(gm) => {
             let global = if gm.rope_linear_factor == 1.0 {
@@ -524,23 +621,48 @@ mod tests {
     }
 
     #[test]
-    fn llama_gguf_name_inverts_hf_name() {
-        let h = small(Arch::Llama);
-        let mut names = vec!["token_embd.weight", "output_norm.weight", "output.weight"]
-            .into_iter()
-            .map(String::from)
-            .collect::<Vec<_>>();
-        for (g, _) in LLAMA_BLOCK_NAMES {
-            names.push(format!("blk.1.{g}.weight"));
+    fn gguf_name_inverts_hf_name() {
+        for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
+            let h = small(arch);
+            let mut names = vec!["token_embd.weight", "output_norm.weight", "output.weight"]
+                .into_iter()
+                .map(String::from)
+                .collect::<Vec<_>>();
+            for (g, _) in LLAMA_BLOCK_NAMES {
+                names.push(format!("blk.1.{g}.weight"));
+            }
+            if arch == Arch::Qwen3 {
+                names.extend(QK_NORM_NAMES.map(|(g, _)| format!("blk.1.{g}.weight")));
+            }
+            if arch == Arch::Qwen2 {
+                names.extend(["attn_q", "attn_k", "attn_v"].map(|g| format!("blk.1.{g}.bias")));
+            }
+            for g in names {
+                let (hf, fix) = hf_name(&g, &h).unwrap_or_else(|| panic!("{arch:?} {g}"));
+                assert_eq!(gguf_name(&hf, arch).as_deref(), Some(g.as_str()), "{hf}");
+                if !arch.permutes_qk() {
+                    assert_eq!(fix, Fixup::None, "{arch:?} {g}");
+                }
+            }
         }
-        for g in names {
-            let (hf, _) = hf_name(&g, &h).unwrap();
-            assert_eq!(llama_gguf_name(&hf).as_deref(), Some(g.as_str()), "{hf}");
-        }
+        let q_norm = "model.layers.0.self_attn.q_norm.weight";
+        assert_eq!(gguf_name(q_norm, Arch::Llama), None);
         assert_eq!(
-            llama_gguf_name("model.layers.0.self_attn.q_norm.weight"),
+            gguf_name(q_norm, Arch::Qwen3).as_deref(),
+            Some("blk.0.attn_q_norm.weight")
+        );
+        // llama.cpp reads q/k/v biases in qwen2 only, and never an o_proj or global bias.
+        let bias = "model.layers.0.self_attn.q_proj.bias";
+        assert_eq!(gguf_name(bias, Arch::Llama), None);
+        assert_eq!(gguf_name(bias, Arch::Qwen3), None);
+        assert_eq!(
+            gguf_name("model.layers.0.self_attn.o_proj.bias", Arch::Qwen2),
             None
         );
+        assert_eq!(hf_name("blk.0.attn_output.bias", &small(Arch::Qwen2)), None);
+        assert_eq!(hf_name("blk.0.attn_q.bias", &small(Arch::Llama)), None);
+        assert_eq!(hf_name("output_norm.bias", &small(Arch::Qwen2)), None);
+        assert_eq!(expected_shape(bias, &small(Arch::Qwen2), 10), vec![2 * 4]);
     }
 
     #[test]

@@ -205,6 +205,9 @@ fn import_into(gguf: &Path, out_dir: &Path, dtype: OutDType) -> Result<ImportSum
         for p in layer_parts(arch) {
             required.push(format!("model.layers.{l}.{p}.weight"));
         }
+        for p in arch.bias_parts() {
+            required.push(format!("model.layers.{l}.{p}.bias"));
+        }
     }
     for r in &required {
         if !have.contains_key(r.as_str()) {

@@ -9,6 +9,7 @@
 //! |------------------------------------------|---------------------------------------------------------------------|
 //! | smollm, starcoder, refact, codeshell     | Sequence[Digits(individual), ByteLevel(use_regex)] (SmolLM2's own)   |
 //! | llama-bpe (Llama 3)                      | Sequence[Split(Llama-3 regex, isolated), ByteLevel(no regex)]       |
+//! | qwen2 (Qwen2, Qwen2.5, Qwen3)            | Sequence[Split(Qwen2 regex, isolated), ByteLevel(no regex)]         |
 //! | default, gpt2; anything else (warning)   | ByteLevel(use_regex) — the GPT-2 regex                               |
 
 use anyhow::Result;
@@ -35,6 +36,9 @@ const TOKEN_TYPE_USER_DEFINED: i64 = 4;
 
 /// Llama 3's pre-tokenizer regex, as in Meta-Llama-3's tokenizer.json.
 pub const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// Qwen2's (and Qwen2.5's, Qwen3's) pre-tokenizer regex: Llama 3's with single digits.
+pub const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// What `build_tokenizer` produces.
 pub struct GgufTokenizer {
@@ -75,6 +79,21 @@ fn token_id(g: &GgufFile, key: &str, n_vocab: usize) -> Result<Option<u32>> {
     }
 }
 
+/// A regex split (matches isolated), then byte-level mapping without GPT-2's own regex.
+fn split_then_bytes(regex: &str) -> Result<PreTokenizerWrapper> {
+    Ok(PreTokenizerWrapper::Sequence(Sequence::new(vec![
+        PreTokenizerWrapper::Split(
+            Split::new(
+                SplitPattern::Regex(regex.into()),
+                SplitDelimiterBehavior::Isolated,
+                false,
+            )
+            .map_err(|e| anyhow::anyhow!("pre-tokenizer regex {regex:?}: {e}"))?,
+        ),
+        PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, false)),
+    ])))
+}
+
 fn pre_tokenizer(pre: &str, warnings: &mut Vec<String>) -> Result<PreTokenizerWrapper> {
     let gpt2 = || PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, true));
     Ok(match pre {
@@ -84,17 +103,9 @@ fn pre_tokenizer(pre: &str, warnings: &mut Vec<String>) -> Result<PreTokenizerWr
                 gpt2(),
             ]))
         }
-        "llama-bpe" | "llama3" => PreTokenizerWrapper::Sequence(Sequence::new(vec![
-            PreTokenizerWrapper::Split(
-                Split::new(
-                    SplitPattern::Regex(LLAMA3_REGEX.into()),
-                    SplitDelimiterBehavior::Isolated,
-                    false,
-                )
-                .map_err(|e| anyhow::anyhow!("Llama-3 pre-tokenizer regex: {e}"))?,
-            ),
-            PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, false)),
-        ])),
+        "llama-bpe" | "llama3" => split_then_bytes(LLAMA3_REGEX)?,
+        // llama.cpp does not apply Qwen's NFC normalizer either.
+        "qwen2" => split_then_bytes(QWEN2_REGEX)?,
         "default" | "gpt2" => gpt2(),
         other => {
             warnings.push(format!(
@@ -308,4 +319,26 @@ fn byte_level_tokenizer(
         .map_err(|e| anyhow::anyhow!("adding special tokens: {e}"))?;
 
     Ok(tk)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
+
+    fn pieces(pre: &str, text: &str) -> Vec<String> {
+        let p = pre_tokenizer(pre, &mut Vec::new()).unwrap();
+        let mut s = PreTokenizedString::from(text);
+        p.pre_tokenize(&mut s).unwrap();
+        s.get_splits(OffsetReferential::Original, OffsetType::Byte)
+            .into_iter()
+            .map(|(piece, _, _)| piece.to_string())
+            .collect()
+    }
+
+    #[test]
+    fn qwen2_splits_digits_one_by_one_where_llama3_takes_three() {
+        assert_eq!(pieces("qwen2", "in 2024"), ["in", "Ġ", "2", "0", "2", "4"]);
+        assert_eq!(pieces("llama-bpe", "in 2024"), ["in", "Ġ", "202", "4"]);
+    }
 }
