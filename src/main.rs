@@ -247,6 +247,11 @@ struct RunArgs {
     /// Scale/zero search: hessian (default for gptq/boa), mse, or minmax (default for rtn).
     #[arg(long, value_enum)]
     scale_search: Option<ScaleSearchArg>,
+    /// After each GPTQ sweep (every linear under --method gptq; o/gate/up/down under boa), refit each row's
+    /// group scales by least squares to the codes the sweep chose, on the full input covariance (codes and
+    /// zero points kept; a row whose error would not fall keeps its scales). CPU only; not with --gguf-type.
+    #[arg(long)]
+    refit_scales: bool,
     /// BoA's row Hessian for V: identity (the reference code's; lower perplexity in 5 of 8 comparisons of the
     /// README's 128 × 512 table, and the only one with BoA < GPTQ at 2 bits) or wout (the paper's Table 1).
     #[arg(long, value_enum, default_value_t = VRowHessian::Identity)]
@@ -387,6 +392,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 resume: a.resume,
                 format: a.format,
                 gguf_type: a.gguf_type,
+                refit_scales: a.refit_scales,
                 rotate: a.rotate.map(|kind| RotateSpec {
                     kind,
                     seed: a.rotate_seed.unwrap_or(0),
@@ -718,6 +724,7 @@ fn bench_quant(
                 resume: false,
                 format: OutFormat::Fake,
                 gguf_type: None,
+                refit_scales: false,
                 rotate: None,
             };
             let r = boa_cuda::pipeline::run(&opts, &Progress::Quiet);

@@ -279,3 +279,104 @@ fn profile_prints_every_phase_and_the_memory_plan_comes_first() {
     let sum: f64 = shares.iter().sum();
     assert!((sum - 100.0).abs() < 0.5, "shares sum to {sum}: {stdout}");
 }
+
+/// `--refit-scales` on one block (later blocks would see its new Ŵ): the same codes and zero points, new scales
+/// for the linears GPTQ swept (BoA's q/k/v keep theirs), and no such linear's reported error
+/// tr(ΔW H ΔWᵀ)/tr(W H Wᵀ) above the plain run's.
+#[test]
+fn refit_scales_keeps_the_codes_and_lowers_the_gptq_linears_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tiny_model(tmp.path());
+    let calib = calib_text(tmp.path());
+    let quantize = |name: &str, extra: &[&str]| {
+        let out = tmp.path().join(name);
+        let mut a = vec![
+            "run",
+            "--model",
+            s(&m),
+            "--calib",
+            s(&calib),
+            "--method",
+            "boa",
+            "--wbits",
+            "3",
+            "--group-size",
+            "32",
+            "--nsamples",
+            "4",
+            "--seqlen",
+            "64",
+            "--format",
+            "gptq_v2",
+            "--layers",
+            "0",
+            "--out",
+            s(&out),
+            "--quiet",
+        ];
+        a.extend_from_slice(extra);
+        let (code, _, err) = run(&a);
+        assert_eq!(code, 0, "{name}: {err}");
+        let report: serde_json::Value =
+            serde_json::from_slice(&fs::read(out.join("report.json")).unwrap()).unwrap();
+        (tensors(&out), report)
+    };
+    let (plain, plain_report) = quantize("plain", &[]);
+    let (refit, refit_report) = quantize("refit", &["--refit-scales"]);
+    assert_eq!(
+        plain.keys().collect::<Vec<_>>(),
+        refit.keys().collect::<Vec<_>>()
+    );
+    let mut changed = 0;
+    for (name, bytes) in &plain {
+        let attention_boa = ["q_proj", "k_proj", "v_proj"]
+            .iter()
+            .any(|p| name.contains(p));
+        if name.ends_with(".scales") && !attention_boa {
+            changed += usize::from(refit[name] != *bytes);
+        } else {
+            assert!(refit[name] == *bytes, "{name} changed");
+        }
+    }
+    assert!(changed > 0, "no scales changed");
+    let mut lower = 0;
+    let layers = |r: &serde_json::Value| r["layers"].as_array().unwrap().clone();
+    for (a, b) in layers(&plain_report).iter().zip(&layers(&refit_report)) {
+        for (x, y) in a["linears"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .zip(b["linears"].as_array().unwrap())
+        {
+            let (e0, e1) = (x["error"].as_f64().unwrap(), y["error"].as_f64().unwrap());
+            let name = x["name"].as_str().unwrap();
+            if x["method"] == "gptq" {
+                // The plain run's figure is the sweep's loss (damped H), the refit's the undamped trace.
+                assert!(e1 <= e0 * (1.0 + 1e-3), "{name}: {e1} > {e0}");
+                lower += usize::from(e1 < e0);
+            } else {
+                assert_eq!(e0, e1, "{name}");
+            }
+        }
+    }
+    assert!(lower > 0, "no error fell");
+    for (extra, needle) in [
+        (&["--method", "rtn"][..], "--method gptq or boa"),
+        (&["--device", "cuda"][..], "CPU only"),
+    ] {
+        let out = tmp.path().join("refused");
+        let mut a = vec![
+            "run",
+            "--model",
+            s(&m),
+            "--calib",
+            s(&calib),
+            "--out",
+            s(&out),
+            "--refit-scales",
+        ];
+        a.extend_from_slice(extra);
+        assert_user_error(&a, &["--refit-scales", needle]);
+        assert!(!out.exists());
+    }
+}

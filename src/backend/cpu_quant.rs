@@ -948,6 +948,78 @@ impl QuantOps for CpuBackend {
         })
     }
 
+    fn refit_scales(
+        &self,
+        w: &Mat,
+        h: &Mat,
+        q: QuantizedLinear,
+    ) -> Result<(QuantizedLinear, crate::ops::RefitStats)> {
+        check_sym(h, "refit_scales")?;
+        let (d_out, d_in, ng) = (q.d_out, q.d_in, q.n_groups());
+        if w.batch != 1 || w.rows != d_out || w.cols != d_in || h.rows != d_in {
+            bail!(
+                "refit_scales: W {} and H {} do not fit a [{d_out} × {d_in}] linear",
+                w.describe(),
+                h.describe()
+            );
+        }
+        let hv = as_f64(h, "H")?;
+        let wv = conv::<f64>(w, "W")?;
+        let codes = codes_host(&q.codes)?;
+        let mut scales = conv::<f64>(&q.grids.scale, "scales")?;
+        let zeros = conv::<f64>(&q.grids.zero, "zeros")?;
+        if scales.len() != d_out * ng || zeros.len() != scales.len() || codes.len() != d_out * d_in
+        {
+            bail!("refit_scales: grids or codes do not fit [{d_out} × {d_in}] in {ng} groups");
+        }
+        let st = crate::quant::refit::refit_scales(
+            &wv,
+            &hv,
+            codes,
+            &mut scales,
+            &zeros,
+            &q.g_idx,
+            d_out,
+            d_in,
+        );
+        // Ŵ and the grids in the precision the sweep kept them (f64 in the exactness tests).
+        fn rebuild<T: Real + IntoMat>(
+            q: &QuantizedLinear,
+            codes: &[u8],
+            scales: &[f64],
+            zeros: &[f64],
+        ) -> (Mat, Mat, Mat) {
+            let (d_out, d_in, ng) = (q.d_out, q.d_in, scales.len() / q.d_out.max(1));
+            let s: Vec<T> = scales.iter().map(|&v| T::from_f64(v)).collect();
+            let z: Vec<T> = zeros.iter().map(|&v| T::from_f64(v)).collect();
+            let w_hat: Vec<T> = (0..d_out * d_in)
+                .map(|i| {
+                    let k = (i / d_in) * ng + q.g_idx[i % d_in] as usize;
+                    crate::quant::quantizer::dequantize(T::from_f64(codes[i] as f64), s[k], z[k])
+                })
+                .collect();
+            (
+                T::into_mat(w_hat, 1, d_out, d_in),
+                T::into_mat(s, 1, d_out, ng),
+                T::into_mat(z, 1, d_out, ng),
+            )
+        }
+        let (w_hat, scale, zero) = if q.grids.scale.host_f64().is_some() {
+            rebuild::<f64>(&q, codes, &scales, &zeros)
+        } else {
+            rebuild::<f32>(&q, codes, &scales, &zeros)
+        };
+        Ok((
+            QuantizedLinear {
+                w_hat,
+                grids: Grids { scale, zero },
+                error: None,
+                ..q
+            },
+            st,
+        ))
+    }
+
     fn sub(&self, a: &Mat, b: &Mat) -> Result<Mat> {
         if a.len() != b.len() {
             bail!("sub: {} − {}", a.describe(), b.describe());

@@ -110,6 +110,16 @@ pub fn check_col_group(op: &str, f: usize, cg: &[u32], n: usize, n_groups: usize
     Ok(())
 }
 
+/// What `QuantOps::refit_scales` did to one linear.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct RefitStats {
+    /// Σ over rows of tr((W − Ŵ) H (W − Ŵ)ᵀ) with the sweep's scales and with the refitted ones.
+    pub before: f64,
+    pub after: f64,
+    /// Rows whose scales changed.
+    pub rows: usize,
+}
+
 /// Bytes and calls that crossed between host and device, for `run --profile` (zero on a host backend).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct Traffic {
@@ -326,6 +336,19 @@ pub trait QuantOps: Send + Sync {
 
     /// The checkpoint tensors of a quantized linear (the one O(weights) transfer to the host, b/32 of f32).
     fn pack(&self, q: &QuantizedLinear) -> Result<Packed>;
+
+    /// `q` (a quantization of W) with each row's scales refitted by least squares to its codes
+    /// (`quant::refit`, `run --refit-scales`), H the undamped input covariance: codes and zero points kept, Ŵ
+    /// from the new scales, the error left for the report. Only the CPU backend implements it.
+    fn refit_scales(
+        &self,
+        w: &Mat,
+        h: &Mat,
+        q: QuantizedLinear,
+    ) -> Result<(QuantizedLinear, RefitStats)> {
+        let _ = (w, h, q);
+        anyhow::bail!("refit_scales (--refit-scales) runs on the CPU backend only")
+    }
 
     /// Host↔device traffic so far (a host backend moves nothing).
     fn traffic(&self) -> Traffic {

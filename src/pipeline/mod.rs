@@ -162,6 +162,12 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
             be.name()
         ));
     }
+    if opts.refit_scales && be.device_memory().is_some() {
+        return Err(crate::input_err!(
+            "--refit-scales runs on the CPU only, not on {}: pass --device cpu",
+            be.name()
+        ));
+    }
     let traffic_start = be.traffic();
     let model = Model::open(&opts.model)?;
     if model.gptq.is_some() {

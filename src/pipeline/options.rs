@@ -244,6 +244,10 @@ pub struct RunOptions {
     /// fingerprints of other runs are unchanged.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gguf_type: Option<crate::export::gguf_mix::GgufType>,
+    /// Refit each GPTQ-swept row's scales by least squares to its codes (quant/refit.rs). Absent from the
+    /// fingerprint when off, so fingerprints of other runs are unchanged.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub refit_scales: bool,
     /// Rotate the model (norms folded, R1 and R2 fused into the weights) before calibration
     /// (model/rotate.rs). In the fingerprint, so a resumed run never mixes rotated and unrotated blocks;
     /// absent from it when off, so fingerprints of unrotated runs are unchanged.
@@ -362,6 +366,25 @@ impl RunOptions {
                  pack-quantized layout has no g_idx: drop --act-order, or use --format gptq_v2"
                     .into(),
             );
+        }
+        if self.refit_scales {
+            let why = if self.method == Method::Rtn {
+                Some(
+                    "it refits the scales a GPTQ sweep chose: use --method gptq or boa".to_string(),
+                )
+            } else if let Some(t) = self.gguf_type {
+                Some(format!(
+                    "--gguf-type {} constrains each block's scales to what its type stores: drop one",
+                    t.name()
+                ))
+            } else if self.device == Device::Cuda {
+                Some("it runs on the CPU only: pass --device cpu".into())
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                return Err(format!("--refit-scales: {why}"));
+            }
         }
         if let Some(t) = self.gguf_type {
             self.check_gguf_type(t)?;

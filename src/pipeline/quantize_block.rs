@@ -315,10 +315,17 @@ pub fn quantize_block(
                 };
                 (q.with_context(ctx)?, "boa")
             }
-            (_, Some(h)) => (
-                gptq_quantize(ops, w, h, &g, Some(&factors)).with_context(ctx)?,
-                "gptq",
-            ),
+            (_, Some(h)) => {
+                let q = gptq_quantize(ops, w, h, &g, Some(&factors)).with_context(ctx)?;
+                let q = if opts.refit_scales {
+                    ops.refit_scales(w, h, q)
+                        .with_context(|| format!("layer {layer} {name}: --refit-scales"))?
+                        .0
+                } else {
+                    q
+                };
+                (q, "gptq")
+            }
         };
         let (rtn_error, error) = match h {
             Some(h) => relative_errors(ops, w, &q, h, &lspec, known[i])

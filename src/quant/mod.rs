@@ -22,6 +22,7 @@ pub mod pack;
 pub mod plan;
 pub mod profile;
 pub mod quantizer;
+pub mod refit;
 pub mod rtn;
 
 use std::fmt::Debug;
