@@ -78,6 +78,16 @@ def configs(vocab):
         "qwen3_hd128": Qwen3Config(**c, head_dim=128, tie_word_embeddings=True, attention_bias=False,
                                    use_sliding_window=False,
                                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+        # The MoE models as llama.cpp runs them (tests/gguf_export.rs): experts 64 wide (GGUF's 32-column
+        # blocks), Qwen3-MoE's top-k renormalized as every released one and llama.cpp's qwen3moe do, Qwen2-MoE's
+        # not (Qwen1.5-MoE's; llama.cpp's qwen2moe never renormalizes) and without a sliding window.
+        "qwen3_moe_gguf": Qwen3MoeConfig(**c, head_dim=32, moe_intermediate_size=64, num_experts=4,
+                                         num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False,
+                                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+        "qwen2_moe_gguf": Qwen2MoeConfig(**c, moe_intermediate_size=32, shared_expert_intermediate_size=96,
+                                         num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+                                         use_sliding_window=False, tie_word_embeddings=False,
+                                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
     }
 
 

@@ -34,6 +34,10 @@ const TOL: f64 = 1e-4;
 /// RTN 8-bit on layer 0 alone (7 Q8_0 linears, the rest F32). A wrong tokenizer or q/k permutation moves it
 /// by orders of magnitude.
 const TOL_LLAMA_CPP: f64 = 1e-2;
+/// The same on the random mixture-of-experts models, whose near-tied router logits let the Q8_0 activations
+/// flip a token's experts: measured 2.0e-3 to 7.8e-3 at Q4_0 and up to 1.6e-2 at Q8_0 (Mixtral, GPTQ 8-bit),
+/// while the same files dequantized to F32 give eval's perplexity to 2e-7.
+const TOL_LLAMA_CPP_MOE: f64 = 5e-2;
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
@@ -707,6 +711,198 @@ fn gguf_qwen2_and_qwen3_load_in_transformers_and_llama_cpp() {
                 "rtn",
             ],
             &needles,
+        );
+    }
+    assert!(!out.exists(), "a refused run wrote {}", out.display());
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// Mixture-of-experts models as llama.cpp stores them: each layer's experts of one part in one
+/// `ffn_{gate,up,down}_exps` tensor [n_expert × d_out × d_in], the router `ffn_gate_inp` in F32, Qwen2-MoE's
+/// shared expert (`ffn_*_shexp`) and its gate (`ffn_gate_inp_shexp`, a [d] vector). Random Qwen3-MoE, Qwen2-MoE
+/// and Mixtral models (scripts/hf_reference.py: the first two with the top-k weighting llama.cpp hard-codes for
+/// their architectures), GPTQ at 4 bits (Q4_0), each also as `--format fake`: the `gguf` package's dequantizer
+/// gives every expert's weights bit for bit; llama.cpp on the same file dequantized to F32
+/// (scripts/gguf_to_f32.py) gives the fake twin's perplexity to f32 rounding, and on the file itself the same
+/// up to its Q8_0 activations, which on these random routers also flip some tokens' top-2 experts.
+/// A weighting llama.cpp would not apply is refused before work, and import-gguf refuses the files (it reads no
+/// mixture of experts).
+#[test]
+fn gguf_moe_models_run_in_llama_cpp() {
+    let py = pyref_python("gguf, numpy, safetensors, transformers");
+    let llama = llamacpp_python("llama_cpp, numpy");
+    let tmp = tempfile::tempdir().unwrap();
+    let text = texts_dir().join("moby-dick.txt");
+    let (seqlen, windows) = ("64", "2");
+    let o = Command::new(&py)
+        .arg("scripts/hf_reference.py")
+        .args(["--out", s(tmp.path())])
+        .args(["--tokenizer", s(&demo_model().join("tokenizer.json"))])
+        .args(["--text", s(&text), "--seqlen", seqlen, "--windows", windows])
+        .args(["--only", "qwen3_moe_gguf", "qwen2_moe_gguf", "mixtral"])
+        .args(["qwen3_moe", "qwen2_moe"])
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "hf_reference.py: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let gptq = [
+        "--method",
+        "gptq",
+        "--wbits",
+        "4",
+        "--nsamples",
+        "4",
+        "--seqlen",
+        "64",
+        "--calib",
+        s(&text),
+    ];
+    let mut failures = Vec::new();
+    // (model, llama.cpp architecture, experts, expert width, linears the gguf package compares)
+    for (name, arch, n_exp, d_exp, linears) in [
+        ("qwen3_moe_gguf", "qwen3moe", 4u64, 64u64, 32),
+        ("qwen2_moe_gguf", "qwen2moe", 4, 32, 38),
+        ("mixtral", "llama", 4, 96, 32),
+    ] {
+        let model = tmp.path().join(name);
+        let out = tmp.path().join(format!("{name}-q4"));
+        let fake = tmp.path().join(format!("{name}-q4-fake"));
+        quantize_model(&model, &out, "gguf", &gptq);
+        quantize_model(&model, &fake, "fake", &gptq);
+        let file = out.join("model.gguf");
+        let g = GgufFile::open(&file).unwrap();
+        assert_eq!(g.get_str("general.architecture").unwrap(), Some(arch));
+        assert_eq!(
+            g.get_u64(&format!("{arch}.expert_count")).unwrap(),
+            Some(n_exp)
+        );
+        assert_eq!(
+            g.get_u64(&format!("{arch}.expert_used_count")).unwrap(),
+            Some(2)
+        );
+        let t = |n: &str| g.tensor(n).unwrap_or_else(|| panic!("{name}: no {n}"));
+        for part in ["gate", "up", "down"] {
+            let e = t(&format!("blk.1.ffn_{part}_exps.weight"));
+            assert_eq!(e.ggml_type, GgmlType::Q4_0, "{name} {part}");
+            let want = if part == "down" {
+                [d_exp, 64, n_exp]
+            } else {
+                [64, d_exp, n_exp]
+            };
+            assert_eq!(e.dims, want, "{name} {part}");
+        }
+        let router = t("blk.0.ffn_gate_inp.weight");
+        assert_eq!(
+            (router.ggml_type, router.dims.clone()),
+            (GgmlType::F32, vec![64, n_exp])
+        );
+        if arch == "qwen2moe" {
+            assert_eq!(t("blk.0.ffn_up_shexp.weight").ggml_type, GgmlType::Q4_0);
+            assert_eq!(t("blk.0.ffn_gate_inp_shexp.weight").dims, vec![64]);
+        }
+
+        let o = Command::new(&py)
+            .arg("scripts/check_gguf_weights.py")
+            .args([s(&file), s(&fake)])
+            .output()
+            .unwrap();
+        let row = last_json(&o, "check_gguf_weights.py");
+        assert_eq!(row["compared"], linears, "{name}: {row}");
+        assert_eq!(row["mismatched"], serde_json::json!([]), "{name}");
+
+        let want = common::eval_ppl(&fake, &text, seqlen, windows);
+        let o = Command::new(&llama)
+            .arg("scripts/llamacpp_ppl.py")
+            .args([s(&file), s(&text)])
+            .args(["--seqlen", seqlen, "--max-windows", windows])
+            .output()
+            .unwrap();
+        let mut row = last_json(&o, "llamacpp_ppl.py");
+        row["loader"] = "llama.cpp".into();
+        check_loader_ppl(
+            &mut failures,
+            &out,
+            &row,
+            "eval of the fake folder",
+            want,
+            TOL_LLAMA_CPP_MOE,
+        );
+        // The same file with every tensor dequantized to F32: llama.cpp's forward without its Q8_0
+        // activations, so the layout, the router's weighting and the shared expert are checked to f32.
+        let f32_file = tmp.path().join(format!("{name}-f32.gguf"));
+        let o = Command::new(&py)
+            .arg("scripts/gguf_to_f32.py")
+            .args([s(&file), s(&f32_file)])
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "gguf_to_f32.py: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let o = Command::new(&llama)
+            .arg("scripts/llamacpp_ppl.py")
+            .args([s(&f32_file), s(&text)])
+            .args(["--seqlen", seqlen, "--max-windows", windows])
+            .output()
+            .unwrap();
+        let mut row = last_json(&o, "llamacpp_ppl.py");
+        row["loader"] = "llama.cpp (F32 twin)".into();
+        check_loader_ppl(
+            &mut failures,
+            &out,
+            &row,
+            "eval of the fake folder",
+            want,
+            TOL,
+        );
+        assert_user_error(
+            &[
+                "import-gguf",
+                s(&file),
+                "--out",
+                s(&tmp.path().join("imported")),
+            ],
+            &["mixture-of-experts"],
+        );
+    }
+    let out = tmp.path().join("refused");
+    assert_user_error(
+        &[
+            "run",
+            "--model",
+            s(&tmp.path().join("mixtral")),
+            "--out",
+            s(&out),
+            "--format",
+            "gguf",
+            "--gguf-type",
+            "q4_k_m",
+            "--method",
+            "rtn",
+        ],
+        &["--gguf-type q4_k_m", "mixture-of-experts"],
+    );
+    for (name, needle) in [
+        ("qwen3_moe", "always renormalizes"),
+        ("qwen2_moe", "never renormalizes"),
+    ] {
+        assert_user_error(
+            &[
+                "run",
+                "--model",
+                s(&tmp.path().join(name)),
+                "--out",
+                s(&out),
+                "--format",
+                "gguf",
+                "--method",
+                "rtn",
+            ],
+            &["gguf", needle],
         );
     }
     assert!(!out.exists(), "a refused run wrote {}", out.display());

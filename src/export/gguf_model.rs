@@ -10,15 +10,16 @@
 //! scales on a super-block's f16 d): their grids were constrained before the sweep (model/gguf/codec.rs,
 //! quant/lattice.rs), and the run keeps them as GGUF blocks (`CodecLinear`), copied into the file as they are.
 //!
-//! Everything else is stored as convert_hf_to_gguf.py stores it for llama.cpp's "llama" (Llama, Mistral),
-//! "qwen2" or "qwen3" architecture (`Arch::of_hf`): q/k rows permuted for the llama architecture's
+//! Everything else is stored as convert_hf_to_gguf.py stores it for llama.cpp's "llama" (Llama, Mistral,
+//! Mixtral), "qwen2", "qwen3", "qwen2moe" or "qwen3moe" architecture (`Arch::of_hf`; experts stacked per layer
+//! and part, `MoePlace`): q/k rows permuted for the llama architecture's
 //! interleaved RoPE (`qk_row_order`; the Qwens run NEOX RoPE on HF's rows), norms and Qwen2's q/k/v biases in
 //! F32, embeddings, lm_head and linears outside `--layers` in the checkpoint's own float type,
 //! hyper-parameters under `{arch}.*`, the tokenizer under `tokenizer.ggml.*` (gguf_vocab.rs).
 
 use super::gguf_out::{GgufTensor, Kv, write_gguf};
 use crate::error::file_err;
-use crate::model::arch::Role;
+use crate::model::arch::{Activation, NormRole, Role};
 use crate::model::config::Config;
 use crate::model::gguf::GgmlType;
 use crate::model::gguf::arch::{Arch, gguf_name};
@@ -59,17 +60,44 @@ pub fn check_model(cfg: &Config, dir: &Path) -> Result<Arch, String> {
     let refuse = |what: String| Err(format!("--format gguf: {what}"));
     let Some(arch) = Arch::of_hf(&cfg.architecture) else {
         return refuse(format!(
-            "{} is not written yet (Llama, Mistral, Qwen2 and Qwen3 are: llama.cpp's \"llama\", \"qwen2\" \
-             and \"qwen3\"): use --format gptq_v2 or compressed-tensors",
+            "{} is not written yet (Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen2-MoE and Qwen3-MoE are): \
+             use --format gptq_v2 or compressed-tensors",
             cfg.architecture
         ));
     };
-    if !cfg.block.is_llama_like() {
+    let b = &cfg.block;
+    let plain = b.act == Activation::Silu
+        && b.norm(NormRole::AttnOut).is_none()
+        && b.norm(NormRole::MlpOut).is_none()
+        && b.q_scale == 1.0
+        && b.norm_offset == 0.0;
+    if !plain {
         return refuse(format!(
             "the {} block has parts llama.cpp's \"{}\" architecture does not read",
             cfg.architecture,
             arch.key()
         ));
+    }
+    if let Some(m) = &b.moe {
+        // How llama.cpp weighs the top-k experts is fixed per architecture, not read from the file.
+        let renormalizes = llama_cpp_renormalizes(arch);
+        if m.renormalize != renormalizes {
+            return refuse(format!(
+                "the router's top-{} weights are {} here, and llama.cpp's \"{}\" {} them",
+                m.top_k,
+                if m.renormalize {
+                    "renormalized to sum 1"
+                } else {
+                    "used as the softmax gives them"
+                },
+                arch.key(),
+                if renormalizes {
+                    "always renormalizes"
+                } else {
+                    "never renormalizes"
+                }
+            ));
+        }
     }
     if let Some(l) = cfg
         .block
@@ -83,7 +111,7 @@ pub fn check_model(cfg: &Config, dir: &Path) -> Result<Arch, String> {
             arch.key()
         ));
     }
-    if cfg.block.qk_norm() != (arch == Arch::Qwen3) {
+    if cfg.block.qk_norm() != arch.qk_norm() {
         return refuse(format!(
             "the q/k norms do not match llama.cpp's \"{}\" architecture",
             arch.key()
@@ -113,6 +141,40 @@ pub fn check_model(cfg: &Config, dir: &Path) -> Result<Arch, String> {
     }
     super::gguf_vocab::tokenizer_kvs(dir, cfg.vocab)?;
     Ok(arch)
+}
+
+/// Whether llama.cpp renormalizes the top-k router weights of a mixture-of-experts block of `arch` (its
+/// graph builders fix it per architecture).
+fn llama_cpp_renormalizes(arch: Arch) -> bool {
+    !matches!(arch, Arch::Qwen2Moe)
+}
+
+/// Where a mixture-of-experts tensor goes in llama.cpp's layout: one tensor per layer and part holding every
+/// expert (`ffn_gate_exps` [n_expert × d_out × d_in]), the router, the shared expert and its gate.
+enum MoePlace {
+    Expert { part: &'static str, expert: usize },
+    Tensor(&'static str),
+}
+
+fn moe_place(cfg: &Config, short: &str) -> Option<MoePlace> {
+    let moe = cfg.block.moe.as_ref()?;
+    if short == moe.router {
+        return Some(MoePlace::Tensor("ffn_gate_inp"));
+    }
+    if moe.shared_expert.as_ref().is_some_and(|s| s.gate == short) {
+        return Some(MoePlace::Tensor("ffn_gate_inp_shexp"));
+    }
+    let ld = cfg.block.linears.iter().find(|l| l.name == short)?;
+    let (exps, shexp) = match ld.role {
+        Role::Gate => ("ffn_gate_exps", "ffn_gate_shexp"),
+        Role::Up => ("ffn_up_exps", "ffn_up_shexp"),
+        Role::Down => ("ffn_down_exps", "ffn_down_shexp"),
+        _ => return None,
+    };
+    Some(match ld.expert {
+        Some(expert) => MoePlace::Expert { part: exps, expert },
+        None => MoePlace::Tensor(shexp),
+    })
 }
 
 /// GGUF row r of a q/k projection holds HF row `order[r]`: convert_hf_to_gguf.py's
@@ -294,6 +356,8 @@ enum Source {
     Packed { hf: String, order: Vec<usize> },
     /// A linear's GGUF blocks (`CodecLinear`), rows in `order`.
     Blocks { hf: String, order: Vec<usize> },
+    /// Every expert's tensor of one layer and part, one after another.
+    Stack(Vec<Source>),
 }
 
 fn float_type(dtype: Dtype) -> Option<GgmlType> {
@@ -342,6 +406,51 @@ fn read_packed(store: &WeightStore, prefix: &str, bits: u32) -> anyhow::Result<P
     Ok(p)
 }
 
+/// The GGUF data of one tensor (`ty`: its type) from the run's shards.
+fn source_bytes(
+    store: &WeightStore,
+    source: &Source,
+    ty: GgmlType,
+    bits_of: &dyn Fn(&str) -> u32,
+) -> anyhow::Result<Vec<u8>> {
+    let rows_in = |raw: &[u8], order: &[usize]| -> Vec<u8> {
+        let row = raw.len() / order.len().max(1);
+        order
+            .iter()
+            .flat_map(|&r| &raw[r * row..(r + 1) * row])
+            .copied()
+            .collect()
+    };
+    Ok(match source {
+        Source::Packed { hf, order } => {
+            let p = read_packed(store, hf, bits_of(hf))?;
+            packed_bytes(&p, ty, order, hf)?
+        }
+        Source::Blocks { hf, order } => rows_in(store.bytes(hf)?, order),
+        Source::Vector { hf } => {
+            let e = store
+                .entry(hf)
+                .ok_or_else(|| anyhow::anyhow!("{hf}: not in the shards"))?;
+            let v = to_f32(e.dtype, store.bytes(hf)?).map_err(|m| anyhow::anyhow!("{hf}: {m}"))?;
+            v.iter().flat_map(|x| x.to_le_bytes()).collect()
+        }
+        Source::Float { hf, order } => {
+            let raw = store.bytes(hf)?;
+            match order {
+                None => raw.to_vec(),
+                Some(order) => rows_in(raw, order),
+            }
+        }
+        Source::Stack(members) => {
+            let mut out = Vec::new();
+            for m in members {
+                out.extend(source_bytes(store, m, ty, bits_of)?);
+            }
+            out
+        }
+    })
+}
+
 /// What `write_model_gguf` wrote.
 pub struct Written {
     pub path: std::path::PathBuf,
@@ -372,6 +481,8 @@ pub fn write_model_gguf(
     };
     let mut tensors = Vec::new();
     let mut sources = Vec::new();
+    let mut experts: std::collections::BTreeMap<String, Vec<(usize, GgufTensor, Source)>> =
+        Default::default();
     let mut names: Vec<&String> = store.names().collect();
     // Blocks in layer order, then the globals (llama.cpp does not care; people reading a dump do).
     names.sort_by_key(|n| {
@@ -405,7 +516,20 @@ pub fn write_model_gguf(
         } else {
             hf.clone()
         };
-        let gguf = gguf_name(&as_weight, arch).ok_or_else(|| {
+        let layer = base
+            .strip_prefix("model.layers.")
+            .and_then(|r| r.split('.').next())
+            .unwrap_or("");
+        let place = short
+            .filter(|_| as_weight.ends_with(".weight"))
+            .and_then(|s| moe_place(cfg, s));
+        let gguf = match &place {
+            Some(MoePlace::Expert { part, .. } | MoePlace::Tensor(part)) => {
+                Some(format!("blk.{layer}.{part}.weight"))
+            }
+            None => gguf_name(&as_weight, arch),
+        };
+        let gguf = gguf.ok_or_else(|| {
             file_err(
                 dir,
                 format!(
@@ -465,11 +589,22 @@ pub fn write_model_gguf(
                     order: order(d_out).unwrap_or_else(|| (0..d_out).collect()),
                 },
             )
-        } else if e.shape.len() == 1 {
+        } else if e.shape.len() == 1
+            || matches!(place, Some(MoePlace::Tensor(_))) && kind != "qweight"
+        {
+            // Norms, biases, and the router and shared-expert gate (llama.cpp wants them F32; the gate's
+            // [1 × d] is a vector there).
+            let dims = match (e.shape.as_slice(), &place) {
+                ([1, d], Some(MoePlace::Tensor("ffn_gate_inp_shexp"))) | ([d], _) => {
+                    vec![*d as u64]
+                }
+                ([r, c], _) => vec![*c as u64, *r as u64],
+                _ => vec![e.shape.iter().product::<usize>() as u64],
+            };
             (
                 GgufTensor {
                     name: gguf,
-                    dims: vec![e.shape[0] as u64],
+                    dims,
                     ty: GgmlType::F32,
                 },
                 Source::Vector { hf: hf.clone() },
@@ -495,8 +630,38 @@ pub fn write_model_gguf(
                 ),
             ));
         };
+        if let Some(MoePlace::Expert { expert, .. }) = place {
+            experts
+                .entry(tensor.name.clone())
+                .or_default()
+                .push((expert, tensor, source));
+            continue;
+        }
         tensors.push(tensor);
         sources.push(source);
+    }
+    // Each layer's experts of one part as one [n_expert × d_out × d_in] tensor of one type.
+    for (name, mut members) in experts {
+        members.sort_by_key(|m| m.0);
+        let n = cfg.block.moe.as_ref().map_or(0, |m| m.n_experts);
+        let first = &members[0].1;
+        let (ty, dims) = (first.ty, first.dims.clone());
+        let complete = members.len() == n && members.iter().enumerate().all(|(i, m)| m.0 == i);
+        if !complete || members.iter().any(|m| m.1.ty != ty || m.1.dims != dims) {
+            return Err(file_err(
+                dir,
+                format!(
+                    "{name}: the {} experts' tensors are not {n} of one type and shape",
+                    members.len()
+                ),
+            ));
+        }
+        tensors.push(GgufTensor {
+            name,
+            dims: vec![dims[0], dims[1], n as u64],
+            ty,
+        });
+        sources.push(Source::Stack(members.into_iter().map(|m| m.2).collect()));
     }
 
     let a = |k: &str| format!("{}.{k}", arch.key());
@@ -529,45 +694,24 @@ pub fn write_model_gguf(
         (a("attention.layer_norm_rms_epsilon"), Kv::F32(cfg.eps)),
         (a("vocab_size"), Kv::U32(cfg.vocab as u32)),
     ];
+    if let Some(m) = &cfg.block.moe {
+        kvs.push((a("expert_count"), Kv::U32(m.n_experts as u32)));
+        kvs.push((a("expert_used_count"), Kv::U32(m.top_k as u32)));
+        // llama.cpp's llama architecture (Mixtral) takes the experts' width from feed_forward_length.
+        if arch != Arch::Llama {
+            kvs.push((a("expert_feed_forward_length"), Kv::U32(m.d_expert as u32)));
+        }
+        if let Some(sh) = &m.shared_expert {
+            kvs.push((
+                a("expert_shared_feed_forward_length"),
+                Kv::U32(sh.d_ff as u32),
+            ));
+        }
+    }
     kvs.extend(vocab);
 
     let bytes = write_gguf(out, &kvs, &tensors, |i| {
-        let t = &tensors[i];
-        match &sources[i] {
-            Source::Packed { hf, order } => {
-                let p = read_packed(store, hf, bits_of(hf))?;
-                packed_bytes(&p, t.ty, order, hf)
-            }
-            Source::Blocks { hf, order } => {
-                let raw = store.bytes(hf)?;
-                let row = raw.len() / order.len();
-                Ok(order
-                    .iter()
-                    .flat_map(|&r| &raw[r * row..(r + 1) * row])
-                    .copied()
-                    .collect())
-            }
-            Source::Vector { hf } => {
-                let e = store.entry(hf).expect("listed");
-                let v =
-                    to_f32(e.dtype, store.bytes(hf)?).map_err(|m| anyhow::anyhow!("{hf}: {m}"))?;
-                Ok(v.iter().flat_map(|x| x.to_le_bytes()).collect())
-            }
-            Source::Float { hf, order } => {
-                let raw = store.bytes(hf)?;
-                Ok(match order {
-                    None => raw.to_vec(),
-                    Some(order) => {
-                        let row = raw.len() / order.len();
-                        order
-                            .iter()
-                            .flat_map(|&r| &raw[r * row..(r + 1) * row])
-                            .copied()
-                            .collect()
-                    }
-                })
-            }
-        }
+        source_bytes(store, &sources[i], tensors[i].ty, bits_of)
     })?;
     Ok(Written {
         path: out.to_path_buf(),

@@ -25,6 +25,9 @@ pub enum Arch {
     Qwen2,
     Qwen3,
     Gemma3,
+    /// Written by `--format gguf` only (import-gguf refuses mixture-of-experts files).
+    Qwen2Moe,
+    Qwen3Moe,
 }
 
 impl Arch {
@@ -35,6 +38,13 @@ impl Arch {
             Some("qwen2") => Ok(Arch::Qwen2),
             Some("qwen3") => Ok(Arch::Qwen3),
             Some("gemma3") => Ok(Arch::Gemma3),
+            Some(moe @ ("qwen2moe" | "qwen3moe")) => Err(file_err(
+                &g.path,
+                format!(
+                    "general.architecture is {moe:?}: mixture-of-experts GGUFs are not supported (import \
+                     the model's safetensors folder instead)"
+                ),
+            )),
             Some(other) => Err(file_err(
                 &g.path,
                 format!("general.architecture is {other:?}; {SUPPORTED}"),
@@ -53,6 +63,8 @@ impl Arch {
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
             Arch::Gemma3 => "gemma3",
+            Arch::Qwen2Moe => "qwen2moe",
+            Arch::Qwen3Moe => "qwen3moe",
         }
     }
 
@@ -62,18 +74,27 @@ impl Arch {
             Arch::Qwen2 => "Qwen2ForCausalLM",
             Arch::Qwen3 => "Qwen3ForCausalLM",
             Arch::Gemma3 => "Gemma3ForCausalLM",
+            Arch::Qwen2Moe => "Qwen2MoeForCausalLM",
+            Arch::Qwen3Moe => "Qwen3MoeForCausalLM",
         }
     }
 
     /// The GGUF architecture `--format gguf` writes a model of this config.json architecture as (what
-    /// convert_hf_to_gguf.py picks: Mistral is llama.cpp's "llama"), None for one not written.
+    /// convert_hf_to_gguf.py picks: Mistral and Mixtral are llama.cpp's "llama"), None for one not written.
     pub fn of_hf(architecture: &str) -> Option<Arch> {
         match architecture {
-            "LlamaForCausalLM" | "MistralForCausalLM" => Some(Arch::Llama),
+            "LlamaForCausalLM" | "MistralForCausalLM" | "MixtralForCausalLM" => Some(Arch::Llama),
             "Qwen2ForCausalLM" => Some(Arch::Qwen2),
             "Qwen3ForCausalLM" => Some(Arch::Qwen3),
+            "Qwen2MoeForCausalLM" => Some(Arch::Qwen2Moe),
+            "Qwen3MoeForCausalLM" => Some(Arch::Qwen3Moe),
             _ => None,
         }
+    }
+
+    /// Per-head q/k norms (`attn_q_norm`, `attn_k_norm`).
+    pub fn qk_norm(self) -> bool {
+        matches!(self, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3)
     }
 
     /// convert_hf_to_gguf.py permutes q/k rows for llama.cpp's interleaved RoPE in the llama architecture
@@ -85,7 +106,9 @@ impl Arch {
     /// The block parts (HF names under `model.layers.{l}.`) whose bias llama.cpp reads.
     pub fn bias_parts(self) -> &'static [&'static str] {
         match self {
-            Arch::Qwen2 => &["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+            Arch::Qwen2 | Arch::Qwen2Moe => {
+                &["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+            }
             _ => &[],
         }
     }
@@ -421,11 +444,7 @@ pub fn gguf_name(name: &str, arch: Arch) -> Option<String> {
     }
     let (layer_text, part) = base.strip_prefix("model.layers.")?.split_once('.')?;
     let layer: usize = layer_text.parse().ok()?;
-    let qk_norms: &[(&str, &str)] = if arch == Arch::Qwen3 {
-        &QK_NORM_NAMES
-    } else {
-        &[]
-    };
+    let qk_norms: &[(&str, &str)] = if arch.qk_norm() { &QK_NORM_NAMES } else { &[] };
     let (g, hf) = LLAMA_BLOCK_NAMES
         .iter()
         .chain(qk_norms)
@@ -470,8 +489,8 @@ pub fn layer_parts(arch: Arch) -> &'static [&'static str] {
         "self_attn.k_norm",
     ];
     match arch {
-        Arch::Llama | Arch::Qwen2 => &GEMMA3[..9],
-        Arch::Qwen3 => &QWEN3,
+        Arch::Llama | Arch::Qwen2 | Arch::Qwen2Moe => &GEMMA3[..9],
+        Arch::Qwen3 | Arch::Qwen3Moe => &QWEN3,
         Arch::Gemma3 => &GEMMA3,
     }
 }
