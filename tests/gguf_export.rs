@@ -543,8 +543,8 @@ fn gguf_refusals_come_before_any_work() {
 /// and RTN at 8 bits (Q8_0), each also written as `--format fake`. The `gguf` package's dequantizer must give
 /// the fake twin's linears to the bit, import-gguf + eval its perplexity, transformers' GGUF loading both (on
 /// the Qwen3 whose head_dim is 128: transformers 5.24 ignores the file's key_length for qwen3), llama.cpp the
-/// same perplexity up to its Q8_0 activations. Mistral's sliding window and Gemma 3 (not written) are refused
-/// before work.
+/// same perplexity up to its Q8_0 activations, and to f32 rounding on the file dequantized to F32
+/// (scripts/gguf_to_f32.py). Mistral's sliding window and Gemma 3 (not written) are refused before work.
 #[test]
 fn gguf_qwen2_and_qwen3_load_in_transformers_and_llama_cpp() {
     let py = pyref_python("gguf, numpy, safetensors, transformers");
@@ -690,6 +690,34 @@ fn gguf_qwen2_and_qwen3_load_in_transformers_and_llama_cpp() {
             "eval of the fake folder",
             want,
             TOL_LLAMA_CPP,
+        );
+        // Without llama.cpp's Q8_0 activations (every tensor dequantized to F32): f32 rounding only.
+        let f32_file = tmp.path().join(format!("{name}-{tag}-f32.gguf"));
+        let o = Command::new(&py)
+            .arg("scripts/gguf_to_f32.py")
+            .args([s(&file), s(&f32_file)])
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "gguf_to_f32.py: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let o = Command::new(&llama)
+            .arg("scripts/llamacpp_ppl.py")
+            .args([s(&f32_file), s(&text)])
+            .args(["--seqlen", seqlen, "--max-windows", windows])
+            .output()
+            .unwrap();
+        let mut row = last_json(&o, "llamacpp_ppl.py");
+        row["loader"] = "llama.cpp (F32 twin)".into();
+        check_loader_ppl(
+            &mut failures,
+            &out,
+            &row,
+            "eval of the fake folder",
+            want,
+            TOL,
         );
     }
     let out = tmp.path().join("refused");
