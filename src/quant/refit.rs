@@ -42,11 +42,13 @@ pub fn refit_scales(
     for g in 0..ng {
         starts[g + 1] += starts[g];
     }
-    let hp: Vec<f64> = perm
-        .iter()
-        .flat_map(|&a| perm.iter().map(move |&b| h[a * d_in + b]))
-        .collect();
-    let hp = MatRef::from_row_major_slice(&hp, d_in, d_in);
+    // Contiguous groups (no act-order) read H as it is: a copy of a 7B down_proj's is ~1 GB of f64.
+    let permuted: Option<Vec<f64>> = perm.iter().enumerate().any(|(i, &c)| i != c).then(|| {
+        perm.iter()
+            .flat_map(|&a| perm.iter().map(move |&b| h[a * d_in + b]))
+            .collect()
+    });
+    let hp = MatRef::from_row_major_slice(permuted.as_deref().unwrap_or(h), d_in, d_in);
 
     let per_chunk: Vec<(Vec<f64>, RefitStats)> = (0..d_out.div_ceil(CHUNK))
         .into_par_iter()
