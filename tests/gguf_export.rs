@@ -789,17 +789,21 @@ fn gguf_moe_models_run_in_llama_cpp() {
         s(&text),
     ];
     let mut failures = Vec::new();
-    // (model, llama.cpp architecture, experts, expert width, linears the gguf package compares)
-    for (name, arch, n_exp, d_exp, linears) in [
-        ("qwen3_moe_gguf", "qwen3moe", 4u64, 64u64, 32),
-        ("qwen2_moe_gguf", "qwen2moe", 4, 32, 38),
-        ("mixtral", "llama", 4, 96, 32),
+    // (model, llama.cpp architecture, experts, expert width, layers quantized, linears the gguf package
+    // compares); with `--layers 1`, layer 0's experts are stacked in the checkpoint's float type.
+    for (name, arch, n_exp, d_exp, layers, linears) in [
+        ("qwen3_moe_gguf", "qwen3moe", 4u64, 64u64, "0-1", 32),
+        ("qwen2_moe_gguf", "qwen2moe", 4, 32, "0-1", 38),
+        ("qwen2_moe_gguf", "qwen2moe", 4, 32, "1", 19),
+        ("mixtral", "llama", 4, 96, "0-1", 32),
     ] {
         let model = tmp.path().join(name);
-        let out = tmp.path().join(format!("{name}-q4"));
-        let fake = tmp.path().join(format!("{name}-q4-fake"));
-        quantize_model(&model, &out, "gguf", &gptq);
-        quantize_model(&model, &fake, "fake", &gptq);
+        let out = tmp.path().join(format!("{name}-q4-{layers}"));
+        let fake = tmp.path().join(format!("{name}-q4-{layers}-fake"));
+        let mut run_args = gptq.to_vec();
+        run_args.extend(["--layers", layers]);
+        quantize_model(&model, &out, "gguf", &run_args);
+        quantize_model(&model, &fake, "fake", &run_args);
         let file = out.join("model.gguf");
         let g = GgufFile::open(&file).unwrap();
         assert_eq!(g.get_str("general.architecture").unwrap(), Some(arch));
@@ -828,8 +832,13 @@ fn gguf_moe_models_run_in_llama_cpp() {
             (GgmlType::F32, vec![64, n_exp])
         );
         if arch == "qwen2moe" {
-            assert_eq!(t("blk.0.ffn_up_shexp.weight").ggml_type, GgmlType::Q4_0);
+            assert_eq!(t("blk.1.ffn_up_shexp.weight").ggml_type, GgmlType::Q4_0);
             assert_eq!(t("blk.0.ffn_gate_inp_shexp.weight").dims, vec![64]);
+        }
+        if layers == "1" {
+            // The random models are f32.
+            assert_eq!(t("blk.0.ffn_gate_exps.weight").ggml_type, GgmlType::F32);
+            assert_eq!(t("blk.0.ffn_up_shexp.weight").ggml_type, GgmlType::F32);
         }
 
         let o = Command::new(&py)
@@ -860,7 +869,7 @@ fn gguf_moe_models_run_in_llama_cpp() {
         );
         // The same file with every tensor dequantized to F32: llama.cpp's forward without its Q8_0
         // activations, so the layout, the router's weighting and the shared expert are checked to f32.
-        let f32_file = tmp.path().join(format!("{name}-f32.gguf"));
+        let f32_file = tmp.path().join(format!("{name}-{layers}-f32.gguf"));
         let o = Command::new(&py)
             .arg("scripts/gguf_to_f32.py")
             .args([s(&file), s(&f32_file)])

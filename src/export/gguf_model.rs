@@ -590,7 +590,10 @@ pub fn write_model_gguf(
                 },
             )
         } else if e.shape.len() == 1
-            || matches!(place, Some(MoePlace::Tensor(_))) && kind != "qweight"
+            || matches!(
+                place,
+                Some(MoePlace::Tensor("ffn_gate_inp" | "ffn_gate_inp_shexp"))
+            )
         {
             // Norms, biases, and the router and shared-expert gate (llama.cpp wants them F32; the gate's
             // [1 × d] is a vector there).
