@@ -238,19 +238,12 @@ fn gguf_checkpoints_load_in_transformers_with_the_fake_formats_weights() {
         assert_eq!(row["max_abs_diff"], 0.0, "{name}: {row}");
 
         // llama.cpp itself: its own tokenizer from the file's vocabulary, its own Q4_0/Q8_0 kernels.
-        let o = Command::new(&llama)
-            .arg("scripts/llamacpp_ppl.py")
-            .args([s(&out.join("model.gguf")), s(&text)])
-            .args(["--seqlen", SEQLEN, "--max-windows", WINDOWS])
-            .output()
-            .unwrap();
-        let mut row = last_json(&o, "llamacpp_ppl.py");
+        let row = llamacpp_ppl(&llama, &out.join("model.gguf"), &text, SEQLEN, WINDOWS);
         assert_eq!(
             row["windows"],
             WINDOWS.parse::<u64>().unwrap(),
             "{name}: {row}"
         );
-        row["loader"] = "llama.cpp".into();
         check_loader_ppl(
             &mut failures,
             &out,
@@ -385,14 +378,7 @@ fn gguf_type_files_hold_the_sweeps_weights_in_llama_cpps_types() {
                 (back - want).abs() <= 1e-9 * want,
                 "{choice}: import-gguf + eval {back} vs the fake folder's {want}"
             );
-            let o = Command::new(&llama)
-                .arg("scripts/llamacpp_ppl.py")
-                .args([s(&file), s(&text)])
-                .args(["--seqlen", SEQLEN, "--max-windows", WINDOWS])
-                .output()
-                .unwrap();
-            let mut row = last_json(&o, "llamacpp_ppl.py");
-            row["loader"] = "llama.cpp".into();
+            let row = llamacpp_ppl(&llama, &file, &text, SEQLEN, WINDOWS);
             check_loader_ppl(
                 &mut failures,
                 &out,
@@ -552,25 +538,11 @@ fn gguf_qwen2_and_qwen3_load_in_transformers_and_llama_cpp() {
     let tmp = tempfile::tempdir().unwrap();
     let text = texts_dir().join("moby-dick.txt");
     let (seqlen, windows) = ("64", "2");
-    let o = Command::new(&py)
-        .arg("scripts/hf_reference.py")
-        .args(["--out", s(tmp.path())])
-        .args(["--tokenizer", s(&demo_model().join("tokenizer.json"))])
-        .args(["--text", s(&text), "--seqlen", seqlen, "--windows", windows])
-        .args([
-            "--only",
-            "qwen2",
-            "qwen3",
-            "qwen3_hd128",
-            "mistral",
-            "gemma3",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        o.status.success(),
-        "hf_reference.py: {}",
-        String::from_utf8_lossy(&o.stderr)
+    random_models(
+        &py,
+        tmp.path(),
+        &text,
+        &["qwen2", "qwen3", "qwen3_hd128", "mistral", "gemma3"],
     );
     let boa: Vec<&str> = vec![
         "--method",
@@ -675,14 +647,7 @@ fn gguf_qwen2_and_qwen3_load_in_transformers_and_llama_cpp() {
             assert_eq!(row["max_abs_diff"], 0.0, "{name} {tag}: {row}");
         }
 
-        let o = Command::new(&llama)
-            .arg("scripts/llamacpp_ppl.py")
-            .args([s(&file), s(&text)])
-            .args(["--seqlen", seqlen, "--max-windows", windows])
-            .output()
-            .unwrap();
-        let mut row = last_json(&o, "llamacpp_ppl.py");
-        row["loader"] = "llama.cpp".into();
+        let row = llamacpp_ppl(&llama, &file, &text, seqlen, windows);
         check_loader_ppl(
             &mut failures,
             &out,
@@ -692,24 +657,12 @@ fn gguf_qwen2_and_qwen3_load_in_transformers_and_llama_cpp() {
             TOL_LLAMA_CPP,
         );
         // Without llama.cpp's Q8_0 activations (every tensor dequantized to F32): f32 rounding only.
-        let f32_file = tmp.path().join(format!("{name}-{tag}-f32.gguf"));
-        let o = Command::new(&py)
-            .arg("scripts/gguf_to_f32.py")
-            .args([s(&file), s(&f32_file)])
-            .output()
-            .unwrap();
-        assert!(
-            o.status.success(),
-            "gguf_to_f32.py: {}",
-            String::from_utf8_lossy(&o.stderr)
+        let f32_file = f32_twin(
+            &py,
+            &file,
+            tmp.path().join(format!("{name}-{tag}-f32.gguf")),
         );
-        let o = Command::new(&llama)
-            .arg("scripts/llamacpp_ppl.py")
-            .args([s(&f32_file), s(&text)])
-            .args(["--seqlen", seqlen, "--max-windows", windows])
-            .output()
-            .unwrap();
-        let mut row = last_json(&o, "llamacpp_ppl.py");
+        let mut row = llamacpp_ppl(&llama, &f32_file, &text, seqlen, windows);
         row["loader"] = "llama.cpp (F32 twin)".into();
         check_loader_ppl(
             &mut failures,
@@ -726,20 +679,7 @@ fn gguf_qwen2_and_qwen3_load_in_transformers_and_llama_cpp() {
         ("gemma3", ["gguf", "Gemma3ForCausalLM"]),
     ] {
         let model = tmp.path().join(arch);
-        assert_user_error(
-            &[
-                "run",
-                "--model",
-                s(&model),
-                "--out",
-                s(&out),
-                "--format",
-                "gguf",
-                "--method",
-                "rtn",
-            ],
-            &needles,
-        );
+        assert_gguf_refused(&model, &out, &needles);
     }
     assert!(!out.exists(), "a refused run wrote {}", out.display());
     assert!(failures.is_empty(), "{failures:#?}");
@@ -762,19 +702,17 @@ fn gguf_moe_models_run_in_llama_cpp() {
     let tmp = tempfile::tempdir().unwrap();
     let text = texts_dir().join("moby-dick.txt");
     let (seqlen, windows) = ("64", "2");
-    let o = Command::new(&py)
-        .arg("scripts/hf_reference.py")
-        .args(["--out", s(tmp.path())])
-        .args(["--tokenizer", s(&demo_model().join("tokenizer.json"))])
-        .args(["--text", s(&text), "--seqlen", seqlen, "--windows", windows])
-        .args(["--only", "qwen3_moe_gguf", "qwen2_moe_gguf", "mixtral"])
-        .args(["qwen3_moe", "qwen2_moe"])
-        .output()
-        .unwrap();
-    assert!(
-        o.status.success(),
-        "hf_reference.py: {}",
-        String::from_utf8_lossy(&o.stderr)
+    random_models(
+        &py,
+        tmp.path(),
+        &text,
+        &[
+            "qwen3_moe_gguf",
+            "qwen2_moe_gguf",
+            "mixtral",
+            "qwen3_moe",
+            "qwen2_moe",
+        ],
     );
     let gptq = [
         "--method",
@@ -851,14 +789,7 @@ fn gguf_moe_models_run_in_llama_cpp() {
         assert_eq!(row["mismatched"], serde_json::json!([]), "{name}");
 
         let want = common::eval_ppl(&fake, &text, seqlen, windows);
-        let o = Command::new(&llama)
-            .arg("scripts/llamacpp_ppl.py")
-            .args([s(&file), s(&text)])
-            .args(["--seqlen", seqlen, "--max-windows", windows])
-            .output()
-            .unwrap();
-        let mut row = last_json(&o, "llamacpp_ppl.py");
-        row["loader"] = "llama.cpp".into();
+        let row = llamacpp_ppl(&llama, &file, &text, seqlen, windows);
         check_loader_ppl(
             &mut failures,
             &out,
@@ -869,24 +800,12 @@ fn gguf_moe_models_run_in_llama_cpp() {
         );
         // The same file with every tensor dequantized to F32: llama.cpp's forward without its Q8_0
         // activations, so the layout, the router's weighting and the shared expert are checked to f32.
-        let f32_file = tmp.path().join(format!("{name}-{layers}-f32.gguf"));
-        let o = Command::new(&py)
-            .arg("scripts/gguf_to_f32.py")
-            .args([s(&file), s(&f32_file)])
-            .output()
-            .unwrap();
-        assert!(
-            o.status.success(),
-            "gguf_to_f32.py: {}",
-            String::from_utf8_lossy(&o.stderr)
+        let f32_file = f32_twin(
+            &py,
+            &file,
+            tmp.path().join(format!("{name}-{layers}-f32.gguf")),
         );
-        let o = Command::new(&llama)
-            .arg("scripts/llamacpp_ppl.py")
-            .args([s(&f32_file), s(&text)])
-            .args(["--seqlen", seqlen, "--max-windows", windows])
-            .output()
-            .unwrap();
-        let mut row = last_json(&o, "llamacpp_ppl.py");
+        let mut row = llamacpp_ppl(&llama, &f32_file, &text, seqlen, windows);
         row["loader"] = "llama.cpp (F32 twin)".into();
         check_loader_ppl(
             &mut failures,
@@ -927,23 +846,82 @@ fn gguf_moe_models_run_in_llama_cpp() {
         ("qwen3_moe", "always renormalizes"),
         ("qwen2_moe", "never renormalizes"),
     ] {
-        assert_user_error(
-            &[
-                "run",
-                "--model",
-                s(&tmp.path().join(name)),
-                "--out",
-                s(&out),
-                "--format",
-                "gguf",
-                "--method",
-                "rtn",
-            ],
-            &["gguf", needle],
-        );
+        assert_gguf_refused(&tmp.path().join(name), &out, &["gguf", needle]);
     }
     assert!(!out.exists(), "a refused run wrote {}", out.display());
     assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// Small random models of `scripts/hf_reference.py`'s configs `names` in `dir`, with the demo tokenizer
+/// (as tests/transformers_parity.rs builds them).
+fn random_models(py: &Path, dir: &Path, text: &Path, names: &[&str]) {
+    let o = Command::new(py)
+        .arg("scripts/hf_reference.py")
+        .args(["--out", s(dir)])
+        .args(["--tokenizer", s(&demo_model().join("tokenizer.json"))])
+        .args(["--text", s(text), "--seqlen", "64", "--windows", "2"])
+        .arg("--only")
+        .args(names)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "hf_reference.py: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+/// llama.cpp's perplexity of `file` on `text` (scripts/llamacpp_ppl.py: its tokenizer, its kernels), as a
+/// loader row for `check_loader_ppl`.
+fn llamacpp_ppl(
+    llama: &Path,
+    file: &Path,
+    text: &Path,
+    seqlen: &str,
+    windows: &str,
+) -> serde_json::Value {
+    let o = Command::new(llama)
+        .arg("scripts/llamacpp_ppl.py")
+        .args([s(file), s(text)])
+        .args(["--seqlen", seqlen, "--max-windows", windows])
+        .output()
+        .unwrap();
+    let mut row = last_json(&o, "llamacpp_ppl.py");
+    row["loader"] = "llama.cpp".into();
+    row
+}
+
+/// `file` with every tensor dequantized to F32 (scripts/gguf_to_f32.py), written to `dst`.
+fn f32_twin(py: &Path, file: &Path, dst: std::path::PathBuf) -> std::path::PathBuf {
+    let o = Command::new(py)
+        .arg("scripts/gguf_to_f32.py")
+        .args([s(file), s(&dst)])
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "gguf_to_f32.py: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    dst
+}
+
+/// `run --format gguf --method rtn` of `model` is refused before work with a line holding every needle.
+fn assert_gguf_refused(model: &Path, out: &Path, needles: &[&str]) {
+    assert_user_error(
+        &[
+            "run",
+            "--model",
+            s(model),
+            "--out",
+            s(out),
+            "--format",
+            "gguf",
+            "--method",
+            "rtn",
+        ],
+        needles,
+    );
 }
 
 /// A copy of a model folder whose weights are links to the original's.

@@ -57,6 +57,13 @@ pub fn block_type(bits: u32) -> Option<GgmlType> {
 /// The llama.cpp architecture a model of this config is written as, or why it cannot be (one line), checked
 /// before any work. The options (bits, groups, symmetry, act-order) are checked by `RunOptions::validate`.
 pub fn check_model(cfg: &Config, dir: &Path) -> Result<Arch, String> {
+    let arch = model_arch(cfg)?;
+    super::gguf_vocab::tokenizer_kvs(dir, cfg.vocab)?;
+    Ok(arch)
+}
+
+/// `check_model` without the tokenizer: the architecture, or why llama.cpp would run the block differently.
+fn model_arch(cfg: &Config) -> Result<Arch, String> {
     let refuse = |what: String| Err(format!("--format gguf: {what}"));
     let Some(arch) = Arch::of_hf(&cfg.architecture) else {
         return refuse(format!(
@@ -139,7 +146,6 @@ pub fn check_model(cfg: &Config, dir: &Path) -> Result<Arch, String> {
             l.name, l.d_in
         ));
     }
-    super::gguf_vocab::tokenizer_kvs(dir, cfg.vocab)?;
     Ok(arch)
 }
 
@@ -470,7 +476,7 @@ pub fn write_model_gguf(
     name: &str,
     out: &Path,
 ) -> anyhow::Result<Written> {
-    let arch = check_model(cfg, dir).map_err(|m| crate::input_err!("{m}"))?;
+    let arch = model_arch(cfg).map_err(|m| crate::input_err!("{m}"))?;
     let vocab =
         super::gguf_vocab::tokenizer_kvs(dir, cfg.vocab).map_err(|m| crate::input_err!("{m}"))?;
     let n_head = |role: Role| match role {

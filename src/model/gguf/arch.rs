@@ -459,7 +459,7 @@ pub fn gguf_name(name: &str, arch: Arch) -> Option<String> {
 
 /// The tensors of one layer (names under `model.layers.{l}.`, without `.weight`) that must be present.
 pub fn layer_parts(arch: Arch) -> &'static [&'static str] {
-    // Gemma 3's and Qwen3's lists start with Llama's, so Llama's is their first nine.
+    // Llama's nine, then Qwen3's q/k norms, then Gemma 3's sandwich norms: each list is a prefix of the next.
     const GEMMA3: [&str; 13] = [
         "self_attn.q_proj",
         "self_attn.k_proj",
@@ -470,27 +470,14 @@ pub fn layer_parts(arch: Arch) -> &'static [&'static str] {
         "mlp.down_proj",
         "input_layernorm",
         "post_attention_layernorm",
+        "self_attn.q_norm",
+        "self_attn.k_norm",
         "pre_feedforward_layernorm",
         "post_feedforward_layernorm",
-        "self_attn.q_norm",
-        "self_attn.k_norm",
-    ];
-    const QWEN3: [&str; 11] = [
-        "self_attn.q_proj",
-        "self_attn.k_proj",
-        "self_attn.v_proj",
-        "self_attn.o_proj",
-        "mlp.gate_proj",
-        "mlp.up_proj",
-        "mlp.down_proj",
-        "input_layernorm",
-        "post_attention_layernorm",
-        "self_attn.q_norm",
-        "self_attn.k_norm",
     ];
     match arch {
         Arch::Llama | Arch::Qwen2 | Arch::Qwen2Moe => &GEMMA3[..9],
-        Arch::Qwen3 | Arch::Qwen3Moe => &QWEN3,
+        Arch::Qwen3 | Arch::Qwen3Moe => &GEMMA3[..11],
         Arch::Gemma3 => &GEMMA3,
     }
 }
