@@ -100,7 +100,11 @@
 // Any d_h: F, the δ of the rows above and A live in global memory, so no head width is special (unlike the
 // static-grid boa_block_kernel's d_h ≤ 128).
 //
-// Variants measured: none yet (no GPU measurement yet); the estimates above are predictions.
+// Variants measured: correct on an H200 (parity tests, 2026-12-04: tests/parity_boa_dynamic.rs, both step
+//   variants); speed not measured yet per kernel (the bench's boa_sweep rows take static grids: sweep.cu), so
+//   the estimates above are still predictions. In a 7B-shaped BoA 3-bit run (H200, 2026-12-04, `run --profile`,
+//   128 × 2048 tokens, dynamic groups of 128 by default) the sweep phase, all of a block's sweeps together,
+//   took 0.66 s per block; the estimate above for q, k and v (v2) is 2 × 8 + 35 ms.
 // ptxas (nvcc 13.0 V13.0.88, this build's ptxas_report.txt), registers / stack / spills:
 //   boa_dyn_step_kernel (v1)      sm_90a:  96 regs, 0 B stack, no spills;  sm_80:  80 regs, 8 B stack, 8 B spilled
 //   boa_dyn_step_kernel_v2        sm_90a: 157 regs, 0 B stack, no spills;  sm_80: 157 regs, 0 B stack, no spills

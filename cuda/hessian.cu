@@ -30,7 +30,13 @@
 //   the tensor-core rate only with a deeper pipeline than v2 has (no cp.async, one stage): expect v2 well
 //   under the ceiling; the bench reports the fraction.
 //
-// Variants measured: none yet (no GPU run so far). Record each measurement here with card and date.
+// Variants measured: v1 and v2 correct on an H200 (parity tests, 2026-12-04: max rel. error vs f64, XᵀX v1
+//   3.4e-7, v2 and cuBLAS ≤ 3.3e-3; head covariances v1 1.5e-7, bf16 ≤ 2.2e-3); their speed not measured yet.
+//   The default Gram is neither kernel but cuBLAS bf16 (XxtVariant::Cublas, gemm.rs gram_bf16), timed
+//   (H200, 2026-12-04, `boa-cuda bench --device cuda --shapes 7b --reps 3`) at m = 2048:
+//   stat_xxt d = 4096 0.161 ms, 427.6 TFLOP/s; d = 11008 0.873 ms, 568.4 TFLOP/s; stat_head_cov, 32 heads of
+//   d_h = 128, 0.053 ms, 40.7 TFLOP/s. The roofline above assumes ~990 TFLOP/s; the full Grams reached
+//   427.6–568.4 (ceiling.cu's mma.sync ceiling: 650.35 TFLOP/s). Record each measurement here with card and date.
 // ptxas (nvcc 13.0, sm_90a / sm_80), 0 spills everywhere: v1 32 regs, 2.2 KB smem; v2 117 / 118 regs (the
 //   (128, 4) launch bound; without the min-blocks hint ptxas spilled 4 B on sm_90a), 26 KB smem.
 // ---------------------------------------------------------------------------------------------------------
@@ -77,7 +83,13 @@
 //   Gram t·d² = 2.7 GFLOP per head and sequence dominates A_h X's t²·d/2 = 2.4 GFLOP; a local layer (window 512)
 //   cuts A_h X to ≈ t·512·d = 1.2 GFLOP (its key tiles before the window are skipped). ≈ 2.6 TFLOP per global
 //   layer → a few ms at the tensor-core rate.
-//   Variants measured: none yet (no GPU run so far).
+//   Variants measured (H200, 2026-12-04, `boa-cuda bench --device cuda --shapes 7b --reps 3`), t = 2048,
+//   d = 4096, d_h = 128, one head per launch: attn_x v1 5.158 ms, 3.435 TFLOP/s (0.5% of ceiling.cu's
+//   650.35 TFLOP/s mma.sync ceiling); v2 0.417 ms, 42.514 TFLOP/s (6.5%; predicted ~25–35% above). stat_v_col
+//   on v2 + the cuBLAS Gram (4 of 32 heads): 7.148 ms wall per call. In a 7B-shaped BoA 3-bit run (H200,
+//   2026-12-04, `run --profile`, 128 × 2048 tokens) V's per-head H_col took 6.58 s per block on the v2 path,
+//   against ≈ 0.2 s per layer at the tensor-core rate above; v3 (attn_probs_bf16 below) took 0.73–0.79 s.
+//   Correct on an H200 (parity tests, 2026-12-04: v_col max rel. error 3.2e-7 f32, ≤ 3.0e-3 bf16).
 // ptxas (nvcc 13.0, sm_90a / sm_80), 0 spills: softmax_stats 32 / 40 regs, 4 KB smem; attn_x v1 64 / 48 regs
 //   (both kDh), 44.3 / 76.3 KB dynamic smem; attn_x v2 128 / 128 regs (the (256, 2) launch bound's cap), 93.5 /
 //   125.5 KB dynamic smem.
@@ -614,6 +626,62 @@ attn_x_kernel_v2_bf16_d256(__nv_bfloat16* __restrict__ y, const float* __restric
 }
 
 // ---------------------------------------------------------------------------------------------------------
+// attn_probs_bf16: v3 of V's statistics (AttnXVariant::Gemm) moves A_h X and the scores onto cuBLAS, whose
+//   GEMMs run near the tensor-core rate, and keeps only this row pass as a kernel:
+//     S = Q_h K_hᵀ       cuBLAS SGEMM, strided-batched over sequences, f32 [batch × t × t] (unscaled)
+//     A = softmax rows   this kernel: a_ij = exp(s_ij·scale − m_i) / l_i for i − window < j ≤ i, 0 elsewhere,
+//                        m_i and l_i over that range, written bf16 [batch × t × t] (every element)
+//     Y = A X            cuBLAS bf16 GEMM, f32 accumulation, Y bf16 [batch·t × d]
+//     G += Yᵀ Y          the cuBLAS bf16 Gram of v2.
+//   Launch: grid (t, batch), block 256, no smem beyond the 2 × 8 floats of the reductions: one block per
+//   (query row, sequence); three passes over the row's t scores (max, Σ exp, write), the first two over the
+//   window only. Bytes per head and sequence: S read ~2× (4·t² B, mostly from L2) + A written (2·t² B).
+//   Roofline (7B, t = 2048, 32 heads, 128 sequences): A is 8 MB per head and sequence, 32 GB of writes and
+//   ~64 GB of S reads per layer: ~25 ms at 4 TB/s; the GEMMs per head and sequence (scores 1.1 GFLOP f32,
+//   A X 34 GFLOP bf16 without causal skipping, the Gram 69 GFLOP bf16) are ~0.2 ms at cuBLAS's measured
+//   430–570 TFLOP/s (bench stat_xxt, 2026-12-04, H200): ~0.9 s per 7B layer, against 6.6 s for v2's path
+//   (run --profile, same day, `statistics: V's per-head H_col` of a 7B-shaped block, 128 × 2048 tokens).
+// Measured (H200, 2026-12-04, `run --profile` on a 7B-shaped block, 128 × 2048 tokens, phases fenced): the whole
+//   v3 path 0.73–0.79 s per block (`statistics: V's per-head H_col`; 2-block and 16-block runs) against 6.58 s
+//   for v2's path on the same run: 8.3×, and within the ~0.9 s predicted. The kernel alone is not timed yet.
+// ---------------------------------------------------------------------------------------------------------
+constexpr int kProbThreads = 256;
+
+__device__ __forceinline__ float block_reduce(float v, float* sh, bool is_max) {
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    v = is_max ? warp_max(v) : warp_sum(v);
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    v = lane < kProbThreads / kWarpSize ? sh[lane] : (is_max ? -INFINITY : 0.f);
+    v = is_max ? warp_max(v) : warp_sum(v);
+    __syncthreads();  // sh is reused by the next reduction
+    return v;
+}
+
+extern "C" __global__ void __launch_bounds__(kProbThreads)
+attn_probs_bf16_kernel(__nv_bfloat16* __restrict__ a,  // [batch × t × t] out: row-major probabilities
+                       const float* __restrict__ s,    // [batch × t × t] scores q_i·k_j (unscaled)
+                       const uint32_t t,
+                       const uint32_t window,          // keys per query, itself included (≥ 1; t: none)
+                       const float scale) {            // 1/√d_h
+    __shared__ float red[kProbThreads / kWarpSize];
+    const uint32_t i = blockIdx.x;
+    const size_t row = ((size_t)blockIdx.y * t + i) * t;
+    const uint32_t j_lo = i + 1 > window ? i + 1 - window : 0;
+    float mx = -INFINITY;
+    for (uint32_t j = j_lo + threadIdx.x; j <= i; j += kProbThreads) mx = fmaxf(mx, s[row + j] * scale);
+    mx = block_reduce(mx, red, true);
+    float sum = 0.f;
+    for (uint32_t j = j_lo + threadIdx.x; j <= i; j += kProbThreads) sum += __expf(s[row + j] * scale - mx);
+    sum = block_reduce(sum, red, false);
+    const float inv = 1.f / sum;
+    for (uint32_t j = threadIdx.x; j < t; j += kProbThreads) {
+        const float p = (j >= j_lo && j <= i) ? __expf(s[row + j] * scale - mx) * inv : 0.f;
+        a[row + j] = __float2bfloat16(p);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
 // rope_moments + rope_row_hessians: BoA's row Hessians of W_Q and W_K (design.md §4.3) made where the
 //   per-head covariances are, so nothing of d_h² crosses to the host (it did: C_K and C_Q down, H_row up,
 //   ~4 MB per block at Gemma 3's d_h = 256, a sixth of a 270M block's weights).
@@ -634,7 +702,8 @@ attn_x_kernel_v2_bf16_d256(__nv_bfloat16* __restrict__ y, const float* __restric
 // Roofline: moments half²·P·(2 sincos + 3 FMA) in f64: d_h 256, P 2048: 33.5M sincos ≈ 0.1–0.3 ms of an
 //   H200's f64 units; d_h 128: a quarter. The Hessians: 4 reads and ~10 flop per element of n_out·d_h²
 //   (≤ 2 MB at 32 heads × 128²): µs. Once per block each (q and k share the moments' layer).
-// Variants measured: none yet (no GPU run so far).
+// Variants measured: correct on an H200 (parity tests, 2026-12-04: rope_row_hessians max rel. error 2.7e-8
+//   vs f64); speed not measured yet.
 // ---------------------------------------------------------------------------------------------------------
 constexpr int kRopeMomentThreads = 128;  // rope_moments: threads (= j) per block; half ≤ this
 constexpr int kRopeRowThreads = 256;     // rope_row_hessians: threads per block

@@ -69,8 +69,16 @@
 //   m = 64, 2·m·N·K = 2.1 GFLOP of f32 SGEMM (~50 TFLOP/s) ≈ 45 µs dominates. A bf16 Ŵ with a tensor-core
 //   GEMM would halve the write and be ~10× faster in the GEMM, at bf16 rounding of Ŵ (≈ 3e-3): a later variant.
 //
-// Variants measured: none yet (written 2026-11-30 with no GPU available; emulated by
-//   profiling/emulate_qgemm.py). Record each measurement here with card and date.
+// Variants measured (H200, 2026-12-04, `boa-cuda bench --device cuda --shapes 7b --reps 3`): v2 fused, g128,
+//   kernel time at m = 1/4/16 and its bandwidth (ceiling.cu's copy ceiling: 3883 GB/s):
+//     4096 × 4096   2-bit 0.012/0.017/0.041 ms, 457/310/141 GB/s; 3-bit 0.017/0.016/0.042 ms, 428/456/189
+//                   GB/s; 4-bit 0.015/0.016/0.041 ms, 621/605/246 GB/s;
+//     11008 × 4096  2-bit 0.018/0.028/0.093 ms, 802/519/162 GB/s; 3-bit 0.019/0.029/0.093 ms, 1059/689/223
+//                   GB/s; 4-bit 0.020/0.030/0.092 ms, 1253/849/285 GB/s (32.3% of the copy ceiling at m = 1).
+//   Predicted ≈ 2.0 µs for 4-bit 4096 × 4096 at m = 1, measured 0.015 ms; the target above (4-bit m = 1 ≥ 70%
+//   of copy) is not met: 32.3% at best. v1 (dequant + cuBLAS) not timed yet. Both correct on an H200 (parity
+//   tests, 2026-12-04: max rel. error vs f64 v1 4.0e-7, v2 3.7e-7). Record each measurement here with card
+//   and date.
 // Size: the 44 kernels (fully unrolled super-rows) make a 6 MB fatbin (2.9 MB of SASS per arch with -lineinfo),
 //   embedded in every binary that links the crate; nvcc --compress-mode=size shrinks the sm_90a part to 0.37 MB
 //   (measured 2026-11-30, nvcc 13.0), if the .gpu_carry budget gets tight.

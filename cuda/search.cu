@@ -98,7 +98,13 @@
 //   (error, slot). Roofline: slots·rows·L double pows (~100 FP64 instructions each): 200 slots of 4096² ≈
 //   3.4e9 pows ≈ 10–50 ms on an H200's ~34 TFLOP/s FP64; Mse is no default search.
 //
-// Variants measured: none yet (no GPU run so far; correctness on the CPU emulator, tests/parity_search.rs).
+// Variants measured (H200, 2026-12-04, `boa-cuda bench --device cuda --shapes 7b --reps 3`), 3-bit
+//   asymmetric per channel, Hessian search, TFLOP/s in the GEMM form: 4096 × 4096 v1 564.963 ms (48.9 TFLOP/s;
+//   predicted ≈ 0.46 s), v2 66.156 ms (423.8 TFLOP/s; ~600 TFLOP/s predicted for its bf16 GEMMs), 0 rows
+//   differ from v1; through QuantOps::search_grids (v2 in use) 65.76 ms wall. 11008 × 4096: v1 1477.967 ms
+//   (predicted ≈ 1.2 s), v2 179.315 ms, 2 rows ≠ v1. 4096 × 11008: v1 4031.031 ms (predicted ≈ 3.3 s), v2
+//   415.849 ms (487 TFLOP/s), 0 rows ≠ v1. Correct on an H200 (parity tests, 2026-12-04: tests/parity_search.rs
+//   passed).
 // ptxas (nvcc 13.0, sm_90a / sm_80), 0 spills, 0 stack, no smem: search_gather_w 19 / 18 registers;
 //   search_gather_h 25 / 20; search_candidates 48 / 46; search_v 32 / 32; search_score 40 / 40;
 //   search_delta_bf16 32 / 32; search_delta_f32 32 / 32; search_approx 32 / 32; search_rescore 32 / 32;

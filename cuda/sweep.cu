@@ -92,7 +92,13 @@
 //   copy rate for either variant. v2 above widens the block to 128 columns to bring it toward the ≤ 2× GPTQ
 //   goal (estimate there).
 //
-// Variants measured: none yet (no GPU run so far); profiling/quant_core_notes.md has the predictions.
+// Variants measured (H200, 2026-12-04, `boa-cuda bench --device cuda --shapes 7b --reps 3`), static
+//   grids: gptq_sweep 4096 × 4096 cuBLAS trailing 37.653 ms, FFMA v1 38.978 ms (predicted ≤ 5 ms, the
+//   target); 4096 × 11008 cuBLAS 111.201 ms, FFMA 123.831 ms. boa_sweep 32 × 128 × 4096: B32 v1 cuBLAS
+//   96.263 ms, FFMA 99.168 ms (predicted 10–22 ms); B128 v2 cuBLAS 72.477 ms, FFMA 74.067 ms (predicted 4–6 ms;
+//   goal ≤ 10 ms). The cuBLAS and FFMA trailing rows are close; where the rest of the time goes is not yet
+//   profiled. Correct on an H200 (parity tests, 2026-12-04).
+//   profiling/quant_core_notes.md has the predictions.
 // ptxas (nvcc 13.0, sm_90a / sm_80), 0 spills: gptq_block 40 / 40 regs, 21 KB smem; sweep_trailing_gemm
 //   57 / 58 regs, 8 KB; boa_block 51 / 44 regs, 41 KB; boa_block_v2 160 / 255 regs (F's column in
 //   registers; 0 B stack), 210 KB dynamic (sm_80 builds it but cannot launch it: 163 KB per block).

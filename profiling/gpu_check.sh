@@ -90,7 +90,6 @@ for line in sys.stdin:
         echo "== $((size >> 20)) MiB staged, over the 64 MiB carry limit: stripping debug info"
         strip --strip-debug "$carry"/bin/* "$carry"/tests/*
         size="$(du -sb "$carry" | cut -f1)"
-        ((size <= carry_limit)) || { echo "gpu_check.sh: still $((size >> 20)) MiB after strip" >&2; exit 1; }
     fi
     {
         echo "commit: $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . 2>/dev/null || echo ' (+ uncommitted changes)')"
@@ -101,6 +100,17 @@ for line in sys.stdin:
             | tail -n1 | sed 's/_/ ≥ /')"
         (cd "$carry" && find bin tests -type f -printf '%p %s\n' | sort)
     } >"$carry/manifest.txt"
+    # Each executable embeds every fatbin, so seven test executables outgrow the carry even stripped (75 MiB at
+    # 181b2d8); gzip takes them to about a third, and the device half unpacks them (gzip is on every image).
+    local tree
+    tree="$(git ls-files -co --exclude-standard -z | xargs -0 du -cb 2>/dev/null | tail -n1 | cut -f1)"
+    if ((size + tree > carry_limit)); then
+        echo "== $((size >> 20)) MiB staged + $((tree >> 20)) MiB tree, over the carry limit: packing into staged.tar.gz"
+        tar -C "$carry" -czf "$carry/staged.tar.gz" bin tests
+        rm -rf "$carry/bin" "$carry/tests"
+        size="$(du -sb "$carry" | cut -f1)"
+        ((size + tree <= carry_limit)) || { echo "gpu_check.sh: still $((size >> 20)) MiB packed" >&2; exit 1; }
+    fi
     cat "$carry/manifest.txt"
     cat <<MSG
 
@@ -184,6 +194,7 @@ device_half() {
     cd "$root"
     local out="${OUT:-$root/gpu_out}"
     mkdir -p "$out"
+    if [[ -f "$carry/staged.tar.gz" && ! -d "$carry/tests" ]]; then tar -C "$carry" -xzf "$carry/staged.tar.gz"; fi
     [[ -d "$carry/tests" ]] || { echo "gpu_check.sh: no $carry_rel/tests; pass carry [\"$carry_rel\"]" >&2; exit 1; }
     export RUST_BACKTRACE=1
     # The `run` tool brings back at most 8 files from $OUT and the last 12 000 characters of output: scratch

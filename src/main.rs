@@ -313,7 +313,9 @@ struct RunArgs {
     #[arg(long)]
     quiet: bool,
     /// At the end, print the time of every phase (calibration data, forward, statistics, factorization,
-    /// scale search, sweep, error report, write) and its share of the run.
+    /// scale search, sweep, error report, write), its share of the run, and (on a GPU) the host↔device
+    /// traffic per block. On a GPU each phase boundary waits for the device, so a phase's time holds its own
+    /// device work: the phases lose their overlap, and the run takes a little longer.
     #[arg(long)]
     profile: bool,
 }
@@ -393,6 +395,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 format: a.format,
                 gguf_type: a.gguf_type,
                 refit_scales: a.refit_scales,
+                profile: a.profile,
                 rotate: a.rotate.map(|kind| RotateSpec {
                     kind,
                     seed: a.rotate_seed.unwrap_or(0),
@@ -725,6 +728,7 @@ fn bench_quant(
                 format: OutFormat::Fake,
                 gguf_type: None,
                 refit_scales: false,
+                profile: false,
                 rotate: None,
             };
             let r = boa_cuda::pipeline::run(&opts, &Progress::Quiet);

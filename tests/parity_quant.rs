@@ -2321,7 +2321,7 @@ fn parity_statistics_cuda() {
                     (AttnXVariant::F32Tiled, XxtVariant::Bf16Wmma | XxtVariant::Cublas) => {
                         XXT_BF16_TOL
                     }
-                    (AttnXVariant::Bf16Wmma, _) => ATTN_BF16_TOL,
+                    (AttnXVariant::Bf16Wmma | AttnXVariant::Gemm, _) => ATTN_BF16_TOL,
                 };
                 parity_statistics(b, &Place::cuda(b), xxt, attn);
             }
@@ -2502,14 +2502,20 @@ fn parity_quantize_end_to_end_cuda() {
 }
 
 /// `QuantOps::traffic` on CUDA: the packs and reads of parity_report move bytes both ways and synchronize.
+/// Launches are counted by the emulator's driver only; the host layer on a GPU leaves them at 0
+/// (backend/cuda/traffic.rs), as the first H200 run (2026-12-04) showed this test once expecting otherwise.
 #[test]
 fn traffic_counts_transfers_cuda() {
     with_cuda(|b| {
         let before = QuantOps::traffic(b);
         parity_report(b, &Place::cuda(b));
         let moved = QuantOps::traffic(b) - before;
+        let launches_ok = match moved.source {
+            "emulator" => moved.launches > 0,
+            _ => moved.source == "host layer" && moved.launches == 0,
+        };
         assert!(
-            moved.htod_bytes > 0 && moved.dtoh_bytes > 0 && moved.syncs > 0 && moved.launches > 0,
+            moved.htod_bytes > 0 && moved.dtoh_bytes > 0 && moved.syncs > 0 && launches_ok,
             "{}: traffic {moved:?}",
             b.name()
         );

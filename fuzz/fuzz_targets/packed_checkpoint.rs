@@ -52,6 +52,7 @@ fn checkpoint() -> &'static PathBuf {
             rotate: None,
             gguf_type: None,
             refit_scales: false,
+            profile: false,
         };
         boa_cuda::pipeline::run(&opts, &boa_cuda::progress::Progress::Quiet).unwrap();
         // quantize_config.json is read only when config.json has no quantization_config.

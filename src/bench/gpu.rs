@@ -466,18 +466,40 @@ pub fn bench_quant_ops(
             let q = b.place_t(randn(&mut rng, m * a.h * s.d_h))?;
             let k = b.place_t(randn(&mut rng, m * a.h_kv * s.d_h))?;
             let mut acc = ops.stat_acc(a.h_kv, s.d)?;
-            let (wall, kern) = time(b, reps, |_| ops.stat_v_col(&mut acc, &x, &q, &k, a, 1))?;
             let (t, d) = (m as f64, s.d as f64);
-            sink.push(BenchRow {
-                method: "stat_v_col",
-                shape: tag(format!("t={m} heads={h}/{} d={}", s.h, s.d)),
-                wall_ms: wall,
-                kernel_ms: kern,
-                // scores (causal half) + A·X (causal half) + the Gram, per head
-                work: h as f64 * (t * t * s.d_h as f64 + t * t * d + 2.0 * t * d * d),
-                ceiling: Ceiling::Compute,
-                layer_scale: s.h as f64 / h as f64,
-            })?;
+            // On CUDA, v2 (the attn_x kernel, then the Gram) and v3 (cuBLAS around the softmax kernel) side by
+            // side on the same inputs; elsewhere the backend's one way.
+            let variants: Vec<(&str, Option<crate::backend::cuda::AttnXVariant>)> = match &*b {
+                BenchBackend::Cuda(_) => vec![
+                    (
+                        "v2 attn_x",
+                        Some(crate::backend::cuda::AttnXVariant::Bf16Wmma),
+                    ),
+                    ("v3 cuBLAS", Some(crate::backend::cuda::AttnXVariant::Gemm)),
+                ],
+                BenchBackend::Cpu(_) => vec![("", None)],
+            };
+            for (name, v) in variants {
+                let (wall, kern) = time(b, reps, |_| match (&*b, v) {
+                    (BenchBackend::Cuda(cb), Some(v)) => {
+                        cb.stat_v_col_with(v, &mut acc, &x, &q, &k, a, 1)
+                    }
+                    _ => ops.stat_v_col(&mut acc, &x, &q, &k, a, 1),
+                })?;
+                sink.push(BenchRow {
+                    method: "stat_v_col",
+                    shape: tag(match name {
+                        "" => format!("t={m} heads={h}/{} d={}", s.h, s.d),
+                        n => format!("t={m} heads={h}/{} d={} ({n})", s.h, s.d),
+                    }),
+                    wall_ms: wall,
+                    kernel_ms: kern,
+                    // scores (causal half) + A·X (causal half) + the Gram, per head
+                    work: h as f64 * (t * t * s.d_h as f64 + t * t * d + 2.0 * t * d * d),
+                    ceiling: Ceiling::Compute,
+                    layer_scale: s.h as f64 / h as f64,
+                })?;
+            }
         }
 
         // Batched factor of every head's H_row.
@@ -754,7 +776,7 @@ fn attn_x_rows(
         let k = randn(&mut rng, t * s.h_kv * s.d_h);
         let launches = s.h.max(8);
         let mut y_v1: Option<Vec<f32>> = None;
-        for v in AttnXVariant::ALL {
+        for v in AttnXVariant::KERNELS {
             let (mut kern, mut wall) = (Vec::new(), Vec::new());
             for _ in 0..reps.max(3) {
                 let t0 = Instant::now();

@@ -354,4 +354,11 @@ pub trait QuantOps: Send + Sync {
     fn traffic(&self) -> Traffic {
         Traffic::default()
     }
+
+    /// Waits until every operation queued so far has finished (a host backend finishes each call before it
+    /// returns). `run --profile` fences at its phase boundaries, so each phase's time holds its own device
+    /// work rather than whatever the next synchronizing call waited for.
+    fn fence(&self) -> Result<()> {
+        Ok(())
+    }
 }

@@ -149,6 +149,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
     if let Some(n) = note {
         progress.line(&n);
     }
+    crate::quant::profile::set_fencing(opts.profile);
     if let Some(t) = opts.gguf_type
         && be.device_memory().is_some()
         && t.types()
@@ -469,7 +470,9 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                     if let Some(s) = &stats {
                         timings.forward += s.forward_time.as_secs_f64();
                         timings.statistics += s.stats_time.as_secs_f64();
+                        timings.v_col += s.v_col_time.as_secs_f64();
                     }
+                    crate::quant::profile::fence(be);
                     let t = Instant::now();
                     crate::quant::profile::take();
                     // W is quantized where the FP forward read it (the device copy on a GPU).
@@ -504,6 +507,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                         .collect::<anyhow::Result<Vec<_>>>()?;
                     // qweight words, then scales and zeros as f32 (QuantOps::pack's downloads).
                     floor_bytes += packed.iter().map(StoredLinear::down_bytes).sum::<u64>();
+                    crate::quant::profile::fence(be);
                     timings.quantize += t.elapsed().as_secs_f64();
                     let [factor, search, sweep] = crate::quant::profile::take();
                     (timings.factor, timings.search, timings.sweep) = (
@@ -525,6 +529,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                             forward_all(be, &w, &resident, cfg, rope, &mut x)
                         })
                         .with_context(|| format!("layer {l}: forward of the quantized block"))?;
+                        crate::quant::profile::fence(be);
                         timings.forward += t.elapsed().as_secs_f64();
                     }
                     drop(resident);

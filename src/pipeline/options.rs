@@ -253,6 +253,10 @@ pub struct RunOptions {
     /// absent from it when off, so fingerprints of unrotated runs are unchanged.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rotate: Option<crate::model::rotate::RotateSpec>,
+    /// `--profile`: phase boundaries wait for the device (`quant::profile::set_fencing`), so each phase's time
+    /// holds its own device work; the phases no longer overlap. Changes no result: not in the fingerprint.
+    #[serde(skip)]
+    pub profile: bool,
 }
 
 /// `--avg-bits` and `--bit-choices`.

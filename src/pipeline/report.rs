@@ -12,6 +12,9 @@ pub struct Timings {
     pub load: f64,
     pub forward: f64,
     pub statistics: f64,
+    /// Of `statistics`, V's per-head attention-weighted H_col (BoA).
+    #[serde(default)]
+    pub v_col: f64,
     /// All of quantization, and its parts: factorizations (damping + U = chol(H⁻¹)ᵀ), static scale
     /// search, sweeps (including dynamic group searches). The rest is the before/after error report.
     pub quantize: f64,
@@ -37,7 +40,11 @@ impl Timings {
             ("calibration data", self.calibration_data),
             ("weights load (not overlapped)", self.load),
             ("forward", self.forward),
-            ("statistics", self.statistics),
+            (
+                "statistics (XᵀX, head covariances)",
+                self.statistics - self.v_col,
+            ),
+            ("statistics: V's per-head H_col", self.v_col),
             ("factorization (damping + Cholesky)", self.factor),
             ("scale search", self.search),
             ("sweep", self.sweep),

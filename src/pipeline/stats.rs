@@ -24,9 +24,11 @@ pub struct BlockStats {
     /// BoA only: post-RoPE key covariances per KV head, query covariances per query head [heads × d_h × d_h],
     /// and V's attention-weighted H_col per KV head [h_kv × d × d].
     pub attn: Option<AttnStats>,
-    /// Time in the block forward vs. in accumulating statistics.
+    /// Time in the block forward vs. in accumulating statistics, and the part of the latter spent on V's
+    /// per-head H_col (attention-weighted: the costliest statistic).
     pub forward_time: Duration,
     pub stats_time: Duration,
+    pub v_col_time: Duration,
 }
 
 /// One expert's H_col on the tokens routed to it. With fewer than `MoeStats::min_tokens` of them both are
@@ -154,7 +156,9 @@ pub fn collect(
     };
     let d_e = cfg.block.moe.as_ref().map_or(0, |m| m.d_expert);
     let chunk_ctx = |i: usize| move || format!("staging chunk {i} of the block's input");
-    let (mut forward_time, mut stats_time) = (Duration::ZERO, Duration::ZERO);
+    let (mut forward_time, mut stats_time, mut v_col_time) =
+        (Duration::ZERO, Duration::ZERO, Duration::ZERO);
+    let fence = || crate::quant::profile::fence(be);
     // A chunk already on the device is copied when its turn comes.
     let mut next = stage_if_parked(be, x, 0).with_context(chunk_ctx(0))?;
     for (i, chunk) in x.iter().enumerate() {
@@ -166,11 +170,13 @@ pub fn collect(
             None => be.duplicate(chunk).with_context(chunk_ctx(i))?,
         };
         let mut tr = BlockTrace::default();
+        fence();
         let t0 = Instant::now();
         crate::nvtx::ranged(c"forward", || {
             block_forward(be, w, resident, cfg, rope, &mut xc, ns, Some(&mut tr))
         })?;
         drop(xc);
+        fence();
         let t1 = Instant::now();
         let _r = crate::nvtx::range(c"statistics");
         let m = ns * t;
@@ -208,6 +214,8 @@ pub fn collect(
         if let Some((c_k, c_q, v_col)) = &mut s.attn {
             c_k.add_heads(be, &tr.k, m).with_context(of(C_K))?;
             c_q.add_heads(be, &tr.q, m).with_context(of(C_Q))?;
+            fence();
+            let tv = Instant::now();
             let shape = AttnShape {
                 t,
                 h,
@@ -219,7 +227,10 @@ pub fn collect(
             v_col
                 .add_v_col(be, &tr.x_attn, &tr.q, &tr.k, shape, ns)
                 .with_context(of(V_COL))?;
+            fence();
+            v_col_time += tv.elapsed();
         }
+        fence();
         forward_time += t1 - t0;
         stats_time += t1.elapsed();
     }
@@ -262,6 +273,7 @@ pub fn collect(
         },
         forward_time,
         stats_time: stats_time + t1.elapsed(),
+        v_col_time,
     };
     Ok(stats)
 }

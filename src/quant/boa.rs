@@ -417,7 +417,7 @@ pub fn boa_quantize<'h>(
         ));
     }
     // Column factors (Alg. 1 l.5–6, H_col side): one shared plan, or one per head in one batch.
-    let cols: Arc<Plan> = timed(Phase::Factor, || match (cache, per_head) {
+    let cols: Arc<Plan> = timed(ops, Phase::Factor, || match (cache, per_head) {
         (Some(c), false) => c.plan(ops, hc, &g.damping(), opts.act_order_col),
         _ => plan(ops, hc, &g.damping(), opts.act_order_col).map(Arc::new),
     })
@@ -428,7 +428,7 @@ pub fn boa_quantize<'h>(
         dead_diag: 1.0,
         ..g.damping()
     };
-    let rows = timed(Phase::Factor, || {
+    let rows = timed(ops, Phase::Factor, || {
         plan(ops, h_row, &row_damping, opts.act_order_row)
     })
     .map_err(|e| e.context("factor of H_row"))?;
@@ -463,7 +463,7 @@ pub fn boa_quantize<'h>(
         (wp, mode)
     } else {
         // Static grids from the original rows, head by head (each head scores with its H_col).
-        let grids = timed(Phase::Search, || {
+        let grids = timed(ops, Phase::Search, || {
             ops.search_grids(
                 &w0,
                 hessian.then_some(&cols.h_p),
@@ -487,7 +487,7 @@ pub fn boa_quantize<'h>(
         )
     };
     drop(w0);
-    let swept = timed(Phase::Sweep, || {
+    let swept = timed(ops, Phase::Sweep, || {
         ops.boa_sweep(wp, &cols.u, &rows.u, d_h, g.block_size, mode, g.spec.maxq())
     })
     .context("sweep")?;

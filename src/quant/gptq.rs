@@ -397,7 +397,7 @@ pub fn gptq_quantize<'h>(
             h.describe()
         ));
     }
-    let plan = timed(Phase::Factor, || match cache {
+    let plan = timed(ops, Phase::Factor, || match cache {
         Some(c) => c.plan(ops, h, &opts.damping(), opts.act_order),
         None => super::plan::plan(ops, h, &opts.damping(), opts.act_order).map(std::sync::Arc::new),
     })
@@ -417,7 +417,7 @@ pub fn gptq_quantize<'h>(
         (wp, (0..d_in).map(|c| (c / g) as u32).collect(), None)
     } else {
         // Static grids from the original rows, each group over original columns (design.md §4.2).
-        let grids = timed(Phase::Search, || {
+        let grids = timed(ops, Phase::Search, || {
             ops.search_grids(
                 &w0,
                 hessian.then_some(&plan.h_p),
@@ -446,7 +446,7 @@ pub fn gptq_quantize<'h>(
             spec: &opts.spec,
         },
     };
-    let swept = timed(Phase::Sweep, || {
+    let swept = timed(ops, Phase::Sweep, || {
         ops.gptq_sweep(wp, &plan.u, mode, opts.block_size, opts.spec.maxq())
     })
     .context("sweep")?;

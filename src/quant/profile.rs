@@ -2,7 +2,8 @@
 //! the last `take()`: the run report and `bench-quant` split "quantize" with it. Counters are global, so
 //! concurrent quantizations in one process would share them; the pipeline quantizes one layer at a time.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use crate::ops::QuantOps;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
 
 #[derive(Clone, Copy)]
@@ -16,15 +17,32 @@ pub enum Phase {
 }
 
 static NANOS: [AtomicU64; 3] = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
+static FENCING: AtomicBool = AtomicBool::new(false);
 
-pub fn timed<R>(phase: Phase, f: impl FnOnce() -> R) -> R {
+/// Whether phase boundaries wait for the device (`run --profile`): a phase's time then holds its own device
+/// work, at the cost of the overlap between phases.
+pub fn set_fencing(on: bool) {
+    FENCING.store(on, Ordering::Relaxed);
+}
+
+/// Waits for `ops`' queued work when fencing. A failed wait is left to the next real call to report: a device
+/// error is sticky, and the phase's own result carries it.
+pub fn fence<O: QuantOps + ?Sized>(ops: &O) {
+    if FENCING.load(Ordering::Relaxed) {
+        let _ = ops.fence();
+    }
+}
+
+pub fn timed<O: QuantOps + ?Sized, R>(ops: &O, phase: Phase, f: impl FnOnce() -> R) -> R {
     let _r = crate::nvtx::range(match phase {
         Phase::Factor => c"factor",
         Phase::Search => c"scale search",
         Phase::Sweep => c"sweep",
     });
+    fence(ops);
     let t = Instant::now();
     let r = f();
+    fence(ops);
     add(phase, t);
     r
 }

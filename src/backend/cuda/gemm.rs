@@ -22,7 +22,12 @@
 //!
 //! Roofline (H200): 2·m·n·k flop; f32 SIMT ≈ 60 TFLOP/s, bf16 tensor cores ≈ 990 TFLOP/s dense. A 7B
 //! projection on 512 tokens (4096 × 4096): 17 GFLOP → ≈ 0.3 ms f32, ≈ 20 µs bf16 (then bound by W's 64 MB f32
-//! read + conversion ≈ 25 µs). Not measured yet (no GPU run so far).
+//! read + conversion ≈ 25 µs). The linear is correct on an H200 (parity tests, 2026-12-04: max rel. error
+//! vs f64: f32 2.3e-7, bf16 2.5e-3, inside the ≈ 2–4e-3 expected above); its speed is not measured yet. Other
+//! calls of this handle were timed (H200, 2026-12-04, `boa-cuda bench --device cuda --shapes 7b --reps 3`):
+//! gram_bf16 (stat_xxt, m = 2048) 427.6 TFLOP/s at d = 4096, 568.4 at d = 11008, against the ≈ 990 above;
+//! rows_times_h plus dot_partials (quad_forms (report), 3 × 4096 × 11008) 61.288 ms, 48.6 TFLOP/s, against the
+//! f32 ≈ 60 above; the sweeps' trailing update: cuda/sweep.cu's header.
 
 use super::ops::{self, OpsKernels};
 use super::{CudaError, driver};
@@ -331,6 +336,165 @@ impl Blas {
             )
         }
         .map_err(blas_err("gemm_strided_batched_ex bf16 (gram)"))
+    }
+
+    /// V's statistics, v3 (hessian.cu attn_probs_bf16): the unscaled scores S_z [t × t] = Q_z K_zᵀ of one head
+    /// for z < batch sequences, f32. Q_z is rows z·q_bs/ldq.. of the view `q` (which starts at the head's
+    /// first column), t rows of d_h with row stride ldq; K_z likewise with k_bs and ldk; S_z at z·t².
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attn_scores(
+        &self,
+        s: &mut CudaViewMut<f32>,
+        q: &CudaView<f32>,
+        k: &CudaView<f32>,
+        (t, d_h, batch): (usize, usize, usize),
+        (ldq, q_bs): (usize, usize),
+        (ldk, k_bs): (usize, usize),
+    ) -> Result<(), CudaError> {
+        let bad = |msg: String| CudaError::Shape {
+            op: "attn_scores (cuBLAS)",
+            msg,
+        };
+        if t == 0 || d_h == 0 || batch == 0 {
+            return Ok(());
+        }
+        let (Ok(t_i), Ok(dh_i), Ok(ldq_i), Ok(ldk_i), Ok(b_i)) = (
+            c_int::try_from(t),
+            c_int::try_from(d_h),
+            c_int::try_from(ldq),
+            c_int::try_from(ldk),
+            c_int::try_from(batch),
+        ) else {
+            return Err(bad(format!(
+                "t={t}, d_h={d_h}, ldq={ldq}, ldk={ldk}, batch={batch} overflow a C int"
+            )));
+        };
+        let last = |ld: usize, bs: usize| (batch - 1) * bs + (t - 1) * ld + d_h;
+        if d_h > ldq.min(ldk)
+            || q.len() < last(ldq, q_bs)
+            || k.len() < last(ldk, k_bs)
+            || s.len() < batch * t * t
+        {
+            return Err(bad(format!(
+                "q.len={}, k.len={}, s.len={} for t={t}, d_h={d_h}, batch={batch}, ldq={ldq}, q_bs={q_bs}, \
+                 ldk={ldk}, k_bs={k_bs}",
+                q.len(),
+                k.len(),
+                s.len()
+            )));
+        }
+        // Row-major S [t_q × t_k] is column-major Sᵀ = K Qᵀ: A = K (column-major [d_h × t], ld ldk) transposed,
+        // B = Q (column-major [d_h × t], ld ldq) as is.
+        let cfg = StridedBatchedConfig {
+            gemm: GemmConfig {
+                transa: sys::cublasOperation_t::CUBLAS_OP_T,
+                transb: sys::cublasOperation_t::CUBLAS_OP_N,
+                m: t_i,
+                n: t_i,
+                k: dh_i,
+                alpha: 1.0f32,
+                lda: ldk_i,
+                ldb: ldq_i,
+                beta: 0.0f32,
+                ldc: t_i,
+            },
+            batch_size: b_i,
+            stride_a: k_bs as i64,
+            stride_b: q_bs as i64,
+            stride_c: (t * t) as i64,
+        };
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(driver("bind context"))?;
+        let _r = range(c"attn_scores");
+        // SAFETY: every element addressed is inside q, k and s (checked above: the last sequence's last row
+        // ends at `last`), lda = ldk ≥ d_h = K, ldb = ldq ≥ K, ldc = t = M; beta = 0, so s is only written.
+        unsafe {
+            if batch == 1 {
+                self.blas.gemm(cfg.gemm, k, q, s)
+            } else {
+                self.blas.gemm_strided_batched(cfg, k, q, s)
+            }
+        }
+        .map_err(blas_err("sgemm (attention scores)"))
+    }
+
+    /// V's statistics, v3: Y_z [t × d] = A_z [t × t] · X_z [t × d] for z < batch, bf16 operands and output, f32
+    /// accumulation; A_z at z·t², X_z and Y_z at z·t·d, all row-major and dense.
+    pub(super) fn attn_times_x_bf16(
+        &self,
+        y: &mut CudaViewMut<u16>,
+        a: &CudaView<u16>,
+        x: &CudaView<u16>,
+        (t, d, batch): (usize, usize, usize),
+    ) -> Result<(), CudaError> {
+        let bad = |msg: String| CudaError::Shape {
+            op: "attn_times_x (cuBLAS bf16)",
+            msg,
+        };
+        if t == 0 || d == 0 || batch == 0 {
+            return Ok(());
+        }
+        let (Ok(t_i), Ok(d_i), Ok(b_i)) = (
+            c_int::try_from(t),
+            c_int::try_from(d),
+            c_int::try_from(batch),
+        ) else {
+            return Err(bad(format!("t={t}, d={d}, batch={batch} overflow a C int")));
+        };
+        if a.len() < batch * t * t || x.len() < batch * t * d || y.len() < batch * t * d {
+            return Err(bad(format!(
+                "a.len={}, x.len={}, y.len={} for t={t}, d={d}, batch={batch}",
+                a.len(),
+                x.len(),
+                y.len()
+            )));
+        }
+        let stream = &self.stream;
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(driver("bind context"))?;
+        let (pa, _sa) = a.device_ptr(stream);
+        let (px, _sx) = x.device_ptr(stream);
+        let (py, _sy) = y.device_ptr_mut(stream);
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let bf16 = sys::cudaDataType_t::CUDA_R_16BF;
+        let _r = range(c"attn_times_x");
+        // Row-major Y = A X is column-major Yᵀ [d × t] = Xᵀ [d × t] · Aᵀ [t × t]: A_gemm = X (ld d), B_gemm =
+        // the probabilities (ld t), both as stored (N, N).
+        // SAFETY: every element addressed (z < batch sequences of t·d and t² elements) is inside x, a and y
+        // (checked above); lda = ldc = d = M, ldb = t = K; compute type 32F takes the f32 alpha and beta; beta
+        // = 0, so y is only written; distinct z write disjoint Y_z.
+        unsafe {
+            br::gemm_strided_batched_ex(
+                *self.blas.handle(),
+                sys::cublasOperation_t::CUBLAS_OP_N,
+                sys::cublasOperation_t::CUBLAS_OP_N,
+                d_i,
+                t_i,
+                t_i,
+                &alpha as *const f32 as *const c_void,
+                px as *const c_void,
+                bf16,
+                d_i,
+                (t * d) as i64,
+                pa as *const c_void,
+                bf16,
+                t_i,
+                (t * t) as i64,
+                &beta as *const f32 as *const c_void,
+                py as *mut c_void,
+                bf16,
+                d_i,
+                (t * d) as i64,
+                b_i,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(blas_err("gemm_strided_batched_ex bf16 (A X)"))
     }
 
     /// Y [m × n] = X [m × k] · W [n × k]ᵀ (+ bias [n]) on the handle's stream (asynchronous). Every element

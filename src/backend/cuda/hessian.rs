@@ -48,17 +48,28 @@ pub enum AttnXVariant {
     /// v1: f32 FFMA, 32 rows × 64 columns per block: the exact baseline.
     F32Tiled = 1,
     /// v2: tensor cores (fp16 scores, bf16 P·X, f32 accumulation), 64 rows × 256 columns per block, so the
-    /// scores are recomputed 4× less often than in v1; the default.
+    /// scores are recomputed 4× less often than in v1. 42 TFLOP/s on an H200 (bench attn_x, 2026-12-04).
     Bf16Wmma = 2,
+    /// v3: no attn_x kernel: the scores by cuBLAS SGEMM, the probabilities by `attn_probs_bf16_kernel`, A·X
+    /// by a cuBLAS bf16 GEMM, batched over sequences (cuda/hessian.cu attn_probs_bf16); the default where
+    /// cuBLAS loads (v2 otherwise).
+    Gemm = 3,
 }
 
 impl AttnXVariant {
-    pub const ALL: [AttnXVariant; 2] = [AttnXVariant::F32Tiled, AttnXVariant::Bf16Wmma];
+    pub const ALL: [AttnXVariant; 3] = [
+        AttnXVariant::F32Tiled,
+        AttnXVariant::Bf16Wmma,
+        AttnXVariant::Gemm,
+    ];
+    /// The variants that are one attn_x kernel (`launch_attn_x`, the bench's attn_x rows).
+    pub const KERNELS: [AttnXVariant; 2] = [AttnXVariant::F32Tiled, AttnXVariant::Bf16Wmma];
 
     fn kernel_name(self) -> &'static str {
         match self {
             AttnXVariant::F32Tiled => "attn_x_kernel_v1",
             AttnXVariant::Bf16Wmma => "attn_x_kernel_v2",
+            AttnXVariant::Gemm => "attn_probs_bf16_kernel",
         }
     }
 }
@@ -94,6 +105,8 @@ pub struct HessianKernels {
     attn_x_v2: [CudaFunction; 2],
     /// v2 writing Y in bf16, the operand of the cuBLAS Gram.
     attn_x_v2_bf16: [CudaFunction; 2],
+    /// v3's row softmax into bf16 probabilities.
+    attn_probs: CudaFunction,
     rope_moments: CudaFunction,
     rope_row_hessians: CudaFunction,
 }
@@ -117,6 +130,7 @@ impl HessianKernels {
                 opt_in(get("attn_x_kernel_v2_bf16")?, AX2_SMEM_BYTES)?,
                 opt_in(get("attn_x_kernel_v2_bf16_d256")?, AX2_SMEM_BYTES_WIDE)?,
             ],
+            attn_probs: get(AttnXVariant::Gemm.kernel_name())?,
             rope_moments: get("rope_moments_kernel")?,
             rope_row_hessians: get("rope_row_hessians_kernel")?,
         })
@@ -366,6 +380,12 @@ pub fn launch_attn_x(
             },
             &k.attn_x_v1[wide],
         ),
+        AttnXVariant::Gemm => {
+            return Err(CudaError::Shape {
+                op: OP,
+                msg: "the Gemm variant has no attn_x kernel (queue_v_col_gemm)".into(),
+            });
+        }
         AttnXVariant::Bf16Wmma => (
             LaunchConfig {
                 grid_dim: (d32.div_ceil(AX2_COLS), t32.div_ceil(AX2_ROWS), 1),
@@ -401,6 +421,56 @@ pub fn launch_attn_x(
     // to 128, wide up to 256); out-of-range rows/cols are guarded; the dynamic shared memory is the size its
     // layout needs (static_asserts in hessian.cu) and was opted into at load where it passes 48 KB.
     unsafe { b.launch(cfg) }.map_err(launch_err("launch attn_x"))?;
+    Ok(())
+}
+
+/// Must match kProbThreads in cuda/hessian.cu.
+const PROB_THREADS: u32 = 256;
+
+/// A [batch × t × t] (bf16 bits) = the windowed causal softmax of the rows of S [batch × t × t] · scale
+/// (attn_probs_bf16_kernel; every element written, 0 outside each row's window).
+pub fn launch_attn_probs(
+    stream: &Arc<CudaStream>,
+    k: &HessianKernels,
+    a: &mut CudaViewMut<u16>,
+    s: &CudaView<f32>,
+    (t, batch, window): (usize, usize, usize),
+    scale: f32,
+) -> Result<(), CudaError> {
+    const OP: &str = "attn_probs";
+    if window == 0 || a.len() < batch * t * t || s.len() < batch * t * t {
+        return Err(CudaError::Shape {
+            op: OP,
+            msg: format!(
+                "t={t}, batch={batch}, window={window}, a.len={}, s.len={}",
+                a.len(),
+                s.len()
+            ),
+        });
+    }
+    if t == 0 || batch == 0 {
+        return Ok(());
+    }
+    let (t32, b32) = (u32_of(OP, "t", t)?, u32_of(OP, "batch", batch)?);
+    if b32 > 65_535 {
+        return Err(CudaError::Shape {
+            op: OP,
+            msg: format!("batch {batch} > 65535 (grid y)"),
+        });
+    }
+    let w32 = window.min(t) as u32;
+    let cfg = LaunchConfig {
+        grid_dim: (t32, b32, 1),
+        block_dim: (PROB_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let _r = range(c"attn_probs");
+    let mut b = stream.launch_builder(&k.attn_probs);
+    b.arg(a).arg(s).arg(&t32).arg(&w32).arg(&scale);
+    // SAFETY: arguments match attn_probs_bf16_kernel(__nv_bfloat16* a, const float* s, uint32 t, uint32 window,
+    // float scale); u16 has __nv_bfloat16's size and alignment; a and s hold batch·t² elements (checked), and
+    // block (i, z) touches only row i of sequence z.
+    unsafe { b.launch(cfg) }.map_err(launch_err("launch attn_probs"))?;
     Ok(())
 }
 

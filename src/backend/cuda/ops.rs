@@ -6,7 +6,8 @@ use super::CudaError;
 use super::abi::RmsNormParams;
 use crate::nvtx::range;
 use cudarc::driver::{
-    CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut, LaunchConfig,
+    PushKernelArg,
 };
 use std::sync::Arc;
 
@@ -446,6 +447,16 @@ pub fn launch_f32_to_bf16(
     k: &OpsKernels,
     out: &mut CudaSlice<u16>,
     input: &CudaSlice<f32>,
+) -> Result<(), CudaError> {
+    launch_f32_to_bf16_view(stream, k, &mut out.slice_mut(..), &input.slice(..))
+}
+
+/// `launch_f32_to_bf16` on views (a part of a buffer).
+pub fn launch_f32_to_bf16_view(
+    stream: &Arc<CudaStream>,
+    k: &OpsKernels,
+    out: &mut CudaViewMut<u16>,
+    input: &CudaView<f32>,
 ) -> Result<(), CudaError> {
     if out.len() != input.len() {
         return Err(CudaError::Shape {

@@ -96,6 +96,23 @@ fn check_perm(p: &[usize], n: usize, what: &str) -> Result<()> {
 }
 
 impl CudaBackend {
+    /// `QuantOps::stat_v_col` through the given way of forming A_h X (the bench's side-by-side rows).
+    #[allow(clippy::too_many_arguments)]
+    pub fn stat_v_col_with(
+        &self,
+        variant: super::AttnXVariant,
+        acc: &mut Mat,
+        x: &Tensor,
+        q: &Tensor,
+        k: &Tensor,
+        s: AttnShape,
+        n_seq: usize,
+    ) -> Result<()> {
+        with_acc(acc, |t| {
+            self.try_v_col_covariance_with(variant, t, x, q, k, s, n_seq)
+        })
+    }
+
     pub(super) fn upload<T: DeviceRepr>(
         &self,
         v: &[T],
@@ -1102,6 +1119,11 @@ impl QuantOps for CudaBackend {
     /// as they are and take their f16 / integer form here.
     fn traffic(&self) -> crate::ops::Traffic {
         super::traffic::traffic(&self.counters)
+    }
+
+    fn fence(&self) -> Result<()> {
+        self.counters.sync();
+        Ok(self.synchronize()?)
     }
 
     fn pack(&self, q: &QuantizedLinear) -> Result<Packed> {

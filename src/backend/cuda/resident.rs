@@ -11,7 +11,8 @@
 //! plumbing (a whole block forward and its statistics through tensors against the host path).
 
 use super::hessian::{
-    ATTN_MAX_DH, AttnXOut, XxtVariant, launch_attn_x, launch_hessian_xxt, launch_softmax_stats,
+    ATTN_MAX_DH, AttnXOut, XxtVariant, launch_attn_probs, launch_attn_x, launch_hessian_xxt,
+    launch_softmax_stats,
 };
 use super::{CudaBackend, CudaError, driver, ops};
 use crate::backend::cpu::CpuBackend;
@@ -802,6 +803,7 @@ impl CudaBackend {
     /// per query head, the tensor form folds heads into their KV head.
     pub(super) fn queue_v_col_sequence(
         &self,
+        variant: super::AttnXVariant,
         acc: &mut CudaSlice<f32>,
         slot: impl Fn(usize) -> usize,
         scratch: &mut VColScratch,
@@ -829,7 +831,11 @@ impl CudaBackend {
             launch_attn_x(
                 &self.stream,
                 hk,
-                self.attn_x_variant,
+                match variant {
+                    // Without cuBLAS (the only way here with v3 selected), v3's kernel-only twin.
+                    super::AttnXVariant::Gemm => super::AttnXVariant::Bf16Wmma,
+                    v => v,
+                },
                 AttnXOut::F32(&mut scratch.y.slice_mut(..)),
                 x,
                 q,
@@ -934,11 +940,106 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// V's statistics of a chunk of `n_seq` sequences, v3 (cuda/hessian.cu attn_probs_bf16): sequences go in
+    /// groups whose scores and probabilities fit ~512 MB; per group, X once to bf16, then per query head the
+    /// scores S = Q_h K_hᵀ (SGEMM), A = softmax(S/√d_h) (bf16, masked), Y = A X (bf16 GEMM) and the Gram of Y
+    /// into the head's KV slot, all batched over the group's sequences.
+    fn queue_v_col_gemm(
+        &self,
+        acc: &mut CudaSlice<f32>,
+        (x, q, k): (&CudaSlice<f32>, &CudaSlice<f32>, &CudaSlice<f32>),
+        s: AttnShape,
+        n_seq: usize,
+    ) -> Result<(), CudaError> {
+        let AttnShape {
+            t, h, h_kv, d_h, d, ..
+        } = s;
+        let (xs, qs, ks) = (t * d, t * h * d_h, t * h_kv * d_h);
+        let window = s.window.unwrap_or(t);
+        let blas = self
+            .blas()
+            .map_err(|why| shape("v_col (cuBLAS)", why.to_string()))?;
+        // f32 scores + bf16 probabilities: 6 bytes per score.
+        let group = ((512usize << 20) / (6 * t * t).max(1)).clamp(1, n_seq);
+        // SAFETY (the four allocations): each group's conversion, GEMMs and softmax write every element of
+        // the part they use before anything reads it.
+        let mut xb =
+            unsafe { self.stream.alloc::<u16>(group * xs) }.map_err(driver("alloc bf16 X"))?;
+        let mut sc =
+            unsafe { self.stream.alloc::<f32>(group * t * t) }.map_err(driver("alloc scores"))?;
+        let mut pr =
+            unsafe { self.stream.alloc::<u16>(group * t * t) }.map_err(driver("alloc probs"))?;
+        let mut y =
+            unsafe { self.stream.alloc::<u16>(group * xs) }.map_err(driver("alloc bf16 Y"))?;
+        let scale = (d_h as f32).sqrt().recip();
+        let gs = h / h_kv;
+        for z0 in (0..n_seq).step_by(group) {
+            let nb = group.min(n_seq - z0);
+            ops::launch_f32_to_bf16_view(
+                &self.stream,
+                &self.ops,
+                &mut xb.slice_mut(..nb * xs),
+                &x.slice(z0 * xs..(z0 + nb) * xs),
+            )?;
+            for head in 0..h {
+                let kvh = head / gs;
+                blas.attn_scores(
+                    &mut sc.slice_mut(..nb * t * t),
+                    &q.slice(z0 * qs + head * d_h..(z0 + nb) * qs),
+                    &k.slice(z0 * ks + kvh * d_h..(z0 + nb) * ks),
+                    (t, d_h, nb),
+                    (h * d_h, qs),
+                    (h_kv * d_h, ks),
+                )?;
+                launch_attn_probs(
+                    &self.stream,
+                    &self.quant.hessian,
+                    &mut pr.slice_mut(..nb * t * t),
+                    &sc.slice(..nb * t * t),
+                    (t, nb, window),
+                    scale,
+                )?;
+                blas.attn_times_x_bf16(
+                    &mut y.slice_mut(..nb * xs),
+                    &pr.slice(..nb * t * t),
+                    &xb.slice(..nb * xs),
+                    (t, d, nb),
+                )?;
+                blas.gram_bf16(
+                    &mut acc.slice_mut(kvh * d * d..(kvh + 1) * d * d),
+                    &y.slice(..nb * xs),
+                    nb * t,
+                    d,
+                    d,
+                    1,
+                    0,
+                    0,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
     /// Per sequence and query head: Y = A_h X (A_h formed tile by tile, never stored), then
     /// acc[kv(head)] += Yᵀ Y — query heads fold into their KV head on the device.
     #[allow(clippy::too_many_arguments)]
     pub fn try_v_col_covariance_t(
         &self,
+        acc: &mut Tensor,
+        x: &Tensor,
+        q: &Tensor,
+        k: &Tensor,
+        s: AttnShape,
+        n_seq: usize,
+    ) -> Result<(), CudaError> {
+        self.try_v_col_covariance_with(self.attn_x_variant, acc, x, q, k, s, n_seq)
+    }
+
+    /// `try_v_col_covariance_t` through the given variant (the bench's side-by-side rows).
+    #[allow(clippy::too_many_arguments)]
+    pub fn try_v_col_covariance_with(
+        &self,
+        variant: super::AttnXVariant,
         acc: &mut Tensor,
         x: &Tensor,
         q: &Tensor,
@@ -976,14 +1077,21 @@ impl CudaBackend {
         let (x_d, q_d, k_d) = (self.dev(x)?, self.dev(q)?, self.dev(k)?);
         let acc = self.acc_dev(acc)?;
         let gs = h / h_kv;
-        if self.xxt_variant_in_use() == XxtVariant::Cublas
-            && self.attn_x_variant == super::AttnXVariant::Bf16Wmma
-        {
-            return self.queue_v_col_chunk(acc, (&x_d, &q_d, &k_d), s, n_seq);
+        if self.xxt_variant_in_use() == XxtVariant::Cublas {
+            match variant {
+                super::AttnXVariant::Gemm => {
+                    return self.queue_v_col_gemm(acc, (&x_d, &q_d, &k_d), s, n_seq);
+                }
+                super::AttnXVariant::Bf16Wmma => {
+                    return self.queue_v_col_chunk(acc, (&x_d, &q_d, &k_d), s, n_seq);
+                }
+                super::AttnXVariant::F32Tiled => {}
+            }
         }
         let mut scratch = self.v_col_scratch(s)?;
         for i in 0..n_seq {
             self.queue_v_col_sequence(
+                variant,
                 acc,
                 |head| head / gs,
                 &mut scratch,
