@@ -134,8 +134,8 @@ impl Blas {
     }
 
     /// A strided-batched f32 GEMM as `cfg` describes it (column-major, cuBLAS's own semantics), on the handle's
-    /// stream: the sweeps' trailing update (sweep.rs `trailing_cublas_config`). One plain SGEMM when the batch
-    /// is 1.
+    /// stream: the sweeps' trailing update (sweep.rs `trailing_cublas_config`) and V's attention scores
+    /// (`attn_scores`); `what` names it in errors. One plain SGEMM when the batch is 1.
     ///
     /// # Safety
     /// Every element `cfg` addresses through a, b and c (leading dimensions, batch strides) must lie inside
@@ -146,6 +146,7 @@ impl Blas {
         a: &impl DevicePtr<f32>,
         b: &impl DevicePtr<f32>,
         c: &mut impl DevicePtrMut<f32>,
+        what: &'static str,
     ) -> Result<(), CudaError> {
         // cuBLAS calls act on the calling thread's current context; cudarc binds it for its own calls only.
         self.stream
@@ -160,7 +161,7 @@ impl Blas {
                 self.blas.gemm_strided_batched(cfg, a, b, c)
             }
         };
-        r.map_err(blas_err("sgemm (sweep trailing update)"))
+        r.map_err(blas_err(what))
     }
 
     /// C_b [m × n] = A_b [m × n] · H_b [n × n] for every b < batch (the scale search's problems, search.rs):
@@ -403,21 +404,10 @@ impl Blas {
             stride_b: q_bs as i64,
             stride_c: (t * t) as i64,
         };
-        self.stream
-            .context()
-            .bind_to_thread()
-            .map_err(driver("bind context"))?;
         let _r = range(c"attn_scores");
         // SAFETY: every element addressed is inside q, k and s (checked above: the last sequence's last row
         // ends at `last`), lda = ldk ≥ d_h = K, ldb = ldq ≥ K, ldc = t = M; beta = 0, so s is only written.
-        unsafe {
-            if batch == 1 {
-                self.blas.gemm(cfg.gemm, k, q, s)
-            } else {
-                self.blas.gemm_strided_batched(cfg, k, q, s)
-            }
-        }
-        .map_err(blas_err("sgemm (attention scores)"))
+        unsafe { self.sgemm_strided(cfg, k, q, s, "sgemm (attention scores)") }
     }
 
     /// V's statistics, v3: Y_z [t × d] = A_z [t × t] · X_z [t × d] for z < batch, bf16 operands and output, f32

@@ -96,7 +96,8 @@ fn check_perm(p: &[usize], n: usize, what: &str) -> Result<()> {
 }
 
 impl CudaBackend {
-    /// `QuantOps::stat_v_col` through the given way of forming A_h X (the bench's side-by-side rows).
+    /// `QuantOps::stat_v_col` (d_h ≤ 256) through the given way of forming A_h X: the backend's own, or the
+    /// bench's side-by-side rows.
     #[allow(clippy::too_many_arguments)]
     pub fn stat_v_col_with(
         &self,
@@ -450,7 +451,7 @@ impl QuantOps for CudaBackend {
             *dev_mut(acc, "accumulator")? = self.upload(&sum, "upload accumulator")?;
             return Ok(());
         }
-        with_acc(acc, |t| self.try_v_col_covariance_t(t, x, q, k, s, n_seq))
+        self.stat_v_col_with(self.attn_x_variant, acc, x, q, k, s, n_seq)
     }
 
     fn stat_finish(&self, acc: Mat, tokens: usize, div: f64) -> Result<Mat> {

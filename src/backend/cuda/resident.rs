@@ -1020,22 +1020,8 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Per sequence and query head: Y = A_h X (A_h formed tile by tile, never stored), then
-    /// acc[kv(head)] += Yᵀ Y — query heads fold into their KV head on the device.
-    #[allow(clippy::too_many_arguments)]
-    pub fn try_v_col_covariance_t(
-        &self,
-        acc: &mut Tensor,
-        x: &Tensor,
-        q: &Tensor,
-        k: &Tensor,
-        s: AttnShape,
-        n_seq: usize,
-    ) -> Result<(), CudaError> {
-        self.try_v_col_covariance_with(self.attn_x_variant, acc, x, q, k, s, n_seq)
-    }
-
-    /// `try_v_col_covariance_t` through the given variant (the bench's side-by-side rows).
+    /// Per sequence and query head: Y = A_h X by `variant`, then acc[kv(head)] += Yᵀ Y — query heads fold
+    /// into their KV head on the device.
     #[allow(clippy::too_many_arguments)]
     pub fn try_v_col_covariance_with(
         &self,

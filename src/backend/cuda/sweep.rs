@@ -309,7 +309,7 @@ fn launch_trailing_gemm(
             // SAFETY: cuBLAS reads A' = B_z (ncol × k, ld ldb), B' = E_zᵀ (rows × k, ld lda) and reads/writes
             // C' = C_z (ncol × rows, ld ldc) for z < batch at the strides of `t`: exactly the elements bounded
             // by the check above, within the views; the leading dimensions meet cuBLAS's minimums (checked).
-            unsafe { blas.sgemm_strided(cfg, &b, &et, &mut c) }
+            unsafe { blas.sgemm_strided(cfg, &b, &et, &mut c, "sgemm (sweep trailing update)") }
         }
         Trailing::Ffma => launch_trailing_ffma(stream, k, &mut c, &et, &b, t),
     }
