@@ -17,6 +17,20 @@
 //   transaction, L1-resident). After column c is quantized w_sh[c] holds Q, written out coalesced at the end;
 //   E goes out as [bw × rows] (coalesced: a warp writes one column of E per step).
 //
+// gptq_block_kernel_v2 (sweep.rs GptqBlockVariant::Split, the default): the same block, same CPU twin and
+//   parity test, bit-identical codes. Why: v1 measured 37.7 ms for 4096 × 4096 (H200), ~9 µs per column
+//   step, against ~0.2 µs predicted; with one warp per CTA and 4096 rows, an SM holds one warp, so each step's
+//   127 dependent-latency smem/L1 round trips (the row update reads U from global memory) are not hidden.
+//   v2: a CTA of 32 rows × kG2Parts = 4 warps; warp p owns the block columns c ≡ p (mod 4) and alone updates
+//   and quantizes them, so an element's updates stay in column order; one barrier per step publishes the
+//   step's E column (e_sh). The block's U [bw × bw] is staged in shared memory (64 KB: the update's U reads
+//   become broadcasts from smem), the owner reloads (scale, zero) only when the column's group changes.
+//   Launch: grid ceil(rows/32), block 128, 104 448 B dynamic smem (opted in at load; 2 CTAs per SM on sm_90
+//   and sm_80; a device that refuses runs v1).
+//   Estimate (4096 × 4096): per step the owner's quantize + divide (~150 cycles), a 4-warp barrier (~40) and
+//   ≤ 32 unrolled smem updates per warp (~150) ≈ 350 cycles; 128 steps + the 80 KB staging ≈ 50K cycles ≈
+//   25 µs per block, 32 blocks ≈ 1 ms, plus the trailing GEMMs (~1.5 ms at cuBLAS's f32 rate): ~2.5–3 ms
+//   against v1's 37.7 ms. Not yet measured on a GPU.
 // sweep_trailing_gemm_kernel: W[:, i2:] −= E[:, i1:i2] · U[i1:i2, i2:] (the lazy batch, one GEMM), batched
 //   over z (BoA's per-head U_col). C [rows × ncol] (ldc) −= Eᵀ · B, Eᵀ given as [k × rows] (lda), B [k × ncol]
 //   (ldb). Launch: grid (ceil(ncol/64), ceil(rows/64), batch), block 256, 8 KB smem: 64×64 output tile, 4×4
@@ -111,6 +125,21 @@
 constexpr int kWarpSize = 32;
 constexpr int kGptqRows = 32;     // gptq_block: rows (threads) per CTA
 constexpr int kGptqMaxBw = 128;   // gptq_block: widest column block; must match GPTQ_MAX_BLOCK in sweep.rs
+// gptq_block_kernel_v2: kG2Rows rows per CTA, each row's block columns split over kG2Parts warps; dynamic
+// shared memory, byte offsets (multiples of 16).
+constexpr uint32_t kG2Rows = 32;
+constexpr uint32_t kG2Parts = 4;
+constexpr uint32_t kG2Threads = kG2Rows * kG2Parts;
+constexpr uint32_t kG2Stride = kG2Rows + 1;   // odd: a warp's column access hits 32 banks
+constexpr uint32_t kG2CStride = kG2Rows + 4;
+constexpr uint32_t kG2UOff = 0;                                        // float [kGptqMaxBw][kGptqMaxBw]
+constexpr uint32_t kG2WOff = kG2UOff + kGptqMaxBw * kGptqMaxBw * 4;    // float [kGptqMaxBw][kG2Stride]
+constexpr uint32_t kG2EOff = kG2WOff + kGptqMaxBw * kG2Stride * 4;     // float [kGptqMaxBw][kG2Stride]
+constexpr uint32_t kG2GOff = kG2EOff + kGptqMaxBw * kG2Stride * 4;     // uint32 [kGptqMaxBw]
+constexpr uint32_t kG2COff = kG2GOff + kGptqMaxBw * 4;                 // uint8 [kGptqMaxBw][kG2CStride]
+constexpr uint32_t kG2SmemBytes = kG2COff + kGptqMaxBw * kG2CStride;   // must match GPTQ_V2_SMEM_BYTES
+static_assert(kG2SmemBytes == 104448, "sweep.rs GPTQ_V2_SMEM_BYTES");
+static_assert(kG2WOff % 16 == 0 && kG2EOff % 16 == 0 && kG2GOff % 16 == 0 && kG2COff % 16 == 0, "smem offsets");
 constexpr int kGemmTile = 64;
 constexpr int kGemmK = 16;
 constexpr int kGemmThreads = 256;
@@ -187,6 +216,87 @@ gptq_block_kernel(float* __restrict__ w,               // [rows × n] in: W (aft
             q[(size_t)(r0 + rr) * n + i1 + c] = w_sh[c][rr];
             codes[(size_t)(r0 + rr) * n + i1 + c] = c_sh[c][rr];
         }
+}
+
+// gptq_block_kernel_v2 (GptqBlockVariant::Split): the same block as gptq_block_kernel, with each row's
+// column updates split over kG2Parts warps and the block's U in shared memory. Part p owns the block columns
+// c ≡ p (mod kG2Parts): it alone updates them and, at step c = its column, quantizes them, so every element
+// still sees its updates in column order (bit-identical to v1 and the CPU twin). One barrier per step hands
+// the step's E column to the other parts (e_sh).
+__device__ __forceinline__ uint32_t first_owned(uint32_t c, uint32_t part) {
+    return c + ((part + kG2Parts - c % kG2Parts) % kG2Parts);
+}
+
+extern "C" __global__ void __launch_bounds__(kG2Threads, 2)
+gptq_block_kernel_v2(float* __restrict__ w, float* __restrict__ q, uint8_t* __restrict__ codes,
+                     float* __restrict__ e, const float* __restrict__ u, const float* __restrict__ scales,
+                     const float* __restrict__ zeros, const uint32_t* __restrict__ col_group,
+                     float* __restrict__ loss, const uint32_t rows, const uint32_t n, const uint32_t n_groups,
+                     const uint32_t i1, const uint32_t i2, const float maxq) {
+    extern __shared__ __align__(16) unsigned char g2_smem[];
+    float* u_sh = reinterpret_cast<float*>(g2_smem + kG2UOff);          // [bw][kGptqMaxBw]: U[i1 + c][i1 + c2]
+    float* w_sh = reinterpret_cast<float*>(g2_smem + kG2WOff);          // [bw][kG2Stride]: column c, row lane
+    float* e_sh = reinterpret_cast<float*>(g2_smem + kG2EOff);          // [bw][kG2Stride]
+    uint32_t* cg_sh = reinterpret_cast<uint32_t*>(g2_smem + kG2GOff);   // [bw]
+    uint8_t* c_sh = g2_smem + kG2COff;                                   // [bw][kG2CStride]
+    const uint32_t t = threadIdx.x, lane = t % kWarpSize, part = t / kWarpSize;
+    const uint32_t r0 = blockIdx.x * kG2Rows, bw = i2 - i1;
+    const uint32_t live_rows = min(kG2Rows, rows - r0);
+    for (uint32_t i = t; i < bw * bw; i += kG2Threads) {
+        const uint32_t c = i / bw, c2 = i % bw;
+        u_sh[c * kGptqMaxBw + c2] = u[(size_t)(i1 + c) * n + i1 + c2];
+    }
+    for (uint32_t i = t; i < live_rows * bw; i += kG2Threads) {
+        const uint32_t rr = i / bw, c = i % bw;
+        w_sh[c * kG2Stride + rr] = w[(size_t)(r0 + rr) * n + i1 + c];
+    }
+    for (uint32_t c = t; c < bw; c += kG2Threads) cg_sh[c] = col_group[i1 + c];
+    __syncthreads();
+    const uint32_t r = r0 + lane;
+    const bool live = lane < live_rows;
+    uint32_t g_cur = 0xffffffffu;  // the owner's grid, reloaded only when the column's group changes
+    float s = 0.0f, z = 0.0f;
+    for (uint32_t c = 0; c < bw; ++c) {
+        if (c % kG2Parts == part && live) {  // warp-uniform owner test
+            const uint32_t g = cg_sh[c];
+            if (g != g_cur) {
+                g_cur = g;
+                s = scales[(size_t)r * n_groups + g];
+                z = zeros[(size_t)r * n_groups + g];
+            }
+            const float wc = w_sh[c * kG2Stride + lane];
+            const float qc = boa_quantize(wc, s, z, maxq);        // Alg. 2 l.4
+            const float qv = boa_dequantize(qc, s, z);
+            const float err = (wc - qv) / u_sh[c * kGptqMaxBw + c];  // Alg. 2 l.5
+            e_sh[c * kG2Stride + lane] = err;
+            w_sh[c * kG2Stride + lane] = qv;
+            c_sh[c * kG2CStride + lane] = (uint8_t)qc;
+        }
+        __syncthreads();
+        if (live) {  // Alg. 2 l.6 inside the block, this part's columns
+            const float err = e_sh[c * kG2Stride + lane];
+            const float* u_row = u_sh + c * kGptqMaxBw;
+#pragma unroll 4
+            for (uint32_t c2 = first_owned(c + 1, part); c2 < bw; c2 += kG2Parts)
+                w_sh[c2 * kG2Stride + lane] = sub_prod(w_sh[c2 * kG2Stride + lane], err, u_row[c2]);
+        }
+    }
+    __syncthreads();
+    if (part == 0 && live) {  // Σ e² in column order, as v1 sums it
+        float loss_r = 0.0f;
+        for (uint32_t c = 0; c < bw; ++c) {
+            const float err = e_sh[c * kG2Stride + lane];
+            loss_r += err * err;
+        }
+        loss[r] += loss_r;
+    }
+    if (live)
+        for (uint32_t c = part; c < bw; c += kG2Parts) e[(size_t)c * rows + r] = e_sh[c * kG2Stride + lane];
+    for (uint32_t i = t; i < live_rows * bw; i += kG2Threads) {
+        const uint32_t rr = i / bw, c = i % bw;
+        q[(size_t)(r0 + rr) * n + i1 + c] = w_sh[c * kG2Stride + rr];
+        codes[(size_t)(r0 + rr) * n + i1 + c] = c_sh[c * kG2CStride + rr];
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(kGemmThreads)

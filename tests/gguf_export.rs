@@ -530,7 +530,9 @@ fn gguf_refusals_come_before_any_work() {
 /// the fake twin's linears to the bit, import-gguf + eval its perplexity, transformers' GGUF loading both (on
 /// the Qwen3 whose head_dim is 128: transformers 5.24 ignores the file's key_length for qwen3), llama.cpp the
 /// same perplexity up to its Q8_0 activations, and to f32 rounding on the file dequantized to F32
-/// (scripts/gguf_to_f32.py). Mistral's sliding window and Gemma 3 (not written) are refused before work.
+/// (scripts/gguf_to_f32.py). Llama 3.1-style rope scaling (hf_reference.py's llama3, BoA Q4_0) goes as the
+/// rope_freqs tensor: llama.cpp and import-gguf (which recovers rope_scaling from it) must agree with the fake
+/// twin too. Mistral's sliding window and Gemma 3 (not written) are refused before work.
 #[test]
 fn gguf_qwen2_and_qwen3_load_in_transformers_and_llama_cpp() {
     let py = pyref_python("gguf, numpy, safetensors, transformers");
@@ -542,7 +544,14 @@ fn gguf_qwen2_and_qwen3_load_in_transformers_and_llama_cpp() {
         &py,
         tmp.path(),
         &text,
-        &["qwen2", "qwen3", "qwen3_hd128", "mistral", "gemma3"],
+        &[
+            "qwen2",
+            "qwen3",
+            "qwen3_hd128",
+            "llama3",
+            "mistral",
+            "gemma3",
+        ],
     );
     let boa: Vec<&str> = vec![
         "--method",
@@ -559,12 +568,14 @@ fn gguf_qwen2_and_qwen3_load_in_transformers_and_llama_cpp() {
     let rtn8: &[&str] = &["--method", "rtn", "--wbits", "8"];
     // (model, its llama.cpp architecture, run, whether transformers can load it: its GGUF loader takes
     // Qwen3's head_dim from Qwen3Config's default, 128, not from the file, so the 32-wide heads fail there).
-    let cases: [(&str, &str, &str, &[&str], bool); 5] = [
+    // Llama 3.1's rope scaling travels as rope_freqs, which transformers' GGUF loader does not read.
+    let cases: [(&str, &str, &str, &[&str], bool); 6] = [
         ("qwen2", "qwen2", "q4", &boa, true),
         ("qwen2", "qwen2", "q8", rtn8, true),
         ("qwen3", "qwen3", "q4", &boa, false),
         ("qwen3", "qwen3", "q8", rtn8, false),
         ("qwen3_hd128", "qwen3", "q4", &boa, true),
+        ("llama3", "llama", "q4", &boa, false),
     ];
     let mut failures = Vec::new();
     for (name, arch, tag, extra, transformers) in cases {
@@ -592,13 +603,24 @@ fn gguf_qwen2_and_qwen3_load_in_transformers_and_llama_cpp() {
         };
         assert_eq!(ty_of("blk.1.attn_q.weight"), ty, "{name}");
         assert_eq!(ty_of("blk.1.ffn_down.weight"), ty, "{name}");
-        let own: &[&str] = if arch == "qwen2" {
-            &["attn_q.bias", "attn_k.bias", "attn_v.bias"]
-        } else {
-            &["attn_q_norm.weight", "attn_k_norm.weight"]
+        let own: &[&str] = match arch {
+            "qwen2" => &["attn_q.bias", "attn_k.bias", "attn_v.bias"],
+            "qwen3" => &["attn_q_norm.weight", "attn_k_norm.weight"],
+            _ => &[],
         };
         for t in own {
             assert_eq!(ty_of(&format!("blk.0.{t}")), GgmlType::F32, "{name}");
+        }
+        if name == "llama3" {
+            // factor 8 for the long wavelengths, 1 for the short ones (head_dim 16: 8 divisors).
+            assert_eq!(ty_of("rope_freqs.weight"), GgmlType::F32);
+            let t = g.tensor("rope_freqs.weight").unwrap();
+            let f: Vec<f32> = g
+                .tensor_data(t)
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            assert_eq!((f.len(), f[0], f[7]), (8, 1.0, 8.0), "{f:?}");
         }
         if name == "qwen3" {
             assert_eq!(g.get_u64("qwen3.attention.key_length").unwrap(), Some(32));

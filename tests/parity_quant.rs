@@ -34,8 +34,8 @@ mod sweep_check;
 use boa_cuda::backend::Backend;
 use boa_cuda::backend::cpu::CpuBackend;
 use boa_cuda::backend::cuda::{
-    AttnXVariant, BoaBlockVariant, BoaDynamicVariant, CudaBackend, SearchVariant, TrailingVariant,
-    XxtVariant,
+    AttnXVariant, BoaBlockVariant, BoaDynamicVariant, CudaBackend, FactorVariant, GptqBlockVariant,
+    SearchVariant, TrailingVariant, XxtVariant,
 };
 use boa_cuda::ops::{
     AttnShape, Codes, Grid, GridMode, Grids, Lattice, Mat, MatData, QuantOps, QuantSpec,
@@ -2348,7 +2348,15 @@ fn parity_planning_cpu() {
 #[test]
 fn parity_planning_cuda() {
     with_cuda(|b| {
-        parity_planning(b, &Place::cuda(b));
+        // The large factors' two inversions (cuSOLVER trtri, cuBLAS strsm); the default last.
+        for v in [FactorVariant::Trsm, FactorVariant::Trtri] {
+            b.set_factor_variant(v);
+            println!(
+                "factor variant {v:?} (in use: {:?})",
+                b.factor_variant_in_use()
+            );
+            parity_planning(b, &Place::cuda(b));
+        }
         parity_plan(b, &Place::cuda(b));
     });
 }
@@ -2372,10 +2380,20 @@ fn parity_gptq_sweep_cpu() {
 #[test]
 fn parity_gptq_sweep_cuda() {
     with_cuda(|b| {
-        for_trailing_variants(b, |b| {
-            parity_gptq_sweep(b, &Place::cuda(b));
-            parity_gptq_sweep_dynamic(b, &Place::cuda(b));
-        })
+        for v in GptqBlockVariant::ALL {
+            b.set_gptq_block_variant(v);
+            let used = b.gptq_block_variant_in_use();
+            println!("gptq block variant {v:?} (in use: {used:?})");
+            if used != v {
+                println!(
+                    "gptq_block_kernel_v2 unavailable on this device: the {v:?} rows ran {used:?}"
+                );
+            }
+            for_trailing_variants(b, |b| {
+                parity_gptq_sweep(b, &Place::cuda(b));
+                parity_gptq_sweep_dynamic(b, &Place::cuda(b));
+            })
+        }
     });
 }
 

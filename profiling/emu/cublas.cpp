@@ -23,6 +23,7 @@
 //            cublasGemmEx*, cublasGemmStridedBatchedEx, cublasSgemmEx, and the _64 (64-bit integer) form of
 //            each: cublasSgemm_v2_64, cublasDgemm_v2_64, cublasSgemmStridedBatched_64,
 //            cublasDgemmStridedBatched_64, cublasGemmEx_64, cublasGemmStridedBatchedEx_64, cublasSgemmEx_64
+//   TRSM:    cublasStrsm_v2*, cublasStrsm_v2_64 (side LEFT, fill UPPER, op N only: the one case called)
 //   The legacy un-suffixed cublasSgemm/cublasDgemm are not exported: in the real library those names are the
 //   cuBLAS v1 API (char transposes, scalars by value, no handle), and a v2 signature under them would lie.
 //
@@ -687,4 +688,61 @@ EXPORT int cublasSgemmEx(cublasHandle_t handle, int transa, int transb, int m, i
                          const void* A, int Atype, int lda, const void* B, int Btype, int ldb, const float* beta,
                          void* C, int Ctype, int ldc) {
     return cublasSgemmEx_64(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc);
+}
+
+// ---- TRSM -----------------------------------------------------------------------------------------------
+// cublasStrsm_v2: B := alpha · A⁻¹ · B for the one case the project calls (solver.rs, the trsm route of
+// U = chol(H⁻¹)ᵀ): side LEFT, A upper triangular (CUBLAS_FILL_MODE_UPPER), op N; unit or non-unit diagonal.
+// Other cases are refused with CUBLAS_STATUS_NOT_SUPPORTED and a message. Column-major; each column of B is
+// one back substitution, accumulated in double and rounded once (at least as accurate as cuBLAS's f32).
+namespace {
+constexpr int SIDE_LEFT = 0, FILL_LOWER = 0, FILL_UPPER = 1, DIAG_NON_UNIT = 0, DIAG_UNIT = 1;
+}  // namespace
+
+EXPORT int cublasStrsm_v2_64(cublasHandle_t handle, int side, int uplo, int trans, int diag, int64_t m, int64_t n,
+                             const float* alpha, const float* A, int64_t lda, float* B, int64_t ldb) {
+    const char* fn = "cublasStrsm_v2";
+    if (!live(handle)) {
+        complain(fn, "handle is null or not a live cuBLAS handle");
+        return ST_NOT_INITIALIZED;
+    }
+    if ((uplo != FILL_LOWER && uplo != FILL_UPPER) || (trans != OP_N && trans != OP_T && trans != OP_C) ||
+        (diag != DIAG_NON_UNIT && diag != DIAG_UNIT) || m < 0 || n < 0 || lda < std::max<int64_t>(1, m) ||
+        ldb < std::max<int64_t>(1, m)) {
+        complain(fn, "invalid argument (uplo=%d trans=%d diag=%d m=%lld n=%lld lda=%lld ldb=%lld)", uplo, trans,
+                 diag, (long long)m, (long long)n, (long long)lda, (long long)ldb);
+        return ST_INVALID_VALUE;
+    }
+    if (side != SIDE_LEFT || uplo != FILL_UPPER || trans != OP_N) {
+        complain(fn, "only side LEFT, fill UPPER, op N is emulated (side=%d uplo=%d trans=%d)", side, uplo, trans);
+        return ST_NOT_SUPPORTED;
+    }
+    if (m == 0 || n == 0) return ST_SUCCESS;
+    if (alpha == nullptr || A == nullptr || B == nullptr) {
+        complain(fn, "null pointer (alpha=%p A=%p B=%p)", (const void*)alpha, (const void*)A, (void*)B);
+        return ST_INVALID_VALUE;
+    }
+    const double al = *alpha;
+    const bool unit = diag == DIAG_UNIT;
+    const Touch a = span(A, extent(m, m, lda, 0, 1) * sizeof(float), 0),
+                b = span(B, extent(m, n, ldb, 0, 1) * sizeof(float), 1);
+    return on_stream(handle->stream, fn, {a, b}, [=] {
+        parallel_tasks(
+            n, static_cast<double>(m) * m * n / 2, [m] { return std::vector<double>(m); },
+            [&](std::vector<double>& x, int64_t j) {
+                float* col = B + j * ldb;
+                for (int64_t i = m - 1; i >= 0; --i) {
+                    double s = al * col[i];
+                    for (int64_t k = i + 1; k < m; ++k) s -= static_cast<double>(A[i + k * lda]) * x[k];
+                    x[i] = unit ? s : s / A[i + i * lda];
+                }
+                for (int64_t i = 0; i < m; ++i) col[i] = static_cast<float>(x[i]);
+            });
+        return ST_SUCCESS;
+    });
+}
+
+EXPORT int cublasStrsm_v2(cublasHandle_t handle, int side, int uplo, int trans, int diag, int m, int n,
+                          const float* alpha, const float* A, int lda, float* B, int ldb) {
+    return cublasStrsm_v2_64(handle, side, uplo, trans, diag, m, n, alpha, A, lda, B, ldb);
 }

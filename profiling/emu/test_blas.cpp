@@ -61,6 +61,8 @@ int (*cublasGemmEx)(H, int, int, int, int, int, const void*, const void*, int, i
 int (*cublasGemmStridedBatchedEx)(H, int, int, int, int, int, const void*, const void*, int, int, ll, const void*, int,
                                   int, ll, const void*, void*, int, int, ll, int, int, int);
 
+int (*cublasStrsm_v2)(H, int, int, int, int, int, int, const float*, const float*, int, float*, int);
+
 int (*cusolverDnCreate)(H*);
 int (*cusolverDnDestroy)(H);
 int (*cusolverDnSetStream)(H, void*);
@@ -780,6 +782,40 @@ void timing(H h, bool big) {
 
 }  // namespace
 
+// cublasStrsm_v2 (side LEFT, fill UPPER, op N): B := alpha·A⁻¹·B with A upper triangular (its strict lower part
+// garbage, which must not be read), checked as A·X = alpha·B in double; then X = A⁻¹ against I (the factor's
+// use, solver.rs) has zeros below the diagonal; other sides and fills are refused, not computed.
+void test_trsm(H h) {
+    const int m = 37, n = 5, ld = 40;
+    std::vector<float> a(ld * m), b(ld * n), x;
+    for (int j = 0; j < m; ++j)
+        for (int i = 0; i < ld; ++i) a[i + j * ld] = i > j ? 1e30f : uni() + (i == j ? 4.0f : 0.0f);
+    for (auto& v : b) v = uni();
+    x = b;
+    const float alpha = 0.5f;
+    check(cublasStrsm_v2(h, 0, 1, OP_N, 0, m, n, &alpha, a.data(), ld, x.data(), ld) == 0, "strsm: status");
+    double worst = 0;
+    for (int j = 0; j < n; ++j)
+        for (int i = 0; i < m; ++i) {
+            double s = 0;
+            for (int k = i; k < m; ++k) s += (double)a[i + k * ld] * x[k + j * ld];
+            worst = std::max(worst, std::fabs(s - alpha * b[i + j * ld]) / 1e-5);
+        }
+    check(worst <= 1.0, fmt("strsm: A·X vs alpha·B, error %.3g × tolerance", worst));
+    std::vector<float> eye(ld * m, 0.0f);
+    for (int i = 0; i < m; ++i) eye[i + i * ld] = 1.0f;
+    const float one = 1.0f;
+    check(cublasStrsm_v2(h, 0, 1, OP_N, 0, m, m, &one, a.data(), ld, eye.data(), ld) == 0, "strsm of I: status");
+    bool upper = true;
+    for (int j = 0; j < m; ++j)
+        for (int i = j + 1; i < m; ++i) upper &= eye[i + j * ld] == 0.0f;
+    check(upper, "strsm of I: the inverse of an upper triangle is upper");
+    check(cublasStrsm_v2(h, 1, 1, OP_N, 0, m, n, &alpha, a.data(), ld, x.data(), ld) == BLAS_NOT_SUPPORTED,
+          "strsm side RIGHT refused");
+    check(cublasStrsm_v2(h, 0, 1, OP_N, 0, m, n, &alpha, a.data(), m - 1, x.data(), ld) == BLAS_INVALID_VALUE,
+          "strsm lda < m refused");
+}
+
 int main(int argc, char** argv) {
     const std::string dir = argc > 1 && argv[1][0] != '-' ? argv[1] : "target/cuda-emu";
     bool big = false;
@@ -803,6 +839,7 @@ int main(int argc, char** argv) {
     load(blas, cublasSgemmStridedBatched, "cublasSgemmStridedBatched");
     load(blas, cublasGemmEx, "cublasGemmEx");
     load(blas, cublasGemmStridedBatchedEx, "cublasGemmStridedBatchedEx");
+    load(blas, cublasStrsm_v2, "cublasStrsm_v2");
     load(solver, cusolverDnCreate, "cusolverDnCreate");
     load(solver, cusolverDnDestroy, "cusolverDnDestroy");
     load(solver, cusolverDnSetStream, "cusolverDnSetStream");
@@ -825,6 +862,7 @@ int main(int argc, char** argv) {
     test_sgemm(h);
     test_strided_batched(h);
     test_gemm_ex(h);
+    test_trsm(h);
     test_solver();
     timing(h, big);
     cublasDestroy_v2(h);

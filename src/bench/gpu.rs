@@ -14,7 +14,9 @@
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::search::{SEARCH_TOP, SearchVariant};
-use crate::backend::cuda::{BoaBlockVariant, CudaBackend, TrailingVariant};
+use crate::backend::cuda::{
+    BoaBlockVariant, CudaBackend, FactorVariant, GptqBlockVariant, TrailingVariant,
+};
 use crate::ops::{AttnShape, GridMode, Grids, Mat, QuantOps, Tensor};
 use crate::quant::quantizer::{
     Grid, QuantSpec, SHRINK_STEPS, ScaleSearch, candidate_slots, minmax_grid,
@@ -181,21 +183,64 @@ impl BenchBackend {
         }
     }
 
-    /// Selects trailing variant `v` (CUDA) and returns the row label of `method` with the variant in use
-    /// (the FFMA kernel when cuBLAS cannot be opened).
-    fn set_trailing(&mut self, v: Option<TrailingVariant>, method: &'static str) -> &'static str {
-        let BenchBackend::Cuda(b) = self else {
-            return method;
-        };
-        if let Some(v) = v {
+    /// Selects trailing variant `v` (CUDA; the CPU has one GEMM).
+    fn set_trailing(&mut self, v: Option<TrailingVariant>) {
+        if let (BenchBackend::Cuda(b), Some(v)) = (self, v) {
             b.set_trailing_variant(v);
         }
-        match (method, b.trailing_variant_in_use()) {
-            ("gptq_sweep", TrailingVariant::Cublas) => "gptq_sweep (cuBLAS)",
-            ("gptq_sweep", TrailingVariant::Ffma) => "gptq_sweep (FFMA v1)",
-            ("boa_sweep", TrailingVariant::Cublas) => "boa_sweep (cuBLAS)",
-            ("boa_sweep", TrailingVariant::Ffma) => "boa_sweep (FFMA v1)",
-            _ => method,
+    }
+
+    /// The inversions the large-factor rows are timed with: both on CUDA (trtri, strsm), none on the CPU.
+    fn factor_variants(&self) -> Vec<Option<FactorVariant>> {
+        match self {
+            BenchBackend::Cpu(_) => vec![None],
+            BenchBackend::Cuda(_) => FactorVariant::ALL.map(Some).to_vec(),
+        }
+    }
+
+    /// Selects factor variant `v` (CUDA) and returns the row label with the variant in use (trtri when cuBLAS
+    /// cannot be opened).
+    fn set_factor(&mut self, v: Option<FactorVariant>) -> &'static str {
+        let BenchBackend::Cuda(b) = self else {
+            return "factor (H_col)";
+        };
+        if let Some(v) = v {
+            b.set_factor_variant(v);
+        }
+        match b.factor_variant_in_use() {
+            FactorVariant::Trtri => "factor (H_col, potrf + trtri)",
+            FactorVariant::Trsm => "factor (H_col, potrf + strsm)",
+        }
+    }
+
+    /// The GPTQ block variants the gptq_sweep rows are timed with: both on CUDA (v1 one warp per 32 rows, v2
+    /// four), none on the CPU.
+    fn gptq_block_variants(&self) -> Vec<Option<GptqBlockVariant>> {
+        match self {
+            BenchBackend::Cpu(_) => vec![None],
+            BenchBackend::Cuda(_) => GptqBlockVariant::ALL.map(Some).to_vec(),
+        }
+    }
+
+    /// Selects GPTQ block variant `v` and trailing variant `t` (CUDA) and returns the row label with the
+    /// variants in use (v1 when v2 cannot be loaded, FFMA when cuBLAS cannot be opened).
+    fn set_gptq(
+        &mut self,
+        v: Option<GptqBlockVariant>,
+        t: Option<TrailingVariant>,
+    ) -> &'static str {
+        self.set_trailing(t);
+        let BenchBackend::Cuda(b) = self else {
+            return "gptq_sweep";
+        };
+        if let Some(v) = v {
+            b.set_gptq_block_variant(v);
+        }
+        match (b.gptq_block_variant_in_use(), b.trailing_variant_in_use()) {
+            (GptqBlockVariant::Lane, TrailingVariant::Cublas) => "gptq_sweep (block v1, cuBLAS)",
+            (GptqBlockVariant::Lane, TrailingVariant::Ffma) => "gptq_sweep (block v1, FFMA v1)",
+            (GptqBlockVariant::Split, TrailingVariant::Cublas) => "gptq_sweep (block v2, cuBLAS)",
+            (GptqBlockVariant::Split, TrailingVariant::Ffma) => "gptq_sweep (block v2, FFMA v1)",
         }
     }
 
@@ -211,9 +256,9 @@ impl BenchBackend {
     /// Selects BoA block variant `v` and trailing variant `t` (CUDA) and returns the row label with the
     /// variants in use (v1 when v2 cannot be loaded, FFMA when cuBLAS cannot be opened).
     fn set_boa(&mut self, v: Option<BoaBlockVariant>, t: Option<TrailingVariant>) -> &'static str {
-        let label = self.set_trailing(t, "boa_sweep");
+        self.set_trailing(t);
         let BenchBackend::Cuda(b) = self else {
-            return label;
+            return "boa_sweep";
         };
         if let Some(v) = v {
             b.set_boa_block_variant(v);
@@ -526,7 +571,13 @@ pub fn bench_quant_ops(
         }
 
         // U of the d_in-sized H_col of q/k/v, o, gate/up (d) and down (d_ff): the large-n route.
-        for n in [s.d, s.d_ff] {
+        let variants = b.factor_variants();
+        for (n, v) in [s.d, s.d_ff]
+            .into_iter()
+            .flat_map(|n| variants.iter().map(move |&v| (n, v)))
+        {
+            let method = b.set_factor(v);
+            let ops = b.ops();
             let h = b.place(Mat::f32(spd_cheap(&mut rng, n), 1, n, n))?;
             let (wall, kern) = time(b, reps.min(3), |_| {
                 let (_, ok) = ops.factor(&h, None, &[0])?;
@@ -534,19 +585,20 @@ pub fn bench_quant_ops(
                 Ok(())
             })?;
             sink.push(BenchRow {
-                method: "factor (H_col)",
+                method,
                 shape: tag(format!("n={n}")),
                 wall_ms: wall,
                 kernel_ms: kern,
-                // potrf n³/3 + trtri n³/3
+                // potrf n³/3 + trtri n³/3 (strsm does n³: its row shows the work the result needs)
                 work: 2.0 / 3.0 * (n as f64).powi(3),
                 ceiling: Ceiling::Compute,
                 layer_scale: 1.0,
             })?;
         }
+        b.set_factor(Some(FactorVariant::Trtri));
 
         // GPTQ sweep of q_proj-sized (d × d) and down_proj-sized (d × d_ff) weights, 3-bit per channel, with
-        // each trailing-update variant on the same inputs.
+        // each block and trailing-update variant on the same inputs.
         let maxq = 7;
         for (rows_w, n) in [(s.d, s.d), (s.d, s.d_ff)] {
             let wv = randn(&mut rng, rows_w * n);
@@ -554,8 +606,14 @@ pub fn bench_quant_ops(
             let w = b.place(Mat::f32(wv, 1, rows_w, n))?;
             let u = b.place(Mat::f32(upper(&mut rng, n), 1, n, n))?;
             let col_group = vec![vec![0u32; n]];
-            for v in b.trailing_variants() {
-                let method = b.set_trailing(v, "gptq_sweep");
+            // Block variants side by side with each trailing variant, on the same inputs.
+            let combos: Vec<_> = b
+                .gptq_block_variants()
+                .into_iter()
+                .flat_map(|bv| b.trailing_variants().into_iter().map(move |t| (bv, t)))
+                .collect();
+            for (bv, v) in combos {
+                let method = b.set_gptq(bv, v);
                 let ops = b.ops();
                 let (wall, kern) = time(b, reps, |_| {
                     let mode = GridMode::Static {
@@ -577,6 +635,8 @@ pub fn bench_quant_ops(
                 })?;
             }
         }
+        // Back to the defaults for anything timed after this.
+        b.set_gptq(Some(GptqBlockVariant::Split), Some(TrailingVariant::Cublas));
         let ops = b.ops();
 
         // Hessian scale search (3-bit asymmetric per channel: 200 candidate slots per row) of a q_proj-sized
@@ -701,7 +761,7 @@ pub fn bench_quant_ops(
                 })?;
             }
             // Back to the defaults for anything timed after this.
-            b.set_boa(Some(BoaBlockVariant::W32), Some(TrailingVariant::Cublas));
+            b.set_boa(Some(BoaBlockVariant::W128), Some(TrailingVariant::Cublas));
         }
 
         // The error report's products of a down_proj (the widest H): tr(A H Aᵀ) of [W; ΔW_rtn; ΔW] in one call.

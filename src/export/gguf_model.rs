@@ -15,7 +15,8 @@
 //! and part, `MoePlace`): q/k rows permuted for the llama architecture's
 //! interleaved RoPE (`qk_row_order`; the Qwens run NEOX RoPE on HF's rows), norms and Qwen2's q/k/v biases in
 //! F32, embeddings, lm_head and linears outside `--layers` in the checkpoint's own float type,
-//! hyper-parameters under `{arch}.*`, the tokenizer under `tokenizer.ggml.*` (gguf_vocab.rs).
+//! hyper-parameters under `{arch}.*`, the tokenizer under `tokenizer.ggml.*` (gguf_vocab.rs), and Llama
+//! 3.1's rope scaling as the `rope_freqs` tensor (`rope_freqs`).
 
 use super::gguf_out::{GgufTensor, Kv, write_gguf};
 use crate::error::file_err;
@@ -135,10 +136,12 @@ fn model_arch(cfg: &Config) -> Result<Arch, String> {
             arch.key()
         ));
     }
-    if cfg.rope_scaling.is_some() {
-        return refuse(
-            "rope_scaling is set, and llama.cpp's rope_freqs tensor is not written yet".into(),
-        );
+    // Llama 3.1's rope scaling travels as the llama architecture's rope_freqs tensor; the others read none.
+    if cfg.rope_scaling.is_some() && arch != Arch::Llama {
+        return refuse(format!(
+            "rope_scaling is set, and llama.cpp's \"{}\" architecture reads no rope_freqs tensor",
+            arch.key()
+        ));
     }
     if let Some(l) = cfg.block.linears.iter().find(|l| l.d_in % BLOCK != 0) {
         return refuse(format!(
@@ -147,6 +150,18 @@ fn model_arch(cfg: &Config) -> Result<Arch, String> {
         ));
     }
     Ok(arch)
+}
+
+/// llama.cpp's rope_freqs of a Llama 3.1-scaled config (`RopeScaling::llama3_divisors` in f32); None
+/// without rope scaling.
+pub fn rope_freqs(cfg: &Config) -> Option<Vec<f32>> {
+    let s = cfg.rope_scaling.as_ref()?;
+    Some(
+        s.llama3_divisors(cfg.rope_theta, cfg.d_h)
+            .into_iter()
+            .map(|f| f as f32)
+            .collect(),
+    )
 }
 
 /// Whether llama.cpp renormalizes the top-k router weights of a mixture-of-experts block of `arch` (its
@@ -364,6 +379,8 @@ enum Source {
     Blocks { hf: String, order: Vec<usize> },
     /// Every expert's tensor of one layer and part, one after another.
     Stack(Vec<Source>),
+    /// An f32 vector computed from the config (rope_freqs).
+    Values(Vec<f32>),
 }
 
 fn float_type(dtype: Dtype) -> Option<GgmlType> {
@@ -454,6 +471,7 @@ fn source_bytes(
             }
             out
         }
+        Source::Values(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
     })
 }
 
@@ -671,6 +689,14 @@ pub fn write_model_gguf(
             ty,
         });
         sources.push(Source::Stack(members.into_iter().map(|m| m.2).collect()));
+    }
+    if let Some(factors) = rope_freqs(cfg) {
+        tensors.push(GgufTensor {
+            name: "rope_freqs.weight".into(),
+            dims: vec![factors.len() as u64],
+            ty: GgmlType::F32,
+        });
+        sources.push(Source::Values(factors));
     }
 
     let a = |k: &str| format!("{}.{k}", arch.key());

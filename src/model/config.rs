@@ -22,6 +22,31 @@ pub struct RopeScaling {
     pub original_max_position_embeddings: usize,
 }
 
+impl RopeScaling {
+    /// Llama 3.1's divisor f_i of each inverse frequency θ_i = base^(−2i/d_h), i < d_h/2: 1 for wavelengths
+    /// shorter than original/high_freq_factor, `factor` for those longer than original/low_freq_factor, the
+    /// interpolation 1/((1 − s)/factor + s) between (s = (original/λ − low)/(high − low)). This is llama.cpp's
+    /// rope_freqs tensor as convert_hf_to_gguf.py computes it, and `Config::inv_freq` is θ_i / f_i.
+    pub fn llama3_divisors(&self, theta: f64, d_h: usize) -> Vec<f64> {
+        let old = self.original_max_position_embeddings as f64;
+        let (low_wl, high_wl) = (old / self.low_freq_factor, old / self.high_freq_factor);
+        (0..d_h / 2)
+            .map(|i| {
+                let wl = 2.0 * std::f64::consts::PI * theta.powf((2 * i) as f64 / d_h as f64);
+                if wl < high_wl {
+                    1.0
+                } else if wl > low_wl {
+                    self.factor
+                } else {
+                    let smooth = (old / wl - self.low_freq_factor)
+                        / (self.high_freq_factor - self.low_freq_factor);
+                    1.0 / ((1.0 - smooth) / self.factor + smooth)
+                }
+            })
+            .collect()
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Config {
     pub architecture: String,
@@ -208,6 +233,7 @@ impl Config {
             .collect();
         if let Some(s) = &self.rope_scaling {
             // Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+            // (transformers' arithmetic, step for step; `RopeScaling::llama3_divisors` is convert_hf_to_gguf's.)
             let old = s.original_max_position_embeddings as f64;
             let (low_wl, high_wl) = (old / s.low_freq_factor, old / s.high_freq_factor);
             for v in f.iter_mut() {

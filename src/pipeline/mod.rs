@@ -406,6 +406,8 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
             let mut prefetch = None;
             let (mut last_save, mut save_cost) = (Instant::now(), 0.0);
             let mut writing = None;
+            // A resume save being made durable on a third thread (its seconds come back); one in flight.
+            let mut saving: Option<std::thread::ScopedJoinHandle<'_, anyhow::Result<f64>>> = None;
             for l in start..cfg.n_layers {
                 let rope = ropes.layer(l);
                 let t_block = Instant::now();
@@ -557,24 +559,30 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                         .blocks
                         .push(t_block.elapsed().as_secs_f64() - load_wait);
                 }
-                // Saving X costs seconds per block on a 7B model (GiBs to disk): save when it is at most
-                // ~10% of the time since the last save, and after the last block.
-                if last_save.elapsed().as_secs_f64() >= 10.0 * save_cost || l + 1 == cfg.n_layers {
+                // Saving X costs seconds per block on a 7B model (GiBs to disk). The block waits only for X's
+                // copy to the host; the disk write overlaps the next blocks. Save when the last save took at
+                // most ~10% of the time since it, and after the last block.
+                if saving.as_ref().is_some_and(|h| h.is_finished()) {
+                    save_cost += finish_save(&mut saving)?;
+                }
+                if saving.is_none() && last_save.elapsed().as_secs_f64() >= 10.0 * save_cost
+                    || l + 1 == cfg.n_layers
+                {
                     let t = Instant::now();
                     finish_write(&mut writing, &mut folder)?;
+                    finish_save(&mut saving)?;
                     let x_next = (needs_calib && l < last_needed).then_some((be, &x[..]));
                     timings.total = base_total + t_start.elapsed().as_secs_f64();
                     let before_save = be.traffic();
-                    resume::checkpoint(
-                        &folder.tmp,
-                        &fingerprint,
-                        l + 1,
-                        x_next,
-                        &reports,
-                        &timings,
-                    )?;
+                    let snap = resume::snapshot(l + 1, x_next, &reports, &timings)?;
                     traffic_save = be.traffic() - before_save;
                     traffic.resume_saves = traffic.resume_saves + traffic_save;
+                    let (tmp, fingerprint) = (folder.tmp.clone(), &fingerprint);
+                    saving = Some(scope.spawn(move || {
+                        let t = Instant::now();
+                        ranged(c"resume save", || resume::persist(&tmp, fingerprint, snap))?;
+                        Ok(t.elapsed().as_secs_f64())
+                    }));
                     save_cost = t.elapsed().as_secs_f64();
                     timings.write += save_cost;
                     last_save = Instant::now();
@@ -592,6 +600,9 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                     bar.inc(1);
                 }
             }
+            let t = Instant::now();
+            finish_save(&mut saving)?;
+            timings.write += t.elapsed().as_secs_f64();
             Ok(())
         })?;
         bar.finish();
@@ -798,6 +809,16 @@ fn finish_write(
         folder.record_shard(l, &contents);
     }
     Ok(())
+}
+
+/// Waits for the resume save in flight, if any; its seconds on the saving thread (0 when none).
+fn finish_save(
+    saving: &mut Option<std::thread::ScopedJoinHandle<'_, anyhow::Result<f64>>>,
+) -> anyhow::Result<f64> {
+    match saving.take() {
+        Some(h) => h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
+        None => Ok(0.0),
+    }
 }
 
 /// The weights the prefetch thread read (its panic, if any, resumes here).

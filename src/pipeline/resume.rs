@@ -242,15 +242,44 @@ fn sync_dir(dir: &Path) -> anyhow::Result<()> {
         .map_err(|e| file_err(dir, format!("cannot sync: {e}")))
 }
 
-/// Records that blocks < `next_block` are done: `x` is X_{next_block} (None when no later block needs it).
-pub fn checkpoint(
-    tmp: &Path,
-    fingerprint: &Value,
+/// What a checkpoint records, taken on the main thread so that the run can go on while `persist` writes it:
+/// X_{next_block} copied to the host (None when no later block needs it), the reports and timings so far.
+pub struct Snapshot {
+    next_block: usize,
+    x: Option<Vec<Vec<f32>>>,
+    layers: Vec<LayerRecord>,
+    seconds: Timings,
+}
+
+/// Takes the snapshot of a checkpoint that records blocks < `next_block` as done (`x`: X_{next_block}, one
+/// chunk at a time through the backend: a device backend copies each out).
+pub fn snapshot(
     next_block: usize,
     x: Option<(&dyn Backend, &[Tensor])>,
     reports: &[LayerReport],
     timings: &Timings,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Snapshot> {
+    let x = match x {
+        Some((be, chunks)) => Some(
+            chunks
+                .iter()
+                .map(|c| be.read(c).map(std::borrow::Cow::into_owned))
+                .collect::<anyhow::Result<_>>()?,
+        ),
+        None => None,
+    };
+    Ok(Snapshot {
+        next_block,
+        x,
+        layers: reports.iter().map(to_record).collect(),
+        seconds: timings.clone(),
+    })
+}
+
+/// Makes `snap` durable: the shards written so far synced, X written, then the state that names them; the
+/// older activation files removed once the new state is durable. An interrupted `persist` leaves the previous
+/// state whole (every file goes through a temporary and a rename).
+pub fn persist(tmp: &Path, fingerprint: &Value, snap: Snapshot) -> anyhow::Result<()> {
     let dir = tmp.join(DIR);
     std::fs::create_dir_all(&dir).map_err(|e| file_err(&dir, format!("cannot create: {e}")))?;
     // Shards are renamed into place unsynced; sync them before the state says they are done.
@@ -263,16 +292,12 @@ pub fn checkpoint(
         }
     }
     let mut x_len = 0;
-    let activations = match x {
-        Some((be, chunks)) => {
-            let name = x_name(next_block);
+    let activations = match &snap.x {
+        Some(chunks) => {
+            let name = x_name(snap.next_block);
             write_atomic(&dir.join(&name), |f| {
                 let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
-                // One chunk at a time: a device backend copies each out, never all of X at once.
-                for chunk in chunks {
-                    let values = be
-                        .read(chunk)
-                        .map_err(|e| std::io::Error::other(format!("{e:#}")))?;
+                for values in chunks {
                     x_len += values.len();
                     for c in values.chunks(1 << 16) {
                         let b: Vec<u8> = c.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -288,11 +313,11 @@ pub fn checkpoint(
     let state = State {
         format: FORMAT,
         fingerprint: fingerprint.clone(),
-        next_block,
+        next_block: snap.next_block,
         activations: activations.clone(),
         activations_len: x_len,
-        layers: reports.iter().map(to_record).collect(),
-        seconds: timings.clone(),
+        layers: snap.layers,
+        seconds: snap.seconds,
         pending: Vec::new(),
     };
     write_state(tmp, &state)?;

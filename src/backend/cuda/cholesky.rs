@@ -20,6 +20,8 @@ pub struct CholeskyKernels {
     cholesky: CudaFunction,
     /// reverse_kernel, the data movement of the cuSOLVER route (solver.rs).
     pub(super) reverse: CudaFunction,
+    /// eye_kernel, the identity the trsm route solves against (solver.rs).
+    pub(super) eye: CudaFunction,
 }
 
 impl CholeskyKernels {
@@ -28,6 +30,7 @@ impl CholeskyKernels {
         Ok(CholeskyKernels {
             cholesky: load("cholesky_upper_inverse_kernel")?,
             reverse: load("reverse_kernel")?,
+            eye: load("eye_kernel")?,
         })
     }
 }

@@ -133,6 +133,54 @@ impl Blas {
         })
     }
 
+    /// X := R⁻¹ X for R [n × n] upper triangular and X [n × n], both column-major as cuSOLVER's potrf (fill
+    /// upper) leaves R: its strict lower part is not read. With X = I this is the triangular inverse that
+    /// solver.rs's trsm route uses in place of cuSOLVER's trtri (f32, on the handle's stream).
+    pub(super) fn upper_solve(
+        &self,
+        r: &CudaView<f32>,
+        x: &mut CudaViewMut<f32>,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        if r.len() != n * n || x.len() != n * n || n == 0 {
+            return Err(CudaError::Shape {
+                op: "strsm (factor)",
+                msg: format!("r.len={} x.len={} for n={n} (≥ 1)", r.len(), x.len()),
+            });
+        }
+        let ni = i32::try_from(n).map_err(|_| CudaError::Shape {
+            op: "strsm (factor)",
+            msg: format!("n={n} does not fit cuBLAS's 32-bit sizes"),
+        })?;
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(driver("bind context"))?;
+        let (pr, _sr) = r.device_ptr(&self.stream);
+        let (px, _sx) = x.device_ptr_mut(&self.stream);
+        let alpha = 1.0f32;
+        // SAFETY: R and X hold n² f32 (checked) on this handle's stream; lda = ldb = n; alpha is a host scalar
+        // (the handle's default pointer mode).
+        unsafe {
+            sys::cublasStrsm_v2(
+                *self.blas.handle(),
+                sys::cublasSideMode_t::CUBLAS_SIDE_LEFT,
+                sys::cublasFillMode_t::CUBLAS_FILL_MODE_UPPER,
+                sys::cublasOperation_t::CUBLAS_OP_N,
+                sys::cublasDiagType_t::CUBLAS_DIAG_NON_UNIT,
+                ni,
+                ni,
+                &alpha,
+                pr as *const f32,
+                ni,
+                px as *mut f32,
+                ni,
+            )
+        }
+        .result()
+        .map_err(blas_err("strsm (factor)"))
+    }
+
     /// A strided-batched f32 GEMM as `cfg` describes it (column-major, cuBLAS's own semantics), on the handle's
     /// stream: the sweeps' trailing update (sweep.rs `trailing_cublas_config`) and V's attention scores
     /// (`attn_scores`); `what` names it in errors. One plain SGEMM when the batch is 1.

@@ -38,7 +38,8 @@ pub use hessian::{AttnXVariant, XxtVariant};
 pub use ops::{AttentionVariant, RmsNormVariant};
 pub use qgemm::QgemmVariant;
 pub use search::SearchVariant;
-pub use sweep::{BoaBlockVariant, TrailingVariant};
+pub use solver::FactorVariant;
+pub use sweep::{BoaBlockVariant, GptqBlockVariant, TrailingVariant};
 
 use super::cpu::CpuBackend;
 use super::{Backend, Tensor, Weight};
@@ -136,7 +137,11 @@ pub struct CudaBackend {
     xxt_variant: XxtVariant,
     /// The sweeps' trailing update (cuBLAS unless set otherwise; the FFMA kernel when cuBLAS cannot be opened).
     trailing_variant: TrailingVariant,
-    /// The BoA sweep's column block (v1, 32 columns, unless set otherwise; v1 when v2 cannot be loaded).
+    /// How the large factors invert R (trtri unless set otherwise; trtri when cuBLAS cannot be opened).
+    factor_variant: FactorVariant,
+    /// The GPTQ sweep's block kernel (v2 unless set otherwise; v1 when v2 cannot be loaded).
+    gptq_block_variant: GptqBlockVariant,
+    /// The BoA sweep's column block (v2, 128 columns, unless set otherwise; v1 when v2 cannot be loaded).
     boa_block_variant: BoaBlockVariant,
     attn_x_variant: AttnXVariant,
     poison_outputs: bool,
@@ -288,6 +293,8 @@ impl CudaBackend {
             attention_variant: AttentionVariant::Flash,
             xxt_variant: XxtVariant::Cublas,
             trailing_variant: TrailingVariant::Cublas,
+            factor_variant: FactorVariant::Trtri,
+            gptq_block_variant: GptqBlockVariant::Split,
             boa_block_variant: BoaBlockVariant::W128,
             attn_x_variant: AttnXVariant::Gemm,
             poison_outputs: false,
@@ -329,6 +336,17 @@ impl CudaBackend {
     /// Selects the sweeps' trailing update: cuBLAS SGEMM (the default) or the FFMA kernel (v1).
     pub fn set_trailing_variant(&mut self, v: TrailingVariant) {
         self.trailing_variant = v;
+    }
+
+    /// Selects how the large factors (n > 128) invert their Cholesky factor: cuSOLVER's trtri (the default) or
+    /// cuBLAS's strsm against the identity.
+    pub fn set_factor_variant(&mut self, v: FactorVariant) {
+        self.factor_variant = v;
+    }
+
+    /// Selects the GPTQ sweep's block kernel: one warp per 32 rows (v1) or four (v2, the default).
+    pub fn set_gptq_block_variant(&mut self, v: GptqBlockVariant) {
+        self.gptq_block_variant = v;
     }
 
     /// Selects the BoA sweep's block kernel: 32-column blocks (v1) or 128 (v2, the default: 72.5 against

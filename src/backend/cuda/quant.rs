@@ -20,9 +20,11 @@ use super::core::{
     launch_zero_cols,
 };
 use super::hessian::{ATTN_MAX_DH, launch_rope_moments, launch_rope_row_hessians};
+use super::solver::FactorVariant;
 use super::sweep::{
-    BOA_MAX_DH, BoaBlockVariant, BoaBuffers, GPTQ_MAX_BLOCK, GptqBuffers, GptqDynamicBuffers,
-    Trailing, TrailingVariant, launch_boa_sweep, launch_gptq_sweep, launch_gptq_sweep_dynamic,
+    BOA_MAX_DH, BoaBlockVariant, BoaBuffers, GPTQ_MAX_BLOCK, GptqBlockVariant, GptqBuffers,
+    GptqDynamicBuffers, Trailing, TrailingVariant, launch_boa_sweep, launch_gptq_sweep,
+    launch_gptq_sweep_dynamic,
 };
 use super::{CudaBackend, CudaError, driver};
 use crate::backend::cpu::CpuBackend;
@@ -212,6 +214,20 @@ impl CudaBackend {
         }
     }
 
+    /// The factor variant the large factors run with: the selected one, or trtri when cuBLAS cannot be opened.
+    pub fn factor_variant_in_use(&self) -> FactorVariant {
+        match self.factor_variant {
+            FactorVariant::Trsm if self.blas().is_ok() => FactorVariant::Trsm,
+            _ => FactorVariant::Trtri,
+        }
+    }
+
+    /// The GPTQ block variant the sweeps run with: the selected one, or v1 when v2 could not be opted into its
+    /// shared memory at load.
+    pub fn gptq_block_variant_in_use(&self) -> GptqBlockVariant {
+        self.quant.sweep.gptq_block_in_use(self.gptq_block_variant)
+    }
+
     /// The BoA block variant the sweeps run with: the selected one, or v1 when v2 could not be opted into its
     /// shared memory at load (a device with less than 210 KB per block).
     pub fn boa_block_variant_in_use(&self) -> BoaBlockVariant {
@@ -297,7 +313,11 @@ impl CudaBackend {
         let solver = self.solver().map_err(|why| {
             anyhow!("cuSOLVER is needed for factors of n = {n} > {CHOLESKY_MAX_N}: {why}")
         })?;
-        let st = solver.upper_inverse_subset(&self.quant.cholesky, h, u, n, which)?;
+        let trsm = match self.factor_variant {
+            FactorVariant::Trsm => self.blas().ok(),
+            FactorVariant::Trtri => None,
+        };
+        let st = solver.upper_inverse_subset(&self.quant.cholesky, h, u, n, which, trsm)?;
         let st = self.download(&st, "download factor status")?;
         // Per matrix: potrf info, trtri info, non-finite flag; all zero when it factored.
         Ok(st
@@ -879,6 +899,7 @@ impl QuantOps for CudaBackend {
                     &self.stream,
                     &self.quant.sweep,
                     trailing,
+                    self.gptq_block_variant,
                     GptqBuffers {
                         w: &mut w_d,
                         q: &mut q_d,
@@ -927,6 +948,7 @@ impl QuantOps for CudaBackend {
                     &self.stream,
                     &self.quant.sweep,
                     trailing,
+                    self.gptq_block_variant,
                     GptqDynamicBuffers {
                         w: &mut w_d,
                         q: &mut q_d,

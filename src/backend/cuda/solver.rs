@@ -5,6 +5,7 @@
 //! one status array, so the caller synchronizes once per batch, not three times per matrix.
 
 use super::cholesky::CholeskyKernels;
+use super::gemm::Blas;
 use super::{CudaError, driver};
 use crate::nvtx::range;
 use cudarc::cusolver::safe::DnHandle;
@@ -15,6 +16,21 @@ use cudarc::driver::{
 use std::ffi::c_void;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
+
+/// How the large factors invert their Cholesky factor R (U = J R⁻¹ J, cuda/cholesky.cu's header).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FactorVariant {
+    /// v1: cuSOLVER's trtri in place; the baseline: potrf + trtri 12.7 ms at n = 4096, 86.9 ms at 11008 (H200,
+    /// bench factor (H_col), 2026-12-04), 3.6 and 10.2 TFLOP/s.
+    Trtri = 1,
+    /// v2: cuBLAS's strsm of R X = I (n³ flop against trtri's n³/3, through cuBLAS's tuned TRSM); falls back
+    /// to v1 when cuBLAS cannot be opened. Not yet measured on a GPU.
+    Trsm = 2,
+}
+
+impl FactorVariant {
+    pub const ALL: [FactorVariant; 2] = [FactorVariant::Trtri, FactorVariant::Trsm];
+}
 
 /// A cuSOLVER dense handle and the params object its 64-bit API takes.
 pub struct Solver {
@@ -67,6 +83,9 @@ impl Solver {
     /// the reversal out into u_b. Returns the status [which.len() × 3] (potrf info, trtri info, non-finite flag),
     /// zero for a matrix that factored; the caller downloads it with U and synchronizes once.
     /// (A damping retry refactors only the ones that failed.)
+    ///
+    /// With `trsm` (FactorVariant::Trsm), the triangular inverse is cuBLAS's strsm against the identity (the
+    /// trtri slot of the status stays 0; a zero pivot shows as a non-finite entry) instead of cuSOLVER's trtri.
     pub fn upper_inverse_subset(
         &self,
         k: &CholeskyKernels,
@@ -74,6 +93,7 @@ impl Solver {
         u: &mut CudaSlice<f32>,
         n: usize,
         which: &[usize],
+        trsm: Option<&Blas>,
     ) -> Result<CudaSlice<i32>, CudaError> {
         let nn = n * n;
         let count = which.len();
@@ -127,6 +147,12 @@ impl Solver {
             })?;
             (potrf, trtri)
         };
+        // The trsm route's right-hand side and result: X = I, then R⁻¹ (one buffer, reused like `a`).
+        let mut x = match trsm {
+            // SAFETY: eye_kernel writes all n² elements before strsm reads them, for every matrix.
+            Some(_) => Some(unsafe { stream.alloc::<f32>(nn) }.map_err(driver("alloc X"))?),
+            None => None,
+        };
         for (i, &b) in which.iter().enumerate() {
             let mut st = status.slice_mut(3 * i..3 * i + 3);
             launch_reverse(
@@ -151,22 +177,34 @@ impl Solver {
                         potrf_info,
                     )
                 })?;
-                // SAFETY: as for potrf. After a failed potrf (info > 0) trtri runs on a partial factor: it
-                // may produce non-finite values or its own info, never an out-of-bounds access; the status
-                // discards that matrix.
-                trtri_ws.call(stream, "trtri", |dev, dev_bytes, host, host_bytes| unsafe {
-                    sys::cusolverDnXtrtri(
-                        cu, fill, diag, ni, f32t, pa, ni, dev, dev_bytes, host, host_bytes,
-                        trtri_info,
-                    )
-                })?;
+                if trsm.is_none() {
+                    // SAFETY: as for potrf. After a failed potrf (info > 0) trtri runs on a partial factor:
+                    // it may produce non-finite values or its own info, never an out-of-bounds access; the
+                    // status discards that matrix.
+                    trtri_ws.call(stream, "trtri", |dev, dev_bytes, host, host_bytes| unsafe {
+                        sys::cusolverDnXtrtri(
+                            cu, fill, diag, ni, f32t, pa, ni, dev, dev_bytes, host, host_bytes,
+                            trtri_info,
+                        )
+                    })?;
+                }
             }
+            // The inverse: in place in `a` (trtri), or X = R⁻¹ I (trsm; after a failed potrf the same
+            // caveat as trtri's holds, and the status discards the matrix).
+            let inv = match (trsm, x.as_mut()) {
+                (Some(blas), Some(x)) => {
+                    launch_eye(stream, k, &mut x.slice_mut(..), n)?;
+                    blas.upper_solve(&a.slice(..), &mut x.slice_mut(..), n)?;
+                    x.slice(..)
+                }
+                _ => a.slice(..),
+            };
             launch_reverse(
                 stream,
                 k,
                 &mut u.slice_mut(b * nn..(b + 1) * nn),
                 &mut st.slice_mut(2..3),
-                &a.slice(..),
+                &inv,
                 n,
                 true,
             )?;
@@ -238,6 +276,36 @@ impl Workspace {
         .result()
         .map_err(solver_err(what))
     }
+}
+
+/// out = I [n × n].
+fn launch_eye(
+    stream: &Arc<CudaStream>,
+    k: &CholeskyKernels,
+    out: &mut CudaViewMut<f32>,
+    n: usize,
+) -> Result<(), CudaError> {
+    if out.len() != n * n {
+        return Err(CudaError::Shape {
+            op: "eye",
+            msg: format!("out.len={} for n={n}", out.len()),
+        });
+    }
+    let blocks = ((n * n) as u64).div_ceil(256).clamp(1, 65535 * 4) as u32;
+    let cfg = LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let n64 = n as u64;
+    let mut b = stream.launch_builder(&k.eye);
+    b.arg(out).arg(&n64);
+    // SAFETY: matches eye_kernel(float* out, uint64 n); out holds n² f32 (checked).
+    unsafe { b.launch(cfg) }.map_err(|source| CudaError::Driver {
+        what: "launch eye",
+        source,
+    })?;
+    Ok(())
 }
 
 /// out = J in J (row-major [n × n]); with `upper`, zeros below the diagonal and `bad[0]` = 1 on a non-finite

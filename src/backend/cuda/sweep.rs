@@ -30,6 +30,14 @@ pub const MODULE: &str = "sweep";
 /// Widest GPTQ column block (kGptqMaxBw); rows per CTA (kGptqRows).
 pub const GPTQ_MAX_BLOCK: usize = 128;
 const GPTQ_ROWS: u32 = 32;
+/// gptq_block_kernel_v2: threads per CTA (kG2Threads: 32 rows × 4 parts) and its dynamic shared memory
+/// (kG2SmemBytes): U's block [128][128] f32, W and E [128][33] f32, col_group [128] u32, codes [128][36] u8.
+const GPTQ_V2_THREADS: u32 = 128;
+pub const GPTQ_V2_SMEM_BYTES: u32 = (GPTQ_MAX_BLOCK * GPTQ_MAX_BLOCK * 4
+    + 2 * GPTQ_MAX_BLOCK * (GPTQ_ROWS as usize + 1) * 4
+    + GPTQ_MAX_BLOCK * 4
+    + GPTQ_MAX_BLOCK * (GPTQ_ROWS as usize + 4)) as u32;
+const _: () = assert!(GPTQ_V2_SMEM_BYTES == 104_448);
 /// BoA: largest head dimension (kBoaWideDh), the largest of v1 and v2 (kBoaMaxDh), and the column block widths
 /// of v1 (kBoaBw), v2 (kBoa2Bw) and the wide-head kernel (kBoaWideBw). The BoA block is the kernel's width
 /// whatever the caller's block size: v1's δ and W tiles of 128 rows × 32 columns already take 41 KB of static
@@ -53,6 +61,8 @@ const GEMM_THREADS: u32 = 256;
 
 pub struct SweepKernels {
     gptq_block: CudaFunction,
+    /// gptq_block_kernel_v2 opted into its dynamic shared memory, or why it could not be (v1 runs instead).
+    gptq_block_v2: Result<CudaFunction, String>,
     gemm: CudaFunction,
     boa_block: CudaFunction,
     /// v1's code for heads of 129–256 rows.
@@ -67,24 +77,23 @@ impl SweepKernels {
         let get = |name: &'static str| super::load_kernel(module, MODULE, name);
         Ok(SweepKernels {
             gptq_block: get("gptq_block_kernel")?,
+            gptq_block_v2: opt_in_smem(get, "gptq_block_kernel_v2", GPTQ_V2_SMEM_BYTES)?,
             gemm: get("sweep_trailing_gemm_kernel")?,
             boa_block: get("boa_block_kernel")?,
             boa_block_wide: get("boa_block_kernel_d256")?,
-            boa_block_v2: {
-                let f = get("boa_block_kernel_v2")?;
-                // Over the 48 KB a launch may ask for by default: the limit is raised once per function
-                // (HOPPER.md). sm_90 allows 227 KB per block; a device with less (sm_80: 163 KB) keeps v1.
-                f.set_attribute(
-                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    BOA_V2_SMEM_BYTES as i32,
-                )
-                .map(|()| f)
-                .map_err(|e| {
-                    format!("boa_block_kernel_v2 cannot have {BOA_V2_SMEM_BYTES} B of shared memory: {e}")
-                })
-            },
+            // sm_90 allows 227 KB per block; a device with less (sm_80: 163 KB) keeps v1.
+            boa_block_v2: opt_in_smem(get, "boa_block_kernel_v2", BOA_V2_SMEM_BYTES)?,
             gather_cols: get("gather_cols_kernel")?,
         })
+    }
+
+    /// The GPTQ block variant a sweep asked for `v` runs: v2 falls back to v1 when it could not be opted into
+    /// its shared memory.
+    pub fn gptq_block_in_use(&self, v: GptqBlockVariant) -> GptqBlockVariant {
+        match v {
+            GptqBlockVariant::Split if self.gptq_block_v2.is_ok() => GptqBlockVariant::Split,
+            _ => GptqBlockVariant::Lane,
+        }
     }
 
     /// The BoA block variant a sweep asked for `v` runs: v2 falls back to v1 when it could not be opted into
@@ -95,6 +104,38 @@ impl SweepKernels {
             _ => BoaBlockVariant::W32,
         }
     }
+}
+
+/// A kernel that asks for more than the 48 KB of dynamic shared memory a launch gets by default: the limit is
+/// raised once per function (HOPPER.md), or the reason it cannot be (the caller keeps the v1 kernel).
+/// (Loading the kernel itself is an error.)
+fn opt_in_smem(
+    get: impl Fn(&'static str) -> Result<CudaFunction, CudaError>,
+    name: &'static str,
+    bytes: u32,
+) -> Result<Result<CudaFunction, String>, CudaError> {
+    let f = get(name)?;
+    Ok(f.set_attribute(
+        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        bytes as i32,
+    )
+    .map(|()| f)
+    .map_err(|e| format!("{name} cannot have {bytes} B of shared memory: {e}")))
+}
+
+/// GPTQ block-kernel variants (one column block of the lazy-batched sweep; cuda/sweep.cu header).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GptqBlockVariant {
+    /// v1: gptq_block_kernel, one thread per row, one warp per CTA, U read from global memory; the naive
+    /// baseline: 37.7 ms for 4096 × 4096 (H200, bench gptq_sweep, 2026-12-04).
+    Lane = 1,
+    /// v2: gptq_block_kernel_v2, each row's columns split over 4 warps, U's block in 102 KB of dynamic shared
+    /// memory; the default (bit-identical codes, predicted ~10× faster; not yet measured on a GPU).
+    Split = 2,
+}
+
+impl GptqBlockVariant {
+    pub const ALL: [GptqBlockVariant; 2] = [GptqBlockVariant::Lane, GptqBlockVariant::Split];
 }
 
 /// BoA block-kernel variants (the column block of the wavefront sweep; cuda/sweep.cu header).
@@ -386,6 +427,7 @@ pub fn launch_gptq_sweep(
     stream: &Arc<CudaStream>,
     k: &SweepKernels,
     eng: Trailing,
+    variant: GptqBlockVariant,
     mut buf: GptqBuffers,
     rows: usize,
     n: usize,
@@ -420,7 +462,9 @@ pub fn launch_gptq_sweep(
     let mut i1 = 0;
     while i1 < n {
         let i2 = (i1 + block_size).min(n);
-        launch_gptq_block(stream, k, eng, &mut buf, rows, n, n_groups, i1, i2, maxq)?;
+        launch_gptq_block(
+            stream, k, eng, variant, &mut buf, rows, n, n_groups, i1, i2, maxq,
+        )?;
         i1 = i2;
     }
     Ok(())
@@ -433,6 +477,7 @@ fn launch_gptq_block(
     stream: &Arc<CudaStream>,
     k: &SweepKernels,
     eng: Trailing,
+    variant: GptqBlockVariant,
     buf: &mut GptqBuffers,
     rows: usize,
     n: usize,
@@ -443,14 +488,27 @@ fn launch_gptq_block(
 ) -> Result<(), CudaError> {
     debug_assert!(i1 < i2 && i2 <= n && i2 - i1 <= GPTQ_MAX_BLOCK);
     let (rows32, n32, ng32, maxq_f) = (rows as u32, n as u32, n_groups as u32, maxq as f32);
-    let cfg = LaunchConfig {
-        grid_dim: (rows32.div_ceil(GPTQ_ROWS), 1, 1),
-        block_dim: (GPTQ_ROWS, 1, 1),
-        shared_mem_bytes: 0,
+    let (func, cfg) = match (variant, &k.gptq_block_v2) {
+        (GptqBlockVariant::Split, Ok(f)) => (
+            f,
+            LaunchConfig {
+                grid_dim: (rows32.div_ceil(GPTQ_ROWS), 1, 1),
+                block_dim: (GPTQ_V2_THREADS, 1, 1),
+                shared_mem_bytes: GPTQ_V2_SMEM_BYTES,
+            },
+        ),
+        _ => (
+            &k.gptq_block,
+            LaunchConfig {
+                grid_dim: (rows32.div_ceil(GPTQ_ROWS), 1, 1),
+                block_dim: (GPTQ_ROWS, 1, 1),
+                shared_mem_bytes: 0,
+            },
+        ),
     };
     let (i1_32, i2_32) = (i1 as u32, i2 as u32);
     {
-        let mut lb = stream.launch_builder(&k.gptq_block);
+        let mut lb = stream.launch_builder(func);
         lb.arg(&mut *buf.w)
             .arg(&mut *buf.q)
             .arg(&mut *buf.codes)
@@ -466,9 +524,10 @@ fn launch_gptq_block(
             .arg(&i1_32)
             .arg(&i2_32)
             .arg(&maxq_f);
-        // SAFETY: arguments match gptq_block_kernel(float* w, q, uint8* codes, float* e, const float* u,
-        // scales, zeros, const uint32* col_group, float* loss, uint32 rows, n, n_groups, i1, i2, float maxq); all
-        // buffers have the shapes the callers check, i2 − i1 ≤ 128 = the kernel's smem block, e holds
+        // SAFETY: arguments match gptq_block_kernel and gptq_block_kernel_v2 (the same list: float* w, q, uint8*
+        // codes, float* e, const float* u, scales, zeros, const uint32* col_group, float* loss, uint32 rows, n,
+        // n_groups, i1, i2, float maxq); all buffers have the shapes the callers check, i2 − i1 ≤ 128 = the
+        // kernels' smem block (v2's dynamic smem is the kG2SmemBytes it indexes, opted in at load), e holds
         // (i2 − i1)·rows, and col_group entries are < n_groups (checked by the caller).
         unsafe { lb.launch(cfg) }.map_err(launch_err("launch gptq_block"))?;
     }
@@ -490,6 +549,7 @@ pub fn launch_gptq_sweep_dynamic(
     stream: &Arc<CudaStream>,
     k: &SweepKernels,
     eng: Trailing,
+    variant: GptqBlockVariant,
     d: GptqDynamicBuffers,
     rows: usize,
     n: usize,
@@ -558,7 +618,9 @@ pub fn launch_gptq_sweep_dynamic(
             col_group,
             loss: &mut *loss,
         };
-        launch_gptq_block(stream, k, eng, &mut buf, rows, n, n_groups, i1, i2, maxq)?;
+        launch_gptq_block(
+            stream, k, eng, variant, &mut buf, rows, n, n_groups, i1, i2, maxq,
+        )?;
         i1 = i2;
     }
     Ok(())

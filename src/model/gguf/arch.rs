@@ -517,6 +517,94 @@ pub struct SpecialIds {
     pub pad: Option<u32>,
 }
 
+/// The `rope_scaling` of config.json (Llama 3.1's "llama3" type) that gives the divisors `factors` of a
+/// llama GGUF's rope_freqs tensor (`RopeScaling::llama3_divisors`). The divisors fix `factor` (the largest)
+/// and, through the interpolated band, only the ratios low/original and high/original, which is all the
+/// formula uses: low_freq_factor is taken as 1 (Llama 3.1's and 3.2's) and original_max_position_embeddings
+/// as the nearest integer; a band of one frequency also takes high_freq_factor as 4 (theirs), a band of none
+/// any original between the last unscaled and the first scaled wavelength. The result must reproduce every
+/// divisor to 1e-5, else the file is refused (a rope_freqs of another shape).
+pub fn llama3_rope_scaling(
+    factors: &[f32],
+    theta: f64,
+    d_h: usize,
+) -> Result<serde_json::Value, String> {
+    let f: Vec<f64> = factors.iter().map(|&x| x as f64).collect();
+    let big = f.iter().copied().fold(f64::NAN, f64::max);
+    if factors.len() != d_h / 2
+        || !(big.is_finite() && big > 1.0)
+        || f.iter().any(|&x| x.is_nan() || x < 1.0)
+    {
+        return Err(format!(
+            "rope_freqs ({} values for head_dim {d_h}, largest {big}) are not Llama 3.1 rope-scaling divisors",
+            factors.len()
+        ));
+    }
+    let wl = |i: usize| 2.0 * std::f64::consts::PI * theta.powf((2 * i) as f64 / d_h as f64);
+    // On the interpolated band s = (1/f − 1/F)/(1 − 1/F) = (original/λ − low)/(high − low).
+    let band: Vec<(f64, f64)> = f
+        .iter()
+        .enumerate()
+        .filter(|&(_, &x)| x > 1.0 + 1e-6 && x < big * (1.0 - 1e-6))
+        .map(|(i, &x)| (1.0 / wl(i), (1.0 / x - 1.0 / big) / (1.0 - 1.0 / big)))
+        .collect();
+    let (original, high) = match band.as_slice() {
+        [] => {
+            let last_one = (0..f.len())
+                .filter(|&i| f[i] <= 1.0 + 1e-6)
+                .map(wl)
+                .fold(0.0, f64::max);
+            let first_big = (0..f.len())
+                .filter(|&i| f[i] >= big * (1.0 - 1e-6))
+                .map(wl)
+                .fold(f64::INFINITY, f64::min);
+            ((4.0 * last_one * first_big).sqrt().round(), 4.0)
+        }
+        [(x, s)] => (((3.0 * s + 1.0) / x).round(), 4.0),
+        _ => {
+            // Least squares of s = a·(1/λ) + b: low/original = −b/a, high/original = (1 − b)/a.
+            let n = band.len() as f64;
+            let mx = band.iter().map(|p| p.0).sum::<f64>() / n;
+            let my = band.iter().map(|p| p.1).sum::<f64>() / n;
+            let sxx: f64 = band.iter().map(|p| (p.0 - mx) * (p.0 - mx)).sum();
+            let sxy: f64 = band.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+            let a = sxy / sxx;
+            let b = my - a * mx;
+            let original = (-a / b).round();
+            (
+                original,
+                ((1.0 - b) / a * original * 1024.0).round() / 1024.0,
+            )
+        }
+    };
+    let s = super::super::config::RopeScaling {
+        rope_type: "llama3".into(),
+        factor: big,
+        low_freq_factor: 1.0,
+        high_freq_factor: high,
+        original_max_position_embeddings: original.max(0.0) as usize,
+    };
+    let ok = original >= 1.0
+        && high > 1.0
+        && s.llama3_divisors(theta, d_h)
+            .iter()
+            .zip(&f)
+            .all(|(want, got)| (want - got).abs() <= 1e-5 * got);
+    if !ok {
+        return Err(format!(
+            "rope_freqs are not Llama 3.1 rope-scaling divisors (the nearest: factor {big}, low_freq_factor 1, \
+             high_freq_factor {high}, original_max_position_embeddings {original})"
+        ));
+    }
+    Ok(json!({
+        "rope_type": "llama3",
+        "factor": big,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": original as usize,
+    }))
+}
+
 /// config.json of the imported model, in the form transformers 5 writes for the architecture.
 pub fn config_json(
     h: &Hparams,
@@ -607,6 +695,44 @@ pub fn config_json(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn llama3_rope_scaling_is_recovered_from_its_divisors() {
+        use crate::model::config::RopeScaling;
+        // Llama 3.1 8B (a wide band), and hf_reference.py's tiny llama3 (a band of one frequency).
+        for (theta, d_h, factor, high, original) in [
+            (500000.0, 128, 8.0, 4.0, 8192),
+            (10000.0, 16, 8.0, 4.0, 32),
+            (10000.0, 64, 32.0, 4.0, 2048),
+        ] {
+            let s = RopeScaling {
+                rope_type: "llama3".into(),
+                factor,
+                low_freq_factor: 1.0,
+                high_freq_factor: high,
+                original_max_position_embeddings: original,
+            };
+            let f: Vec<f32> = s
+                .llama3_divisors(theta, d_h)
+                .iter()
+                .map(|&x| x as f32)
+                .collect();
+            let r = llama3_rope_scaling(&f, theta, d_h).unwrap();
+            assert_eq!(r["factor"], factor, "{r}");
+            assert_eq!(r["high_freq_factor"], high, "{r}");
+            assert_eq!(r["original_max_position_embeddings"], original, "{r}");
+        }
+        let mut f: Vec<f32> = vec![1.0, 1.0, 3.0, 8.0, 8.0, 8.0, 8.0, 8.0];
+        assert!(
+            llama3_rope_scaling(&f, 10000.0, 16).is_err(),
+            "3 is no Llama 3.1 divisor there"
+        );
+        f.pop();
+        assert!(
+            llama3_rope_scaling(&f, 10000.0, 16).is_err(),
+            "7 divisors for head_dim 16"
+        );
+    }
+
     use super::*;
 
     /// Two small layers of `arch` (the names' mapping reads only arch, n_layer and the head counts).

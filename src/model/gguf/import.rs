@@ -17,6 +17,7 @@ use serde_json::json;
 
 use super::arch::{
     Arch, Fixup, SpecialIds, config_json, expected_shape, hf_name, hparams, layer_parts,
+    llama3_rope_scaling,
 };
 use super::dequant::{check_dequantizable, dequantize};
 use super::reader::{GgufFile, TensorInfo};
@@ -171,12 +172,22 @@ fn import_into(gguf: &Path, out_dir: &Path, dtype: OutDType) -> Result<ImportSum
 
     // Map every tensor before dequantizing anything, so naming errors come first and cheaply.
     let mut plan: Vec<(&TensorInfo, String, Fixup)> = Vec::with_capacity(g.tensors.len());
+    // Llama 3.1's rope scaling is a tensor in GGUF and a config entry in HF.
+    let mut rope_scaling = None;
     for t in &g.tensors {
         if t.name == "rope_freqs.weight" {
-            return Err(file_err(
-                gguf,
-                "tensor rope_freqs.weight (Llama-3.1-style RoPE frequency scaling) is not supported yet",
-            ));
+            let n = t.n_elements as usize;
+            let bad = |m: String| file_err(gguf, format!("tensor rope_freqs.weight: {m}"));
+            if arch != Arch::Llama || h.gemma.is_some() {
+                return Err(bad(format!(
+                    "the {} architecture has no rope_freqs",
+                    arch.key()
+                )));
+            }
+            check_dequantizable(&t.name, t.ggml_type, t.n_bytes as usize, n)?;
+            let f = dequantize(&t.name, t.ggml_type, g.tensor_data(t), n)?;
+            rope_scaling = Some(llama3_rope_scaling(&f, h.theta, h.head_dim).map_err(bad)?);
+            continue;
         }
         let (hf, fix) = hf_name(&t.name, &h).ok_or_else(|| {
             file_err(
@@ -289,7 +300,10 @@ fn import_into(gguf: &Path, out_dir: &Path, dtype: OutDType) -> Result<ImportSum
         eos: tok.eos_id,
         pad: tok.pad_id,
     };
-    let config = config_json(&h, vocab, tie, &ids, dtype.torch_name());
+    let mut config = config_json(&h, vocab, tie, &ids, dtype.torch_name());
+    if let Some(r) = rope_scaling {
+        config["rope_scaling"] = r;
+    }
     write_atomic(out_dir, "config.json", &json_bytes(&config))?;
     let tk_json = tok
         .tokenizer
