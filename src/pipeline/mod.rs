@@ -574,15 +574,32 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                     let x_next = (needs_calib && l < last_needed).then_some((be, &x[..]));
                     timings.total = base_total + t_start.elapsed().as_secs_f64();
                     let before_save = be.traffic();
-                    let snap = resume::snapshot(l + 1, x_next, &reports, &timings)?;
+                    // A copy of X on the host lets the disk write overlap the next blocks; without room for
+                    // it (twice X free), the write streams X from the backend while the run waits.
+                    let x_bytes =
+                        x_next.map_or(0, |(_, c)| 4 * c.iter().map(Tensor::len).sum::<usize>());
+                    let room = x_bytes == 0
+                        || memory_plan::host_available_bytes()
+                            .is_none_or(|free| free >= 2 * x_bytes as u64);
+                    let copy = room && !resume::test_streamed_saves();
+                    let snap = resume::snapshot(l + 1, x_next, &reports, &timings, copy)?;
+                    match snap.detach() {
+                        resume::Detached::Free(snap) => {
+                            let (tmp, fingerprint) = (folder.tmp.clone(), &fingerprint);
+                            saving = Some(scope.spawn(move || {
+                                let t = Instant::now();
+                                ranged(c"resume save", || {
+                                    resume::persist(&tmp, fingerprint, snap)
+                                })?;
+                                Ok(t.elapsed().as_secs_f64())
+                            }));
+                        }
+                        resume::Detached::Streamed(streamed) => ranged(c"resume save", || {
+                            resume::persist(&folder.tmp, &fingerprint, streamed)
+                        })?,
+                    }
                     traffic_save = be.traffic() - before_save;
                     traffic.resume_saves = traffic.resume_saves + traffic_save;
-                    let (tmp, fingerprint) = (folder.tmp.clone(), &fingerprint);
-                    saving = Some(scope.spawn(move || {
-                        let t = Instant::now();
-                        ranged(c"resume save", || resume::persist(&tmp, fingerprint, snap))?;
-                        Ok(t.elapsed().as_secs_f64())
-                    }));
                     save_cost = t.elapsed().as_secs_f64();
                     timings.write += save_cost;
                     last_save = Instant::now();

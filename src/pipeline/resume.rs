@@ -242,30 +242,40 @@ fn sync_dir(dir: &Path) -> anyhow::Result<()> {
         .map_err(|e| file_err(dir, format!("cannot sync: {e}")))
 }
 
-/// What a checkpoint records, taken on the main thread so that the run can go on while `persist` writes it:
-/// X_{next_block} copied to the host (None when no later block needs it), the reports and timings so far.
-pub struct Snapshot {
+/// What a checkpoint records: X_{next_block} (None when no later block needs it), the reports and timings
+/// so far. Taken on the main thread; with X copied to the host (`Activations::Owned`) the run can go on while
+/// `persist` writes it on another thread.
+pub struct Snapshot<'a> {
     next_block: usize,
-    x: Option<Vec<Vec<f32>>>,
+    x: Option<Activations<'a>>,
     layers: Vec<LayerRecord>,
     seconds: Timings,
 }
 
-/// Takes the snapshot of a checkpoint that records blocks < `next_block` as done (`x`: X_{next_block}, one
-/// chunk at a time through the backend: a device backend copies each out).
-pub fn snapshot(
+/// X as a snapshot holds it: copied out, or still the backend's chunks (read one at a time while written, so
+/// all of X is never on the host at once: for a host too short of memory to hold a copy).
+pub enum Activations<'a> {
+    Owned(Vec<Vec<f32>>),
+    Backend(&'a dyn Backend, &'a [Tensor]),
+}
+
+/// Takes the snapshot of a checkpoint that records blocks < `next_block` as done (`x`: X_{next_block} in the
+/// backend's chunks), X copied out when `copy`.
+pub fn snapshot<'a>(
     next_block: usize,
-    x: Option<(&dyn Backend, &[Tensor])>,
+    x: Option<(&'a dyn Backend, &'a [Tensor])>,
     reports: &[LayerReport],
     timings: &Timings,
-) -> anyhow::Result<Snapshot> {
+    copy: bool,
+) -> anyhow::Result<Snapshot<'a>> {
     let x = match x {
-        Some((be, chunks)) => Some(
+        Some((be, chunks)) if copy => Some(Activations::Owned(
             chunks
                 .iter()
                 .map(|c| be.read(c).map(std::borrow::Cow::into_owned))
                 .collect::<anyhow::Result<_>>()?,
-        ),
+        )),
+        Some((be, chunks)) => Some(Activations::Backend(be, chunks)),
         None => None,
     };
     Ok(Snapshot {
@@ -274,6 +284,33 @@ pub fn snapshot(
         layers: reports.iter().map(to_record).collect(),
         seconds: timings.clone(),
     })
+}
+
+/// A snapshot split by whether another thread may write it.
+pub enum Detached<'a> {
+    /// Borrows nothing (X copied out, or none).
+    Free(Snapshot<'static>),
+    /// Still reads X from the backend.
+    Streamed(Snapshot<'a>),
+}
+
+impl<'a> Snapshot<'a> {
+    /// The snapshot as one that borrows nothing, for another thread, when it can be.
+    pub fn detach(self) -> Detached<'a> {
+        let x = match self.x {
+            None => None,
+            Some(Activations::Owned(v)) => Some(Activations::Owned(v)),
+            Some(b @ Activations::Backend(..)) => {
+                return Detached::Streamed(Snapshot { x: Some(b), ..self });
+            }
+        };
+        Detached::Free(Snapshot {
+            next_block: self.next_block,
+            x,
+            layers: self.layers,
+            seconds: self.seconds,
+        })
+    }
 }
 
 /// Makes `snap` durable: the shards written so far synced, X written, then the state that names them; the
@@ -293,15 +330,27 @@ pub fn persist(tmp: &Path, fingerprint: &Value, snap: Snapshot) -> anyhow::Resul
     }
     let mut x_len = 0;
     let activations = match &snap.x {
-        Some(chunks) => {
+        Some(x) => {
             let name = x_name(snap.next_block);
             write_atomic(&dir.join(&name), |f| {
                 let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
-                for values in chunks {
+                let mut put = |values: &[f32]| -> std::io::Result<()> {
                     x_len += values.len();
                     for c in values.chunks(1 << 16) {
                         let b: Vec<u8> = c.iter().flat_map(|v| v.to_le_bytes()).collect();
                         w.write_all(&b)?;
+                    }
+                    Ok(())
+                };
+                match x {
+                    Activations::Owned(chunks) => chunks.iter().try_for_each(|c| put(c))?,
+                    Activations::Backend(be, chunks) => {
+                        for chunk in chunks.iter() {
+                            let values = be
+                                .read(chunk)
+                                .map_err(|e| std::io::Error::other(format!("{e:#}")))?;
+                            put(&values)?;
+                        }
                     }
                 }
                 w.flush()
@@ -609,6 +658,12 @@ pub fn test_hooks(l: usize) -> anyhow::Result<()> {
         ));
     }
     Ok(())
+}
+
+/// Test hook: `BOA_TEST_STREAMED_SAVES` set makes every resume save stream X from the backend on the main
+/// thread, as a host without room for a copy of X does (the path no test machine takes by itself).
+pub fn test_streamed_saves() -> bool {
+    std::env::var_os("BOA_TEST_STREAMED_SAVES").is_some()
 }
 
 /// Fails when the file system holding `dir` has less room than `need` bytes minus what `dir` already holds
