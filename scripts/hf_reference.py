@@ -26,6 +26,7 @@ def common(vocab):
 
 def configs(vocab):
     c = common(vocab)
+    kq = {**c, "hidden_size": 256, "intermediate_size": 256, "num_hidden_layers": 4}
     return {
         # Llama 3.x: GQA, untied head, rope scaling with a short original context so the scaled band is used.
         "llama3": LlamaConfig(**c, tie_word_embeddings=False,
@@ -88,6 +89,19 @@ def configs(vocab):
                                          num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
                                          use_sliding_window=False, tie_word_embeddings=False,
                                          rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+        # Mixtures of experts sized for the K-quants (tests/gguf_export.rs, --gguf-type): inputs of 256 (one
+        # super-block), 4 layers (llama.cpp's use_more_bits marks 2 and 3), 8 experts (where llama.cpp's
+        # Mixtral rules apply) and 4 (where they do not).
+        "mixtral_kq": MixtralConfig(**kq, num_local_experts=8, num_experts_per_tok=2, sliding_window=None,
+                                    tie_word_embeddings=False,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+        "qwen2_moe_kq": Qwen2MoeConfig(**kq, moe_intermediate_size=256, shared_expert_intermediate_size=256,
+                                       num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                                       use_sliding_window=False, tie_word_embeddings=False,
+                                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+        "qwen3_moe_kq": Qwen3MoeConfig(**kq, head_dim=64, moe_intermediate_size=256, num_experts=4,
+                                       num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False,
+                                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
     }
 
 

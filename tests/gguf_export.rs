@@ -19,7 +19,7 @@ use boa_cuda::model::gguf::{GgmlType, GgufFile};
 use common::{
     assert_user_error, check_loader_ppl, demo_model, llamacpp_python, pyref_python, run, texts_dir,
 };
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 const SEQLEN: &str = "128";
@@ -314,12 +314,7 @@ fn gguf_type_files_hold_the_sweeps_weights_in_llama_cpps_types() {
             assert_eq!(code, 0, "run {choice} {format}: {err}");
         }
         let file = out.join("model.gguf");
-        let o = Command::new(&py)
-            .arg("scripts/check_gguf_weights.py")
-            .args([s(&file), s(&fake)])
-            .output()
-            .unwrap();
-        let row = last_json(&o, "check_gguf_weights.py");
+        let row = gguf_weights(&py, &file, &fake);
         let n_layers = layers
             .split_once('-')
             .map(|(a, b)| b.parse::<u64>().unwrap() - a.parse::<u64>().unwrap() + 1)
@@ -346,16 +341,7 @@ fn gguf_type_files_hold_the_sweeps_weights_in_llama_cpps_types() {
 
         // llama.cpp's choice of type for every linear of the quantized layers.
         let theirs = tmp.path().join(format!("{choice}-llama.gguf"));
-        let o = Command::new(&llama)
-            .arg("scripts/llamacpp_quantize.py")
-            .args([s(&file), s(&theirs), choice, "--requantize"])
-            .output()
-            .unwrap();
-        assert!(
-            o.status.success(),
-            "llamacpp_quantize.py {choice}: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
+        llamacpp_requantize(&llama, &file, &theirs, choice);
         let g = GgufFile::open(&theirs).unwrap();
         for (name, ty) in our_types {
             let ty = ty.as_str().unwrap();
@@ -535,24 +521,15 @@ fn gguf_refusals_come_before_any_work() {
 /// twin too. Mistral's sliding window and Gemma 3 (not written) are refused before work.
 #[test]
 fn gguf_qwen2_and_qwen3_load_in_transformers_and_llama_cpp() {
-    let py = pyref_python("gguf, numpy, safetensors, transformers");
-    let llama = llamacpp_python("llama_cpp, numpy");
-    let tmp = tempfile::tempdir().unwrap();
-    let text = texts_dir().join("moby-dick.txt");
+    let (py, llama, tmp, text) = random_model_setup(&[
+        "qwen2",
+        "qwen3",
+        "qwen3_hd128",
+        "llama3",
+        "mistral",
+        "gemma3",
+    ]);
     let (seqlen, windows) = ("64", "2");
-    random_models(
-        &py,
-        tmp.path(),
-        &text,
-        &[
-            "qwen2",
-            "qwen3",
-            "qwen3_hd128",
-            "llama3",
-            "mistral",
-            "gemma3",
-        ],
-    );
     let boa: Vec<&str> = vec![
         "--method",
         "boa",
@@ -627,12 +604,7 @@ fn gguf_qwen2_and_qwen3_load_in_transformers_and_llama_cpp() {
         }
 
         // The `gguf` package's dequantizer: every linear equal to the fake twin's, no rows permuted.
-        let o = Command::new(&py)
-            .arg("scripts/check_gguf_weights.py")
-            .args([s(&file), s(&fake)])
-            .output()
-            .unwrap();
-        let row = last_json(&o, "check_gguf_weights.py");
+        let row = gguf_weights(&py, &file, &fake);
         // 2 layers × 7 linears.
         assert_eq!(row["compared"], 14, "{name} {tag}: {row}");
         assert_eq!(row["mismatched"], serde_json::json!([]), "{name} {tag}");
@@ -684,8 +656,7 @@ fn gguf_qwen2_and_qwen3_load_in_transformers_and_llama_cpp() {
             &file,
             tmp.path().join(format!("{name}-{tag}-f32.gguf")),
         );
-        let mut row = llamacpp_ppl(&llama, &f32_file, &text, seqlen, windows);
-        row["loader"] = "llama.cpp (F32 twin)".into();
+        let row = llamacpp_f32_ppl(&llama, &f32_file, &text, seqlen, windows);
         check_loader_ppl(
             &mut failures,
             &out,
@@ -696,9 +667,23 @@ fn gguf_qwen2_and_qwen3_load_in_transformers_and_llama_cpp() {
         );
     }
     let out = tmp.path().join("refused");
+    // Llama 3.1's rope scaling on a Qwen2: llama.cpp's qwen2 reads no rope_freqs.
+    let scaled = tmp.path().join("qwen2_scaled");
+    copy_dir(&tmp.path().join("qwen2"), &scaled);
+    let cfg_path = scaled.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&cfg_path).unwrap()).unwrap();
+    cfg["rope_parameters"] = serde_json::json!({"rope_type": "llama3", "rope_theta": 1000000.0,
+        "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32});
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
     for (arch, needles) in [
         ("mistral", ["gguf", "slides over 40"]),
         ("gemma3", ["gguf", "Gemma3ForCausalLM"]),
+        (
+            "qwen2_scaled",
+            ["rope_scaling", "\"qwen2\" architecture reads no rope_freqs"],
+        ),
     ] {
         let model = tmp.path().join(arch);
         assert_gguf_refused(&model, &out, &needles);
@@ -715,27 +700,18 @@ fn gguf_qwen2_and_qwen3_load_in_transformers_and_llama_cpp() {
 /// gives every expert's weights bit for bit; llama.cpp on the same file dequantized to F32
 /// (scripts/gguf_to_f32.py) gives the fake twin's perplexity to f32 rounding, and on the file itself the same
 /// up to its Q8_0 activations, which on these random routers also flip some tokens' top-2 experts.
-/// A weighting llama.cpp would not apply is refused before work, and import-gguf refuses the files (it reads no
-/// mixture of experts).
+/// import-gguf reads each file back (experts unstacked, the router's weighting llama.cpp applies written as
+/// norm_topk_prob) to the fake twin's perplexity. A weighting llama.cpp would not apply is refused before work.
 #[test]
 fn gguf_moe_models_run_in_llama_cpp() {
-    let py = pyref_python("gguf, numpy, safetensors, transformers");
-    let llama = llamacpp_python("llama_cpp, numpy");
-    let tmp = tempfile::tempdir().unwrap();
-    let text = texts_dir().join("moby-dick.txt");
+    let (py, llama, tmp, text) = random_model_setup(&[
+        "qwen3_moe_gguf",
+        "qwen2_moe_gguf",
+        "mixtral",
+        "qwen3_moe",
+        "qwen2_moe",
+    ]);
     let (seqlen, windows) = ("64", "2");
-    random_models(
-        &py,
-        tmp.path(),
-        &text,
-        &[
-            "qwen3_moe_gguf",
-            "qwen2_moe_gguf",
-            "mixtral",
-            "qwen3_moe",
-            "qwen2_moe",
-        ],
-    );
     let gptq = [
         "--method",
         "gptq",
@@ -801,12 +777,7 @@ fn gguf_moe_models_run_in_llama_cpp() {
             assert_eq!(t("blk.0.ffn_up_shexp.weight").ggml_type, GgmlType::F32);
         }
 
-        let o = Command::new(&py)
-            .arg("scripts/check_gguf_weights.py")
-            .args([s(&file), s(&fake)])
-            .output()
-            .unwrap();
-        let row = last_json(&o, "check_gguf_weights.py");
+        let row = gguf_weights(&py, &file, &fake);
         assert_eq!(row["compared"], linears, "{name}: {row}");
         assert_eq!(row["mismatched"], serde_json::json!([]), "{name}");
 
@@ -827,8 +798,7 @@ fn gguf_moe_models_run_in_llama_cpp() {
             &file,
             tmp.path().join(format!("{name}-{layers}-f32.gguf")),
         );
-        let mut row = llamacpp_ppl(&llama, &f32_file, &text, seqlen, windows);
-        row["loader"] = "llama.cpp (F32 twin)".into();
+        let row = llamacpp_f32_ppl(&llama, &f32_file, &text, seqlen, windows);
         check_loader_ppl(
             &mut failures,
             &out,
@@ -837,33 +807,17 @@ fn gguf_moe_models_run_in_llama_cpp() {
             want,
             TOL,
         );
-        assert_user_error(
-            &[
-                "import-gguf",
-                s(&file),
-                "--out",
-                s(&tmp.path().join("imported")),
-            ],
-            &["mixture-of-experts"],
+        // import-gguf unstacks the experts again: the fake twin's perplexity.
+        let imported = tmp.path().join(format!("{name}-{layers}-imported"));
+        let (code, _, err) = run(&["import-gguf", s(&file), "--out", s(&imported)]);
+        assert_eq!(code, 0, "import-gguf {name} {layers}: {err}");
+        let back = common::eval_ppl(&imported, &text, seqlen, windows);
+        assert!(
+            (back - want).abs() <= 1e-9 * want,
+            "{name} {layers}: import-gguf + eval {back} vs the fake folder's {want}"
         );
     }
     let out = tmp.path().join("refused");
-    assert_user_error(
-        &[
-            "run",
-            "--model",
-            s(&tmp.path().join("mixtral")),
-            "--out",
-            s(&out),
-            "--format",
-            "gguf",
-            "--gguf-type",
-            "q4_k_m",
-            "--method",
-            "rtn",
-        ],
-        &["--gguf-type q4_k_m", "mixture-of-experts"],
-    );
     for (name, needle) in [
         ("qwen3_moe", "always renormalizes"),
         ("qwen2_moe", "never renormalizes"),
@@ -872,6 +826,114 @@ fn gguf_moe_models_run_in_llama_cpp() {
     }
     assert!(!out.exists(), "a refused run wrote {}", out.display());
     assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// `--gguf-type` on mixtures of experts: every preset llama.cpp makes without an importance matrix, on random
+/// K-quant-sized Mixtral and Qwen2-MoE with 8 experts (llama.cpp's Mixtral rules: attn_k and attn_v Q8_0,
+/// attn_output Q5_K but in Q3_K_L) and a Qwen3-MoE with 4 (its dense rules), RTN, and Q4_K_M also with GPTQ.
+/// llama.cpp's quantizer, given our file (`--requantize`), picks the type we wrote for every tensor of every
+/// block; the `gguf` package's dequantizer gives the GPTQ file's linears as the fake twin has them, and
+/// llama.cpp on its F32 twin the fake twin's perplexity to f32 rounding.
+#[test]
+fn gguf_type_presets_on_mixtures_of_experts_match_llama_cpp() {
+    let (py, llama, tmp, text) =
+        random_model_setup(&["mixtral_kq", "qwen2_moe_kq", "qwen3_moe_kq"]);
+    let (seqlen, windows) = ("64", "2");
+    let presets = [
+        "q2_k_mix", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m",
+    ];
+    let mut failures = Vec::new();
+    // (model, linears the gguf package compares: 4 layers × (4 attention + 3 per expert + 3 shared), GGUF
+    // tensors of the blocks: 4 × (2 norms, 4 attention, router, 3 stacked experts; Qwen2-MoE's biases, shared
+    // expert and its gate; Qwen3-MoE's q/k norms))
+    for (name, linears, blk_tensors) in [
+        ("mixtral_kq", 112, 40),
+        ("qwen2_moe_kq", 124, 68),
+        ("qwen3_moe_kq", 64, 48),
+    ] {
+        let model = tmp.path().join(name);
+        let gptq = [
+            "--method",
+            "gptq",
+            "--gguf-type",
+            "q4_k_m",
+            "--nsamples",
+            "4",
+            "--seqlen",
+            "64",
+            "--calib",
+            s(&text),
+        ];
+        let mut runs: Vec<(String, Vec<&str>)> = presets
+            .iter()
+            .map(|&p| {
+                (
+                    format!("{p}-rtn"),
+                    vec!["--method", "rtn", "--gguf-type", p],
+                )
+            })
+            .collect();
+        runs.push(("q4_k_m-gptq".into(), gptq.to_vec()));
+        for (tag, args) in &runs {
+            let choice = args[3];
+            let out = tmp.path().join(format!("{name}-{tag}"));
+            quantize_model(&model, &out, "gguf", args);
+            let file = out.join("model.gguf");
+            let theirs = tmp.path().join(format!("{name}-{tag}-llama.gguf"));
+            llamacpp_requantize(&llama, &file, &theirs, choice);
+            let (ours_g, theirs_g) = (
+                GgufFile::open(&file).unwrap(),
+                GgufFile::open(&theirs).unwrap(),
+            );
+            let mut blk = 0;
+            for t in ours_g.tensors.iter().filter(|t| t.name.starts_with("blk.")) {
+                blk += 1;
+                let their = theirs_g.tensor(&t.name).map(|x| x.ggml_type);
+                if their != Some(t.ggml_type) {
+                    failures.push(format!(
+                        "{name} {tag}: {} is {} here, {their:?} in llama.cpp's",
+                        t.name, t.ggml_type
+                    ));
+                }
+            }
+            assert_eq!(blk, blk_tensors, "{name} {tag}: block tensors");
+            if tag.ends_with("gptq") {
+                // --gguf-type decides the grids of the fake twin too (no --sym or groups to add).
+                let fake = tmp.path().join(format!("{name}-{tag}-fake"));
+                let mut a = vec!["run", "--model", s(&model), "--out", s(&fake)];
+                a.extend(["--format", "fake", "--quiet"]);
+                a.extend_from_slice(args);
+                let (code, _, err) = run(&a);
+                assert_eq!(code, 0, "run {name} {tag} fake: {err}");
+                let row = gguf_weights(&py, &file, &fake);
+                assert_eq!(row["compared"], linears, "{name}: {row}");
+                assert_eq!(row["mismatched"], serde_json::json!([]), "{name}");
+                let want = common::eval_ppl(&fake, &text, seqlen, windows);
+                let f32_file = f32_twin(&py, &file, tmp.path().join(format!("{name}-f32.gguf")));
+                let row = llamacpp_f32_ppl(&llama, &f32_file, &text, seqlen, windows);
+                check_loader_ppl(
+                    &mut failures,
+                    &out,
+                    &row,
+                    "eval of the fake folder",
+                    want,
+                    TOL,
+                );
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// The tools, a scratch folder and the text of the random-model tests, with the models `names` built there
+/// (`random_models`).
+fn random_model_setup(names: &[&str]) -> (PathBuf, PathBuf, tempfile::TempDir, PathBuf) {
+    let py = pyref_python("gguf, numpy, safetensors, transformers");
+    let llama = llamacpp_python("llama_cpp, numpy");
+    let tmp = tempfile::tempdir().unwrap();
+    let text = texts_dir().join("moby-dick.txt");
+    random_models(&py, tmp.path(), &text, names);
+    (py, llama, tmp, text)
 }
 
 /// Small random models of `scripts/hf_reference.py`'s configs `names` in `dir`, with the demo tokenizer
@@ -913,8 +975,48 @@ fn llamacpp_ppl(
     row
 }
 
+/// scripts/check_gguf_weights.py's row for GGUF `file` against the `--format fake` folder `fake` (every
+/// linear dequantized by the `gguf` package and compared bit for bit).
+fn gguf_weights(py: &Path, file: &Path, fake: &Path) -> serde_json::Value {
+    let o = Command::new(py)
+        .arg("scripts/check_gguf_weights.py")
+        .args([s(file), s(fake)])
+        .output()
+        .unwrap();
+    last_json(&o, "check_gguf_weights.py")
+}
+
+/// llama.cpp's quantizer on our `file` with our `--gguf-type` `choice` (scripts/llamacpp_quantize.py
+/// --requantize), written to `theirs`: the type it picks for each tensor.
+fn llamacpp_requantize(llama: &Path, file: &Path, theirs: &Path, choice: &str) {
+    let o = Command::new(llama)
+        .arg("scripts/llamacpp_quantize.py")
+        .args([s(file), s(theirs), choice, "--requantize"])
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "llamacpp_quantize.py {} {choice}: {}",
+        file.display(),
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+/// `llamacpp_ppl` of an F32 twin (`f32_twin`), labelled as such.
+fn llamacpp_f32_ppl(
+    llama: &Path,
+    f32_file: &Path,
+    text: &Path,
+    seqlen: &str,
+    windows: &str,
+) -> serde_json::Value {
+    let mut row = llamacpp_ppl(llama, f32_file, text, seqlen, windows);
+    row["loader"] = "llama.cpp (F32 twin)".into();
+    row
+}
+
 /// `file` with every tensor dequantized to F32 (scripts/gguf_to_f32.py), written to `dst`.
-fn f32_twin(py: &Path, file: &Path, dst: std::path::PathBuf) -> std::path::PathBuf {
+fn f32_twin(py: &Path, file: &Path, dst: PathBuf) -> PathBuf {
     let o = Command::new(py)
         .arg("scripts/gguf_to_f32.py")
         .args([s(file), s(&dst)])

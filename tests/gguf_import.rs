@@ -556,7 +556,8 @@ fn hostile_ggufs_give_clear_errors() {
     let bert = synthetic("bert").bytes;
     expect_err(
         &write_file(&dir, "bert.gguf", &bert),
-        "general.architecture is \"bert\"; only \"llama\", \"qwen2\", \"qwen3\" and \"gemma3\" are supported",
+        "general.architecture is \"bert\"; only \"llama\" (Mixtral included), \"qwen2\", \"qwen3\", \"gemma3\", \
+         \"qwen2moe\" and \"qwen3moe\" are supported",
     );
 
     // Through the binary: one line, exit code 2, nothing at --out.
@@ -573,8 +574,7 @@ fn hostile_ggufs_give_clear_errors() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(
-        err.starts_with("error:")
-            && err.contains("only \"llama\", \"qwen2\", \"qwen3\" and \"gemma3\" are supported"),
+        err.starts_with("error:") && err.contains("\"qwen2moe\" and \"qwen3moe\" are supported"),
         "{err}"
     );
     assert!(!err.contains("panicked") && !out.join("model.safetensors").exists());
@@ -612,6 +612,8 @@ fn gguf_fields_that_would_be_ignored_are_refused() {
             Kv::F32(-1.0),
             "llama.rope.freq_base",
         ),
+        // Experts declared (Mixtral) over a dense MLP: its ffn_gate has no place, and no expert is given.
+        ("llama.expert_count", Kv::U32(4), "expert_used_count"),
     ];
     for (i, (key, v, needle)) in cases.into_iter().enumerate() {
         let b = synthetic_kvs("llama", "gpt2", "smollm", false, vec![(key, v)]).bytes;
@@ -628,6 +630,21 @@ fn gguf_fields_that_would_be_ignored_are_refused() {
     .bytes;
     let p = write_file(&dir, "dims-ok.gguf", &b);
     import_gguf(&p, &dir.join("dims-ok"), OutDType::F32).unwrap();
+    let b = synthetic_kvs(
+        "llama",
+        "gpt2",
+        "smollm",
+        false,
+        vec![
+            ("llama.expert_count", Kv::U32(4)),
+            ("llama.expert_used_count", Kv::U32(2)),
+        ],
+    )
+    .bytes;
+    expect_err(
+        &write_file(&dir, "dense-experts.gguf", &b),
+        "blk.0.ffn_gate.weight has no Hugging Face llama counterpart",
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -1,6 +1,7 @@
 //! `--gguf-type`: the GGUF block type of each linear. Either one type for all (llama.cpp's `--pure`), or one
-//! of llama.cpp's K-quant presets (its `llama_tensor_get_type_impl` for the llama architecture without
-//! experts, linears only). Either way a linear whose input width is not a whole number of the type's blocks
+//! of llama.cpp's K-quant presets (its `llama_tensor_get_type_impl`, linears only; with its mixture-of-experts
+//! rules: an expert's or shared expert's ffn_down counts its layer, and a model of exactly 8 experts gets
+//! attn_k and attn_v in Q8_0 and attn_output in Q5_K for most presets). Either way a linear whose input width is not a whole number of the type's blocks
 //! falls back as llama.cpp's `tensor_type_fallback` (llama-cpp-python 0.3.36's vendored llama.cpp) does:
 //! Q2_K/Q3_K → Q4_0, Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0. So a file of ours and llama.cpp's quantization
 //! of the same model with the same choice hold the same type in every tensor, and have the same size.
@@ -120,7 +121,7 @@ impl GgufType {
     }
 
     /// The type of the linear `role` of block `layer` (of `n_layers`) with `d_in` inputs, in a model with
-    /// `n_gqa` query heads per KV head.
+    /// `n_gqa` query heads per KV head and `n_expert` experts per block (0 without experts).
     pub fn linear_type(
         self,
         role: Role,
@@ -128,10 +129,13 @@ impl GgufType {
         n_layers: usize,
         d_in: usize,
         n_gqa: usize,
+        n_expert: usize,
     ) -> GgmlType {
         let ty = match self {
             GgufType::Pure(ty) => ty,
-            GgufType::Preset(p) => preset_type(p, self.base(), role, layer, n_layers, n_gqa),
+            GgufType::Preset(p) => {
+                preset_type(p, self.base(), role, layer, n_layers, n_gqa, n_expert)
+            }
         };
         fallback(ty, d_in)
     }
@@ -149,8 +153,8 @@ impl GgufType {
             Role::Down,
         ] {
             for layer in 0..64 {
-                for d_in in [256, 32] {
-                    let t = self.linear_type(role, layer, 64, d_in, 4);
+                for (d_in, n_expert) in [(256, 0), (32, 0), (256, 8), (32, 8)] {
+                    let t = self.linear_type(role, layer, 64, d_in, 4, n_expert);
                     if !out.contains(&t) {
                         out.push(t);
                     }
@@ -166,8 +170,12 @@ fn use_more_bits(i: usize, n: usize) -> bool {
     i < n / 8 || i >= 7 * n / 8 || (i as i64 - (n / 8) as i64).rem_euclid(3) == 2
 }
 
-/// llama.cpp's per-tensor rules of the K-quant presets for the llama architecture (no experts, not 70B):
-/// attn_v counts its tensors in layer order, so its index is the layer.
+/// llama.cpp's per-tensor rules of the K-quant presets (not 70B): attn_v counts its tensors in layer order,
+/// so its index is the layer; ffn_down (an expert's stacked tensor or the shared expert's) takes its layer
+/// from its name, over the model's layers. Exactly 8 experts (Mixtral 8x7B's count, which llama.cpp's rules
+/// test for) put attn_k and attn_v in Q8_0 and attn_output in Q5_K for Q2_K, Q3_K_S/M and Q4_K_S/M; checked
+/// against llama.cpp's own quantizer on random 8-expert Mixtral and Qwen2-MoE and a 4-expert Qwen3-MoE
+/// (tests/gguf_export.rs).
 fn preset_type(
     p: Preset,
     base: GgmlType,
@@ -175,8 +183,21 @@ fn preset_type(
     i: usize,
     n: usize,
     n_gqa: usize,
+    n_expert: usize,
 ) -> GgmlType {
     use GgmlType::*;
+    if n_expert == 8 {
+        match role {
+            Role::K | Role::V => return Q8_0,
+            Role::O => {
+                return match p {
+                    Preset::Q2K | Preset::Q3KS | Preset::Q3KM | Preset::Q4KS | Preset::Q4KM => Q5_K,
+                    _ => base,
+                };
+            }
+            _ => {}
+        }
+    }
     match role {
         Role::V => match p {
             Preset::Q2K => {
@@ -256,19 +277,25 @@ mod tests {
         assert!(GgufType::parse("q4_k_x").is_err());
         // SmolLM2: d_in 576 (q/k/v/o/gate/up) is not a multiple of 256, 1536 (down) is.
         let t = GgufType::parse("q4_k").unwrap();
-        assert_eq!(t.linear_type(Role::Q, 0, 30, 576, 3), GgmlType::Q5_0);
-        assert_eq!(t.linear_type(Role::Down, 0, 30, 1536, 3), GgmlType::Q4_K);
+        assert_eq!(t.linear_type(Role::Q, 0, 30, 576, 3, 0), GgmlType::Q5_0);
+        assert_eq!(t.linear_type(Role::Down, 0, 30, 1536, 3, 0), GgmlType::Q4_K);
         let t = GgufType::parse("q2_k").unwrap();
-        assert_eq!(t.linear_type(Role::Up, 5, 30, 576, 3), GgmlType::Q4_0);
-        assert_eq!(t.linear_type(Role::Down, 5, 30, 1536, 3), GgmlType::Q2_K);
+        assert_eq!(t.linear_type(Role::Up, 5, 30, 576, 3, 0), GgmlType::Q4_0);
+        assert_eq!(t.linear_type(Role::Down, 5, 30, 1536, 3, 0), GgmlType::Q2_K);
         // Q4_K_M: ffn_down and attn_v in Q6_K on use_more_bits layers (0..3, 26..29, and 5, 8, …).
         let m = GgufType::parse("q4_k_m").unwrap();
         let down: Vec<usize> = (0..30)
-            .filter(|&l| m.linear_type(Role::Down, l, 30, 4096, 8) == GgmlType::Q6_K)
+            .filter(|&l| m.linear_type(Role::Down, l, 30, 4096, 8, 0) == GgmlType::Q6_K)
             .collect();
         assert_eq!(down, [0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29]);
-        assert_eq!(m.linear_type(Role::Q, 3, 30, 4096, 8), GgmlType::Q4_K);
-        assert_eq!(m.linear_type(Role::V, 3, 30, 576, 3), GgmlType::Q5_0);
-        assert_eq!(m.linear_type(Role::V, 0, 30, 576, 3), GgmlType::Q8_0);
+        assert_eq!(m.linear_type(Role::Q, 3, 30, 4096, 8, 0), GgmlType::Q4_K);
+        assert_eq!(m.linear_type(Role::V, 3, 30, 576, 3, 0), GgmlType::Q5_0);
+        assert_eq!(m.linear_type(Role::V, 0, 30, 576, 3, 0), GgmlType::Q8_0);
+        // Mixtral 8x7B's rules: attn_k and attn_v Q8_0, attn_output Q5_K (Q3_K_L keeps its Q3_K).
+        assert_eq!(m.linear_type(Role::K, 3, 32, 4096, 4, 8), GgmlType::Q8_0);
+        assert_eq!(m.linear_type(Role::O, 3, 32, 4096, 4, 8), GgmlType::Q5_K);
+        let l = GgufType::parse("q3_k_l").unwrap();
+        assert_eq!(l.linear_type(Role::O, 3, 32, 4096, 4, 8), GgmlType::Q3_K);
+        assert_eq!(l.linear_type(Role::O, 3, 32, 4096, 4, 4), GgmlType::Q5_K);
     }
 }

@@ -192,14 +192,6 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
     if gguf {
         crate::export::gguf_model::check_model(&model.cfg, &model.dir)
             .map_err(|m| crate::input_err!("{m}"))?;
-        if let (Some(t), Some(_)) = (opts.gguf_type, &model.cfg.block.moe) {
-            return Err(crate::input_err!(
-                "--gguf-type {} with a mixture-of-experts model is not written yet (llama.cpp's presets \
-                 choose the experts' and attention's types by the expert count): without it, --format gguf \
-                 writes Q4_0 or Q8_0 by --wbits",
-                t.name()
-            ));
-        }
     } else if opts.group_size == options::GroupSize::Auto {
         progress.line(&match resolved.group_size.columns() {
             Some(g) => format!(

@@ -58,8 +58,9 @@ pub fn gguf_type(
     ld: &LinearDesc,
 ) -> Option<GgmlType> {
     let n_gqa = cfg.n_heads / cfg.n_kv_heads.max(1);
+    let n_expert = cfg.block.moe.as_ref().map_or(0, |m| m.n_experts);
     opts.gguf_type
-        .map(|t| t.linear_type(ld.role, layer, cfg.n_layers, ld.d_in, n_gqa))
+        .map(|t| t.linear_type(ld.role, layer, cfg.n_layers, ld.d_in, n_gqa, n_expert))
 }
 
 /// What linear `ld` is quantized to: its GGUF type's grids under `--gguf-type` (model/gguf/codec.rs), else

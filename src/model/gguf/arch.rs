@@ -25,26 +25,21 @@ pub enum Arch {
     Qwen2,
     Qwen3,
     Gemma3,
-    /// Written by `--format gguf` only (import-gguf refuses mixture-of-experts files).
     Qwen2Moe,
     Qwen3Moe,
 }
 
 impl Arch {
     pub fn of(g: &GgufFile) -> Result<Arch> {
-        const SUPPORTED: &str = "only \"llama\", \"qwen2\", \"qwen3\" and \"gemma3\" are supported";
+        const SUPPORTED: &str = "only \"llama\" (Mixtral included), \"qwen2\", \"qwen3\", \"gemma3\", \
+                                 \"qwen2moe\" and \"qwen3moe\" are supported";
         match g.get_str("general.architecture")? {
             Some("llama") => Ok(Arch::Llama),
             Some("qwen2") => Ok(Arch::Qwen2),
             Some("qwen3") => Ok(Arch::Qwen3),
             Some("gemma3") => Ok(Arch::Gemma3),
-            Some(moe @ ("qwen2moe" | "qwen3moe")) => Err(file_err(
-                &g.path,
-                format!(
-                    "general.architecture is {moe:?}: mixture-of-experts GGUFs are not supported (import \
-                     the model's safetensors folder instead)"
-                ),
-            )),
+            Some("qwen2moe") => Ok(Arch::Qwen2Moe),
+            Some("qwen3moe") => Ok(Arch::Qwen3Moe),
             Some(other) => Err(file_err(
                 &g.path,
                 format!("general.architecture is {other:?}; {SUPPORTED}"),
@@ -128,6 +123,18 @@ pub struct Hparams {
     pub theta: f64,
     pub ctx: u64,
     pub gemma: Option<GemmaHparams>,
+    pub moe: Option<MoeHparams>,
+}
+
+/// A mixture-of-experts block's sizes (llama with `expert_count` is Mixtral).
+#[derive(Debug, Clone)]
+pub struct MoeHparams {
+    pub n_expert: usize,
+    pub n_used: usize,
+    /// Each expert's hidden width.
+    pub d_expert: usize,
+    /// Qwen2-MoE's shared expert's hidden width.
+    pub d_shared: Option<usize>,
 }
 
 /// What only Gemma 3 has.
@@ -176,6 +183,7 @@ pub fn hparams(g: &GgufFile, arch: Arch) -> Result<Hparams> {
         }),
         ctx: g.get_u64(&k("context_length"))?.unwrap_or(2048),
         gemma: None,
+        moe: None,
     };
     if h.n_layer == 0
         || h.d == 0
@@ -235,13 +243,7 @@ pub fn hparams(g: &GgufFile, arch: Arch) -> Result<Hparams> {
             h.theta
         ));
     }
-    if let Some(n) = g.get_u64(&k("expert_count"))?
-        && n > 0
-    {
-        return bad(format!(
-            "mixture-of-experts {a} GGUFs ({n} experts) are not supported"
-        ));
-    }
+    h.moe = moe_hparams(g, &h)?;
     let scaling = g.get_str(&k("rope.scaling.type"))?;
     match (arch, scaling) {
         (_, None | Some("none")) => {}
@@ -256,6 +258,55 @@ pub fn hparams(g: &GgufFile, arch: Arch) -> Result<Hparams> {
         h.gemma = Some(gemma_hparams(g, &h, scaling == Some("linear"))?);
     }
     Ok(h)
+}
+
+/// The expert sizes of a mixture-of-experts file: `expert_count` and `expert_used_count`; the experts' width
+/// from `expert_feed_forward_length` (the llama architecture's Mixtral uses feed_forward_length), Qwen2-MoE's
+/// shared expert's from `expert_shared_feed_forward_length`. None for a dense file (qwen2moe and qwen3moe
+/// must have experts; gemma3, qwen2 and qwen3 must not).
+fn moe_hparams(g: &GgufFile, h: &Hparams) -> Result<Option<MoeHparams>> {
+    let a = h.arch.key();
+    let k = |name: &str| format!("{a}.{name}");
+    let bad = |msg: String| Err(file_err(&g.path, msg));
+    let n_expert = g.get_u64(&k("expert_count"))?.unwrap_or(0) as usize;
+    let moe_arch = matches!(h.arch, Arch::Qwen2Moe | Arch::Qwen3Moe);
+    match (n_expert, h.arch) {
+        (0, _) if moe_arch => return bad(format!("{a}.expert_count is missing or 0")),
+        (0, _) => return Ok(None),
+        (_, Arch::Llama | Arch::Qwen2Moe | Arch::Qwen3Moe) => {}
+        (n, _) => {
+            return bad(format!(
+                "{a}.expert_count is {n}: llama.cpp's {a} has no experts"
+            ));
+        }
+    }
+    let n_used = g.require_u64(&k("expert_used_count"))? as usize;
+    let d_expert = match h.arch {
+        Arch::Llama => h.d_ff,
+        _ => g.require_u64(&k("expert_feed_forward_length"))? as usize,
+    };
+    let d_shared = match h.arch {
+        Arch::Qwen2Moe => Some(g.require_u64(&k("expert_shared_feed_forward_length"))? as usize),
+        _ => None,
+    };
+    if n_used == 0
+        || n_used > n_expert
+        || n_expert > 1 << 16
+        || d_expert == 0
+        || d_expert > 1 << 20
+        || d_shared.is_some_and(|d| d == 0 || d > 1 << 20)
+    {
+        return bad(format!(
+            "inconsistent {a} expert sizes: {n_expert} experts, {n_used} used per token, width {d_expert}, \
+             shared {d_shared:?}"
+        ));
+    }
+    Ok(Some(MoeHparams {
+        n_expert,
+        n_used,
+        d_expert,
+        d_shared,
+    }))
 }
 
 fn gemma_hparams(g: &GgufFile, h: &Hparams, linear: bool) -> Result<GemmaHparams> {
@@ -342,6 +393,10 @@ pub enum Fixup {
     Unpermute(usize),
     /// Undo Gemma's stored w + 1 of a norm weight.
     MinusOne,
+    /// Expert e's [d_out × d_in] of a stacked `ffn_*_exps` tensor [n_expert × d_out × d_in].
+    Expert(usize),
+    /// Qwen2-MoE's shared-expert gate: GGUF's vector [d] is HF's [1 × d].
+    Row,
 }
 
 /// Tensor names outside the blocks: (GGUF, HF), without `.weight`.
@@ -370,6 +425,107 @@ const QK_NORM_NAMES: [(&str, &str); 2] = [
     ("attn_q_norm", "self_attn.q_norm"),
     ("attn_k_norm", "self_attn.k_norm"),
 ];
+
+/// GGUF tensor name → its HF tensors (one, or one per expert of a stacked `ffn_*_exps`) with their fixups,
+/// or None for a name this importer does not know.
+pub fn hf_names(name: &str, h: &Hparams) -> Option<Vec<(String, Fixup)>> {
+    let Some(m) = &h.moe else {
+        return hf_name(name, h).map(|n| vec![n]);
+    };
+    let (base, suffix) = name.rsplit_once('.')?;
+    let Some((layer_text, part)) = base.strip_prefix("blk.").and_then(|r| r.split_once('.')) else {
+        return hf_name(name, h).map(|n| vec![n]);
+    };
+    let layer: usize = layer_text.parse().ok()?;
+    if layer >= h.n_layer || layer.to_string() != layer_text {
+        return None;
+    }
+    let (mlp, experts) = match h.arch {
+        Arch::Llama => ("block_sparse_moe", ["w1", "w3", "w2"]),
+        _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+    };
+    let at = |hf: String, fix| Some(vec![(format!("model.layers.{layer}.{hf}.weight"), fix)]);
+    if suffix != "weight" {
+        return hf_name(name, h).map(|n| vec![n]);
+    }
+    let exps = ["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"];
+    let shexp = ["ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"];
+    if let Some(i) = exps.iter().position(|&p| p == part) {
+        return Some(
+            (0..m.n_expert)
+                .map(|e| {
+                    (
+                        format!(
+                            "model.layers.{layer}.{mlp}.experts.{e}.{}.weight",
+                            experts[i]
+                        ),
+                        Fixup::Expert(e),
+                    )
+                })
+                .collect(),
+        );
+    }
+    match part {
+        "ffn_gate_inp" => at(format!("{mlp}.gate"), Fixup::None),
+        "ffn_gate_inp_shexp" if m.d_shared.is_some() => {
+            at("mlp.shared_expert_gate".into(), Fixup::Row)
+        }
+        p if m.d_shared.is_some() && shexp.contains(&p) => {
+            let i = shexp.iter().position(|&x| x == p)?;
+            at(format!("mlp.shared_expert.{}", experts[i]), Fixup::None)
+        }
+        // A mixture of experts has no dense MLP.
+        "ffn_gate" | "ffn_up" | "ffn_down" => None,
+        _ => hf_name(name, h).map(|n| vec![n]),
+    }
+}
+
+/// Every HF tensor an imported model of `h` must have (`.weight` unless named `.bias`).
+pub fn required_names(h: &Hparams) -> Vec<String> {
+    let mut out = vec![
+        "model.embed_tokens.weight".to_owned(),
+        "model.norm.weight".to_owned(),
+    ];
+    for l in 0..h.n_layer {
+        let parts = layer_parts(h.arch);
+        let dense_mlp = ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"];
+        for p in parts
+            .iter()
+            .filter(|p| h.moe.is_none() || !dense_mlp.contains(p))
+        {
+            out.push(format!("model.layers.{l}.{p}.weight"));
+        }
+        for p in h.arch.bias_parts() {
+            out.push(format!("model.layers.{l}.{p}.bias"));
+        }
+        if let Some(m) = &h.moe {
+            for n in [
+                "ffn_gate_inp",
+                "ffn_gate_exps",
+                "ffn_up_exps",
+                "ffn_down_exps",
+            ]
+            .into_iter()
+            .chain(
+                m.d_shared
+                    .map(|_| {
+                        [
+                            "ffn_gate_shexp",
+                            "ffn_up_shexp",
+                            "ffn_down_shexp",
+                            "ffn_gate_inp_shexp",
+                        ]
+                    })
+                    .into_iter()
+                    .flatten(),
+            ) {
+                let names = hf_names(&format!("blk.{l}.{n}.weight"), h).unwrap_or_default();
+                out.extend(names.into_iter().map(|(hf, _)| hf));
+            }
+        }
+    }
+    out
+}
 
 /// GGUF tensor name → (HF name, fixup), or None for a name this importer does not know.
 pub fn hf_name(name: &str, h: &Hparams) -> Option<(String, Fixup)> {
@@ -420,7 +576,7 @@ pub fn hf_name(name: &str, h: &Hparams) -> Option<(String, Fixup)> {
             "attn_k_norm" => ("self_attn.k_norm", norm_fix),
             _ => return None,
         },
-        None if arch == Arch::Qwen3 => (
+        None if matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe) => (
             QK_NORM_NAMES.iter().find(|(g, _)| *g == part)?.1,
             Fixup::None,
         ),
@@ -486,6 +642,27 @@ pub fn layer_parts(arch: Arch) -> &'static [&'static str] {
 pub fn expected_shape(hf: &str, h: &Hparams, vocab: usize) -> Vec<usize> {
     let (q, kv) = (h.n_head * h.head_dim, h.n_kv_head * h.head_dim);
     let part = hf.rsplit('.').nth(1).unwrap_or("");
+    if let Some(m) = &h.moe {
+        let width = if hf.contains(".experts.") {
+            Some(m.d_expert)
+        } else if hf.contains(".shared_expert.") {
+            m.d_shared
+        } else {
+            None
+        };
+        if let Some(w) = width {
+            return match part {
+                "w1" | "w3" | "gate_proj" | "up_proj" => vec![w, h.d],
+                "w2" | "down_proj" => vec![h.d, w],
+                _ => vec![],
+            };
+        }
+        match part {
+            "gate" => return vec![m.n_expert, h.d],
+            "shared_expert_gate" => return vec![1, h.d],
+            _ => {}
+        }
+    }
     if hf.ends_with(".bias") {
         return match part {
             "q_proj" => vec![q],
@@ -690,7 +867,41 @@ pub fn config_json(
     if let (Some(c), Some(e)) = (c.as_object_mut(), extra.as_object()) {
         c.extend(e.clone());
     }
+    if let (Some(m), Some(obj)) = (&h.moe, c.as_object_mut()) {
+        obj.extend(
+            moe_config(h.arch, m)
+                .as_object()
+                .cloned()
+                .unwrap_or_default(),
+        );
+    }
     c
+}
+
+/// The config.json entries of a mixture of experts, with the top-k weighting llama.cpp applies to the
+/// architecture (its graph builders fix it: Mixtral and Qwen3-MoE renormalize, Qwen2-MoE does not).
+fn moe_config(arch: Arch, m: &MoeHparams) -> serde_json::Value {
+    match arch {
+        Arch::Llama => json!({
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "num_local_experts": m.n_expert,
+            "num_experts_per_tok": m.n_used,
+            "intermediate_size": m.d_expert,
+            "sliding_window": null,
+            "output_router_logits": false,
+        }),
+        _ => json!({
+            "num_experts": m.n_expert,
+            "num_experts_per_tok": m.n_used,
+            "moe_intermediate_size": m.d_expert,
+            "shared_expert_intermediate_size": m.d_shared,
+            "norm_topk_prob": arch == Arch::Qwen3Moe,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "output_router_logits": false,
+        }),
+    }
 }
 
 #[cfg(test)]
@@ -749,6 +960,7 @@ mod tests {
             theta: 1e6,
             ctx: 32,
             gemma: None,
+            moe: None,
         }
     }
 

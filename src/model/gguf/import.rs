@@ -16,8 +16,8 @@ use rayon::prelude::*;
 use serde_json::json;
 
 use super::arch::{
-    Arch, Fixup, SpecialIds, config_json, expected_shape, hf_name, hparams, layer_parts,
-    llama3_rope_scaling,
+    Arch, Fixup, SpecialIds, config_json, expected_shape, hf_names, hparams, llama3_rope_scaling,
+    required_names,
 };
 use super::dequant::{check_dequantizable, dequantize};
 use super::reader::{GgufFile, TensorInfo};
@@ -161,6 +161,17 @@ pub fn import_gguf_to(
     r
 }
 
+/// The row-major shape of the HF tensor `fix` makes of GGUF tensor `t`: one expert's matrix of a stacked
+/// [n_expert × d_out × d_in], a [1 × d] row of a vector, else the tensor's own.
+fn hf_shape(t: &TensorInfo, fix: Fixup) -> Vec<usize> {
+    let shape = t.shape_row_major();
+    match fix {
+        Fixup::Expert(_) => shape.get(1..).map(<[usize]>::to_vec).unwrap_or_default(),
+        Fixup::Row => [&[1][..], &shape].concat(),
+        _ => shape,
+    }
+}
+
 /// The import proper, into the fresh folder `out_dir`.
 fn import_into(gguf: &Path, out_dir: &Path, dtype: OutDType) -> Result<ImportSummary> {
     let t0 = Instant::now();
@@ -189,7 +200,7 @@ fn import_into(gguf: &Path, out_dir: &Path, dtype: OutDType) -> Result<ImportSum
             rope_scaling = Some(llama3_rope_scaling(&f, h.theta, h.head_dim).map_err(bad)?);
             continue;
         }
-        let (hf, fix) = hf_name(&t.name, &h).ok_or_else(|| {
+        let names = hf_names(&t.name, &h).ok_or_else(|| {
             file_err(
                 gguf,
                 format!(
@@ -199,7 +210,7 @@ fn import_into(gguf: &Path, out_dir: &Path, dtype: OutDType) -> Result<ImportSum
                 ),
             )
         })?;
-        plan.push((t, hf, fix));
+        plan.extend(names.into_iter().map(|(hf, fix)| (t, hf, fix)));
     }
     let embed = g
         .tensor("token_embd.weight")
@@ -208,19 +219,7 @@ fn import_into(gguf: &Path, out_dir: &Path, dtype: OutDType) -> Result<ImportSum
     let tie = g.tensor("output.weight").is_none();
     let have: HashMap<&str, &TensorInfo> =
         plan.iter().map(|(t, hf, _)| (hf.as_str(), *t)).collect();
-    let mut required = vec![
-        "model.embed_tokens.weight".to_owned(),
-        "model.norm.weight".to_owned(),
-    ];
-    for l in 0..h.n_layer {
-        for p in layer_parts(arch) {
-            required.push(format!("model.layers.{l}.{p}.weight"));
-        }
-        for p in arch.bias_parts() {
-            required.push(format!("model.layers.{l}.{p}.bias"));
-        }
-    }
-    for r in &required {
+    for r in &required_names(&h) {
         if !have.contains_key(r.as_str()) {
             return Err(file_err(
                 gguf,
@@ -232,9 +231,22 @@ fn import_into(gguf: &Path, out_dir: &Path, dtype: OutDType) -> Result<ImportSum
             ));
         }
     }
-    for (t, hf, _) in &plan {
+    for (t, hf, fix) in &plan {
+        let stacked = t.shape_row_major();
+        let n_expert = h.moe.as_ref().map_or(0, |m| m.n_expert);
+        if matches!(fix, Fixup::Expert(_)) && (stacked.len() != 3 || stacked[0] != n_expert) {
+            return Err(file_err(
+                gguf,
+                format!(
+                    "tensor {} has GGUF dims {:?}: not {n_expert} stacked experts ({}.expert_count)",
+                    t.name,
+                    t.dims,
+                    arch.key()
+                ),
+            ));
+        }
         let want = expected_shape(hf, &h, vocab);
-        if t.shape_row_major() != want {
+        if hf_shape(t, *fix) != want {
             return Err(file_err(
                 gguf,
                 format!(
@@ -261,24 +273,36 @@ fn import_into(gguf: &Path, out_dir: &Path, dtype: OutDType) -> Result<ImportSum
     let entries: Vec<TensorEntry<'_>> = plan
         .iter()
         .map(|(t, hf, fix)| -> Result<TensorEntry<'_>> {
-            let shape = t.shape_row_major();
-            let n = t.n_elements as usize;
-            check_dequantizable(&t.name, t.ggml_type, t.n_bytes as usize, n)?;
+            let shape = hf_shape(t, *fix);
+            check_dequantizable(
+                &t.name,
+                t.ggml_type,
+                t.n_bytes as usize,
+                t.n_elements as usize,
+            )?;
+            let n: usize = shape.iter().product();
             if let Fixup::Unpermute(n_head) = *fix {
                 check_unpermute(n, shape[0], shape[1], n_head)
                     .with_context(|| format!("tensor {}", t.name))?;
             }
             let (g, t, fix, rows, cols) =
                 (&g, *t, *fix, shape[0], shape.get(1).copied().unwrap_or(1));
+            // An expert's rows are whole blocks, so its bytes are its own slice of the stacked tensor.
+            let data = match fix {
+                Fixup::Expert(e) => {
+                    let per = t.n_bytes as usize / (t.n_elements as usize / n);
+                    &g.tensor_data(t)[e * per..(e + 1) * per]
+                }
+                _ => g.tensor_data(t),
+            };
             TensorEntry::lazy(hf.clone(), dtype.safetensors(), shape, move || {
-                let w =
-                    dequantize(&t.name, t.ggml_type, g.tensor_data(t), n).expect("checked above");
+                let w = dequantize(&t.name, t.ggml_type, data, n).expect("checked above");
                 let w = match fix {
                     Fixup::Unpermute(n_head) => {
                         unpermute_qk(&w, rows, cols, n_head).expect("checked above")
                     }
                     Fixup::MinusOne => w.into_iter().map(|v| v - 1.0).collect(),
-                    Fixup::None => w,
+                    Fixup::None | Fixup::Expert(_) | Fixup::Row => w,
                 };
                 dtype.encode(&w)
             })
