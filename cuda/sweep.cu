@@ -25,8 +25,8 @@
 //   and quantizes them, so an element's updates stay in column order; one barrier per step publishes the
 //   step's E column (e_sh). The block's U [bw × bw] is staged in shared memory (64 KB: the update's U reads
 //   become broadcasts from smem), the owner reloads (scale, zero) only when the column's group changes.
-//   Launch: grid ceil(rows/32), block 128, 104 448 B dynamic smem (opted in at load; 2 CTAs per SM on sm_90
-//   and sm_80; a device that refuses runs v1).
+//   Launch: grid ceil(rows/32), block 128, 104 448 B dynamic smem (opted in at load; 2 CTAs per SM on sm_90's
+//   228 KB, 1 on sm_80's 164 KB; a device that refuses the opt-in runs v1).
 //   Estimate (4096 × 4096): per step the owner's quantize + divide (~150 cycles), a 4-warp barrier (~40) and
 //   ≤ 32 unrolled smem updates per warp (~150) ≈ 350 cycles; 128 steps + the 80 KB staging ≈ 50K cycles ≈
 //   25 µs per block, 32 blocks ≈ 1 ms, plus the trailing GEMMs (~1.5 ms at cuBLAS's f32 rate): ~2.5–3 ms

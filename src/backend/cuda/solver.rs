@@ -24,7 +24,8 @@ pub enum FactorVariant {
     /// bench factor (H_col), 2026-12-04), 3.6 and 10.2 TFLOP/s.
     Trtri = 1,
     /// v2: cuBLAS's strsm of R X = I (n³ flop against trtri's n³/3, through cuBLAS's tuned TRSM); falls back
-    /// to v1 when cuBLAS cannot be opened. Not yet measured on a GPU.
+    /// to v1 when cuBLAS cannot be opened. Needs a second n × n scratch matrix (485 MB at n = 11008) that the
+    /// memory plan does not count. Not yet measured on a GPU.
     Trsm = 2,
 }
 
