@@ -275,7 +275,8 @@ fn kernel_fault_in_block_1() {
     let Some(r) = reference() else {
         return;
     };
-    let kernel = "gptq_block_kernel";
+    // The default GPTQ block kernel (v2; v1 where the device refuses v2's shared memory, never here).
+    let kernel = "gptq_block_kernel_v2";
     let k = count(r, "kernels", kernel) / 2 + 1;
     if let Some(line) = fault_then_resume(
         "kernel",
