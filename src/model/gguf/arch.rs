@@ -433,13 +433,10 @@ pub fn hf_names(name: &str, h: &Hparams) -> Option<Vec<(String, Fixup)>> {
         return hf_name(name, h).map(|n| vec![n]);
     };
     let (base, suffix) = name.rsplit_once('.')?;
-    let Some((layer_text, part)) = base.strip_prefix("blk.").and_then(|r| r.split_once('.')) else {
+    // Outside the blocks, or a block name this importer refuses: the dense mapping says which.
+    let Some((layer, part)) = block_part(base, h) else {
         return hf_name(name, h).map(|n| vec![n]);
     };
-    let layer: usize = layer_text.parse().ok()?;
-    if layer >= h.n_layer || layer.to_string() != layer_text {
-        return None;
-    }
     let (mlp, experts) = match h.arch {
         Arch::Llama => ("block_sparse_moe", ["w1", "w3", "w2"]),
         _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
@@ -480,16 +477,23 @@ pub fn hf_names(name: &str, h: &Hparams) -> Option<Vec<(String, Fixup)>> {
     }
 }
 
+/// (layer, part) of a block tensor's name without its suffix ("blk.3.attn_q"), for a layer of the model.
+fn block_part<'a>(base: &'a str, h: &Hparams) -> Option<(usize, &'a str)> {
+    let (layer_text, part) = base.strip_prefix("blk.")?.split_once('.')?;
+    let layer: usize = layer_text.parse().ok()?;
+    // "blk.01" or "blk.+1" would parse too; only the canonical spelling maps.
+    (layer < h.n_layer && layer.to_string() == layer_text).then_some((layer, part))
+}
+
 /// Every HF tensor an imported model of `h` must have (`.weight` unless named `.bias`).
 pub fn required_names(h: &Hparams) -> Vec<String> {
     let mut out = vec![
         "model.embed_tokens.weight".to_owned(),
         "model.norm.weight".to_owned(),
     ];
+    let dense_mlp = ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"];
     for l in 0..h.n_layer {
-        let parts = layer_parts(h.arch);
-        let dense_mlp = ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"];
-        for p in parts
+        for p in layer_parts(h.arch)
             .iter()
             .filter(|p| h.moe.is_none() || !dense_mlp.contains(p))
         {
@@ -544,13 +548,7 @@ pub fn hf_name(name: &str, h: &Hparams) -> Option<(String, Fixup)> {
         };
         return (suffix == "weight").then(|| (format!("{hf}.weight"), fix));
     }
-    let rest = base.strip_prefix("blk.")?;
-    let (layer_text, part) = rest.split_once('.')?;
-    let layer: usize = layer_text.parse().ok()?;
-    // "blk.01" or "blk.+1" would parse too; only the canonical spelling maps.
-    if layer >= h.n_layer || layer.to_string() != layer_text {
-        return None;
-    }
+    let (layer, part) = block_part(base, h)?;
     let shared = if gemma {
         &LLAMA_BLOCK_NAMES[..8]
     } else {
