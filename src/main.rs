@@ -9,7 +9,8 @@ use boa_cuda::model::Model;
 use boa_cuda::model::orthogonal::RotationKind;
 use boa_cuda::model::rotate::RotateSpec;
 use boa_cuda::pipeline::options::{
-    BitAllocation, GroupSize, LayerSet, Method, MoeHessian, RunOptions, ScaleSearchArg, VRowHessian,
+    BitAllocation, GroupSize, LayerSet, Method, MoeHessian, Projection, RunOptions, ScaleSearchArg,
+    VRowHessian,
 };
 use boa_cuda::progress::Progress;
 use clap::{Parser, Subcommand};
@@ -256,6 +257,11 @@ struct RunArgs {
     /// README's 128 × 512 table, and the only one with BoA < GPTQ at 2 bits) or wout (the paper's Table 1).
     #[arg(long, value_enum, default_value_t = VRowHessian::Identity)]
     v_row_hessian: VRowHessian,
+    /// --method boa: the attention projections BoA quantizes, comma-separated (default q,k,v); the others of
+    /// q/k/v go through GPTQ on their input's XᵀX, like o and the MLP. To find which projection BoA helps or
+    /// hurts on a model.
+    #[arg(long, value_enum, value_delimiter = ',', num_args = 1..)]
+    boa_on: Option<Vec<Projection>>,
     /// Mixture-of-experts models: an expert's H_col counts each token routed to it once (tokens) or weighs
     /// it by its router probability squared (router).
     #[arg(long, value_enum, default_value_t = MoeHessian::Tokens)]
@@ -380,6 +386,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 static_groups: a.static_groups,
                 scale_search,
                 v_row_hessian: a.v_row_hessian,
+                boa_on: a.boa_on.clone(),
                 moe_hessian: a.moe_hessian,
                 moe_min_tokens: a.moe_min_tokens,
                 nsamples: a.nsamples,
@@ -713,6 +720,7 @@ fn bench_quant(
                 static_groups: false,
                 scale_search: ScaleSearchArg::Hessian,
                 v_row_hessian: VRowHessian::Identity,
+                boa_on: None,
                 moe_hessian: MoeHessian::Tokens,
                 moe_min_tokens: 64,
                 nsamples,

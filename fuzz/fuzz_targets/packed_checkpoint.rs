@@ -36,6 +36,7 @@ fn checkpoint() -> &'static PathBuf {
             static_groups: false,
             scale_search: ScaleSearchArg::Minmax,
             v_row_hessian: VRowHessian::Identity,
+            boa_on: None,
             moe_hessian: MoeHessian::Tokens,
             moe_min_tokens: 64,
             nsamples: 1,

@@ -245,8 +245,9 @@ pub struct BlockTrace {
 }
 
 /// One block forward on X [n_seq·t × d], in place, wherever the backend keeps X. `resident` holds copies of
-/// the weights in the backend's memory (else each linear reads `w`'s host values). With `trace`, the
-/// intermediates are moved into it.
+/// the weights in the backend's memory (else each linear reads `w`'s host values). With `trace` (the
+/// statistics pass), the intermediates are moved into it and a dense block's MLP output, which no statistic
+/// reads, is not computed: x is left after the attention's residual add.
 #[allow(clippy::too_many_arguments)]
 pub fn block_forward(
     be: &dyn Backend,
@@ -329,7 +330,7 @@ pub fn block_forward(
     let xm = be
         .rms_norm_t(x, w.required_norm(NormRole::Mlp)?, cfg.d, cfg.eps)
         .with_context(of("the MLP's input norm"))?;
-    let (mut down, act, experts) = match &w.desc.moe {
+    let (down, act, experts) = match &w.desc.moe {
         Some(moe) => {
             let router = w
                 .router
@@ -353,7 +354,7 @@ pub fn block_forward(
                 trace.is_some(),
             )
             .with_context(of("the experts (mlp)"))?;
-            (out.y, out.shared_act.unwrap_or_default(), out.experts)
+            (Some(out.y), out.shared_act.unwrap_or_default(), out.experts)
         }
         None => {
             let gate = lin(Role::Gate, &xm)?;
@@ -367,16 +368,22 @@ pub fn block_forward(
                     .with_context(of("GeGLU (mlp.down_proj's input)"))?,
             };
             drop((gate, up));
-            (lin(Role::Down, &act)?, act, Vec::new())
+            let down = match trace.is_some() {
+                true => None,
+                false => Some(lin(Role::Down, &act)?),
+            };
+            (down, act, Vec::new())
         }
     };
-    if let Some(g) = w.norm(NormRole::MlpOut) {
-        down = be
-            .rms_norm_t(&down, g, cfg.d, cfg.eps)
-            .with_context(of("post_feedforward_layernorm"))?;
+    if let Some(mut down) = down {
+        if let Some(g) = w.norm(NormRole::MlpOut) {
+            down = be
+                .rms_norm_t(&down, g, cfg.d, cfg.eps)
+                .with_context(of("post_feedforward_layernorm"))?;
+        }
+        be.add_t(x, &down)
+            .with_context(of("the residual add after mlp.down_proj"))?;
     }
-    be.add_t(x, &down)
-        .with_context(of("the residual add after mlp.down_proj"))?;
 
     if let Some(tr) = trace {
         *tr = BlockTrace {

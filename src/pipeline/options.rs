@@ -85,6 +85,15 @@ pub enum VRowHessian {
     Wout,
 }
 
+/// An attention projection BoA can take (`--boa-on`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Projection {
+    Q,
+    K,
+    V,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum MoeHessian {
@@ -214,6 +223,10 @@ pub struct RunOptions {
     pub static_groups: bool,
     pub scale_search: ScaleSearchArg,
     pub v_row_hessian: VRowHessian,
+    /// `--boa-on`: the attention projections BoA quantizes (the others of q/k/v go through GPTQ on their
+    /// input's XᵀX); None: all three. Absent from the fingerprint when None, so other runs' are unchanged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boa_on: Option<Vec<Projection>>,
     /// Mixture-of-experts models: how an expert's H_col weighs its routed tokens, and how few routed
     /// calibration tokens make an expert fall back (gate/up on every token's statistic, down_proj RTN).
     pub moe_hessian: MoeHessian,
@@ -280,6 +293,18 @@ impl Method {
 pub const SUPPORTED_WBITS: [u32; 4] = [2, 3, 4, 8];
 
 impl RunOptions {
+    /// Whether BoA quantizes the linear of `role` (under --method boa: q/k/v as `--boa-on` lists them).
+    pub fn boa_treats(&self, role: crate::model::arch::Role) -> bool {
+        use crate::model::arch::Role;
+        let p = match role {
+            Role::Q => Projection::Q,
+            Role::K => Projection::K,
+            Role::V => Projection::V,
+            _ => return false,
+        };
+        self.method == Method::Boa && self.boa_on.as_ref().is_none_or(|on| on.contains(&p))
+    }
+
     /// Checks what can be checked without the model.
     pub fn validate(&self) -> Result<(), String> {
         // Under --gguf-type the types set each linear's width (5 and 6 bits too); wbits is the narrowest.
@@ -347,6 +372,13 @@ impl RunOptions {
                  or boa, or drop --act-order"
                     .into(),
             );
+        }
+        if self.boa_on.is_some() && self.method != Method::Boa {
+            return Err(format!(
+                "--boa-on picks the projections BoA quantizes; --method {} uses none: use --method boa, \
+                 or drop --boa-on",
+                self.method.name()
+            ));
         }
         if self.act_order_row && self.method != Method::Boa {
             return Err(format!(

@@ -258,7 +258,7 @@ pub fn quantize_block(
                 }
                 (rtn_quantize(ops, w, hs, &sp).with_context(ctx)?, "rtn")
             }
-            (Method::Boa, Some(h)) if ld.role.is_attention_projection() => {
+            (Method::Boa, Some(h)) if opts.boa_treats(ld.role) => {
                 let a = stats
                     .and_then(|s| s.attn.as_ref())
                     .context("BoA needs the attention statistics")?;
