@@ -102,6 +102,16 @@ def configs(vocab):
         "qwen3_moe_kq": Qwen3MoeConfig(**kq, head_dim=64, moe_intermediate_size=256, num_experts=4,
                                        num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False,
                                        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+        # Gemma 3 as llama.cpp's gemma3 runs it (tests/gguf_export.rs): every 6th layer global, the local ones
+        # at RoPE base 10000 with a window (24) shorter than the windows here, query_pre_attn_scalar = head_dim;
+        # the global layer's linear RoPE scaling travels as gemma3.rope.scaling.*.
+        "gemma3_gguf": Gemma3TextConfig(**{**c, "num_hidden_layers": 6}, head_dim=32, query_pre_attn_scalar=32,
+                                        sliding_window=24, tie_word_embeddings=True,
+                                        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+                                        rope_parameters={
+                                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                            "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                               "rope_theta": 1000000.0}}),
     }
 
 

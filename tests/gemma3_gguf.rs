@@ -179,3 +179,156 @@ fn gemma3_270m_gguf_import_matches_transformers() {
         t0.elapsed().as_secs_f64()
     );
 }
+
+/// A Python script's stdout; its failure fails the test.
+fn script(python: &Path, args: &[&str]) -> String {
+    let o = std::process::Command::new(python)
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// A Python script's last stdout line as JSON (each script prints one object last).
+fn script_json(python: &Path, args: &[&str]) -> serde_json::Value {
+    let out = script(python, args);
+    serde_json::from_str(out.trim().lines().last().unwrap_or("")).unwrap()
+}
+
+/// `--format gguf` of the real Gemma 3 270M (imported from its Q4_K_M file) as llama.cpp's "gemma3": the
+/// keys llama.cpp reads equal the original file's; llama.cpp tokenizes Moby-Dick and the 2001–2016 speeches
+/// with our SentencePiece vocabulary (scores written as −id) exactly as with the original's; and with every
+/// tensor dequantized to F32 (no Q8 activations), llama.cpp's perplexity of our file is our eval of its
+/// `--format fake` twin to PPL_TOL — as it is for the original file against our eval of its import (both
+/// printed). transformers reads the imported folder's config.
+#[test]
+fn gemma3_270m_gguf_export_runs_in_llama_cpp_as_the_original() {
+    const PPL_TOL: f64 = 1e-3;
+    let gguf = gemma3_gguf();
+    let py = common::pyref_python("gguf, numpy, transformers");
+    let llama = common::llamacpp_python("llama_cpp, numpy");
+    let texts = texts();
+    let tmp = tempfile::tempdir().unwrap();
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let dir = tmp.path().join("gemma3");
+    import_gguf(&gguf, &dir, OutDType::F32).unwrap();
+    let cfg = script_json(
+        &py,
+        &[
+            "-c",
+            &format!(
+                "import json; from transformers import AutoConfig; c = AutoConfig.from_pretrained({:?}); \
+                 print(json.dumps({{'query_pre_attn_scalar': c.query_pre_attn_scalar}}))",
+                s(&dir)
+            ),
+        ],
+    );
+    assert_eq!(cfg["query_pre_attn_scalar"], 256, "{cfg}");
+
+    let quantize = |out: &Path, format: &str| {
+        let (code, _, err) = run(&[
+            "run",
+            "--model",
+            &s(&dir),
+            "--out",
+            &s(out),
+            "--format",
+            format,
+            "--method",
+            "rtn",
+            "--wbits",
+            "8",
+            "--sym",
+            "--group-size",
+            "32",
+            "--calib",
+            &s(&texts[0]),
+            "--nsamples",
+            "2",
+            "--seqlen",
+            "64",
+            "--quiet",
+        ]);
+        assert_eq!(code, 0, "run --format {format}: {err}");
+    };
+    let (out, fake) = (tmp.path().join("q8"), tmp.path().join("q8-fake"));
+    quantize(&out, "gguf");
+    quantize(&fake, "fake");
+    let file = out.join("model.gguf");
+
+    let keys = script_json(
+        &py,
+        &[
+            "-c",
+            &format!(
+                "import json, gguf\n\
+                 def kv(p):\n    r = gguf.GGUFReader(p)\n    return {{k: str(f.contents()) for k, f in r.fields.items() \
+                 if k.startswith('gemma3.') or k in ('tokenizer.ggml.model', 'tokenizer.ggml.pre', \
+                 'tokenizer.ggml.add_bos_token', 'tokenizer.ggml.add_space_prefix', \
+                 'tokenizer.ggml.bos_token_id', 'tokenizer.ggml.eos_token_id', 'tokenizer.ggml.unknown_token_id', \
+                 'tokenizer.ggml.padding_token_id', 'tokenizer.ggml.token_type')}}\n\
+                 a, b = kv({:?}), kv({:?})\n\
+                 print(json.dumps({{'differ': sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and \
+                 k not in ('gemma3.rope.dimension_count', 'gemma3.vocab_size')), 'compared': len(a)}}))",
+                s(&gguf),
+                s(&file)
+            ),
+        ],
+    );
+    println!("keys: {keys}");
+    assert_eq!(keys["differ"], serde_json::json!([]), "{keys}");
+
+    let mut args = vec![
+        "scripts/llamacpp_tokens_equal.py".to_string(),
+        s(&gguf),
+        s(&file),
+    ];
+    args.extend(texts.iter().map(|t| s(t)));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let toks = script_json(&llama, &args);
+    println!("llama.cpp tokens: {toks}");
+    assert_eq!(toks["first_difference"], serde_json::Value::Null, "{toks}");
+    assert!(toks["compared"].as_u64().unwrap() > 800_000, "{toks}");
+
+    let f32_twin = |src: &Path, dst: PathBuf| {
+        script(&py, &["scripts/gguf_to_f32.py", &s(src), &s(&dst)]);
+        dst
+    };
+    let llama_ppl = |file: &Path| {
+        let row = script_json(
+            &llama,
+            &[
+                "scripts/llamacpp_ppl.py",
+                &s(file),
+                &s(&texts[0]),
+                "--seqlen",
+                "128",
+                "--max-windows",
+                "2",
+                "--add-bos",
+            ],
+        );
+        row["perplexity"].as_f64().unwrap()
+    };
+    let ours_f32 = f32_twin(&file, tmp.path().join("q8-f32.gguf"));
+    let orig_f32 = f32_twin(&gguf, tmp.path().join("orig-f32.gguf"));
+    for (what, llama_file, folder) in [
+        ("ours", &ours_f32, &fake),
+        ("the original", &orig_f32, &dir),
+    ] {
+        let theirs = llama_ppl(llama_file);
+        let want = common::eval_ppl(folder, &texts[0], "128", "2");
+        let rel = (theirs - want).abs() / want;
+        println!("{what}: llama.cpp (F32) {theirs:.4} vs eval {want:.4} (rel {rel:.1e})");
+        assert!(
+            rel <= PPL_TOL,
+            "{what}: {theirs} vs {want}: {rel:e} > {PPL_TOL:e}"
+        );
+    }
+}

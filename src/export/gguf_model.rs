@@ -11,7 +11,8 @@
 //! quant/lattice.rs), and the run keeps them as GGUF blocks (`CodecLinear`), copied into the file as they are.
 //!
 //! Everything else is stored as convert_hf_to_gguf.py stores it for llama.cpp's "llama" (Llama, Mistral,
-//! Mixtral), "qwen2", "qwen3", "qwen2moe" or "qwen3moe" architecture (`Arch::of_hf`; experts stacked per layer
+//! Mixtral), "qwen2", "qwen3", "gemma3" (norms as w + 1; `gemma3_rope` checks what llama.cpp assumes),
+//! "qwen2moe" or "qwen3moe" architecture (`Arch::of_hf`; experts stacked per layer
 //! and part, `MoePlace`): q/k rows permuted for the llama architecture's
 //! interleaved RoPE (`qk_row_order`; the Qwens run NEOX RoPE on HF's rows), norms and Qwen2's q/k/v biases in
 //! F32, embeddings, lm_head and linears outside `--layers` in the checkpoint's own float type,
@@ -23,7 +24,7 @@ use crate::error::file_err;
 use crate::model::arch::{Activation, NormRole, Role};
 use crate::model::config::Config;
 use crate::model::gguf::GgmlType;
-use crate::model::gguf::arch::{Arch, gguf_name};
+use crate::model::gguf::arch::{Arch, gemma3_implied, gguf_name};
 use crate::model::weights::{WeightStore, to_f32};
 use crate::quant::pack::{GptqVersion, PackedTensors};
 use half::f16;
@@ -68,17 +69,24 @@ fn model_arch(cfg: &Config) -> Result<Arch, String> {
     let refuse = |what: String| Err(format!("--format gguf: {what}"));
     let Some(arch) = Arch::of_hf(&cfg.architecture) else {
         return refuse(format!(
-            "{} is not written yet (Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen2-MoE and Qwen3-MoE are): \
-             use --format gptq_v2 or compressed-tensors",
+            "{} is not written yet (Llama, Mistral, Mixtral, Qwen2, Qwen3, Gemma 3, Qwen2-MoE and Qwen3-MoE \
+             are): use --format gptq_v2 or compressed-tensors",
             cfg.architecture
         ));
     };
     let b = &cfg.block;
-    let plain = b.act == Activation::Silu
-        && b.norm(NormRole::AttnOut).is_none()
-        && b.norm(NormRole::MlpOut).is_none()
-        && b.q_scale == 1.0
-        && b.norm_offset == 0.0;
+    let gemma = arch == Arch::Gemma3;
+    // Gemma's own parts (sandwich norms, GeGLU, the score scalar, local layers) are llama.cpp's "gemma3"
+    // when gemma3_rope says so.
+    if gemma && let Err(m) = gemma3_rope(cfg) {
+        return refuse(m);
+    }
+    let plain = gemma
+        || (b.act == Activation::Silu
+            && b.norm(NormRole::AttnOut).is_none()
+            && b.norm(NormRole::MlpOut).is_none()
+            && b.q_scale == 1.0
+            && b.norm_offset == 0.0);
     if !plain {
         return refuse(format!(
             "the {} block has parts llama.cpp's \"{}\" architecture does not read",
@@ -129,6 +137,7 @@ fn model_arch(cfg: &Config) -> Result<Arch, String> {
     // earlier position where the model masks the far ones.
     if let Some(w) = cfg.block.sliding_window
         && cfg.block.sliding_layers.iter().any(|&s| s)
+        && !gemma
     {
         return refuse(format!(
             "the attention slides over {w} positions, and llama.cpp's \"{}\" architecture reads no sliding \
@@ -150,6 +159,56 @@ fn model_arch(cfg: &Config) -> Result<Arch, String> {
         ));
     }
     Ok(arch)
+}
+
+/// A Gemma 3 config as llama.cpp's gemma3 runs it, or why not: its global layers' (RoPE base, linear
+/// scaling factor). llama.cpp makes every 6th layer global, gives the local ones base 10000, and scales the
+/// scores by a query_pre_attn_scalar of its own choosing (`gemma3_implied`); the file says none of these.
+fn gemma3_rope(cfg: &Config) -> Result<(f64, f64), String> {
+    let b = &cfg.block;
+    let implied = gemma3_implied(cfg.n_layers, cfg.d, cfg.n_heads, cfg.d_h);
+    let parts = b.act == Activation::GeluTanh
+        && b.norm(NormRole::AttnOut).is_some()
+        && b.norm(NormRole::MlpOut).is_some()
+        && b.norm_offset == 1.0
+        && b.moe.is_none();
+    if !parts {
+        return Err("the Gemma3ForCausalLM block differs from llama.cpp's \"gemma3\"".into());
+    }
+    if b.sliding_window.is_none() || b.sliding_layers != implied.sliding {
+        return Err(format!(
+            "the local (sliding-window) layers are {:?}; llama.cpp's \"gemma3\" makes every 6th layer global \
+             and the others local, with a sliding_window",
+            b.sliding_layers
+        ));
+    }
+    let scale = (cfg.d_h as f64 / implied.query_pre_attn_scalar).sqrt() as f32;
+    if b.q_scale != scale {
+        return Err(format!(
+            "query_pre_attn_scalar {} differs from the {} llama.cpp's \"gemma3\" scales the scores by",
+            cfg.json["query_pre_attn_scalar"], implied.query_pre_attn_scalar
+        ));
+    }
+    let ropes = b
+        .layer_rope
+        .as_ref()
+        .ok_or("the Gemma 3 config has no per-layer RoPE")?;
+    let mut global = None;
+    for (l, r) in ropes.iter().enumerate() {
+        let (theta, factor) = (r.theta, r.linear_factor);
+        if implied.sliding[l] {
+            if theta != implied.local_rope_base || factor != 1.0 {
+                return Err(format!(
+                    "the local layers' RoPE (base {theta}, factor {factor}) differs from llama.cpp's \
+                     \"gemma3\" (base {}, unscaled)",
+                    implied.local_rope_base
+                ));
+            }
+        } else if *global.get_or_insert((theta, factor)) != (theta, factor) {
+            return Err("the global layers' RoPE differs from layer to layer".into());
+        }
+    }
+    Ok(global.unwrap_or((cfg.rope_theta, 1.0)))
 }
 
 /// llama.cpp's rope_freqs of a Llama 3.1-scaled config (`RopeScaling::llama3_divisors` in f32); None
@@ -371,8 +430,8 @@ enum Source {
         hf: String,
         order: Option<Vec<usize>>,
     },
-    /// A norm (or other vector), converted to f32.
-    Vector { hf: String },
+    /// A norm (or other vector), converted to f32, `plus` added (Gemma's norms are stored as w + 1).
+    Vector { hf: String, plus: f32 },
     /// A packed linear (`hf` is its prefix).
     Packed { hf: String, order: Vec<usize> },
     /// A linear's GGUF blocks (`CodecLinear`), rows in `order`.
@@ -450,12 +509,12 @@ fn source_bytes(
             packed_bytes(&p, ty, order, hf)?
         }
         Source::Blocks { hf, order } => rows_in(store.bytes(hf)?, order),
-        Source::Vector { hf } => {
+        Source::Vector { hf, plus } => {
             let e = store
                 .entry(hf)
                 .ok_or_else(|| anyhow::anyhow!("{hf}: not in the shards"))?;
             let v = to_f32(e.dtype, store.bytes(hf)?).map_err(|m| anyhow::anyhow!("{hf}: {m}"))?;
-            v.iter().flat_map(|x| x.to_le_bytes()).collect()
+            v.iter().flat_map(|x| (x + plus).to_le_bytes()).collect()
         }
         Source::Float { hf, order } => {
             let raw = store.bytes(hf)?;
@@ -634,7 +693,14 @@ pub fn write_model_gguf(
                     dims,
                     ty: GgmlType::F32,
                 },
-                Source::Vector { hf: hf.clone() },
+                Source::Vector {
+                    hf: hf.clone(),
+                    // convert_hf_to_gguf.py stores Gemma's (1 + w) norms as w + 1.
+                    plus: match hf.ends_with("norm.weight") {
+                        true => cfg.block.norm_offset,
+                        false => 0.0,
+                    },
+                },
             )
         } else if let (Some(ty), [rows, cols]) = (float_type(e.dtype), e.shape.as_slice()) {
             (
@@ -701,6 +767,11 @@ pub fn write_model_gguf(
 
     let a = |k: &str| format!("{}.{k}", arch.key());
     let ctx = cfg.json["max_position_embeddings"].as_u64().unwrap_or(2048);
+    // Gemma 3: the global layers' RoPE (the local ones' is llama.cpp's fixed one, checked by model_arch).
+    let (rope_base, rope_linear) = match arch {
+        Arch::Gemma3 => gemma3_rope(cfg).map_err(|m| crate::input_err!("{m}"))?,
+        _ => (cfg.rope_theta, 1.0),
+    };
     let mut kvs = vec![
         (
             "general.architecture".to_string(),
@@ -725,10 +796,17 @@ pub fn write_model_gguf(
         (a("attention.key_length"), Kv::U32(cfg.d_h as u32)),
         (a("attention.value_length"), Kv::U32(cfg.d_h as u32)),
         (a("rope.dimension_count"), Kv::U32(cfg.d_h as u32)),
-        (a("rope.freq_base"), Kv::F32(cfg.rope_theta as f32)),
+        (a("rope.freq_base"), Kv::F32(rope_base as f32)),
         (a("attention.layer_norm_rms_epsilon"), Kv::F32(cfg.eps)),
         (a("vocab_size"), Kv::U32(cfg.vocab as u32)),
     ];
+    if let Some(w) = cfg.block.sliding_window.filter(|_| arch == Arch::Gemma3) {
+        kvs.push((a("attention.sliding_window"), Kv::U32(w as u32)));
+    }
+    if rope_linear != 1.0 {
+        kvs.push((a("rope.scaling.type"), Kv::Str("linear".into())));
+        kvs.push((a("rope.scaling.factor"), Kv::F32(rope_linear as f32)));
+    }
     if let Some(m) = &cfg.block.moe {
         kvs.push((a("expert_count"), Kv::U32(m.n_experts as u32)));
         kvs.push((a("expert_used_count"), Kv::U32(m.top_k as u32)));

@@ -20,6 +20,7 @@ pub enum Kv {
     Str(String),
     StrArr(Vec<String>),
     I32Arr(Vec<i32>),
+    F32Arr(Vec<f32>),
 }
 
 /// One tensor's description; its bytes come from the caller's `fill`.
@@ -91,6 +92,14 @@ fn put_kv(b: &mut Vec<u8>, key: &str, v: &Kv) {
         Kv::I32Arr(a) => {
             b.extend(T_ARR.to_le_bytes());
             b.extend(T_I32.to_le_bytes());
+            b.extend((a.len() as u64).to_le_bytes());
+            for x in a {
+                b.extend(x.to_le_bytes());
+            }
+        }
+        Kv::F32Arr(a) => {
+            b.extend(T_ARR.to_le_bytes());
+            b.extend(T_F32.to_le_bytes());
             b.extend((a.len() as u64).to_le_bytes());
             for x in a {
                 b.extend(x.to_le_bytes());

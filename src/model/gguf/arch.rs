@@ -83,6 +83,7 @@ impl Arch {
             "Qwen3ForCausalLM" => Some(Arch::Qwen3),
             "Qwen2MoeForCausalLM" => Some(Arch::Qwen2Moe),
             "Qwen3MoeForCausalLM" => Some(Arch::Qwen3Moe),
+            "Gemma3ForCausalLM" => Some(Arch::Gemma3),
             _ => None,
         }
     }
@@ -154,6 +155,27 @@ const GEMMA3_LOCAL_ROPE_BASE: f64 = 10_000.0;
 const GEMMA3_SWA_PATTERN: u64 = 6;
 /// Gemma 3 27B: the one size whose scores llama.cpp scales by (hidden / heads)^−½.
 const GEMMA3_27B_LAYERS: usize = 62;
+
+/// What llama.cpp's gemma3 assumes beyond the file's keys: which layers are local (sliding), the local
+/// layers' RoPE base, and the query_pre_attn_scalar the scores are scaled by (^−½). The import reads a file
+/// with these; `--format gguf` refuses a model that differs.
+pub struct Gemma3Implied {
+    pub sliding: Vec<bool>,
+    pub local_rope_base: f64,
+    pub query_pre_attn_scalar: f64,
+}
+
+pub fn gemma3_implied(n_layer: usize, d: usize, n_head: usize, head_dim: usize) -> Gemma3Implied {
+    Gemma3Implied {
+        sliding: every_nth_global(n_layer, GEMMA3_SWA_PATTERN),
+        local_rope_base: GEMMA3_LOCAL_ROPE_BASE,
+        query_pre_attn_scalar: if n_layer == GEMMA3_27B_LAYERS {
+            d as f64 / n_head as f64
+        } else {
+            head_dim as f64
+        },
+    }
+}
 
 pub fn hparams(g: &GgufFile, arch: Arch) -> Result<Hparams> {
     let a = arch.key();
@@ -365,11 +387,8 @@ fn gemma_hparams(g: &GgufFile, h: &Hparams, linear: bool) -> Result<GemmaHparams
     } else {
         1.0
     };
-    let query_pre_attn_scalar = if h.n_layer == GEMMA3_27B_LAYERS {
-        h.d as f64 / h.n_head as f64
-    } else {
-        h.head_dim as f64
-    };
+    let query_pre_attn_scalar =
+        gemma3_implied(h.n_layer, h.d, h.n_head, h.head_dim).query_pre_attn_scalar;
     Ok(GemmaHparams {
         sliding_window,
         sliding,
@@ -424,6 +443,16 @@ const LLAMA_BLOCK_NAMES: [(&str, &str); 9] = [
 const QK_NORM_NAMES: [(&str, &str); 2] = [
     ("attn_q_norm", "self_attn.q_norm"),
     ("attn_k_norm", "self_attn.k_norm"),
+];
+
+/// (GGUF, HF) name pairs of a block's parts.
+type Names = &'static [(&'static str, &'static str)];
+
+/// Gemma 3's sandwich norms and MLP input norm: (GGUF, HF under `model.layers.{l}.`), without `.weight`.
+const GEMMA3_NORM_NAMES: [(&str, &str); 3] = [
+    ("post_attention_norm", "post_attention_layernorm"),
+    ("ffn_norm", "pre_feedforward_layernorm"),
+    ("post_ffw_norm", "post_feedforward_layernorm"),
 ];
 
 /// GGUF tensor name → its HF tensors (one, or one per expert of a stacked `ffn_*_exps`) with their fixups,
@@ -566,14 +595,14 @@ pub fn hf_name(name: &str, h: &Hparams) -> Option<(String, Fixup)> {
         ),
         // Gemma's ffn_norm is the MLP's input norm; its post_attention_norm normalizes the attention's
         // output before the residual add.
-        None if gemma => match part {
-            "ffn_norm" => ("pre_feedforward_layernorm", norm_fix),
-            "post_attention_norm" => ("post_attention_layernorm", norm_fix),
-            "post_ffw_norm" => ("post_feedforward_layernorm", norm_fix),
-            "attn_q_norm" => ("self_attn.q_norm", norm_fix),
-            "attn_k_norm" => ("self_attn.k_norm", norm_fix),
-            _ => return None,
-        },
+        None if gemma => (
+            GEMMA3_NORM_NAMES
+                .iter()
+                .chain(&QK_NORM_NAMES)
+                .find(|(g, _)| *g == part)?
+                .1,
+            norm_fix,
+        ),
         None if matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe) => (
             QK_NORM_NAMES.iter().find(|(g, _)| *g == part)?.1,
             Fixup::None,
@@ -599,9 +628,15 @@ pub fn gguf_name(name: &str, arch: Arch) -> Option<String> {
     let (layer_text, part) = base.strip_prefix("model.layers.")?.split_once('.')?;
     let layer: usize = layer_text.parse().ok()?;
     let qk_norms: &[(&str, &str)] = if arch.qk_norm() { &QK_NORM_NAMES } else { &[] };
-    let (g, hf) = LLAMA_BLOCK_NAMES
+    // Gemma 3 shares Llama's linears and input norm; its other norms are its own (`hf_name`).
+    let (shared, own): (Names, Names) = match arch {
+        Arch::Gemma3 => (&LLAMA_BLOCK_NAMES[..8], &GEMMA3_NORM_NAMES),
+        _ => (&LLAMA_BLOCK_NAMES, &[]),
+    };
+    let (g, hf) = shared
         .iter()
         .chain(qk_norms)
+        .chain(own)
         .find(|(_, hf)| *hf == part)?;
     match suffix {
         "weight" => {}
@@ -849,7 +884,11 @@ pub fn config_json(
             json!({
                 "model_type": "gemma3_text",
                 "hidden_activation": "gelu_pytorch_tanh",
-                "query_pre_attn_scalar": gm.query_pre_attn_scalar,
+                // An integer where it is one: transformers' Gemma3TextConfig refuses 256.0 for its int field.
+                "query_pre_attn_scalar": match gm.query_pre_attn_scalar {
+                    s if s.fract() == 0.0 && s.abs() < 1e15 => json!(s as i64),
+                    s => json!(s),
+                },
                 "sliding_window": gm.sliding_window,
                 "layer_types": layer_types,
                 "rope_parameters": {
@@ -986,6 +1025,28 @@ mod tests {
                     assert_eq!(fix, Fixup::None, "{arch:?} {g}");
                 }
             }
+        }
+        // Gemma 3: every norm stored as w + 1 (`Fixup::MinusOne` on the way in), its own norm names.
+        let h = small(Arch::Gemma3);
+        let mut names: Vec<String> = ["token_embd.weight", "output_norm.weight"]
+            .map(String::from)
+            .to_vec();
+        for (g, _) in LLAMA_BLOCK_NAMES[..8]
+            .iter()
+            .chain(&QK_NORM_NAMES)
+            .chain(&GEMMA3_NORM_NAMES)
+        {
+            names.push(format!("blk.1.{g}.weight"));
+        }
+        for g in names {
+            let (hf, fix) = hf_name(&g, &h).unwrap_or_else(|| panic!("gemma3 {g}"));
+            assert_eq!(
+                gguf_name(&hf, Arch::Gemma3).as_deref(),
+                Some(g.as_str()),
+                "{hf}"
+            );
+            let norm = g.contains("norm");
+            assert_eq!(fix == Fixup::MinusOne, norm, "{g}");
         }
         let q_norm = "model.layers.0.self_attn.q_norm.weight";
         assert_eq!(gguf_name(q_norm, Arch::Llama), None);
