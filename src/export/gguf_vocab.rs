@@ -142,6 +142,56 @@ pub fn tokenizer_kvs(dir: &Path, vocab_size: usize) -> Result<Vec<(String, Kv)>,
     Ok(kvs)
 }
 
+/// The vocabulary of tokenizer.json `t` in id order with llama.cpp token types: each `model.vocab` entry as
+/// `piece` writes and types it, then the added tokens (special ones control, the others user-defined) over
+/// their ids; ids neither names up to `vocab_size` are `[PAD{id}]`, unused.
+fn id_table(
+    t: &Value,
+    vocab_size: usize,
+    bad: &dyn Fn(String) -> String,
+    piece: &dyn Fn(&str) -> (String, i32),
+) -> Result<(Vec<String>, Vec<i32>), String> {
+    let vocab = t["model"]["vocab"]
+        .as_object()
+        .ok_or_else(|| bad("model.vocab is not an object".into()))?;
+    let mut tokens: Vec<Option<String>> = vec![None; vocab_size];
+    let mut types = vec![UNUSED; vocab_size];
+    let mut place = |tok: String, id: u64, ty: i32| -> Result<(), String> {
+        let slot = tokens.get_mut(id as usize).ok_or_else(|| {
+            bad(format!(
+                "token {tok:?} has id {id}, beyond vocab_size {vocab_size}"
+            ))
+        })?;
+        *slot = Some(tok);
+        types[id as usize] = ty;
+        Ok(())
+    };
+    for (tok, id) in vocab {
+        let id = id
+            .as_u64()
+            .ok_or_else(|| bad(format!("the id of {tok:?} is not an integer")))?;
+        let (text, ty) = piece(tok);
+        place(text, id, ty)?;
+    }
+    for a in t["added_tokens"].as_array().into_iter().flatten() {
+        let (Some(tok), Some(id)) = (a["content"].as_str(), a["id"].as_u64()) else {
+            return Err(bad(format!("added token {a} has no content or id")));
+        };
+        let ty = if a["special"] == true {
+            CONTROL
+        } else {
+            USER_DEFINED
+        };
+        place(tok.to_string(), id, ty)?;
+    }
+    let tokens = tokens
+        .into_iter()
+        .enumerate()
+        .map(|(i, t)| t.unwrap_or_else(|| format!("[PAD{i}]")))
+        .collect();
+    Ok((tokens, types))
+}
+
 /// Whether tokenizer.json is a SentencePiece vocabulary as transformers writes Gemma's: BPE over pieces with
 /// spaces written as ▁ by the normalizer (no ▁ prepended), characters outside the vocabulary as <0xNN>
 /// bytes. llama.cpp runs such a vocabulary as "llama" (its SentencePiece tokenizer).
@@ -164,54 +214,20 @@ fn spm_vocab(
     vocab_size: usize,
     bad: &dyn Fn(String) -> String,
 ) -> Result<VocabKeys, String> {
-    let vocab = t["model"]["vocab"]
-        .as_object()
-        .ok_or_else(|| bad("model.vocab is not an object".into()))?;
-    let mut tokens: Vec<Option<String>> = vec![None; vocab_size];
-    let mut types = vec![UNUSED; vocab_size];
-    let mut place = |tok: String, id: u64, ty: i32| -> Result<(), String> {
-        let slot = tokens.get_mut(id as usize).ok_or_else(|| {
-            bad(format!(
-                "token {tok:?} has id {id}, beyond vocab_size {vocab_size}"
-            ))
-        })?;
-        *slot = Some(tok);
-        types[id as usize] = ty;
-        Ok(())
-    };
     let is_byte = |s: &str| {
         s.len() == 6
             && s.starts_with("<0x")
             && s.ends_with('>')
             && s[3..5].chars().all(|c| c.is_ascii_hexdigit())
     };
-    for (tok, id) in vocab {
-        let id = id
-            .as_u64()
-            .ok_or_else(|| bad(format!("the id of {tok:?} is not an integer")))?;
+    let (tokens, types) = id_table(t, vocab_size, bad, &|tok| {
         let n = tok.chars().count();
         if n >= 2 && tok.chars().all(|c| c == '\u{2581}') {
-            place(" ".repeat(n), id, USER_DEFINED)?;
+            (" ".repeat(n), USER_DEFINED)
         } else {
-            place(tok.clone(), id, if is_byte(tok) { BYTE } else { NORMAL })?;
+            (tok.to_string(), if is_byte(tok) { BYTE } else { NORMAL })
         }
-    }
-    for a in t["added_tokens"].as_array().into_iter().flatten() {
-        let (Some(tok), Some(id)) = (a["content"].as_str(), a["id"].as_u64()) else {
-            return Err(bad(format!("added token {a} has no content or id")));
-        };
-        let ty = if a["special"] == true {
-            CONTROL
-        } else {
-            USER_DEFINED
-        };
-        place(tok.to_string(), id, ty)?;
-    }
-    let tokens: Vec<String> = tokens
-        .into_iter()
-        .enumerate()
-        .map(|(i, t)| t.unwrap_or_else(|| format!("[PAD{i}]")))
-        .collect();
+    })?;
     let scores = types
         .iter()
         .enumerate()
@@ -260,43 +276,7 @@ fn bpe_vocab(
             t["pre_tokenizer"]
         ))
     })?;
-    let vocab = model["vocab"]
-        .as_object()
-        .ok_or_else(|| bad("model.vocab is not an object".into()))?;
-    let mut tokens: Vec<Option<String>> = vec![None; vocab_size];
-    let mut types = vec![UNUSED; vocab_size];
-    let mut place = |tok: &str, id: u64, ty: i32| -> Result<(), String> {
-        let slot = tokens.get_mut(id as usize).ok_or_else(|| {
-            bad(format!(
-                "token {tok:?} has id {id}, beyond vocab_size {vocab_size}"
-            ))
-        })?;
-        *slot = Some(tok.to_string());
-        types[id as usize] = ty;
-        Ok(())
-    };
-    for (tok, id) in vocab {
-        let id = id
-            .as_u64()
-            .ok_or_else(|| bad(format!("the id of {tok:?} is not an integer")))?;
-        place(tok, id, NORMAL)?;
-    }
-    for a in t["added_tokens"].as_array().into_iter().flatten() {
-        let (Some(tok), Some(id)) = (a["content"].as_str(), a["id"].as_u64()) else {
-            return Err(bad(format!("added token {a} has no content or id")));
-        };
-        let ty = if a["special"] == true {
-            CONTROL
-        } else {
-            USER_DEFINED
-        };
-        place(tok, id, ty)?;
-    }
-    let tokens: Vec<String> = tokens
-        .into_iter()
-        .enumerate()
-        .map(|(i, t)| t.unwrap_or_else(|| format!("[PAD{i}]")))
-        .collect();
+    let (tokens, types) = id_table(t, vocab_size, bad, &|tok| (tok.to_string(), NORMAL))?;
     // Older tokenizer.json files hold "left right" strings, newer ones [left, right] pairs.
     let merges = model["merges"]
         .as_array()
