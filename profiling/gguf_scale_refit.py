@@ -5,7 +5,10 @@ sum_j h_j (w_j - d q_j)^2 of every block (h: the imatrix of scripts/llamacpp_ima
   minmax         d = max/-8;
   shrink         the best of 100 shrinks of that d (what our grid search does, with H's diagonal here);
   shrink+refit   then the weighted least-squares d for the rounded codes, re-rounded, 3 rounds (what
-                 llama.cpp's make_qx_quants adds).
+                 llama.cpp's make_qx_quants adds);
+  positive       our search without signed scales: d = 2m/15 > 0 from the symmetric range m = max|w| (levels
+                 -8..7: a positive extreme is clipped at 7d), 100 shrinks;
+  signed         our search with signed scales (--signed-scales): the better of d and -d per block.
 Every 5th layer's seven linears; totals relative to shrink.
 
 usage: gguf_scale_refit.py MODEL.safetensors IMATRIX.npz     (reference venv: numpy, safetensors)
@@ -27,7 +30,7 @@ def codes(w, s):
     return np.clip(np.rint(w / np.where(s == 0, 1, s)), -8, 7)
 
 
-tot = {"minmax": 0.0, "shrink": 0.0, "shrink+refit": 0.0}
+tot = {"minmax": 0.0, "shrink": 0.0, "shrink+refit": 0.0, "positive": 0.0, "signed": 0.0}
 for layer in range(0, n_layers, 5):
     for hf, g in GGUF.items():
         w = W[f"model.layers.{layer}.{hf}.weight"].astype(np.float64)
@@ -54,6 +57,16 @@ for layer in range(0, n_layers, 5):
             e2 = err(s2)
             keep = e2 < r_e
             rs, r_e = np.where(keep, s2, rs), np.where(keep, e2, r_e)
+        m = np.abs(wb).max(-1, keepdims=True)
+        best = {}
+        for sign in (1.0, -1.0):
+            base_s = sign * 2.0 * m / 15.0
+            be = err(base_s)
+            for p in 1.0 - np.arange(1, 100) / 100.0:
+                be = np.minimum(be, err(base_s * p))
+            best[sign] = be
+        tot["positive"] += best[1.0].sum()
+        tot["signed"] += np.minimum(best[1.0], best[-1.0]).sum()
         tot["minmax"] += e_mm.sum()
         tot["shrink"] += best_e.sum()
         tot["shrink+refit"] += r_e.sum()

@@ -213,6 +213,18 @@ struct RunArgs {
     /// Q5_1, Q6_K → Q8_0, Q2_K/Q3_K → Q4_0). CPU only. Without it, --format gguf writes Q4_0/Q8_0 by --wbits.
     #[arg(long, value_parser = GgufType::parse, conflicts_with_all = ["wbits", "avg_bits", "group_size"])]
     gguf_type: Option<GgufType>,
+    /// Let a symmetric grid's scale be negative, which mirrors its levels (−8..7 at 4 bits becomes −7..8), so
+    /// the extra level falls on the side each group's weights need; the search tries both and keeps the
+    /// lower error. GGUF stores the scale signed (llama.cpp's own Q4_0 does the same), so this is on by
+    /// default with --format gguf (Q4_0, Q5_0, Q8_0) and with --format fake --gguf-type; --signed-scales
+    /// turns it on for any --format fake (the twin of a GGUF run), --no-signed-scales turns it off. CPU
+    /// only: a GPU run keeps positive scales. Not for the GPTQ formats or compressed-tensors, whose
+    /// loaders are not known to take a negative scale.
+    #[arg(long, conflicts_with = "no_signed_scales")]
+    signed_scales: bool,
+    /// Positive scales only, also with --format gguf (see --signed-scales).
+    #[arg(long)]
+    no_signed_scales: bool,
     /// boa: BoA on q/k/v, GPTQ on o and the MLP. gptq: GPTQ everywhere. rtn: round-to-nearest.
     #[arg(long, value_enum, default_value_t = Method::Boa)]
     method: Method,
@@ -401,6 +413,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 resume: a.resume,
                 format: a.format,
                 gguf_type: a.gguf_type,
+                signed_scales: !a.no_signed_scales
+                    && (a.signed_scales
+                        || a.format == OutFormat::Gguf
+                        || (a.format == OutFormat::Fake && a.gguf_type.is_some())),
                 refit_scales: a.refit_scales,
                 profile: a.profile,
                 rotate: a.rotate.map(|kind| RotateSpec {
@@ -735,6 +751,7 @@ fn bench_quant(
                 resume: false,
                 format: OutFormat::Fake,
                 gguf_type: None,
+                signed_scales: false,
                 refit_scales: false,
                 profile: false,
                 rotate: None,

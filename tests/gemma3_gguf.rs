@@ -247,6 +247,7 @@ fn gemma3_270m_gguf_export_runs_in_llama_cpp_as_the_original() {
             "--sym",
             "--group-size",
             "32",
+            "--signed-scales",
             "--calib",
             &s(&texts[0]),
             "--nsamples",

@@ -81,7 +81,7 @@ fn quantize_model(model: &Path, out: &Path, format: &str, extra: &[&str]) {
     a.extend_from_slice(extra);
     if format == "fake" {
         // What --format gguf implies.
-        a.extend_from_slice(&["--sym", "--group-size", "32"]);
+        a.extend_from_slice(&["--sym", "--group-size", "32", "--signed-scales"]);
     }
     let (code, _, err) = run(&a);
     assert_eq!(code, 0, "run {}: {err}", out.display());

@@ -170,6 +170,14 @@ fn bad_input_is_refused_and_nothing_is_written() {
     check(&["--group-size", "0"], &["--group-size 0"]);
     check(&["--group-size", "256"], &["larger than"]);
     check(&["--damp", "0"], &["--damp"]);
+    check(
+        &["--signed-scales", "--format", "gptq_v2", "--sym"],
+        &["--signed-scales", "--format gptq_v2", "negative scale"],
+    );
+    check(
+        &["--signed-scales", "--format", "fake"],
+        &["--signed-scales", "symmetric", "--sym"],
+    );
 
     // NaN in a weight: the tensor is named. A norm weight of 1e30 makes X Xᵀ overflow: the Hessian stays
     // singular through every damping retry, and the layer is named.

@@ -52,6 +52,7 @@ fn checkpoint() -> &'static PathBuf {
             format: OutFormat::GptqV2,
             rotate: None,
             gguf_type: None,
+            signed_scales: false,
             refit_scales: false,
             profile: false,
         };

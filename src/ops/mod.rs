@@ -164,6 +164,12 @@ impl std::ops::Add for Traffic {
 }
 
 pub trait QuantOps: Send + Sync {
+    /// Whether the searches take `QuantSpec::signed` (a symmetric grid's scale of either sign). A backend
+    /// without them is given the same spec with positive scales (a valid grid of every format).
+    fn signed_scales(&self) -> bool {
+        true
+    }
+
     // ---- Statistics (design.md §4.2–4.3): raw sums in accumulators the backend keeps, then finished once.
 
     /// A zero accumulator of `batch` symmetric [n × n] sums.

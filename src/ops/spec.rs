@@ -43,6 +43,11 @@ pub struct QuantSpec {
     pub search: ScaleSearch,
     /// The grids the output format can store.
     pub lattice: Lattice,
+    /// A symmetric grid's scale may be negative: ŵ = s·(q − z) with s < 0 mirrors the levels −z..maxq − z,
+    /// so the extra level of an even count (−8..7 at 4 bits) falls on the side the weights need. GGUF
+    /// stores d signed (llama.cpp's own Q4_0 takes d = max/−8 for the value of largest magnitude); the
+    /// GPTQ family's loaders are not known to accept it, so it is off there.
+    pub signed: bool,
 }
 
 impl QuantSpec {
@@ -53,6 +58,16 @@ impl QuantSpec {
             sym,
             search,
             lattice: Lattice::Free,
+            signed: false,
+        }
+    }
+
+    /// The same quantization, its symmetric grids' scales free in sign (`signed`) when `on`.
+    pub fn signed_if(self, on: bool) -> Self {
+        Self {
+            // A K-quant's symmetric sub-block scales are signed already (Lattice::Super).
+            signed: on && self.sym && matches!(self.lattice, Lattice::Free | Lattice::F16),
+            ..self
         }
     }
 
@@ -81,6 +96,13 @@ impl QuantSpec {
         if self.group_size == Some(0) {
             return Err(crate::input_err!(
                 "group size must be positive (or -1 for per channel)"
+            ));
+        }
+        if self.signed && (!self.sym || matches!(self.lattice, Lattice::Super { .. })) {
+            return Err(crate::input_err!(
+                "signed scales mirror a symmetric grid with a zero point (not {} on {:?})",
+                if self.sym { "symmetric" } else { "asymmetric" },
+                self.lattice
             ));
         }
         if let Lattice::Super { len, sc_max, .. } = self.lattice

@@ -163,6 +163,12 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
             be.name()
         ));
     }
+    if opts.signed_scales && !be.signed_scales() {
+        progress.line(&format!(
+            "note: signed scales (GGUF's default) are searched on the CPU only; on {} the scales stay positive",
+            be.name()
+        ));
+    }
     if opts.refit_scales && be.device_memory().is_some() {
         return Err(crate::input_err!(
             "--refit-scales runs on the CPU only, not on {}: pass --device cpu",

@@ -257,6 +257,10 @@ pub struct RunOptions {
     /// fingerprints of other runs are unchanged.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gguf_type: Option<crate::export::gguf_mix::GgufType>,
+    /// Symmetric grids' scales free in sign (`QuantSpec::signed`): on for GGUF, whose blocks store d signed.
+    /// Absent from the fingerprint when off, so fingerprints of other runs are unchanged.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub signed_scales: bool,
     /// Refit each GPTQ-swept row's scales by least squares to its codes (quant/refit.rs). Absent from the
     /// fingerprint when off, so fingerprints of other runs are unchanged.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -426,6 +430,16 @@ impl RunOptions {
             self.check_gguf_type(t)?;
         } else if self.format == OutFormat::Gguf {
             self.check_gguf()?;
+        }
+        if self.signed_scales && !matches!(self.format, OutFormat::Gguf | OutFormat::Fake) {
+            return Err(format!(
+                "--signed-scales: --format {} is not known to load a negative scale; it is for --format gguf \
+                 (on by default there) and fake",
+                self.format.name()
+            ));
+        }
+        if self.signed_scales && self.gguf_type.is_none() && !self.sym {
+            return Err("--signed-scales mirrors symmetric grids: pass --sym".into());
         }
         if self.calib.is_empty() && self.needs_calibration() {
             return Err(format!(

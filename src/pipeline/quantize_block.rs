@@ -66,18 +66,20 @@ pub fn gguf_type(
 /// What linear `ld` is quantized to: its GGUF type's grids under `--gguf-type` (model/gguf/codec.rs), else
 /// `bits` with the run's groups and symmetry.
 pub fn linear_spec(
+    ops: &dyn QuantOps,
     opts: &RunOptions,
     cfg: &Config,
     layer: usize,
     ld: &LinearDesc,
     bits: u32,
 ) -> Result<QuantSpec> {
-    match gguf_type(opts, cfg, layer, ld) {
+    let s = match gguf_type(opts, cfg, layer, ld) {
         Some(ty) => codec(ty)
             .map(|c| c.spec(search(opts)))
-            .ok_or_else(|| crate::input_err!("{}: GGUF type {ty} is not written", ld.name)),
-        None => Ok(spec(opts, bits)),
-    }
+            .ok_or_else(|| crate::input_err!("{}: GGUF type {ty} is not written", ld.name))?,
+        None => spec(opts, bits),
+    };
+    Ok(s.signed_if(opts.signed_scales && ops.signed_scales()))
 }
 
 fn gptq_options(opts: &RunOptions, seqlen: usize, spec: QuantSpec) -> GptqOptions {
@@ -241,7 +243,7 @@ pub fn quantize_block(
     for (i, ld) in desc.linears.iter().enumerate() {
         let name = ld.name.as_str();
         let start = Instant::now();
-        let lspec = linear_spec(opts, cfg, layer, ld, bits[i])?;
+        let lspec = linear_spec(ops, opts, cfg, layer, ld, bits[i])?;
         let g = gptq_options(opts, opts.seqlen, lspec);
         let w = &weights[i];
         let ctx = || format!("layer {layer} {name}");

@@ -28,7 +28,7 @@
 //! ŵ = (d·sc)·q − dmin·m rounds once, in the subtraction, as ggml's decode does (model/gguf/kquant.rs).
 
 use super::Real;
-use super::quantizer::{Grid, MSE_NORM, QuantSpec, ScaleSearch, quant_dequant, search_grid};
+use super::quantizer::{Grid, QuantSpec, ScaleSearch, mirrored, pick, search_grid};
 use crate::ops::Lattice;
 use half::f16;
 
@@ -51,9 +51,13 @@ fn f16_of<T: Real>(x: T, positive: bool) -> T {
     T::from_f64(if positive { v.max(min) } else { v })
 }
 
-/// The spec of the free search behind a lattice grid: same width, symmetry and scoring.
+/// The spec of the free search behind a lattice grid: same width, symmetry and scoring, positive scales
+/// (`lattice_grid` mirrors an F16 grid itself, after rounding).
 fn free(spec: &QuantSpec) -> QuantSpec {
-    spec.on(Lattice::Free)
+    QuantSpec {
+        signed: false,
+        ..spec.on(Lattice::Free)
+    }
 }
 
 /// Level 1 of `Super`: d (and dmin) of one row's super-block `w` (its groups of `g` columns, the last maybe
@@ -97,9 +101,25 @@ pub fn lattice_grid<T: Real>(
     spec: &QuantSpec,
     sup: SuperScale<T>,
 ) -> Grid<T> {
+    if spec.lattice == Lattice::Free {
+        return search_grid(w, h, spec);
+    }
     let best = search_grid(w, h, &free(spec));
     match spec.lattice {
         Lattice::Free => best,
+        Lattice::F16 if spec.signed => {
+            // The f16 grid of w's free optimum and of −w's (mirrored), whichever scores lower.
+            let neg: Vec<T> = w.iter().map(|&x| -x).collect();
+            let m = mirrored(search_grid(&neg, h, &free(spec)));
+            let f16_grid = |g: Grid<T>| {
+                let s = f16_of(g.scale.abs(), true);
+                Grid {
+                    scale: if g.scale < T::ZERO { -s } else { s },
+                    zero: g.zero,
+                }
+            };
+            pick(w, h, spec, &[f16_grid(best), f16_grid(m)])
+        }
         Lattice::F16 => Grid {
             scale: f16_of(best.scale, true),
             zero: if spec.offset() {
@@ -175,44 +195,6 @@ fn super_candidates<T: Real>(
     out
 }
 
-/// The candidate with the smallest score (the first of equal scores); min-max takes the first.
-fn pick<T: Real>(w: &[T], h: Option<&[f32]>, spec: &QuantSpec, cands: &[Grid<T>]) -> Grid<T> {
-    if spec.search == ScaleSearch::MinMax || cands.len() == 1 {
-        return cands[0];
-    }
-    let mut best = (f64::INFINITY, cands[0]);
-    let mut d = vec![0f64; w.len()];
-    for &c in cands {
-        let s = score(w, h, spec, c, &mut d);
-        if s < best.0 {
-            best = (s, c);
-        }
-    }
-    best.1
-}
-
-/// Δ H Δᵀ (Hessian) or Σ|Δ|^2.4 (Mse) of `w` on grid `gr`, Δ = ŵ − w; `d` is scratch of w's length.
-fn score<T: Real>(w: &[T], h: Option<&[f32]>, spec: &QuantSpec, gr: Grid<T>, d: &mut [f64]) -> f64 {
-    let maxq = T::from_f64(spec.maxq() as f64);
-    for (x, &v) in d.iter_mut().zip(w) {
-        *x = (quant_dequant(v, gr, maxq, spec.offset()).1 - v).to_f64();
-    }
-    match (spec.search, h) {
-        (ScaleSearch::Hessian, Some(h)) => {
-            let n = w.len();
-            let mut total = 0f64;
-            for (i, &di) in d.iter().enumerate() {
-                let row = &h[i * n..(i + 1) * n];
-                let hd: f64 = row.iter().zip(d.iter()).map(|(&a, &b)| a as f64 * b).sum();
-                total += di * hd;
-            }
-            total
-        }
-        (ScaleSearch::Hessian, None) => panic!("the Hessian scale search needs the H block"),
-        _ => d.iter().map(|x| x.abs().powf(MSE_NORM)).sum(),
-    }
-}
-
 /// Every group's grid of one row `w` [n] before a sweep (static grids, RTN): on `Super`, each super-block's
 /// d first, then its groups, all from the same weights. `h_blocks[k]` is group k's diagonal H block (Hessian
 /// search only).
@@ -242,6 +224,7 @@ pub fn lattice_row<T: Real>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::quant::quantizer::score;
 
     fn lcg(seed: &mut u64) -> f64 {
         *seed = seed
@@ -352,5 +335,33 @@ mod tests {
                 assert!(is_f16(gr.zero) && gr.zero >= 0.0);
             }
         }
+    }
+
+    /// Q5_0 with signed scales: an f16 d of either sign, the mirrored one where a row's largest magnitude is a
+    /// positive outlier, and never a higher error than the positive d.
+    #[test]
+    fn signed_f16_grids_mirror_and_never_lose() {
+        let mut seed = 11u64;
+        let spec = QuantSpec::new(5, Some(32), true, ScaleSearch::Mse).on(Lattice::F16);
+        let signed = spec.signed_if(true);
+        let mut d = vec![0f64; 32];
+        let mut mirrored = 0;
+        for rep in 0..20 {
+            let mut w: Vec<f64> = (0..32).map(|_| lcg(&mut seed) * 0.02).collect();
+            w[7] = if rep % 2 == 0 { 0.3 } else { -0.3 };
+            let pos = lattice_grid(&w, None, &spec, SuperScale::default());
+            let got = lattice_grid(&w, None, &signed, SuperScale::default());
+            assert!(is_f16(got.scale.abs()) && got.zero == 16.0, "{got:?}");
+            let (sp, sg) = (
+                score(&w, None, &spec, pos, &mut d),
+                score(&w, None, &spec, got, &mut d),
+            );
+            assert!(sg <= sp, "rep {rep}: {sg} above {sp}");
+            if got.scale < 0.0 {
+                assert!(rep % 2 == 0 && sg < sp, "rep {rep}: {got:?}");
+                mirrored += 1;
+            }
+        }
+        assert_eq!(mirrored, 10);
     }
 }

@@ -166,6 +166,15 @@ pub fn minmax_grid<T: Real>(w: &[T], maxq: u32, sym: bool) -> Grid<T> {
 /// Search the grid of one row or (row, group) `w` [g]. `h` is the matching [g × g] diagonal block of H_col
 /// (f32, row-major), required for `ScaleSearch::Hessian`.
 pub fn search_grid<T: Real>(w: &[T], h: Option<&[f32]>, spec: &QuantSpec) -> Grid<T> {
+    if spec.signed {
+        let free = unsigned(spec);
+        let neg: Vec<T> = w.iter().map(|&x| -x).collect();
+        let cands = [
+            search_grid(w, h, &free),
+            mirrored(search_grid(&neg, h, &free)),
+        ];
+        return pick(w, h, &free, &cands);
+    }
     match spec.search {
         ScaleSearch::MinMax => minmax_grid(w, spec.maxq(), spec.sym),
         ScaleSearch::Mse => mse_search(w, spec),
@@ -179,6 +188,72 @@ pub fn search_grid<T: Real>(w: &[T], h: Option<&[f32]>, spec: &QuantSpec) -> Gri
             );
             hessian_search_rows(&[w], h, &TiledH::new(h, w.len(), false), spec, None)[0]
         }
+    }
+}
+
+/// `spec` with positive scales only (the search each orientation runs).
+fn unsigned(spec: &QuantSpec) -> QuantSpec {
+    QuantSpec {
+        signed: false,
+        ..*spec
+    }
+}
+
+/// The grid for w of the grid `g` that −w's search found: quantize(w, −s, z) = quantize(−w, s, z), as
+/// round-half-to-even is odd, so its levels are w's mirrored (`QuantSpec::signed`).
+pub(crate) fn mirrored<T: Real>(g: Grid<T>) -> Grid<T> {
+    Grid {
+        scale: -g.scale,
+        zero: g.zero,
+    }
+}
+
+/// The candidate with the smallest score (the first of equal scores); min-max takes the first.
+pub(crate) fn pick<T: Real>(
+    w: &[T],
+    h: Option<&[f32]>,
+    spec: &QuantSpec,
+    cands: &[Grid<T>],
+) -> Grid<T> {
+    if spec.search == ScaleSearch::MinMax || cands.len() == 1 {
+        return cands[0];
+    }
+    let mut best = (f64::INFINITY, cands[0]);
+    let mut d = vec![0f64; w.len()];
+    for &c in cands {
+        let s = score(w, h, spec, c, &mut d);
+        if s < best.0 {
+            best = (s, c);
+        }
+    }
+    best.1
+}
+
+/// Δ H Δᵀ (Hessian) or Σ|Δ|^2.4 (Mse) of `w` on grid `gr`, Δ = ŵ − w, in f64; `d` is scratch of w's length.
+pub(crate) fn score<T: Real>(
+    w: &[T],
+    h: Option<&[f32]>,
+    spec: &QuantSpec,
+    gr: Grid<T>,
+    d: &mut [f64],
+) -> f64 {
+    let maxq = T::from_f64(spec.maxq() as f64);
+    for (x, &v) in d.iter_mut().zip(w) {
+        *x = (quant_dequant(v, gr, maxq, spec.offset()).1 - v).to_f64();
+    }
+    match (spec.search, h) {
+        (ScaleSearch::Hessian, Some(h)) => {
+            let n = w.len();
+            let mut total = 0f64;
+            for (i, &di) in d.iter().enumerate() {
+                let row = &h[i * n..(i + 1) * n];
+                let hd: f64 = row.iter().zip(d.iter()).map(|(&a, &b)| a as f64 * b).sum();
+                total += di * hd;
+            }
+            total
+        }
+        (ScaleSearch::Hessian, None) => panic!("the Hessian scale search needs the H block"),
+        _ => d.iter().map(|x| x.abs().powf(MSE_NORM)).sum(),
     }
 }
 
@@ -1049,6 +1124,17 @@ pub fn search_grids_rows<T: Real>(
     spec: &QuantSpec,
 ) -> Vec<Grid<T>> {
     let row = |r: usize| &w[r * ld + c0..r * ld + c0 + len];
+    if spec.signed {
+        // Each orientation's batched search, then per row the lower of the two exact scores.
+        let free = unsigned(spec);
+        let pos = search_grids_rows(w, rows, ld, c0, len, h, &free);
+        let neg: Vec<T> = (0..rows).flat_map(|r| row(r).iter().map(|&x| -x)).collect();
+        let negs = search_grids_rows(&neg, rows, len, 0, len, h, &free);
+        return (0..rows)
+            .into_par_iter()
+            .map(|r| pick(row(r), h, &free, &[pos[r], mirrored(negs[r])]))
+            .collect();
+    }
     let h = match (spec.search, h) {
         (ScaleSearch::Hessian, Some(h)) => h,
         _ => {
@@ -1266,6 +1352,81 @@ mod tests {
                     "g={g} b={bits}: {s} vs best {best}"
                 );
             }
+        }
+    }
+
+    /// Signed scales (`QuantSpec::signed`): the search scores both orientations of the symmetric grid and
+    /// keeps the lower exact score, so it is never above the positive-only search; a row whose largest
+    /// magnitude is a positive outlier takes the mirrored grid (its extra level on the positive side), and
+    /// the batched search (pruning on) picks the same grids as the one-row search.
+    #[test]
+    fn signed_scales_mirror_where_the_row_needs_it() {
+        let mut rng = ChaCha8Rng::seed_from_u64(9);
+        let (g, rows) = (32usize, 40usize);
+        let x: Vec<f64> = (0..g * 3 * g).map(|_| rng.random::<f64>() - 0.5).collect();
+        let mut h = vec![0f32; g * g];
+        for i in 0..g {
+            for j in 0..g {
+                h[i * g + j] = (0..3 * g)
+                    .map(|t| x[i * 3 * g + t] * x[j * 3 * g + t])
+                    .sum::<f64>() as f32;
+            }
+        }
+        let w: Vec<f64> = (0..rows * g)
+            .map(|k| {
+                let v = (rng.random::<f64>() - 0.5) * 0.1;
+                // Every other row's largest magnitude is positive, the others' negative.
+                if k % g == 5 {
+                    if (k / g) % 2 == 0 { 0.4 } else { -0.4 }
+                } else {
+                    v
+                }
+            })
+            .collect();
+        for search in [ScaleSearch::Hessian, ScaleSearch::Mse] {
+            let spec = QuantSpec::new(4, Some(g), true, search);
+            let signed = spec.signed_if(true);
+            assert!(
+                signed.signed
+                    && !QuantSpec::new(4, None, false, search)
+                        .signed_if(true)
+                        .signed
+            );
+            let batched = search_grids_rows(&w, rows, g, 0, g, Some(&h), &signed);
+            let mut mirrored_rows = 0;
+            let mut d = vec![0f64; g];
+            for r in 0..rows {
+                let row = &w[r * g..(r + 1) * g];
+                let pos = search_grid(row, Some(&h), &spec);
+                let got = search_grid(row, Some(&h), &signed);
+                assert_eq!(
+                    got, batched[r],
+                    "{search:?} row {r}: batched and one-row searches differ"
+                );
+                let (sp, sg) = (
+                    score(row, Some(&h), &spec, pos, &mut d),
+                    score(row, Some(&h), &spec, got, &mut d),
+                );
+                assert!(
+                    sg <= sp,
+                    "{search:?} row {r}: signed {sg} above positive-only {sp}"
+                );
+                if r % 2 == 0 && got.scale < 0.0 {
+                    assert!(sg < sp, "{search:?} row {r}: {got:?} {sg} vs {sp}");
+                    mirrored_rows += 1;
+                }
+            }
+            // −8..7 cannot reach +0.4 at the scale the rest of the row needs; 8 levels up can. The weighted
+            // error of the rest can still favour the other grid under H (not under Σ|Δ|^2.4).
+            let need = if search == ScaleSearch::Mse {
+                rows / 2
+            } else {
+                rows / 4
+            };
+            assert!(
+                mirrored_rows >= need,
+                "{search:?}: {mirrored_rows} rows mirrored"
+            );
         }
     }
 

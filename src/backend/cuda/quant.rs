@@ -421,6 +421,10 @@ impl CudaBackend {
 }
 
 impl QuantOps for CudaBackend {
+    fn signed_scales(&self) -> bool {
+        false
+    }
+
     fn stat_acc(&self, batch: usize, n: usize) -> Result<Mat> {
         Ok(dmat(
             self.zeros_of::<f32>(batch * n * n, "alloc accumulator")?,
@@ -1226,14 +1230,19 @@ impl CudaBackend {
     }
 }
 
-/// The device searches and sweeps implement the free grids (scale, integer zero) only: a GGUF lattice
-/// (ops::Lattice, quant/lattice.rs) is the CPU's, and `run` refuses the combination before any work.
+/// The device searches and sweeps implement the free grids (scale, integer zero) with positive scales only:
+/// a GGUF lattice (ops::Lattice, quant/lattice.rs) is the CPU's, and `run` refuses the combination before
+/// any work; signed scales (`QuantSpec::signed`) are the CPU's too, and `run` leaves them off on a device
+/// (`QuantOps::signed_scales`).
 fn free_lattice(op: &str, spec: &QuantSpec) -> Result<()> {
     if spec.lattice != crate::ops::Lattice::Free {
         bail!(
             "{op}: grids on the {:?} lattice are searched on the CPU only (--device cpu)",
             spec.lattice
         );
+    }
+    if spec.signed {
+        bail!("{op}: signed scales are searched on the CPU only (--device cpu)");
     }
     Ok(())
 }
