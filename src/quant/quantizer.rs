@@ -12,6 +12,7 @@
 //!     min tr(ΔW H_col ΔWᵀ));
 //!   * `Mse`: Σ |Δ|^2.4 (GPTQ's `mse` option);
 //!   * `MinMax`: no search (p = 1, z = round(−min/s)).
+//!
 //! With signed scales (`QuantSpec::signed`, GGUF's symmetric blocks) the search runs on w and on −w, the
 //! latter's grid (s, z) becoming (−s, z) for w, and keeps the orientation whose exact score (f64) is lower.
 //!
