@@ -28,7 +28,7 @@
 //! ŵ = (d·sc)·q − dmin·m rounds once, in the subtraction, as ggml's decode does (model/gguf/kquant.rs).
 
 use super::Real;
-use super::quantizer::{Grid, QuantSpec, ScaleSearch, mirrored, pick, search_grid};
+use super::quantizer::{Grid, QuantSpec, ScaleSearch, orientations, pick, search_grid};
 use crate::ops::Lattice;
 use half::f16;
 
@@ -52,7 +52,7 @@ fn f16_of<T: Real>(x: T, positive: bool) -> T {
 }
 
 /// The spec of the free search behind a lattice grid: same width, symmetry and scoring, positive scales
-/// (`lattice_grid` mirrors an F16 grid itself, after rounding).
+/// (`lattice_grid` mirrors a signed F16 grid itself, after rounding).
 fn free(spec: &QuantSpec) -> QuantSpec {
     QuantSpec {
         signed: false,
@@ -101,16 +101,11 @@ pub fn lattice_grid<T: Real>(
     spec: &QuantSpec,
     sup: SuperScale<T>,
 ) -> Grid<T> {
-    if spec.lattice == Lattice::Free {
-        return search_grid(w, h, spec);
-    }
-    let best = search_grid(w, h, &free(spec));
     match spec.lattice {
-        Lattice::Free => best,
+        // The free search itself, signed scales included.
+        Lattice::Free => search_grid(w, h, spec),
         Lattice::F16 if spec.signed => {
-            // The f16 grid of w's free optimum and of −w's (mirrored), whichever scores lower.
-            let neg: Vec<T> = w.iter().map(|&x| -x).collect();
-            let m = mirrored(search_grid(&neg, h, &free(spec)));
+            // The f16 grid of each orientation's free optimum, whichever scores lower.
             let f16_grid = |g: Grid<T>| {
                 let s = f16_of(g.scale.abs(), true);
                 Grid {
@@ -118,17 +113,21 @@ pub fn lattice_grid<T: Real>(
                     zero: g.zero,
                 }
             };
-            pick(w, h, spec, &[f16_grid(best), f16_grid(m)])
+            pick(w, h, spec, &orientations(w, h, spec).map(f16_grid))
         }
-        Lattice::F16 => Grid {
-            scale: f16_of(best.scale, true),
-            zero: if spec.offset() {
-                f16_of(best.scale * best.zero, false)
-            } else {
-                best.zero
-            },
-        },
+        Lattice::F16 => {
+            let best = search_grid(w, h, &free(spec));
+            Grid {
+                scale: f16_of(best.scale, true),
+                zero: if spec.offset() {
+                    f16_of(best.scale * best.zero, false)
+                } else {
+                    best.zero
+                },
+            }
+        }
         Lattice::Super { sc_max, m_max, .. } => {
+            let best = search_grid(w, h, &free(spec));
             let cands = super_candidates(best, spec, sup, sc_max, m_max);
             pick(w, h, spec, &cands)
         }

@@ -170,13 +170,7 @@ pub fn minmax_grid<T: Real>(w: &[T], maxq: u32, sym: bool) -> Grid<T> {
 /// (f32, row-major), required for `ScaleSearch::Hessian`.
 pub fn search_grid<T: Real>(w: &[T], h: Option<&[f32]>, spec: &QuantSpec) -> Grid<T> {
     if spec.signed {
-        let free = unsigned(spec);
-        let neg: Vec<T> = w.iter().map(|&x| -x).collect();
-        let cands = [
-            search_grid(w, h, &free),
-            mirrored(search_grid(&neg, h, &free)),
-        ];
-        return pick(w, h, &free, &cands);
+        return pick(w, h, &unsigned(spec), &orientations(w, h, spec));
     }
     match spec.search {
         ScaleSearch::MinMax => minmax_grid(w, spec.maxq(), spec.sym),
@@ -202,9 +196,20 @@ fn unsigned(spec: &QuantSpec) -> QuantSpec {
     }
 }
 
+/// The positive-scale search's grid of w and, mirrored, of −w: the two orientations a signed search chooses
+/// between (after the lattice's rounding, on F16).
+pub(crate) fn orientations<T: Real>(w: &[T], h: Option<&[f32]>, spec: &QuantSpec) -> [Grid<T>; 2] {
+    let free = unsigned(spec);
+    let neg: Vec<T> = w.iter().map(|&x| -x).collect();
+    [
+        search_grid(w, h, &free),
+        mirrored(search_grid(&neg, h, &free)),
+    ]
+}
+
 /// The grid for w of the grid `g` that −w's search found: quantize(w, −s, z) = quantize(−w, s, z), as
 /// round-half-to-even is odd, so its levels are w's mirrored (`QuantSpec::signed`).
-pub(crate) fn mirrored<T: Real>(g: Grid<T>) -> Grid<T> {
+fn mirrored<T: Real>(g: Grid<T>) -> Grid<T> {
     Grid {
         scale: -g.scale,
         zero: g.zero,
@@ -1291,6 +1296,20 @@ mod tests {
         s
     }
 
+    /// H = X Xᵀ [g × g] (f32) of uniform X [g × 3g] from `rng`: a positive definite Hessian-like block.
+    fn random_gram(rng: &mut ChaCha8Rng, g: usize) -> Vec<f32> {
+        let x: Vec<f64> = (0..g * 3 * g).map(|_| rng.random::<f64>() - 0.5).collect();
+        let mut h = vec![0f32; g * g];
+        for i in 0..g {
+            for j in 0..g {
+                h[i * g + j] = (0..3 * g)
+                    .map(|t| x[i * 3 * g + t] * x[j * 3 * g + t])
+                    .sum::<f64>() as f32;
+            }
+        }
+        h
+    }
+
     #[test]
     fn formulas_round_half_to_even_and_clamp() {
         assert_eq!(quantize(2.5f32, 1.0, 0.0, 7.0), 2.0);
@@ -1317,15 +1336,7 @@ mod tests {
             (64, 4, true),
             (20, 8, false),
         ] {
-            let x: Vec<f64> = (0..g * 3 * g).map(|_| rng.random::<f64>() - 0.5).collect();
-            let mut h = vec![0f32; g * g];
-            for i in 0..g {
-                for j in 0..g {
-                    h[i * g + j] = (0..3 * g)
-                        .map(|t| x[i * 3 * g + t] * x[j * 3 * g + t])
-                        .sum::<f64>() as f32;
-                }
-            }
+            let h = random_gram(&mut rng, g);
             for rep in 0..12 {
                 let w: Vec<f64> = (0..g)
                     .map(|_| {
@@ -1366,15 +1377,7 @@ mod tests {
     fn signed_scales_mirror_where_the_row_needs_it() {
         let mut rng = ChaCha8Rng::seed_from_u64(9);
         let (g, rows) = (32usize, 40usize);
-        let x: Vec<f64> = (0..g * 3 * g).map(|_| rng.random::<f64>() - 0.5).collect();
-        let mut h = vec![0f32; g * g];
-        for i in 0..g {
-            for j in 0..g {
-                h[i * g + j] = (0..3 * g)
-                    .map(|t| x[i * 3 * g + t] * x[j * 3 * g + t])
-                    .sum::<f64>() as f32;
-            }
-        }
+        let h = random_gram(&mut rng, g);
         let w: Vec<f64> = (0..rows * g)
             .map(|k| {
                 let v = (rng.random::<f64>() - 0.5) * 0.1;
