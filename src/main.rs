@@ -339,6 +339,7 @@ struct RunArgs {
 }
 
 fn main() -> ExitCode {
+    boa_cuda::alloc::keep_freed_memory();
     let cli = Cli::parse();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,

@@ -34,3 +34,20 @@ fn demo_perplexity_first_window_of_2016_address() {
     assert_eq!(v["tokens"].as_u64(), Some(512));
     assert_eq!(v["windows"].as_u64(), Some(1));
 }
+
+/// The whole calibration corpus (data/texts/sotu, 11 MB) tokenized in checked pieces on every thread gives
+/// the ids of one pass over the joined text, with the demo model's byte-level BPE (whose pre-tokenizer looks
+/// ahead across line breaks, so a careless cut would change them).
+#[test]
+fn calibration_corpus_in_pieces_tokenizes_as_one_pass() {
+    use boa_cuda::data::{text, tokenizer::Tokenizer};
+    let tok = Tokenizer::load(&demo_model()).unwrap();
+    let corpus = text::read_all(&[texts_dir().join("sotu")]).unwrap();
+    assert!(corpus.len() > 10_000_000, "{} bytes", corpus.len());
+    let whole = tok.encode_whole(&corpus).unwrap();
+    let pieces = tok.encode(&corpus).unwrap();
+    assert_eq!(pieces.len(), whole.len());
+    if let Some(i) = (0..whole.len()).find(|&i| pieces[i] != whole[i]) {
+        panic!("ids differ first at {i}: {} vs {}", pieces[i], whole[i]);
+    }
+}
