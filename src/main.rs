@@ -9,8 +9,8 @@ use boa_cuda::model::Model;
 use boa_cuda::model::orthogonal::RotationKind;
 use boa_cuda::model::rotate::RotateSpec;
 use boa_cuda::pipeline::options::{
-    BitAllocation, GroupSize, LayerSet, Method, MoeHessian, Projection, RunOptions, ScaleSearchArg,
-    VRowHessian,
+    AllocProxy, BitAllocation, GroupSize, LayerSet, Method, MoeHessian, Projection, RunOptions,
+    ScaleSearchArg, VRowHessian,
 };
 use boa_cuda::progress::Progress;
 use clap::{Parser, Subcommand};
@@ -232,13 +232,20 @@ struct RunArgs {
     #[arg(long, default_value_t = 4)]
     wbits: u32,
     /// Bit allocation: an average bit width (e.g. 2.5) instead of --wbits. Each block's linears get the
-    /// widths of --bit-choices that minimise the block's predicted output error (min-max RTN's
-    /// tr(ΔW H ΔWᵀ) on each linear's input covariance) with the block's weights averaging at most this.
+    /// widths of --bit-choices that minimise the block's predicted error (--alloc-proxy) with the block's
+    /// weights averaging at most this. report.json gives each linear's width and predicted errors.
     #[arg(long, conflicts_with = "wbits")]
     avg_bits: Option<f64>,
     /// The widths --avg-bits chooses from.
     #[arg(long, value_delimiter = ',', default_values_t = [2u32, 3, 4], requires = "avg_bits")]
     bit_choices: Vec<u32>,
+    /// How --avg-bits predicts a linear's error at a width. output (the default on the CPU): the linear
+    /// alone quantized by GPTQ at that width, measured on the block's output over 8 calibration sequences,
+    /// so every linear counts in the same units (lower perplexity; each block costs |bit-choices| GPTQ runs
+    /// per linear more). rtn (the default on a GPU, where output does not run yet): min-max RTN's
+    /// tr(ΔW H ΔWᵀ) on the linear's input covariance.
+    #[arg(long, value_enum, requires = "avg_bits")]
+    alloc_proxy: Option<AllocProxy>,
     /// Input columns per scale/zero group (a multiple of 16), -1 for one scale per output channel, or auto:
     /// the largest of 128, 64, 32 dividing every quantized linear's input width (the layout GPTQModel's
     /// and transformers' kernels load), else per-channel.
@@ -390,6 +397,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 bits: a.avg_bits.map(|avg| BitAllocation {
                     avg,
                     choices: a.bit_choices.clone(),
+                    proxy: a.alloc_proxy,
                 }),
                 group_size: a.group_size,
                 // GGUF's Q4_0/Q8_0 have no zero point: the format implies --sym (a --gguf-type decides).

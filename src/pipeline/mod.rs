@@ -10,6 +10,7 @@ pub mod options;
 pub mod quantize_block;
 pub mod report;
 pub mod resume;
+pub mod sensitivity;
 pub mod stats;
 pub mod traffic;
 pub mod validate;
@@ -25,7 +26,7 @@ use crate::model::llama::{BlockWeights, ResidentWeights, block_forward};
 use crate::nvtx::ranged;
 use crate::progress::Progress;
 use anyhow::Context;
-use options::{Method, MoeHessian, RunOptions};
+use options::{AllocProxy, Method, MoeHessian, RunOptions};
 use report::{LayerReport, RunReport, Timings};
 use std::time::Instant;
 
@@ -166,6 +167,16 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
     if opts.signed_scales && !be.signed_scales() {
         progress.line(&format!(
             "note: signed scales (GGUF's default) are searched on the CPU only; on {} the scales stay positive",
+            be.name()
+        ));
+    }
+    let alloc_proxy = opts.bits.as_ref().map(|a| {
+        a.proxy
+            .unwrap_or(AllocProxy::default_for(be.device_memory().is_some()))
+    });
+    if alloc_proxy == Some(AllocProxy::Output) && be.device_memory().is_some() {
+        return Err(crate::input_err!(
+            "--alloc-proxy output runs on the CPU only, not on {}: pass --alloc-proxy rtn or --device cpu",
             be.name()
         ));
     }
@@ -472,6 +483,18 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                         timings.statistics += s.stats_time.as_secs_f64();
                         timings.v_col += s.v_col_time.as_secs_f64();
                     }
+                    // Before the quantize timer, whose parts (factor, search, sweep) `take` then restarts.
+                    let measured = match &stats {
+                        Some(s) if alloc_proxy == Some(AllocProxy::Output) => {
+                            let t = Instant::now();
+                            let m = ranged(c"allocation proxy", || {
+                                sensitivity::output_errors(be, &w, s, cfg, rope, &x, opts, l)
+                            })?;
+                            timings.alloc_proxy += t.elapsed().as_secs_f64();
+                            Some(m)
+                        }
+                        _ => None,
+                    };
                     crate::quant::profile::fence(be);
                     let t = Instant::now();
                     crate::quant::profile::take();
@@ -487,6 +510,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                             norms,
                             opts,
                             l,
+                            measured.as_deref(),
                         )
                     })?;
                     if be.traffic().source.is_empty() {

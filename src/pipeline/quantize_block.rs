@@ -36,6 +36,10 @@ pub struct LinearReport {
     /// An expert's linears: the calibration tokens routed to it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokens: Option<usize>,
+    /// Under --avg-bits: the predicted error at each of --bit-choices that the allocation compared
+    /// (--alloc-proxy: the block's output error, or min-max RTN's tr(ΔW H ΔWᵀ)).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub predicted: Option<Vec<f64>>,
 }
 
 fn search(opts: &RunOptions) -> ScaleSearch {
@@ -82,7 +86,7 @@ pub fn linear_spec(
     Ok(s.signed_if(opts.signed_scales && ops.signed_scales()))
 }
 
-fn gptq_options(opts: &RunOptions, seqlen: usize, spec: QuantSpec) -> GptqOptions {
+pub fn gptq_options(opts: &RunOptions, seqlen: usize, spec: QuantSpec) -> GptqOptions {
     let mut g = GptqOptions::new(spec);
     g.act_order = opts.act_order;
     g.static_groups = opts.static_groups;
@@ -161,9 +165,17 @@ fn relative_errors(
 /// tr(W H Wᵀ) and min-max RTN's tr(ΔW H ΔWᵀ) at the linear's width, when the allocation computed them.
 type KnownForms = Option<(f64, f64)>;
 
-/// Each linear's bit width, and (under --avg-bits) its tr(W H Wᵀ) and min-max RTN error at that width for
-/// the report. A linear without H (an under-routed expert's down_proj) predicts no error, so it gets the
-/// narrowest width.
+/// Each linear's bit width and, under --avg-bits, the errors the allocation predicted at each width.
+struct Widths {
+    bits: Vec<u32>,
+    /// tr(W H Wᵀ) and min-max RTN's error at the chosen width, when the RTN proxy computed them.
+    known: Vec<KnownForms>,
+    predicted: Vec<Option<Vec<f64>>>,
+}
+
+/// Each linear's bit width: --wbits, or under --avg-bits the allocation of the errors `measured` gives
+/// (--alloc-proxy output) or else of min-max RTN's. A linear without H (an under-routed expert's down_proj)
+/// predicts no error, so it gets the narrowest width.
 fn linear_bits(
     ops: &dyn QuantOps,
     weights: &[Mat],
@@ -171,18 +183,24 @@ fn linear_bits(
     cfg: &Config,
     opts: &RunOptions,
     layer: usize,
-) -> Result<(Vec<u32>, Vec<KnownForms>)> {
+    measured: Option<&[Vec<f64>]>,
+) -> Result<Widths> {
     let n = cfg.block.linears.len();
     let Some(alloc) = &opts.bits else {
-        return Ok((vec![opts.wbits; n], vec![None; n]));
+        return Ok(Widths {
+            bits: vec![opts.wbits; n],
+            known: vec![None; n],
+            predicted: vec![None; n],
+        });
     };
     let mut cands = Vec::with_capacity(n);
     let mut w_forms = Vec::with_capacity(n);
     for (i, ld) in cfg.block.linears.iter().enumerate() {
-        let (w_form, errors) = match stats.and_then(|s| s.h_col(ld)) {
-            Some(h) => rtn_forms(ops, &weights[i], h, opts, &alloc.choices)
+        let (w_form, errors) = match (measured, stats.and_then(|s| s.h_col(ld))) {
+            (Some(m), _) => (f64::NAN, m[i].clone()),
+            (None, Some(h)) => rtn_forms(ops, &weights[i], h, opts, &alloc.choices)
                 .with_context(|| format!("layer {layer} {}: bit allocation", ld.name))?,
-            None => (f64::NAN, vec![0.0; alloc.choices.len()]),
+            (None, None) => (f64::NAN, vec![0.0; alloc.choices.len()]),
         };
         w_forms.push(w_form);
         cands.push(Candidate {
@@ -199,7 +217,11 @@ fn linear_bits(
         .zip(&w_forms)
         .map(|((&i, c), &wf)| wf.is_finite().then_some((wf, c.errors[i])))
         .collect();
-    Ok((bits, known))
+    Ok(Widths {
+        bits,
+        known,
+        predicted: cands.into_iter().map(|c| Some(c.errors)).collect(),
+    })
 }
 
 /// The per-head q/k norm weights of a block that has them (Qwen3), for BoA's row Hessians.
@@ -219,7 +241,9 @@ impl<'a> QkNorms<'a> {
 }
 
 /// Quantizes every linear of the block. `weights` holds each linear's W (description order) where the backend
-/// keeps it (the copy the FP forward read); the results' Ŵ stay there too, for the next forward.
+/// keeps it (the copy the FP forward read); the results' Ŵ stay there too, for the next forward. `measured`:
+/// under --avg-bits with the output proxy, each linear's error at each width (pipeline/sensitivity.rs).
+#[allow(clippy::too_many_arguments)]
 pub fn quantize_block(
     ops: &dyn QuantOps,
     weights: &[Mat],
@@ -228,8 +252,13 @@ pub fn quantize_block(
     norms: QkNorms<'_>,
     opts: &RunOptions,
     layer: usize,
+    measured: Option<&[Vec<f64>]>,
 ) -> Result<Vec<(QuantizedLinear, LinearReport)>> {
-    let (bits, known) = linear_bits(ops, weights, stats, cfg, opts, layer)?;
+    let Widths {
+        bits,
+        known,
+        mut predicted,
+    } = linear_bits(ops, weights, stats, cfg, opts, layer, measured)?;
     // Linears that read the same input share its plan (q/k, and v under GPTQ; gate/up).
     let factors = FactorCache::new();
     // The offsets between a query and the keys it sees: fewer than the window where the layer slides.
@@ -346,6 +375,7 @@ pub fn quantize_block(
                 bits: lspec.bits,
                 seconds,
                 tokens,
+                predicted: predicted[i].take(),
             },
         ));
     }

@@ -21,6 +21,9 @@ pub struct Timings {
     pub factor: f64,
     pub search: f64,
     pub sweep: f64,
+    /// `--alloc-proxy output`'s GPTQ runs and block forwards (pipeline/sensitivity.rs).
+    #[serde(default)]
+    pub alloc_proxy: f64,
     /// Waiting for shard writes (they run on a writer thread while the next block works) and the resume
     /// state's saves.
     pub write: f64,
@@ -49,6 +52,7 @@ impl Timings {
             ("scale search", self.search),
             ("sweep", self.sweep),
             ("error report", report),
+            ("allocation proxy (--alloc-proxy output)", self.alloc_proxy),
             ("write (not overlapped)", self.write),
         ];
         let covered: f64 = rows.iter().map(|r| r.1).sum();

@@ -120,6 +120,9 @@ struct LinearRecord {
     /// Absent in states written before --avg-bits: those runs' --wbits, which the fingerprint pins.
     #[serde(default)]
     bits: Option<u32>,
+    /// The allocation's predicted errors (f64 bits), under --avg-bits.
+    #[serde(default)]
+    predicted: Option<Vec<u64>>,
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -178,6 +181,10 @@ fn to_record(r: &LayerReport) -> LayerRecord {
                 seconds: l.seconds,
                 tokens: l.tokens,
                 bits: Some(l.bits),
+                predicted: l
+                    .predicted
+                    .as_ref()
+                    .map(|p| p.iter().map(|x| x.to_bits()).collect()),
             })
             .collect(),
     }
@@ -207,6 +214,9 @@ fn from_record(r: LayerRecord, path: &Path, wbits: u32) -> anyhow::Result<LayerR
                 bits: l.bits.unwrap_or(wbits),
                 seconds: l.seconds,
                 tokens: l.tokens,
+                predicted: l
+                    .predicted
+                    .map(|p| p.into_iter().map(f64::from_bits).collect()),
             })
         })
         .collect::<anyhow::Result<_>>()?;
