@@ -1,11 +1,12 @@
 //! The bit allocation's measured proxy (`--alloc-proxy output`, issue 23): each linear's error at each width
-//! of `--bit-choices`, measured on the block's output. The default proxy (min-max RTN's tr(ΔW H ΔWᵀ) on the
-//! linear's own input covariance) gives each linear's error in its own output's units, so q/k (whose outputs
-//! reach the block's output through a softmax), v (through the attention and W_O) and gate/up (through
-//! SiLU and W_down) are compared with o/down (which add to the residual stream) in different units. Here each
-//! linear alone is quantized by GPTQ at the width, the block runs on some calibration sequences with that one
-//! Ŵ, and its error is ‖Y − Y_FP‖² over them: the allocation then weighs every linear by what it does to the
-//! block's output. Cost: |choices| GPTQ runs per linear and |choices| · linears + 1 forwards of those sequences.
+//! of `--bit-choices`, measured on the block's output. The RTN proxy (`--alloc-proxy rtn`: min-max RTN's
+//! tr(ΔW H ΔWᵀ) on the linear's own input covariance) gives each linear's error in its own output's units, so
+//! q/k (whose outputs reach the block's output through a softmax), v (through the attention and W_O) and
+//! gate/up (through SiLU and W_down) are compared with o/down (which add to the residual stream) in different
+//! units. Here each linear alone is quantized by GPTQ at the width, the block runs on some calibration
+//! sequences with that one Ŵ, and its error is ‖Y − Y_FP‖² over them: the allocation then weighs every linear
+//! by what it does to the block's output. Cost: |choices| GPTQ runs per linear and |choices| · linears + 1
+//! forwards of those sequences.
 
 use super::options::RunOptions;
 use super::quantize_block::{gptq_options, linear_spec};
