@@ -12,7 +12,7 @@ use crate::error::file_err;
 use rayon::prelude::*;
 use std::path::Path;
 
-/// Texts shorter than this are tokenized whole; longer ones in pieces of about this size.
+/// Texts shorter than twice this are tokenized whole; longer ones in pieces of about this size.
 const PIECE: usize = 1 << 19;
 /// Bytes of context either side of a cut that its check tokenizes.
 const SEAM: usize = 1024;
@@ -39,7 +39,7 @@ impl Tokenizer {
     pub fn encode(&self, text: &str) -> anyhow::Result<Vec<u32>> {
         let pieces = self.pieces(text)?;
         if pieces.len() == 1 {
-            return Ok(self.raw(text, true)?.get_ids().to_vec());
+            return self.encode_whole(text);
         }
         let encs = pieces
             .par_iter()
@@ -102,9 +102,11 @@ impl Tokenizer {
     /// The first position at or after `target`, just after a '\n', where cutting leaves the ids unchanged
     /// within `SEAM` bytes either side; None after `TRIES` line breaks.
     fn cut_near(&self, text: &str, target: usize) -> anyhow::Result<Option<usize>> {
+        // Bytes, not `str` slicing: `target` may fall inside a multi-byte character, and the byte after a
+        // '\n' (ASCII) is always a character boundary.
         let mut from = target;
         for _ in 0..TRIES {
-            let Some(nl) = text[from..].find('\n') else {
+            let Some(nl) = text.as_bytes()[from..].iter().position(|&b| b == b'\n') else {
                 return Ok(None);
             };
             let c = from + nl + 1;
@@ -171,19 +173,23 @@ mod tests {
     fn pieces_give_the_whole_texts_ids() {
         let tok = byte_level();
         // Paragraphs ending in one, two or three line breaks, so many candidate cuts fall on a seam that
-        // the lookahead would change.
-        let mut text = String::new();
+        // the lookahead would change; "ö" is two bytes, so the pieces' targets can fall inside a character.
+        let mut text = String::from("a");
         let mut k = 0u64;
         while text.len() < 5 * PIECE {
             k = k
                 .wrapping_mul(6364136223846793005)
                 .wrapping_add(1442695040888963407);
-            text.push_str("word ");
-            text.push_str(&"x".repeat((k >> 60) as usize));
+            text.push_str("wörd ");
+            text.push_str(&"ö".repeat((k >> 60) as usize));
             if k >> 62 == 0 {
                 text.push_str(&"\n".repeat(1 + (k >> 33) as usize % 3));
             }
         }
+        assert!(
+            (1..text.len() / PIECE).any(|k| !text.is_char_boundary(k * PIECE)),
+            "no piece target falls inside a character"
+        );
         let pieces = tok.pieces(&text).unwrap();
         assert!(pieces.len() >= 4, "{} pieces", pieces.len());
         assert_eq!(pieces.concat(), text);
@@ -191,7 +197,7 @@ mod tests {
         // Cutting after two line breaks before a word makes them one piece ("\n\n" at the end of the text):
         // the check sees it.
         let (p, _) = text
-            .match_indices("\n\nword")
+            .match_indices("\n\nwörd")
             .find(|&(p, _)| text.as_bytes()[p - 1] != b'\n')
             .unwrap();
         let c = p + 2;

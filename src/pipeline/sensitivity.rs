@@ -54,6 +54,8 @@ pub fn output_errors(
         }
     };
     let y_fp = forward(w)?;
+    // One copy of the block; each measurement swaps one linear's Ŵ in and the FP weights back.
+    let mut wq = w.clone();
     let mut out = Vec::with_capacity(w.linears.len());
     for (i, ld) in cfg.block.linears.iter().enumerate() {
         let Some(h) = stats.h_col(ld) else {
@@ -67,9 +69,10 @@ pub fn output_errors(
             let spec = linear_spec(be, opts, cfg, layer, ld, b)?;
             let q = gptq_quantize(be, &wm, h, &gptq_options(opts, opts.seqlen, spec), None)
                 .with_context(|| format!("layer {layer} {}: output proxy at {b} bits", ld.name))?;
-            let mut wq = w.clone();
-            wq.linears[i].w = be.read_f32(&q.w_hat)?;
-            let y = forward(&wq)?;
+            let fp = std::mem::replace(&mut wq.linears[i].w, be.read_f32(&q.w_hat)?);
+            let y = forward(&wq);
+            wq.linears[i].w = fp;
+            let y = y?;
             let e: f64 = y
                 .iter()
                 .zip(&y_fp)
