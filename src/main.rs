@@ -239,11 +239,10 @@ struct RunArgs {
     /// The widths --avg-bits chooses from.
     #[arg(long, value_delimiter = ',', default_values_t = [2u32, 3, 4], requires = "avg_bits")]
     bit_choices: Vec<u32>,
-    /// How --avg-bits predicts a linear's error at a width. output (the default on the CPU): the linear
-    /// alone quantized by GPTQ at that width, measured on the block's output over 8 calibration sequences,
-    /// so every linear counts in the same units (lower perplexity; each block costs |bit-choices| GPTQ runs
-    /// per linear more). rtn (the default on a GPU, where output does not run yet): min-max RTN's
-    /// tr(ΔW H ΔWᵀ) on the linear's input covariance.
+    /// How --avg-bits predicts a linear's error at a width. output (the default): the linear alone
+    /// quantized by GPTQ at that width, measured on the block's output over 8 calibration sequences, so
+    /// every linear counts in the same units (lower perplexity; each block costs |bit-choices| GPTQ runs per
+    /// linear more). rtn: min-max RTN's tr(ΔW H ΔWᵀ) on the linear's input covariance (fast).
     #[arg(long, value_enum, requires = "avg_bits")]
     alloc_proxy: Option<AllocProxy>,
     /// Input columns per scale/zero group (a multiple of 16), -1 for one scale per output channel, or auto:

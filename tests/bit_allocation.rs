@@ -157,17 +157,6 @@ fn bad_allocations_are_refused_before_any_work() {
             &["--avg-bits", "3", "--format", "compressed-tensors", "--sym"],
             "compressed-tensors",
         ),
-        (
-            &[
-                "--avg-bits",
-                "3",
-                "--alloc-proxy",
-                "output",
-                "--device",
-                "cuda",
-            ],
-            "CPU only",
-        ),
     ] {
         let mut a = vec![
             "run",

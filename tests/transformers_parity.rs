@@ -231,12 +231,18 @@ fn moe_run_on_cuda_matches_the_cpu_and_keeps_its_rows_on_the_device() {
     let root = references();
     let tmp = tempfile::tempdir().unwrap();
     let calib = calib_text();
-    for name in ["qwen3_moe", "qwen2_moe"] {
+    // The router-weighted statistics scale each expert's rows by p on the device too.
+    let configs: [(&str, &[&str]); 3] = [
+        ("qwen3_moe", &[]),
+        ("qwen2_moe", &[]),
+        ("qwen3_moe", &["--moe-hessian", "router"]),
+    ];
+    for (i, (name, extra)) in configs.into_iter().enumerate() {
         let dir = root.join(name);
         let mut errors = Vec::new();
         for dev in ["cuda", "cpu"] {
-            let out = tmp.path().join(format!("{name}-{dev}"));
-            let (code, _, err) = run(&[
+            let out = tmp.path().join(format!("{i}-{name}-{dev}"));
+            let mut args = vec![
                 "run",
                 "--model",
                 s(&dir),
@@ -259,8 +265,10 @@ fn moe_run_on_cuda_matches_the_cpu_and_keeps_its_rows_on_the_device() {
                 "--out",
                 s(&out),
                 "--quiet",
-            ]);
-            assert_eq!(code, 0, "{name} --device {dev}: {err}");
+            ];
+            args.extend_from_slice(extra);
+            let (code, _, err) = run(&args);
+            assert_eq!(code, 0, "{name} {extra:?} --device {dev}: {err}");
             let r: serde_json::Value =
                 serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
             let errs: Vec<f64> = r["layers"]
@@ -287,13 +295,13 @@ fn moe_run_on_cuda_matches_the_cpu_and_keeps_its_rows_on_the_device() {
                 let floor = b["floor_bytes"].as_u64().unwrap();
                 let ratio = moved as f64 / floor as f64;
                 println!(
-                    "{name} block {}: {moved} B moved, floor {floor} B ({ratio:.2}×), {} syncs, {} launches",
+                    "{name} {extra:?} block {}: {moved} B moved, floor {floor} B ({ratio:.2}×), {} syncs, {} launches",
                     b["layer"], tr["syncs"], tr["launches"]
                 );
                 if b["layer"].as_u64() != Some(0) {
                     assert!(
                         ratio <= 1.2,
-                        "{name} block {}: moved {ratio:.2}× its floor (bound 1.2)",
+                        "{name} {extra:?} block {}: moved {ratio:.2}× its floor (bound 1.2)",
                         b["layer"]
                     );
                 }
@@ -301,12 +309,12 @@ fn moe_run_on_cuda_matches_the_cpu_and_keeps_its_rows_on_the_device() {
         }
         let ratio = errors[0] / errors[1];
         println!(
-            "{name}: mean output error cuda {:.5}, cpu {:.5}, ratio {ratio:.3}",
+            "{name} {extra:?}: mean output error cuda {:.5}, cpu {:.5}, ratio {ratio:.3}",
             errors[0], errors[1]
         );
         assert!(
             (0.9..=1.1).contains(&ratio),
-            "{name}: CUDA's mean error is {ratio:.3}× the CPU's"
+            "{name} {extra:?}: CUDA's mean error is {ratio:.3}× the CPU's"
         );
     }
 }

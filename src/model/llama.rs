@@ -219,6 +219,13 @@ impl ResidentWeights {
         }
     }
 
+    /// Makes `t` linear i's dense copy (the output proxy's Ŵ for one forward, then W again).
+    pub fn put(&mut self, i: usize, t: Tensor) {
+        if let Some(slot) = self.w.get_mut(i) {
+            *slot = Some(Resident::Dense(t));
+        }
+    }
+
     fn get(&self, i: usize) -> Option<&Resident> {
         self.w.get(i).and_then(Option::as_ref)
     }

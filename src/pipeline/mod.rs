@@ -170,16 +170,10 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
             be.name()
         ));
     }
-    let alloc_proxy = opts.bits.as_ref().map(|a| {
-        a.proxy
-            .unwrap_or(AllocProxy::default_for(be.device_memory().is_some()))
-    });
-    if alloc_proxy == Some(AllocProxy::Output) && be.device_memory().is_some() {
-        return Err(crate::input_err!(
-            "--alloc-proxy output runs on the CPU only, not on {}: pass --alloc-proxy rtn or --device cpu",
-            be.name()
-        ));
-    }
+    let alloc_proxy = opts
+        .bits
+        .as_ref()
+        .map(|a| a.proxy.unwrap_or(AllocProxy::Output));
     if opts.refit_scales && be.device_memory().is_some() {
         return Err(crate::input_err!(
             "--refit-scales runs on the CPU only, not on {}: pass --device cpu",
@@ -488,7 +482,17 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                         Some(s) if alloc_proxy == Some(AllocProxy::Output) => {
                             let t = Instant::now();
                             let m = ranged(c"allocation proxy", || {
-                                sensitivity::output_errors(be, &w, s, cfg, rope, &x, opts, l)
+                                sensitivity::output_errors(
+                                    be,
+                                    &mut w,
+                                    &mut resident,
+                                    s,
+                                    cfg,
+                                    rope,
+                                    &x,
+                                    opts,
+                                    l,
+                                )
                             })?;
                             timings.alloc_proxy += t.elapsed().as_secs_f64();
                             Some(m)

@@ -282,7 +282,7 @@ pub struct BitAllocation {
     pub avg: f64,
     /// Ascending, distinct, each in SUPPORTED_WBITS (checked by `validate`).
     pub choices: Vec<u32>,
-    /// None: `AllocProxy::Output` on the CPU, `Rtn` on a GPU (`AllocProxy::default_for`).
+    /// None: `AllocProxy::Output`.
     pub proxy: Option<AllocProxy>,
 }
 
@@ -291,22 +291,11 @@ pub struct BitAllocation {
 #[serde(rename_all = "lowercase")]
 pub enum AllocProxy {
     /// Each linear alone quantized by GPTQ at the width, and the block's output error ‖Y − Y_FP‖² on the
-    /// first calibration sequences (pipeline/sensitivity.rs): every linear in the same units. CPU only.
+    /// first calibration sequences (pipeline/sensitivity.rs): every linear in the same units.
     Output,
     /// Min-max RTN's tr(ΔW H ΔWᵀ) on the linear's input covariance: fast, but in each linear's own output
     /// units.
     Rtn,
-}
-
-impl AllocProxy {
-    /// The proxy when none is asked for: the measured one where it runs (the CPU).
-    pub fn default_for(on_device: bool) -> AllocProxy {
-        if on_device {
-            AllocProxy::Rtn
-        } else {
-            AllocProxy::Output
-        }
-    }
 }
 
 impl Method {
@@ -450,15 +439,6 @@ impl RunOptions {
             if let Some(why) = why {
                 return Err(format!("--refit-scales: {why}"));
             }
-        }
-        if self.device == Device::Cuda
-            && self.bits.as_ref().and_then(|b| b.proxy) == Some(AllocProxy::Output)
-        {
-            return Err(
-                "--alloc-proxy output runs on the CPU only: pass --alloc-proxy rtn (the default on a GPU) \
-                 or --device cpu"
-                    .into(),
-            );
         }
         if let Some(t) = self.gguf_type {
             self.check_gguf_type(t)?;

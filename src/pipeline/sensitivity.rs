@@ -10,23 +10,27 @@
 
 use super::options::RunOptions;
 use super::quantize_block::{gptq_options, linear_spec};
-use super::stats::BlockStats;
+use super::stats::{BlockStats, stage_if_parked};
 use crate::backend::{Backend, Tensor};
 use crate::model::Config;
-use crate::model::llama::{BlockWeights, RopeTable, block_forward};
-use crate::ops::Mat;
+use crate::model::llama::{BlockWeights, ResidentWeights, RopeTable, block_forward};
+use crate::ops::{Mat, MatData};
 use crate::quant::gptq::gptq_quantize;
+use crate::quant::plan::FactorCache;
 use anyhow::Context;
 
 /// Calibration sequences the proxy forwards (the first ones of the first chunk).
 pub const SEQUENCES: usize = 8;
 
 /// Per linear (description order), its measured error at each of the allocation's widths; a linear without
-/// H (an under-routed expert's down_proj) gets zeros, as the RTN proxy gives it.
+/// H (an under-routed expert's down_proj) gets zeros, as the RTN proxy gives it. Runs where the block's
+/// weights are (`resident`: the device copies the statistics' forward read, else `w`'s host values): each
+/// Ŵ takes its linear's place there for one forward, and W goes back. Only the errors reach the host.
 #[allow(clippy::too_many_arguments)]
 pub fn output_errors(
     be: &dyn Backend,
-    w: &BlockWeights,
+    w: &mut BlockWeights,
+    resident: &mut ResidentWeights,
     stats: &BlockStats,
     cfg: &Config,
     rope: &RopeTable,
@@ -40,46 +44,72 @@ pub fn output_errors(
         .context("the output proxy needs --avg-bits")?;
     let per_seq = rope.t * cfg.d;
     let first = x.first().context("no calibration activations")?;
-    let Tensor::Host(x0) = first else {
-        anyhow::bail!("--alloc-proxy output runs on the CPU only");
+    let ns = (first.len() / per_seq).min(SEQUENCES);
+    // The first ns sequences, copied where the backend computes (a gather of their rows).
+    let staged = stage_if_parked(be, x, 0)?;
+    let rows: Vec<u32> = (0..(ns * rope.t) as u32).collect();
+    let xs = be.embed_t(staged.as_ref().unwrap_or(first), &rows, cfg.d, 1.0)?;
+    drop(staged);
+    let forward = |w: &BlockWeights, resident: &ResidentWeights| -> anyhow::Result<Tensor> {
+        let mut t = be.duplicate(&xs)?;
+        block_forward(be, w, Some(resident), cfg, rope, &mut t, ns, None)?;
+        Ok(t)
     };
-    let ns = (x0.len() / per_seq).min(SEQUENCES);
-    let xs = &x0[..ns * per_seq];
-    let forward = |w: &BlockWeights| -> anyhow::Result<Vec<f32>> {
-        let mut t = Tensor::Host(xs.to_vec());
-        block_forward(be, w, None, cfg, rope, &mut t, ns, None)?;
-        match t {
-            Tensor::Host(v) => Ok(v),
-            _ => anyhow::bail!("the block's output left the host"),
-        }
+    let as_mat = |t: Tensor| Mat::tensor(t, 1, ns * per_seq, 1);
+    let y_fp = as_mat(forward(w, resident)?);
+    // ‖Y − Y_FP‖² as tr(D·1·Dᵀ) of D = Y − Y_FP seen as one column: the backend's f64 sum of squares.
+    let one = be.hessian(vec![1.0], 1, 1)?;
+    let error = |w: &BlockWeights, resident: &ResidentWeights| -> anyhow::Result<f64> {
+        let d = be.sub(&as_mat(forward(w, resident)?), &y_fp)?;
+        Ok(be.quad_forms(&one, &[&d])?[0])
     };
-    let y_fp = forward(w)?;
-    // One copy of the block; each measurement swaps one linear's Ŵ in and the FP weights back.
-    let mut wq = w.clone();
+    // The widths share each H's plan (q/k/v and gate/up share it too).
+    let factors = FactorCache::new();
     let mut out = Vec::with_capacity(w.linears.len());
     for (i, ld) in cfg.block.linears.iter().enumerate() {
         let Some(h) = stats.h_col(ld) else {
             out.push(vec![0.0; alloc.choices.len()]);
             continue;
         };
-        let lin = &w.linears[i];
-        let wm = Mat::f32(lin.w.clone(), 1, lin.d_out, lin.d_in);
+        let (d_out, d_in) = (w.linears[i].d_out, w.linears[i].d_in);
+        let on_device = resident.take(i);
+        let was_resident = on_device.is_some();
+        let wm = match on_device {
+            Some(t) => Mat::tensor(t, 1, d_out, d_in),
+            None => Mat::f32(w.linears[i].w.clone(), 1, d_out, d_in),
+        };
         let mut errs = Vec::with_capacity(alloc.choices.len());
-        for &b in &alloc.choices {
-            let spec = linear_spec(be, opts, cfg, layer, ld, b)?;
-            let q = gptq_quantize(be, &wm, h, &gptq_options(opts, opts.seqlen, spec), None)
-                .with_context(|| format!("layer {layer} {}: output proxy at {b} bits", ld.name))?;
-            let fp = std::mem::replace(&mut wq.linears[i].w, be.read_f32(&q.w_hat)?);
-            let y = forward(&wq);
-            wq.linears[i].w = fp;
-            let y = y?;
-            let e: f64 = y
-                .iter()
-                .zip(&y_fp)
-                .map(|(&a, &b)| (a as f64 - b as f64).powi(2))
-                .sum();
-            errs.push(e);
+        let measured = (|| -> anyhow::Result<()> {
+            for &b in &alloc.choices {
+                let spec = linear_spec(be, opts, cfg, layer, ld, b)?;
+                let g = gptq_options(opts, opts.seqlen, spec);
+                let q = gptq_quantize(be, &wm, h, &g, Some(&factors))
+                    .with_context(|| format!("GPTQ at {b} bits"))?;
+                // Ŵ where the forward reads linear i: the host values, or the resident copy.
+                let e = match q.w_hat.data {
+                    MatData::F32(Tensor::Host(v)) => {
+                        let fp = std::mem::replace(&mut w.linears[i].w, v);
+                        let e = error(w, resident);
+                        w.linears[i].w = fp;
+                        e
+                    }
+                    MatData::F32(t) => {
+                        resident.put(i, t);
+                        let e = error(w, resident);
+                        drop(resident.take(i));
+                        e
+                    }
+                    MatData::F64(_) => anyhow::bail!("Ŵ came back in f64"),
+                }?;
+                errs.push(e);
+            }
+            Ok(())
+        })();
+        // W back where the forward reads it, whatever happened.
+        if was_resident && let MatData::F32(t) = wm.data {
+            resident.put(i, t);
         }
+        measured.with_context(|| format!("layer {layer} {}: output proxy", ld.name))?;
         out.push(errs);
     }
     Ok(out)

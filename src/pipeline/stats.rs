@@ -194,12 +194,12 @@ pub fn collect(
                 continue;
             }
             if moe.router_weighted {
+                // Row r times p_r where the rows are (0 + p·x: the same f32 product), so a GPU's X stays there.
+                let rows: Vec<u32> = (0..n as u32).collect();
                 let scaled = |x: &Tensor, d: usize| -> Result<Tensor> {
-                    let mut v = be.read(x)?.into_owned();
-                    for (row, p) in v.chunks_mut(d).zip(&et.weights) {
-                        row.iter_mut().for_each(|a| *a *= p);
-                    }
-                    be.to_device(Tensor::Host(v))
+                    let mut v = be.zeros(n * d)?;
+                    be.scatter_add_rows_t(&mut v, x, d, &rows, &et.weights)?;
+                    Ok(v)
                 };
                 h_in.add_xxt(be, &scaled(&et.x, d)?, n)
                     .with_context(of(H_EXPERT))?;
