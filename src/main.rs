@@ -9,8 +9,8 @@ use boa_cuda::model::Model;
 use boa_cuda::model::orthogonal::RotationKind;
 use boa_cuda::model::rotate::RotateSpec;
 use boa_cuda::pipeline::options::{
-    AllocProxy, BitAllocation, GroupSize, LayerSet, Method, MoeHessian, Projection, RunOptions,
-    ScaleSearchArg, VRowHessian,
+    AllocProxy, AllocScope, BitAllocation, GroupSize, LayerSet, Method, MoeHessian, Projection,
+    RunOptions, ScaleSearchArg, VRowHessian,
 };
 use boa_cuda::progress::Progress;
 use clap::{Parser, Subcommand};
@@ -245,6 +245,12 @@ struct RunArgs {
     /// linear more). rtn: min-max RTN's tr(ΔW H ΔWᵀ) on the linear's input covariance (fast).
     #[arg(long, value_enum, requires = "avg_bits")]
     alloc_proxy: Option<AllocProxy>,
+    /// Over which weights --avg-bits holds. model (the default with the output proxy): one budget for all
+    /// quantized linears, measured on the FP model before any block is quantized, so blocks whose errors
+    /// fall fast with bits take them from the others. block (the default with --alloc-proxy rtn): each
+    /// block's linears on their own.
+    #[arg(long, value_enum, requires = "avg_bits")]
+    alloc_scope: Option<AllocScope>,
     /// Input columns per scale/zero group (a multiple of 16), -1 for one scale per output channel, or auto:
     /// the largest of 128, 64, 32 dividing every quantized linear's input width (the layout GPTQModel's
     /// and transformers' kernels load), else per-channel.
@@ -397,6 +403,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     avg,
                     choices: a.bit_choices.clone(),
                     proxy: a.alloc_proxy,
+                    scope: a.alloc_scope.unwrap_or(match a.alloc_proxy {
+                        Some(AllocProxy::Rtn) => AllocScope::Block,
+                        _ => AllocScope::Model,
+                    }),
                 }),
                 group_size: a.group_size,
                 // GGUF's Q4_0/Q8_0 have no zero point: the format implies --sym (a --gguf-type decides).

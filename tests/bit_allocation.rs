@@ -8,16 +8,24 @@ use common::{demo_model, run, sotu_speeches, texts_dir};
 
 #[test]
 fn avg_bits_allocates_within_the_budget_and_the_checkpoint_says_so() {
-    allocation_within_budget(None);
+    allocation_within_budget(None, None);
+}
+
+#[test]
+fn avg_bits_per_block_allocates_within_each_blocks_budget() {
+    allocation_within_budget(None, Some("block"));
 }
 
 #[test]
 fn avg_bits_with_the_rtn_proxy_allocates_within_the_budget() {
-    allocation_within_budget(Some("rtn"));
+    allocation_within_budget(Some("rtn"), None);
 }
 
-/// `proxy`: --alloc-proxy (None: the CPU's default, output).
-fn allocation_within_budget(proxy: Option<&str>) {
+/// `proxy`: --alloc-proxy (None: the default, output); `scope`: --alloc-scope (None: model with the output
+/// proxy, block with rtn). Under the model scope the budget holds over all blocks together, and the blocks
+/// trade bits (their averages differ); under the block scope it holds in each.
+fn allocation_within_budget(proxy: Option<&str>, scope: Option<&str>) {
+    let per_block = proxy == Some("rtn") || scope == Some("block");
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("q");
     let model = demo_model();
@@ -45,6 +53,9 @@ fn allocation_within_budget(proxy: Option<&str>) {
     if let Some(p) = proxy {
         a.extend(["--alloc-proxy", p]);
     }
+    if let Some(sc) = scope {
+        a.extend(["--alloc-scope", sc]);
+    }
     let (code, _, err) = run(&a);
     assert_eq!(code, 0, "{err}");
     let report: serde_json::Value =
@@ -65,6 +76,8 @@ fn allocation_within_budget(proxy: Option<&str>) {
     };
     let mut widths = std::collections::BTreeSet::new();
     let mut overrides = 0;
+    let (mut n_all, mut bits_all) = (0usize, 0usize);
+    let mut averages = Vec::new();
     for layer in report["layers"].as_array().unwrap() {
         let (mut n, mut bits) = (0usize, 0usize);
         for l in layer["linears"].as_array().unwrap() {
@@ -106,14 +119,34 @@ fn allocation_within_budget(proxy: Option<&str>) {
                 assert!(!dynamic.contains_key(&key), "{key}");
             }
         }
+        n_all += n;
+        bits_all += bits;
+        averages.push(bits as f64 / n as f64);
+        if per_block {
+            assert!(
+                bits as f64 <= 2.5 * n as f64,
+                "layer {}: {bits} / {n}",
+                layer["layer"]
+            );
+            assert!(
+                bits as f64 >= 2.2 * n as f64,
+                "the budget is used: {bits} / {n}"
+            );
+        }
+    }
+    assert!(
+        bits_all as f64 <= 2.5 * n_all as f64,
+        "{bits_all} / {n_all}"
+    );
+    if !per_block {
         assert!(
-            bits as f64 <= 2.5 * n as f64,
-            "layer {}: {bits} / {n}",
-            layer["layer"]
+            bits_all as f64 >= 2.4 * n_all as f64,
+            "the budget is used: {bits_all} / {n_all}"
         );
+        // Equal averages in every block would be a per-block allocation (or a coincidence on 3 blocks).
         assert!(
-            bits as f64 >= 2.2 * n as f64,
-            "the budget is used: {bits} / {n}"
+            averages.iter().any(|a| (a - averages[0]).abs() > 0.05),
+            "no block traded bits: {averages:?}"
         );
     }
     assert_eq!(overrides, dynamic.len());
@@ -149,6 +182,17 @@ fn bad_allocations_are_refused_before_any_work() {
             "between the narrowest and widest",
         ),
         (&["--avg-bits", "3", "--bit-choices", "4,3"], "ascending"),
+        (
+            &[
+                "--avg-bits",
+                "3",
+                "--alloc-proxy",
+                "rtn",
+                "--alloc-scope",
+                "model",
+            ],
+            "--alloc-scope model",
+        ),
         (
             &["--avg-bits", "3", "--bit-choices", "2,5"],
             "each 2, 3, 4 or 8",

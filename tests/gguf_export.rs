@@ -48,6 +48,18 @@ fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
+/// Removes a variant's folders and files once it is checked: each holds a float32-sized copy of the demo
+/// model (0.5 GB), and all of them at once (8.5 GB, the two tests in parallel) overfill a CI machine's disk.
+fn remove_all(paths: &[&Path]) {
+    for p in paths {
+        if p.is_dir() {
+            std::fs::remove_dir_all(p).unwrap();
+        } else if p.exists() {
+            std::fs::remove_file(p).unwrap();
+        }
+    }
+}
+
 fn ours(dir: &Path, text: &Path) -> f64 {
     common::eval_ppl(dir, text, SEQLEN, WINDOWS)
 }
@@ -210,6 +222,7 @@ fn gguf_checkpoints_load_in_transformers_with_the_fake_formats_weights() {
         ]);
         assert_eq!(code, 0, "import-gguf {name}: {err}");
         let back = ours(&imported, &text);
+        remove_all(&[&imported]);
         assert!(
             (back - want).abs() <= 1e-9 * want,
             "{name}: import-gguf + eval {back} vs the fake folder's {want}"
@@ -257,6 +270,7 @@ fn gguf_checkpoints_load_in_transformers_with_the_fake_formats_weights() {
             want,
             TOL_LLAMA_CPP,
         );
+        remove_all(&[&out, &fake]);
     }
     assert!(failures.is_empty(), "{failures:#?}");
 }
@@ -365,6 +379,7 @@ fn gguf_type_files_hold_the_sweeps_weights_in_llama_cpps_types() {
             let (code, _, err) = run(&["import-gguf", s(&file), "--out", s(&imported)]);
             assert_eq!(code, 0, "import-gguf {choice}: {err}");
             let back = ours(&imported, &text);
+            remove_all(&[&imported]);
             assert!(
                 (back - want).abs() <= 1e-9 * want,
                 "{choice}: import-gguf + eval {back} vs the fake folder's {want}"
@@ -379,6 +394,7 @@ fn gguf_type_files_hold_the_sweeps_weights_in_llama_cpps_types() {
                 TOL_LLAMA_CPP,
             );
         }
+        remove_all(&[&out, &fake, &theirs]);
     }
     assert!(failures.is_empty(), "{failures:#?}");
 }

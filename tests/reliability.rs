@@ -426,21 +426,29 @@ fn parallel_kernels_are_thread_count_independent() {
 #[test]
 fn error_after_a_block_keeps_the_partial_folder_for_resume() {
     for format in ["fake", "gptq_v2"] {
-        error_then_resume(format, false);
+        error_then_resume(format, false, &[]);
     }
     // The save a host short of memory makes: X streamed from the backend on the main thread, not copied out
     // and written on a thread.
-    error_then_resume("gptq_v2", true);
+    error_then_resume("gptq_v2", true, &[]);
+    // The model-wide bit allocation: the resumed run makes its FP pass again and gets the same widths.
+    error_then_resume("gptq_v2", false, &["--avg-bits", "2.5"]);
 }
 
-fn error_then_resume(format: &str, streamed: bool) {
+/// `extra`: more `run` arguments (with --avg-bits, in place of --wbits).
+fn error_then_resume(format: &str, streamed: bool, extra: &[&str]) {
     let tmp = tempfile::tempdir().unwrap();
     let m = tiny_model(tmp.path());
     let calib = texts_dir().join("moby-dick.txt");
     let reference = tmp.path().join("reference");
     let with_format = |out| {
         let mut a = run_args(&m, out, &calib);
+        if extra.contains(&"--avg-bits") {
+            let i = a.iter().position(|x| *x == "--wbits").unwrap();
+            a.drain(i..i + 2);
+        }
         a.extend(["--format", format]);
+        a.extend_from_slice(extra);
         a
     };
     run_ok(&with_format(&reference), None);

@@ -6,6 +6,7 @@
 //! through unquantized (and forwarded in FP while a later block still needs its inputs).
 
 pub mod memory_plan;
+pub mod model_allocation;
 pub mod options;
 pub mod quantize_block;
 pub mod report;
@@ -26,7 +27,7 @@ use crate::model::llama::{BlockWeights, ResidentWeights, block_forward};
 use crate::nvtx::ranged;
 use crate::progress::Progress;
 use anyhow::Context;
-use options::{AllocProxy, Method, MoeHessian, RunOptions};
+use options::{AllocProxy, AllocScope, Method, MoeHessian, RunOptions};
 use report::{LayerReport, RunReport, Timings};
 use std::time::Instant;
 
@@ -290,6 +291,49 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
             (None, 0)
         };
         let fingerprint = resume::fingerprint(opts, source, &be.name(), calib_ids.as_deref())?;
+        // Embedded a chunk at a time, so the host never holds X twice; on a device with room for the table,
+        // gathered there, so X never crosses PCIe.
+        let embed = |flat: &[u32]| -> anyhow::Result<Vec<Tensor>> {
+            // A scaled embedding (Gemma) is scaled by the gather: the table is also the head.
+            let table = if placement.embed_on_device {
+                be.upload_weight(&model.embed_table()?)?
+            } else {
+                None
+            };
+            let scale = cfg.block.embed_scale.unwrap_or(1.0);
+            flat.chunks(placement.chunk_seqs * opts.seqlen)
+                .map(|ids| {
+                    Ok(match &table {
+                        Some(t) => {
+                            model.check_ids(ids)?;
+                            place_t(be.as_ref(), be.embed_t(t, ids, cfg.d, scale)?, &placement)?
+                        }
+                        None => place(be.as_ref(), model.embed(ids)?, &placement)?,
+                    })
+                })
+                .collect()
+        };
+        let ropes = model.rope_tables(opts.seqlen);
+        // --alloc-scope model: every block's widths before any block is quantized (a resumed run makes the
+        // same pass again and gets the same widths).
+        let t_alloc = Instant::now();
+        let chosen = match (&opts.bits, &calib_ids) {
+            (Some(a), Some(flat)) if a.scope == AllocScope::Model => {
+                Some(ranged(c"allocation proxy", || {
+                    model_allocation::allocate(
+                        be.as_ref(),
+                        model,
+                        opts,
+                        &layers,
+                        &ropes,
+                        embed(flat)?,
+                        *progress,
+                    )
+                })?)
+            }
+            _ => None,
+        };
+        let alloc_secs = t_alloc.elapsed().as_secs_f64();
         let saved = if opts.resume {
             let export = resume::Export {
                 format: opts.format,
@@ -339,33 +383,8 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                         folder.tmp.display()
                     ));
                 }
-                // Embedded a chunk at a time, so the host never holds X twice; on a device with room for
-                // the table, gathered there, so X never crosses PCIe.
                 let x = match &calib_ids {
-                    Some(flat) => {
-                        // A scaled embedding (Gemma) is scaled by the gather: the table is also the head.
-                        let table = if placement.embed_on_device {
-                            be.upload_weight(&model.embed_table()?)?
-                        } else {
-                            None
-                        };
-                        let scale = cfg.block.embed_scale.unwrap_or(1.0);
-                        flat.chunks(placement.chunk_seqs * opts.seqlen)
-                            .map(|ids| {
-                                Ok(match &table {
-                                    Some(t) => {
-                                        model.check_ids(ids)?;
-                                        place_t(
-                                            be.as_ref(),
-                                            be.embed_t(t, ids, cfg.d, scale)?,
-                                            &placement,
-                                        )?
-                                    }
-                                    None => place(be.as_ref(), model.embed(ids)?, &placement)?,
-                                })
-                            })
-                            .collect::<anyhow::Result<Vec<Tensor>>>()?
-                    }
+                    Some(flat) => embed(flat)?,
                     None => Vec::new(),
                 };
                 (0, x, Vec::new())
@@ -373,9 +392,9 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
         };
         drop(calib_ids);
         if start == 0 {
-            timings.calibration_data = t0.elapsed().as_secs_f64();
+            timings.calibration_data = t0.elapsed().as_secs_f64() - alloc_secs;
         }
-        let ropes = model.rope_tables(opts.seqlen);
+        timings.alloc_proxy += alloc_secs;
         let out_dtype = model.store.main_dtype();
 
         let base_total = timings.total;
@@ -479,6 +498,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                     }
                     // Before the quantize timer, whose parts (factor, search, sweep) `take` then restarts.
                     let measured = match &stats {
+                        _ if chosen.is_some() => chosen.as_ref().and_then(|c| c.errors[l].clone()),
                         Some(s) if alloc_proxy == Some(AllocProxy::Output) => {
                             let t = Instant::now();
                             let m = ranged(c"allocation proxy", || {
@@ -515,6 +535,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                             opts,
                             l,
                             measured.as_deref(),
+                            chosen.as_ref().and_then(|c| c.bits[l].as_deref()),
                         )
                     })?;
                     if be.traffic().source.is_empty() {
@@ -812,7 +833,7 @@ fn write_hf_configs(
 
 /// X ← block(X), chunk by chunk, with the block's weights already in the backend's memory (`resident`). A
 /// parked chunk (pinned host memory) visits the device for its forward and goes back.
-fn forward_all(
+pub(super) fn forward_all(
     be: &dyn Backend,
     w: &BlockWeights,
     resident: &ResidentWeights,

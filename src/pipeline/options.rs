@@ -284,6 +284,17 @@ pub struct BitAllocation {
     pub choices: Vec<u32>,
     /// None: `AllocProxy::Output`.
     pub proxy: Option<AllocProxy>,
+    pub scope: AllocScope,
+}
+
+/// Over which weights `--avg-bits` holds (`--alloc-scope`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AllocScope {
+    /// Each block's linears average at most A bits on their own.
+    Block,
+    /// All quantized linears together (pipeline/model_allocation.rs): blocks trade bits. Output proxy only.
+    Model,
 }
 
 /// How `--avg-bits` predicts each linear's error at each width (`--alloc-proxy`).
@@ -351,6 +362,12 @@ impl RunOptions {
             }
             if self.wbits != c[0] {
                 return Err("--avg-bits sets the base width to the narrowest choice".into());
+            }
+            if b.scope == AllocScope::Model && b.proxy == Some(AllocProxy::Rtn) {
+                return Err(
+                    "--alloc-scope model compares blocks by the output proxy's errors: drop --alloc-proxy                      rtn, or pass --alloc-scope block"
+                        .into(),
+                );
             }
             if self.format == OutFormat::CompressedTensors {
                 return Err(

@@ -174,8 +174,10 @@ struct Widths {
 }
 
 /// Each linear's bit width: --wbits, or under --avg-bits the allocation of the errors `measured` gives
-/// (--alloc-proxy output) or else of min-max RTN's. A linear without H (an under-routed expert's down_proj)
-/// predicts no error, so it gets the narrowest width.
+/// (--alloc-proxy output) or else of min-max RTN's, or the model-wide allocation's widths (`chosen`, with
+/// the errors it compared in `measured`). A linear without H (an under-routed expert's down_proj) predicts
+/// no error, so it gets the narrowest width.
+#[allow(clippy::too_many_arguments)]
 fn linear_bits(
     ops: &dyn QuantOps,
     weights: &[Mat],
@@ -184,6 +186,7 @@ fn linear_bits(
     opts: &RunOptions,
     layer: usize,
     measured: Option<&[Vec<f64>]>,
+    chosen: Option<&[u32]>,
 ) -> Result<Widths> {
     let n = cfg.block.linears.len();
     let Some(alloc) = &opts.bits else {
@@ -193,6 +196,16 @@ fn linear_bits(
             predicted: vec![None; n],
         });
     };
+    if let Some(bits) = chosen {
+        return Ok(Widths {
+            bits: bits.to_vec(),
+            known: vec![None; n],
+            predicted: match measured {
+                Some(m) => m.iter().map(|e| Some(e.clone())).collect(),
+                None => vec![None; n],
+            },
+        });
+    }
     let mut cands = Vec::with_capacity(n);
     let mut w_forms = Vec::with_capacity(n);
     for (i, ld) in cfg.block.linears.iter().enumerate() {
@@ -242,7 +255,8 @@ impl<'a> QkNorms<'a> {
 
 /// Quantizes every linear of the block. `weights` holds each linear's W (description order) where the backend
 /// keeps it (the copy the FP forward read); the results' Ŵ stay there too, for the next forward. `measured`:
-/// under --avg-bits with the output proxy, each linear's error at each width (pipeline/sensitivity.rs).
+/// under --avg-bits with the output proxy, each linear's error at each width (pipeline/sensitivity.rs);
+/// `chosen`: the widths the model-wide allocation gave this block (pipeline/model_allocation.rs).
 #[allow(clippy::too_many_arguments)]
 pub fn quantize_block(
     ops: &dyn QuantOps,
@@ -253,12 +267,13 @@ pub fn quantize_block(
     opts: &RunOptions,
     layer: usize,
     measured: Option<&[Vec<f64>]>,
+    chosen: Option<&[u32]>,
 ) -> Result<Vec<(QuantizedLinear, LinearReport)>> {
     let Widths {
         bits,
         known,
         mut predicted,
-    } = linear_bits(ops, weights, stats, cfg, opts, layer, measured)?;
+    } = linear_bits(ops, weights, stats, cfg, opts, layer, measured, chosen)?;
     // Linears that read the same input share its plan (q/k, and v under GPTQ; gate/up).
     let factors = FactorCache::new();
     // The offsets between a query and the keys it sees: fewer than the window where the layer slides.

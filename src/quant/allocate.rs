@@ -18,6 +18,7 @@ pub fn assignments(widths: usize, linears: usize) -> Option<usize> {
 }
 
 /// Per linear: its weight count and its predicted error at each of `choices` (ascending bit widths).
+#[derive(Clone, Debug)]
 pub struct Candidate {
     pub weights: usize,
     pub errors: Vec<f64>,
@@ -72,6 +73,127 @@ pub fn allocate(choices: &[u32], cands: &[Candidate], avg_bits: f64) -> Result<V
     })
 }
 
+/// The widths of every block's linears under one average over all of them (`run --alloc-scope model`).
+/// Each block's predicted errors are divided by their sum at the middle width: the units of a block's output
+/// grow with depth (the residual stream's norm), and in absolute units the last blocks would take every
+/// bit; so normalized, blocks trade bits by how fast their errors fall, each counting as much as the others
+/// at the middle width. Then the Lagrangian relaxation min Σ e_ℓ(b_ℓ) + λ n_ℓ b_ℓ, λ bisected to the
+/// budget, and moves of one width step (one linear up into budget left, or one up and another down) while
+/// one lowers the error. Not exact, but polynomial in the linears, which a model has hundreds of (an
+/// exhaustive search is |choices|^hundreds). Err as `allocate`.
+pub fn allocate_model(
+    choices: &[u32],
+    blocks: &[Vec<Candidate>],
+    avg_bits: f64,
+) -> Result<Vec<Vec<usize>>, String> {
+    let k = choices.len();
+    if k == 0 || blocks.iter().flatten().any(|c| c.errors.len() != k) {
+        return Err("bit allocation: every linear needs one predicted error per width".into());
+    }
+    let mid = k / 2;
+    let mut items: Vec<(u128, Vec<f64>)> = Vec::new();
+    for b in blocks {
+        let scale: f64 = b.iter().map(|c| c.errors[mid]).sum();
+        let scale = if scale.is_finite() && scale > 0.0 {
+            scale
+        } else {
+            1.0
+        };
+        items.extend(b.iter().map(|c| {
+            (
+                c.weights as u128,
+                c.errors.iter().map(|e| e / scale).collect(),
+            )
+        }));
+    }
+    let n: u128 = items.iter().map(|(w, _)| w).sum();
+    let budget = (avg_bits * n as f64 + 1e-9 * n as f64).floor() as u128;
+    let cost = |p: &[usize]| -> u128 {
+        items
+            .iter()
+            .zip(p)
+            .map(|((w, _), &i)| w * choices[i] as u128)
+            .sum()
+    };
+    let pick = |lambda: f64| -> Vec<usize> {
+        items
+            .iter()
+            .map(|(w, e)| {
+                let price = |i: usize| e[i] + lambda * *w as f64 * choices[i] as f64;
+                // Ties to the narrower width.
+                (1..k).fold(0, |best, i| if price(i) < price(best) { i } else { best })
+            })
+            .collect()
+    };
+    let narrowest = vec![0; items.len()];
+    if cost(&narrowest) > budget {
+        return Err(format!(
+            "an average of {avg_bits} bits is below the narrowest width {} bits",
+            choices[0]
+        ));
+    }
+    // The smallest λ (on a log scale) whose widths fit: λ → ∞ gives the narrowest, which fit.
+    let (mut lo, mut hi) = (1e-30f64, 1e30f64);
+    let mut p = if cost(&pick(hi)) <= budget {
+        pick(hi)
+    } else {
+        narrowest
+    };
+    for _ in 0..200 {
+        let mid = (lo * hi).sqrt();
+        let q = pick(mid);
+        if cost(&q) <= budget {
+            hi = mid;
+            p = q;
+        } else {
+            lo = mid;
+        }
+    }
+    // A width step of linear j: its weight-bits and its error change.
+    let up = |j: usize, i: usize| {
+        let (w, e) = &items[j];
+        (w * (choices[i + 1] - choices[i]) as u128, e[i + 1] - e[i])
+    };
+    let mut spent = cost(&p);
+    // Then, while one exists, the best move of one step: one linear up where the budget allows, or one up and
+    // another down (the relaxation's gaps), the error falling most.
+    for _ in 0..10 * items.len() + 10 {
+        let mut best: Option<(f64, usize, Option<usize>)> = None;
+        for j in (0..items.len()).filter(|&j| p[j] + 1 < k) {
+            let (extra, de) = up(j, p[j]);
+            if spent + extra <= budget && de < 0.0 && best.is_none_or(|(b, ..)| de < b) {
+                best = Some((de, j, None));
+            }
+            for i in (0..items.len()).filter(|&i| i != j && p[i] > 0) {
+                // Down one step: the error rises by what the step up from there lowers it.
+                let (freed, fall) = up(i, p[i] - 1);
+                let delta = de - fall;
+                if spent + extra <= budget + freed
+                    && delta < 0.0
+                    && best.is_none_or(|(b, ..)| delta < b)
+                {
+                    best = Some((delta, j, Some(i)));
+                }
+            }
+        }
+        let Some((_, j, down)) = best else { break };
+        spent += up(j, p[j]).0;
+        p[j] += 1;
+        if let Some(i) = down {
+            p[i] -= 1;
+            spent -= up(i, p[i]).0;
+        }
+    }
+    let mut out = Vec::with_capacity(blocks.len());
+    let mut rest = &p[..];
+    for b in blocks {
+        let (head, tail) = rest.split_at(b.len());
+        out.push(head.to_vec());
+        rest = tail;
+    }
+    Ok(out)
+}
+
 /// The average bit width of an allocation, weighted by weight counts.
 pub fn average_bits(choices: &[u32], cands: &[Candidate], pick: &[usize]) -> f64 {
     let n: usize = cands.iter().map(|c| c.weights).sum();
@@ -121,6 +243,56 @@ mod tests {
         let p = allocate(&choices, &c, 2.2).unwrap();
         assert_eq!(p, vec![0, 1, 1]);
         assert!(average_bits(&choices, &c, &p) <= 2.2);
+    }
+
+    #[test]
+    fn model_scope_trades_bits_between_blocks_by_their_curves() {
+        let choices = [2, 3, 4];
+        // Block 0's errors are 1000× block 1's in absolute units, but block 1's fall 16× per bit and block
+        // 0's 1.5×: normalized, the bits go to block 1.
+        let blocks = vec![
+            vec![cand(100, &[2250.0, 1500.0, 1000.0]); 2],
+            vec![cand(100, &[16.0, 1.0, 0.0625]); 2],
+        ];
+        let p = allocate_model(&choices, &blocks, 3.0).unwrap();
+        assert_eq!(p, vec![vec![0, 0], vec![2, 2]]);
+        let flat: Vec<Candidate> = blocks.into_iter().flatten().collect();
+        let pf: Vec<usize> = p.concat();
+        assert_eq!(average_bits(&choices, &flat, &pf), 3.0);
+        assert!(allocate_model(&choices, &[flat], 1.9).is_err());
+    }
+
+    #[test]
+    fn model_scope_on_one_block_is_near_the_exhaustive_optimum() {
+        use rand::{RngExt, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        let choices = [2, 3, 4];
+        let (mut worst, mut over) = (1f64, 0);
+        for _ in 0..200 {
+            let c: Vec<Candidate> = (0..7)
+                .map(|_| {
+                    let base: f64 = rng.random_range(0.1..10.0);
+                    let slope: f64 = rng.random_range(2.0..6.0);
+                    let w = rng.random_range(100..1000);
+                    cand(w, &[base * slope * slope, base * slope, base])
+                })
+                .collect();
+            let avg = rng.random_range(2.0..4.0);
+            let exact = allocate(&choices, &c, avg).unwrap();
+            let p = allocate_model(&choices, std::slice::from_ref(&c), avg).unwrap();
+            assert!(average_bits(&choices, &c, &p[0]) <= avg + 1e-12);
+            let err = |p: &[usize]| -> f64 { c.iter().zip(p).map(|(c, &i)| c.errors[i]).sum() };
+            let ratio = err(&p[0]) / err(&exact);
+            assert!(
+                ratio >= 1.0 - 1e-12,
+                "better than the exhaustive optimum: {ratio}"
+            );
+            worst = worst.max(ratio);
+            over += usize::from(ratio > 1.0 + 1e-12);
+        }
+        // The relaxation and its one-step moves miss the optimum at times (seen: 8 of 200, by at most 9.8%).
+        println!("model scope vs exhaustive on one block: {over} of 200 above, worst {worst:.3}");
+        assert!(worst < 1.15, "worst {worst}");
     }
 
     #[test]
