@@ -48,8 +48,8 @@ fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
-/// Removes a variant's folders and files once it is checked: each holds a float32-sized copy of the demo
-/// model (0.5 GB), and all of them at once (8.5 GB, the two tests in parallel) overfill a CI machine's disk.
+/// Removes a variant's folders and files once it is checked: each holds a float32-sized copy of its model
+/// (0.5 GB for the demo model), and all of them at once (8.5 GB) overfill a CI machine's disk.
 fn remove_all(paths: &[&Path]) {
     for p in paths {
         if p.is_dir() {
@@ -59,6 +59,10 @@ fn remove_all(paths: &[&Path]) {
         }
     }
 }
+
+/// Held by each test that writes float32-sized copies of the demo model for its whole run: 1.8 and 1.7 GB of
+/// temporary files at their peaks, side by side 3.5 GB.
+static DEMO_MODEL_COPIES: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn ours(dir: &Path, text: &Path) -> f64 {
     common::eval_ppl(dir, text, SEQLEN, WINDOWS)
@@ -101,6 +105,7 @@ fn quantize_model(model: &Path, out: &Path, format: &str, extra: &[&str]) {
 
 #[test]
 fn gguf_checkpoints_load_in_transformers_with_the_fake_formats_weights() {
+    let _one = DEMO_MODEL_COPIES.lock().unwrap_or_else(|e| e.into_inner());
     let py = pyref_python("gguf, transformers");
     let llama = llamacpp_python("llama_cpp, numpy");
     let tmp = tempfile::tempdir().unwrap();
@@ -283,6 +288,7 @@ fn gguf_checkpoints_load_in_transformers_with_the_fake_formats_weights() {
 /// through llama.cpp's forward and our import-gguf gives the twin's perplexity.
 #[test]
 fn gguf_type_files_hold_the_sweeps_weights_in_llama_cpps_types() {
+    let _one = DEMO_MODEL_COPIES.lock().unwrap_or_else(|e| e.into_inner());
     let py = pyref_python("gguf, numpy, safetensors");
     let llama = llamacpp_python("llama_cpp, numpy");
     let tmp = tempfile::tempdir().unwrap();
@@ -952,7 +958,10 @@ fn gguf_type_presets_on_mixtures_of_experts_match_llama_cpp() {
                     want,
                     TOL,
                 );
+                remove_all(&[&fake, &f32_file]);
             }
+            // 27 runs' files together came to 6.6 GB.
+            remove_all(&[&out, &theirs]);
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");
