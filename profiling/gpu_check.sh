@@ -304,10 +304,12 @@ device_half() {
             m="$scratch/synth"
             rm -rf "$m" "$scratch"/q-*
             "$carry/bin/boa-cuda" synth-model --out "$m" --d 512 --d-ff 1376 --layers 4 --heads 8 --kv-heads 4
-            # BoA 3-bit per channel, then GPTQ 4-bit g64 (dynamic groups). Every config runs and reports, even
+            # BoA 3-bit per channel, GPTQ 4-bit g64 (dynamic groups), then GPTQ under --avg-bits (the output
+            # proxy on the device and the model-scope FP pass; fused sets put several Ŵ in the resident block
+            # at once; --profile's "allocation proxy" row is its time). Every config runs and reports, even
             # after one fails; the section fails at the end if any did.
             run_config() {
-                local cfg="$1" tag="${1%% *}" dev
+                local cfg="$1" tag="${1// /_}" dev
                 for dev in cuda cpu; do
                     # shellcheck disable=SC2086
                     timeout "$(cap 120)" "$carry/bin/boa-cuda" run --model "$m" --calib README.md --method $cfg \
@@ -319,7 +321,8 @@ device_half() {
                 compare_reports "$scratch/report-$tag-cuda.json" "$scratch/report-$tag-cpu.json"
             }
             failed=()
-            for cfg in "boa --wbits 3" "gptq --wbits 4 --group-size 64"; do
+            for cfg in "boa --wbits 3" "gptq --wbits 4 --group-size 64" \
+                "gptq --avg-bits 3.5 --bit-choices 3,4 --alloc-unit fused --group-size 64"; do
                 echo "== $cfg"
                 run_config "$cfg" || failed+=("$cfg")
             done

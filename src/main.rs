@@ -9,8 +9,8 @@ use boa_cuda::model::Model;
 use boa_cuda::model::orthogonal::RotationKind;
 use boa_cuda::model::rotate::RotateSpec;
 use boa_cuda::pipeline::options::{
-    AllocProxy, AllocScope, BitAllocation, GroupSize, LayerSet, Method, MoeHessian, Projection,
-    RunOptions, ScaleSearchArg, VRowHessian,
+    AllocProxy, AllocScope, AllocUnit, BitAllocation, GroupSize, LayerSet, Method, MoeHessian,
+    Projection, RunOptions, ScaleSearchArg, VRowHessian,
 };
 use boa_cuda::progress::Progress;
 use clap::{Parser, Subcommand};
@@ -231,9 +231,12 @@ struct RunArgs {
     /// Bits per weight: 2, 3, 4 or 8.
     #[arg(long, default_value_t = 4)]
     wbits: u32,
-    /// Bit allocation: an average bit width (e.g. 2.5) instead of --wbits. Each block's linears get the
-    /// widths of --bit-choices that minimise the block's predicted error (--alloc-proxy) with the block's
-    /// weights averaging at most this. report.json gives each linear's width and predicted errors.
+    /// Bit allocation: an average bit width (e.g. 2.5) instead of --wbits. The quantized linears get the
+    /// widths of --bit-choices that minimise the predicted error (--alloc-proxy) with their weights
+    /// averaging at most this, over the whole model or each block (--alloc-scope), per linear or per fused
+    /// set (--alloc-unit). report.json gives each linear's width and predicted errors; the checkpoint states
+    /// the widths in its format's own config (GPTQ's `dynamic`, compressed-tensors' config groups, GGUF's
+    /// tensor types).
     #[arg(long, conflicts_with = "wbits")]
     avg_bits: Option<f64>,
     /// The widths --avg-bits chooses from.
@@ -251,6 +254,12 @@ struct RunArgs {
     /// block's linears on their own.
     #[arg(long, value_enum, requires = "avg_bits")]
     alloc_scope: Option<AllocScope>,
+    /// What gets one width under --avg-bits. linear (the default): each linear its own (the lowest
+    /// perplexity; the checkpoint loads in GPTQModel, transformers and llama.cpp, but not in vLLM, which
+    /// runs q/k/v and gate/up as fused layers of one width). fused: the linears that read one input (q/k/v,
+    /// gate/up) share one width, measured together by the output proxy, so vLLM can load the checkpoint.
+    #[arg(long, value_enum, requires = "avg_bits")]
+    alloc_unit: Option<AllocUnit>,
     /// Input columns per scale/zero group (a multiple of 16), -1 for one scale per output channel, or auto:
     /// the largest of 128, 64, 32 dividing every quantized linear's input width (the layout GPTQModel's
     /// and transformers' kernels load), else per-channel.
@@ -407,6 +416,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                         Some(AllocProxy::Rtn) => AllocScope::Block,
                         _ => AllocScope::Model,
                     }),
+                    unit: a.alloc_unit.unwrap_or(AllocUnit::Linear),
                 }),
                 group_size: a.group_size,
                 // GGUF's Q4_0/Q8_0 have no zero point: the format implies --sym (a --gguf-type decides).

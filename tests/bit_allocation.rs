@@ -8,23 +8,31 @@ use common::{demo_model, run, sotu_speeches, texts_dir};
 
 #[test]
 fn avg_bits_allocates_within_the_budget_and_the_checkpoint_says_so() {
-    allocation_within_budget(None, None);
+    allocation_within_budget(None, None, None);
 }
 
 #[test]
 fn avg_bits_per_block_allocates_within_each_blocks_budget() {
-    allocation_within_budget(None, Some("block"));
+    allocation_within_budget(None, Some("block"), Some("fused"));
 }
 
 #[test]
 fn avg_bits_with_the_rtn_proxy_allocates_within_the_budget() {
-    allocation_within_budget(Some("rtn"), None);
+    allocation_within_budget(Some("rtn"), None, None);
+}
+
+#[test]
+fn avg_bits_fused_gives_each_fused_set_one_width() {
+    allocation_within_budget(None, None, Some("fused"));
 }
 
 /// `proxy`: --alloc-proxy (None: the default, output); `scope`: --alloc-scope (None: model with the output
 /// proxy, block with rtn). Under the model scope the budget holds over all blocks together, and the blocks
-/// trade bits (their averages differ); under the block scope it holds in each.
-fn allocation_within_budget(proxy: Option<&str>, scope: Option<&str>) {
+/// trade bits (their averages differ); under the block scope it holds in each. `unit`: --alloc-unit (None:
+/// linear, each linear its own width, and `run` notes that vLLM cannot load the result; fused: q/k/v share a
+/// width, gate/up too, and GPTQ's `dynamic` names vLLM's fused layers beside their parts).
+fn allocation_within_budget(proxy: Option<&str>, scope: Option<&str>, unit: Option<&str>) {
+    let fused = unit == Some("fused");
     let per_block = proxy == Some("rtn") || scope == Some("block");
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("q");
@@ -56,8 +64,16 @@ fn allocation_within_budget(proxy: Option<&str>, scope: Option<&str>) {
     if let Some(sc) = scope {
         a.extend(["--alloc-scope", sc]);
     }
+    if let Some(u) = unit {
+        a.extend(["--alloc-unit", u]);
+    }
     let (code, _, err) = run(&a);
     assert_eq!(code, 0, "{err}");
+    assert_eq!(
+        err.contains("pass --alloc-unit fused to serve it in vLLM"),
+        !fused,
+        "the note on per-linear widths: {err}"
+    );
     let report: serde_json::Value =
         serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
     let cfg: serde_json::Value =
@@ -80,7 +96,12 @@ fn allocation_within_budget(proxy: Option<&str>, scope: Option<&str>) {
     let mut averages = Vec::new();
     for layer in report["layers"].as_array().unwrap() {
         let (mut n, mut bits) = (0usize, 0usize);
+        let mut of = std::collections::BTreeMap::new();
+        let mut predicted = std::collections::BTreeMap::new();
         for l in layer["linears"].as_array().unwrap() {
+            let short = l["name"].as_str().unwrap().rsplit('.').next().unwrap();
+            of.insert(short, l["bits"].as_u64().unwrap());
+            predicted.insert(short, l["predicted"].clone());
             let name = l["name"].as_str().unwrap();
             let b = l["bits"].as_u64().unwrap() as usize;
             assert!([2, 3, 4].contains(&b), "{name}: {b}");
@@ -115,6 +136,33 @@ fn allocation_within_budget(proxy: Option<&str>, scope: Option<&str>) {
             if b != 2 {
                 overrides += 1;
                 assert_eq!(dynamic[&key]["bits"], b as u64, "{key}");
+            } else {
+                assert!(!dynamic.contains_key(&key), "{key}");
+            }
+        }
+        for (set, fused_name) in [
+            (&["q_proj", "k_proj", "v_proj"][..], "self_attn\\.qkv_proj"),
+            (&["gate_proj", "up_proj"][..], "mlp\\.gate_up_proj"),
+        ] {
+            let widths: Vec<u64> = set.iter().map(|p| of[p]).collect();
+            let shared = widths.iter().all(|&b| b == widths[0]);
+            if fused {
+                assert!(shared, "layer {}: {set:?} at {widths:?}", layer["layer"]);
+                // The output proxy measures a set's linears together: one error per width for all of them.
+                if proxy != Some("rtn") {
+                    assert!(
+                        set.iter().all(|p| predicted[p] == predicted[set[0]]),
+                        "layer {}: {set:?} predicted apart",
+                        layer["layer"]
+                    );
+                }
+            }
+            // vLLM matches `dynamic` against the fused layer's name: a rule for it whenever the parts share a
+            // width other than the base's.
+            let key = format!("+:^model\\.layers\\.{}\\.{fused_name}$", layer["layer"]);
+            if shared && widths[0] != 2 {
+                overrides += 1;
+                assert_eq!(dynamic[&key]["bits"], widths[0], "{key}");
             } else {
                 assert!(!dynamic.contains_key(&key), "{key}");
             }
@@ -196,10 +244,6 @@ fn bad_allocations_are_refused_before_any_work() {
         (
             &["--avg-bits", "3", "--bit-choices", "2,5"],
             "each 2, 3, 4 or 8",
-        ),
-        (
-            &["--avg-bits", "3", "--format", "compressed-tensors", "--sym"],
-            "compressed-tensors",
         ),
     ] {
         let mut a = vec![

@@ -222,7 +222,7 @@ fn compressed_tensors_checkpoints_load_in_transformers() {
             quantize(&model, &fake, "fake", &extra);
             dirs.push((ct, fake, bits, sym));
         }
-        check_loaded(&py, &text, &dirs, &mut failures);
+        check_loaded(&py, &text, &dirs, &LOADERS, &mut failures);
         for (ct, fake, ..) in &dirs {
             std::fs::remove_dir_all(ct).unwrap();
             std::fs::remove_dir_all(fake).unwrap();
@@ -241,6 +241,7 @@ fn check_loaded(
     py: &Path,
     text: &Path,
     dirs: &[(std::path::PathBuf, std::path::PathBuf, usize, bool)],
+    loaders: &[&str],
     failures: &mut Vec<String>,
 ) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/check_loaders.py");
@@ -256,7 +257,7 @@ fn check_loaded(
         ])
         // Each checkpoint's weights, as transformers decompressed them, against its --format fake twin.
         .arg("--weights-like=-fake")
-        .args(LOADERS.iter().flat_map(|l| ["--loader", l]))
+        .args(loaders.iter().flat_map(|l| ["--loader", l]))
         .args(dirs.iter().map(|d| s(&d.0)))
         .env("TORCHDYNAMO_DISABLE", "1")
         .output()
@@ -270,7 +271,7 @@ fn check_loaded(
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    assert_eq!(rows.len(), LOADERS.len() * dirs.len(), "{rows:?}");
+    assert_eq!(rows.len(), loaders.len() * dirs.len(), "{rows:?}");
     for (ct, fake, bits, sym) in dirs {
         let want = ours(fake, text);
         let tol = if *bits == 2 { TOL_2BIT } else { TOL };
@@ -301,6 +302,96 @@ fn check_loaded(
             check_loader_ppl(failures, ct, r, "boa-cuda eval of --format fake", want, tol);
         }
     }
+}
+
+/// `--avg-bits`: one config group per width, naming its linears exactly (q/k/v and gate/up of a block in
+/// one group, as vLLM's fused layers need), loaded by transformers with each linear at its own width.
+/// Only transformers' default (compressed) path: with dequantize=True, transformers 5.24 decompresses every
+/// dense linear with one config group's scheme (`get_dense_scheme`: the first group that does not target
+/// experts), so any checkpoint with several widths (llm-compressor's too) loads wrong there (seen: the 3- and
+/// 4-bit linears off by up to 2.8 against the fake twin, perplexity 3.4e7 against 64.6).
+#[test]
+fn allocated_widths_load_in_transformers() {
+    let py = loaders_python("compressed_tensors, transformers");
+    let tmp = tempfile::tempdir().unwrap();
+    let text = texts_dir().join("moby-dick.txt");
+    let model = demo_model();
+    let calib = common::sotu_speeches(|y| y < 1830);
+    let mut extra = vec![
+        "--method",
+        "gptq",
+        "--avg-bits",
+        "3",
+        "--alloc-proxy",
+        "rtn",
+        "--alloc-unit",
+        "fused",
+        "--group-size",
+        "64",
+        "--sym",
+        "--layers",
+        "0-1",
+        "--nsamples",
+        "2",
+        "--seqlen",
+        "128",
+        "--calib",
+    ];
+    extra.extend(calib.iter().map(String::as_str));
+    let ct = tmp.path().join("avg3");
+    quantize(&model, &ct, "compressed-tensors", &extra);
+    let cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(ct.join("config.json")).unwrap()).unwrap();
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(ct.join("report.json")).unwrap()).unwrap();
+    let mut want = std::collections::BTreeMap::new();
+    for layer in report["layers"].as_array().unwrap() {
+        for l in layer["linears"].as_array().unwrap() {
+            want.insert(
+                format!(
+                    "model.layers.{}.{}",
+                    layer["layer"],
+                    l["name"].as_str().unwrap()
+                ),
+                l["bits"].as_u64().unwrap(),
+            );
+        }
+    }
+    let groups = cfg["quantization_config"]["config_groups"]
+        .as_object()
+        .unwrap();
+    assert!(groups.len() >= 2, "one width only: {groups:?}");
+    let mut named = std::collections::BTreeMap::new();
+    for g in groups.values() {
+        let b = g["weights"]["num_bits"].as_u64().unwrap();
+        for t in g["targets"].as_array().unwrap() {
+            let t = t.as_str().unwrap();
+            assert!(
+                named.insert(t.to_string(), b).is_none(),
+                "{t} in two groups"
+            );
+        }
+    }
+    assert_eq!(named, want, "the config groups against report.json");
+    for l in 0..2 {
+        let of = |p: &str| named[&format!("model.layers.{l}.{p}")];
+        assert!(
+            of("self_attn.q_proj") == of("self_attn.k_proj")
+                && of("self_attn.k_proj") == of("self_attn.v_proj")
+        );
+        assert_eq!(of("mlp.gate_proj"), of("mlp.up_proj"));
+    }
+    let fake = tmp.path().join("avg3-fake");
+    quantize(&model, &fake, "fake", &extra);
+    let mut failures = Vec::new();
+    check_loaded(
+        &py,
+        &text,
+        &[(ct, fake, 3, true)],
+        &["compressed-tensors"],
+        &mut failures,
+    );
+    assert!(failures.is_empty(), "{failures:#?}");
 }
 
 /// What compressed-tensors cannot hold is refused before any work, in one line, exit code 2.

@@ -222,8 +222,8 @@ fn allocation(report: &Path) -> Vec<(u64, Vec<f64>)> {
 }
 
 /// `--avg-bits` with the output proxy and the model scope (its defaults) on the device: in the FP pass before
-/// any block is quantized, each linear alone quantized at each width, swapped into the resident block for
-/// one forward, and the block's output error summed where it was computed. Every linear's predicted errors must agree with the CPU's (`PROXY_BIAS`). The forward's GEMMs
+/// any block is quantized, each allocation unit (q/k/v, o, gate/up, down) quantized at each width, swapped
+/// into the resident block for one forward, and the block's output error summed where it was computed. Every linear's predicted errors must agree with the CPU's (`PROXY_BIAS`). The forward's GEMMs
 /// run in f32 (`--gemm f32`), so the two forwards differ by rounding only; the GPU's statistics are still
 /// bf16 (its H differs from the CPU's f64 sums by ~1e-3), which moves each GPTQ result a little.
 #[test]
@@ -254,6 +254,10 @@ fn output_proxy_on_cuda_matches_the_cpu() {
             "3.5",
             "--bit-choices",
             "3,4",
+            // q/k/v and gate/up measured together: several Ŵ in the resident block at once (o and down
+            // alone).
+            "--alloc-unit",
+            "fused",
             "--group-size",
             "64",
             "--gemm",
@@ -336,6 +340,7 @@ fn run_with_parked_activations_matches_the_cpu() {
     let calib = Calibration {
         nsamples: 16,
         seqlen: 128,
+        proxy_sequences: 0,
     };
     let gib = format!("{:.6}", parking_budget_gib(&model, calib));
     let cfg: &[&str] = &["--method", "gptq", "--wbits", "4", "--gpu-mem", &gib];

@@ -119,11 +119,16 @@ pub fn linear_entries(
 
 /// config.json's `quantization_config`, with the keys compressed-tensors 0.20's `ModelCompressor.update_config`
 /// writes (its `QuantizationConfig.model_dump()` plus `version`, `quant_method`, `sparsity_config`,
-/// `transform_config`). One scheme for every `Linear`; `ignore` names the linears left unquantized (lm_head,
-/// blocks outside --layers). compressed-tensors forbids unknown keys in a scheme's args, so which algorithm
-/// chose the codes is recorded in config.json's own `boa_cuda` block, not here.
+/// `transform_config`). `ignore` names the linears left unquantized (lm_head, blocks outside --layers).
+/// `widths`: each quantized linear's full name and bits. All at `bits`: one scheme whose target is every
+/// `Linear`. Several (`--avg-bits`): one config group per width, each naming its linears exactly; no class
+/// target, because vLLM tries a fused layer's (qkv_proj's) class name before its parts' names, and a
+/// `Linear` target would give it the base width whatever its parts hold. compressed-tensors forbids unknown
+/// keys in a scheme's args, so which algorithm chose the codes is recorded in config.json's own `boa_cuda`
+/// block, not here.
 pub fn quantization_config(
     bits: u32,
+    widths: &[(String, u32)],
     group_size: Option<usize>,
     sym: bool,
     ignore: Vec<String>,
@@ -132,27 +137,48 @@ pub fn quantization_config(
         Some(g) => ("group", serde_json::json!(g)),
         None => ("channel", serde_json::Value::Null),
     };
+    let mut all: Vec<u32> = widths.iter().map(|&(_, b)| b).collect();
+    all.sort_unstable();
+    all.dedup();
+    let scheme = |b: u32, targets: Vec<String>| {
+        serde_json::json!({
+            "targets": targets,
+            "weights": {
+                "num_bits": b,
+                "type": "int",
+                "symmetric": sym,
+                "strategy": strategy,
+                "group_size": group,
+                "dynamic": false,
+            },
+            "input_activations": null,
+            "output_activations": null,
+            "format": null,
+        })
+    };
+    let groups: serde_json::Map<String, serde_json::Value> = if all.iter().all(|&b| b == bits) {
+        [("group_0".to_string(), scheme(bits, vec!["Linear".into()]))]
+            .into_iter()
+            .collect()
+    } else {
+        all.iter()
+            .enumerate()
+            .map(|(i, &b)| {
+                let names = widths
+                    .iter()
+                    .filter(|&&(_, w)| w == b)
+                    .map(|(n, _)| n.clone())
+                    .collect();
+                (format!("group_{i}"), scheme(b, names))
+            })
+            .collect()
+    };
     serde_json::json!({
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
         "version": VERSION,
         "quantization_status": "compressed",
-        "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": {
-                    "num_bits": bits,
-                    "type": "int",
-                    "symmetric": sym,
-                    "strategy": strategy,
-                    "group_size": group,
-                    "dynamic": false,
-                },
-                "input_activations": null,
-                "output_activations": null,
-                "format": null,
-            },
-        },
+        "config_groups": groups,
         "ignore": ignore,
         "kv_cache_scheme": null,
         "global_compression_ratio": null,

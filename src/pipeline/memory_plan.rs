@@ -203,6 +203,9 @@ const RESERVE: &str = "CUDA context + cuBLAS workspace";
 pub struct Calibration {
     pub nsamples: usize,
     pub seqlen: usize,
+    /// Sequences the bit allocation's output proxy forwards (pipeline/sensitivity.rs; at most one chunk's),
+    /// 0 without it.
+    pub proxy_sequences: usize,
 }
 
 /// Plans a run of `shape` on `target` with `budget` bytes free. `max_chunk_seqs` bounds the forward chunk
@@ -242,6 +245,12 @@ pub fn plan(
         items.push((
             "forward chunk intermediates (f32)",
             forward_workspace(shape, chunk_tokens(seqs)),
+        ));
+        // Its gathered input, the FP output and the difference (the forward's own copy is the chunk's).
+        let proxy = calib.proxy_sequences.min(seqs) * calib.seqlen * shape.d * F32;
+        items.push((
+            "--avg-bits output proxy (input, Y_FP, Y − Y_FP)",
+            3 * proxy as u64,
         ));
         items
     };
@@ -596,6 +605,7 @@ mod tests {
     const CALIB: Calibration = Calibration {
         nsamples: 128,
         seqlen: 2048,
+        proxy_sequences: 0,
     };
 
     #[test]
@@ -689,11 +699,31 @@ mod tests {
     }
 
     #[test]
+    fn the_output_proxy_holds_three_buffers_of_its_sequences() {
+        let (_, s7) = shapes()[0];
+        let with = Calibration {
+            proxy_sequences: 8,
+            ..CALIB
+        };
+        let a = plan(&s7, CALIB, Target::Gpu, 141 * GB, 8).unwrap();
+        let b = plan(&s7, with, Target::Gpu, 141 * GB, 8).unwrap();
+        assert_eq!(a.chunk_seqs, 8);
+        assert_eq!(b.chunk_seqs, 8);
+        // 7B at seqlen 2048: 3 × 8 × 2048 × 4096 f32 = 768 MiB.
+        assert_eq!(b.device_bytes() - a.device_bytes(), 3 * 8 * 2048 * 4096 * 4);
+        // A smaller chunk bounds the proxy's sequences (it forwards the first chunk's).
+        let c = plan(&s7, with, Target::Gpu, 141 * GB, 2).unwrap();
+        let d = plan(&s7, CALIB, Target::Gpu, 141 * GB, 2).unwrap();
+        assert_eq!(c.device_bytes() - d.device_bytes(), 3 * 2 * 2048 * 4096 * 4);
+    }
+
+    #[test]
     fn rtn_without_data_needs_no_activations_or_statistics() {
         let (_, s7) = shapes()[0];
         let calib = Calibration {
             nsamples: 0,
             seqlen: 2048,
+            proxy_sequences: 0,
         };
         let p = plan(&s7, calib, Target::Cpu, 16 * GB, 8).unwrap();
         assert_eq!(p.items[0].1, 0);

@@ -56,9 +56,18 @@ fn state_memory_plan(
     progress: &Progress,
 ) -> anyhow::Result<Placement> {
     use memory_plan::{Activations, Calibration, ModelShape, Target, host_available_bytes, plan};
+    let output_proxy = opts
+        .bits
+        .as_ref()
+        .is_some_and(|b| b.proxy.unwrap_or(AllocProxy::Output) == AllocProxy::Output);
     let calib = Calibration {
         nsamples: if needs_calib { opts.nsamples } else { 0 },
         seqlen: opts.seqlen,
+        proxy_sequences: if output_proxy {
+            sensitivity::SEQUENCES
+        } else {
+            0
+        },
     };
     let shape = ModelShape::of(cfg);
     match be.device_memory() {
@@ -499,7 +508,10 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                     // Before the quantize timer, whose parts (factor, search, sweep) `take` then restarts.
                     let measured = match &stats {
                         _ if chosen.is_some() => chosen.as_ref().and_then(|c| c.errors[l].clone()),
-                        Some(s) if alloc_proxy == Some(AllocProxy::Output) => {
+                        Some(s)
+                            if let Some(alloc) = &opts.bits
+                                && alloc_proxy == Some(AllocProxy::Output) =>
+                        {
                             let t = Instant::now();
                             let m = ranged(c"allocation proxy", || {
                                 sensitivity::output_errors(
@@ -512,6 +524,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                                     &x,
                                     opts,
                                     l,
+                                    &quantize_block::alloc_units(cfg, alloc),
                                 )
                             })?;
                             timings.alloc_proxy += t.elapsed().as_secs_f64();
@@ -737,6 +750,38 @@ fn linear_bits(reports: &[LayerReport]) -> impl Iterator<Item = (String, u32)> +
     })
 }
 
+/// vLLM runs the linears that read one input as one fused layer beside them in the module tree (q/k/v as
+/// `qkv_proj`, gate/up as `gate_up_proj`) and matches GPTQ's `dynamic` rules against that name only: one
+/// more (name, bits) for each such set whose parts share a width (`--alloc-unit fused` makes them share).
+fn vllm_fused_bits<'a>(
+    cfg: &'a crate::model::config::Config,
+    reports: &'a [LayerReport],
+) -> impl Iterator<Item = (String, u32)> + 'a {
+    use crate::model::arch::Input;
+    reports.iter().flat_map(move |r| {
+        [(Input::Attn, "qkv_proj"), (Input::Mlp, "gate_up_proj")]
+            .into_iter()
+            .filter_map(move |(input, fused)| {
+                let parts: Vec<_> = cfg
+                    .block
+                    .linears
+                    .iter()
+                    .zip(&r.linears)
+                    .filter(|(ld, _)| ld.input() == input)
+                    .map(|(_, x)| x)
+                    .collect();
+                let first = parts.first()?;
+                let parent = first.name.rsplit_once('.')?.0;
+                (parts.len() > 1 && parts.iter().all(|x| x.bits == first.bits)).then(|| {
+                    (
+                        format!("model.layers.{}.{parent}.{fused}", r.layer),
+                        first.bits,
+                    )
+                })
+            })
+    })
+}
+
 /// `--format gguf`: the finished shards of the partial folder (gptq_v2) as one GGUF file beside them; the
 /// shards go at the publish.
 fn write_gguf(
@@ -804,8 +849,10 @@ fn write_hf_configs(
                         .map(|d| format!("model.layers.{l}.{}", d.name)),
                 );
             }
+            let widths: Vec<(String, u32)> = linear_bits(reports).collect();
             config["quantization_config"] = crate::export::compressed_tensors::quantization_config(
                 opts.wbits,
+                &widths,
                 opts.group_size.columns(),
                 opts.sym,
                 ignore,
@@ -820,7 +867,10 @@ fn write_hf_configs(
                 opts.damp,
                 opts.static_groups,
                 opts.method.name(),
-                crate::export::gptq_packed::dynamic_bits(opts.wbits, linear_bits(reports)),
+                crate::export::gptq_packed::dynamic_bits(
+                    opts.wbits,
+                    linear_bits(reports).chain(vllm_fused_bits(cfg, reports)),
+                ),
             );
             config["quantization_config"] = q.clone();
             folder.write_json("quantize_config.json", &q)?;

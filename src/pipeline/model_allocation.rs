@@ -8,15 +8,17 @@
 
 use super::forward_all;
 use super::options::{LayerSet, RunOptions};
+use super::quantize_block::{alloc_units, unit_candidates};
 use super::sensitivity::output_errors;
 use super::stats::{self, MoeStats};
 use crate::backend::{Backend, Tensor};
 use crate::model::llama::{Model, ResidentWeights, RopeTables};
 use crate::progress::Progress;
-use crate::quant::allocate::{Candidate, allocate_model};
+use crate::quant::allocate::{Candidate, allocate_model, spread_units};
 use anyhow::Context;
 
-/// Per block (None where not quantized): each linear's width, and its predicted errors at every choice.
+/// Per block (None where not quantized): each linear's width, and each allocation unit's predicted errors at
+/// every choice.
 pub struct ModelAllocation {
     pub bits: Vec<Option<Vec<u32>>>,
     pub errors: Vec<Option<Vec<Vec<f64>>>>,
@@ -40,6 +42,7 @@ pub fn allocate(
         .context("the model-wide allocation needs --avg-bits")?;
     let cfg = &model.cfg;
     let last = layers.last();
+    let unit = alloc_units(cfg, alloc);
     let mut errors: Vec<Option<Vec<Vec<f64>>>> = vec![None; cfg.n_layers];
     let mut bar = progress.bar("allocation (FP pass)", (last + 1) as u64, "blocks");
     for (l, slot) in errors.iter_mut().enumerate().take(last + 1) {
@@ -60,7 +63,7 @@ pub fn allocate(
                 MoeStats::default(),
             )
             .with_context(ctx)?;
-            let e = output_errors(be, &mut w, &mut resident, &s, cfg, rope, &x, opts, l)
+            let e = output_errors(be, &mut w, &mut resident, &s, cfg, rope, &x, opts, l, &unit)
                 .with_context(ctx)?;
             *slot = Some(e);
         }
@@ -73,21 +76,11 @@ pub fn allocate(
     let blocks: Vec<Vec<Candidate>> = errors
         .iter()
         .flatten()
-        .map(|e| {
-            cfg.block
-                .linears
-                .iter()
-                .zip(e)
-                .map(|(ld, errs)| Candidate {
-                    weights: ld.d_out * ld.d_in,
-                    errors: errs.clone(),
-                })
-                .collect()
-        })
+        .map(|e| unit_candidates(cfg, &unit, e))
         .collect();
     let picks =
         allocate_model(&alloc.choices, &blocks, alloc.avg).map_err(|m| crate::input_err!("{m}"))?;
-    let mut picks = picks.into_iter();
+    let mut picks = picks.into_iter().map(|p| spread_units(&p, &unit));
     let bits = errors
         .iter()
         .map(|e| {

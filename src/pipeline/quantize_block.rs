@@ -3,15 +3,15 @@
 //! the covariance of the input it reads. Device-agnostic: it calls `quant/` and `QuantOps`
 //! only, on weights and statistics that stay where the backend keeps them.
 
-use super::options::{Method, RunOptions, ScaleSearchArg, VRowHessian};
+use super::options::{AllocUnit, BitAllocation, Method, RunOptions, ScaleSearchArg, VRowHessian};
 use super::stats::BlockStats;
 use crate::model::Config;
-use crate::model::arch::{LinearDesc, NormRole, Role};
+use crate::model::arch::{Input, LinearDesc, NormRole, Role};
 use crate::model::gguf::GgmlType;
 use crate::model::gguf::codec::codec;
 use crate::model::llama::BlockWeights;
 use crate::ops::{Mat, QuantOps, QuantSpec, QuantizedLinear, Result, ScaleSearch};
-use crate::quant::allocate::{Candidate, allocate};
+use crate::quant::allocate::{Candidate, allocate, merge_units, spread_units};
 use crate::quant::boa::{BoaOptions, ColHessian, boa_quantize};
 use crate::quant::gptq::{GptqOptions, gptq_quantize};
 use crate::quant::hessian::RopeAverage;
@@ -173,9 +173,9 @@ struct Widths {
     predicted: Vec<Option<Vec<f64>>>,
 }
 
-/// Each linear's bit width: --wbits, or under --avg-bits the allocation of the errors `measured` gives
-/// (--alloc-proxy output) or else of min-max RTN's, or the model-wide allocation's widths (`chosen`, with
-/// the errors it compared in `measured`). A linear without H (an under-routed expert's down_proj) predicts
+/// Each linear's bit width: --wbits, or under --avg-bits the allocation of the errors `measured` gives per
+/// allocation unit (--alloc-proxy output) or else of min-max RTN's, or the model-wide allocation's widths
+/// (`chosen`, with the errors it compared in `measured`). A linear without H (an under-routed expert's down_proj) predicts
 /// no error, so it gets the narrowest width.
 #[allow(clippy::too_many_arguments)]
 fn linear_bits(
@@ -196,24 +196,40 @@ fn linear_bits(
             predicted: vec![None; n],
         });
     };
+    let unit = alloc_units(cfg, alloc);
+    // The report's predicted errors per linear: under the output proxy, its unit's (measured together).
+    let per_linear = |m: &[Vec<f64>]| -> Vec<Option<Vec<f64>>> {
+        unit.iter().map(|&u| m.get(u).cloned()).collect()
+    };
     if let Some(bits) = chosen {
         return Ok(Widths {
             bits: bits.to_vec(),
             known: vec![None; n],
             predicted: match measured {
-                Some(m) => m.iter().map(|e| Some(e.clone())).collect(),
+                Some(m) => per_linear(m),
                 None => vec![None; n],
             },
+        });
+    }
+    if let Some(m) = measured {
+        let pick = allocate(&alloc.choices, &unit_candidates(cfg, &unit, m), alloc.avg)
+            .map_err(|e| crate::input_err!("layer {layer}: {e}"))?;
+        return Ok(Widths {
+            bits: spread_units(&pick, &unit)
+                .iter()
+                .map(|&i| alloc.choices[i])
+                .collect(),
+            known: vec![None; n],
+            predicted: per_linear(m),
         });
     }
     let mut cands = Vec::with_capacity(n);
     let mut w_forms = Vec::with_capacity(n);
     for (i, ld) in cfg.block.linears.iter().enumerate() {
-        let (w_form, errors) = match (measured, stats.and_then(|s| s.h_col(ld))) {
-            (Some(m), _) => (f64::NAN, m[i].clone()),
-            (None, Some(h)) => rtn_forms(ops, &weights[i], h, opts, &alloc.choices)
+        let (w_form, errors) = match stats.and_then(|s| s.h_col(ld)) {
+            Some(h) => rtn_forms(ops, &weights[i], h, opts, &alloc.choices)
                 .with_context(|| format!("layer {layer} {}: bit allocation", ld.name))?,
-            (None, None) => (f64::NAN, vec![0.0; alloc.choices.len()]),
+            None => (f64::NAN, vec![0.0; alloc.choices.len()]),
         };
         w_forms.push(w_form);
         cands.push(Candidate {
@@ -221,7 +237,8 @@ fn linear_bits(
             errors,
         });
     }
-    let pick = allocate(&alloc.choices, &cands, alloc.avg)
+    let pick = allocate(&alloc.choices, &merge_units(&cands, &unit), alloc.avg)
+        .map(|p| spread_units(&p, &unit))
         .map_err(|m| crate::input_err!("layer {layer}: {m}"))?;
     let bits = pick.iter().map(|&i| alloc.choices[i]).collect();
     let known = pick
@@ -235,6 +252,46 @@ fn linear_bits(
         known,
         predicted: cands.into_iter().map(|c| Some(c.errors)).collect(),
     })
+}
+
+/// One candidate per allocation unit from its measured errors (`m[u]`), its weights its linears' sum.
+pub(super) fn unit_candidates(cfg: &Config, unit: &[usize], m: &[Vec<f64>]) -> Vec<Candidate> {
+    m.iter()
+        .enumerate()
+        .map(|(u, errors)| Candidate {
+            weights: cfg
+                .block
+                .linears
+                .iter()
+                .zip(unit)
+                .filter(|&(_, &v)| v == u)
+                .map(|(ld, _)| ld.d_out * ld.d_in)
+                .sum(),
+            errors: errors.clone(),
+        })
+        .collect()
+}
+
+/// Which allocation unit each linear of the block (description order) is in, numbered from 0 in order of
+/// first appearance: under `--alloc-unit fused` the linears that read one input share one, else each its own.
+pub(super) fn alloc_units(cfg: &Config, alloc: &BitAllocation) -> Vec<usize> {
+    let linears = &cfg.block.linears;
+    match alloc.unit {
+        AllocUnit::Linear => (0..linears.len()).collect(),
+        AllocUnit::Fused => {
+            let mut first: Vec<Input> = Vec::new();
+            linears
+                .iter()
+                .map(|ld| match first.iter().position(|&i| i == ld.input()) {
+                    Some(u) => u,
+                    None => {
+                        first.push(ld.input());
+                        first.len() - 1
+                    }
+                })
+                .collect()
+        }
+    }
 }
 
 /// The per-head q/k norm weights of a block that has them (Qwen3), for BoA's row Hessians.
@@ -255,7 +312,7 @@ impl<'a> QkNorms<'a> {
 
 /// Quantizes every linear of the block. `weights` holds each linear's W (description order) where the backend
 /// keeps it (the copy the FP forward read); the results' Ŵ stay there too, for the next forward. `measured`:
-/// under --avg-bits with the output proxy, each linear's error at each width (pipeline/sensitivity.rs);
+/// under --avg-bits with the output proxy, each allocation unit's error at each width (pipeline/sensitivity.rs);
 /// `chosen`: the widths the model-wide allocation gave this block (pipeline/model_allocation.rs).
 #[allow(clippy::too_many_arguments)]
 pub fn quantize_block(

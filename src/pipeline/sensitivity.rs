@@ -5,8 +5,10 @@
 //! gate/up (through SiLU and W_down) are compared with o/down (which add to the residual stream) in different
 //! units. Here each linear alone is quantized by GPTQ at the width, the block runs on some calibration
 //! sequences with that one Ŵ, and its error is ‖Y − Y_FP‖² over them: the allocation then weighs every linear
-//! by what it does to the block's output. Cost: |choices| GPTQ runs per linear and |choices| · linears + 1
-//! forwards of those sequences.
+//! by what it does to the block's output. Linears that must share a width (`--alloc-unit fused`: q/k/v,
+//! gate/up) are quantized and measured together, so what they do to each other (q's and k's errors meet in
+//! the scores) is in their error. Cost: |choices| GPTQ runs per linear and |choices| · units + 1 forwards of
+//! those sequences.
 
 use super::options::RunOptions;
 use super::quantize_block::{gptq_options, linear_spec};
@@ -22,10 +24,12 @@ use anyhow::Context;
 /// Calibration sequences the proxy forwards (the first ones of the first chunk).
 pub const SEQUENCES: usize = 8;
 
-/// Per linear (description order), its measured error at each of the allocation's widths; a linear without
-/// H (an under-routed expert's down_proj) gets zeros, as the RTN proxy gives it. Runs where the block's
-/// weights are (`resident`: the device copies the statistics' forward read, else `w`'s host values): each
-/// Ŵ takes its linear's place there for one forward, and W goes back. Only the errors reach the host.
+/// Per allocation unit (`unit[i]`: linear i's, numbered 0.. in description order; pipeline/quantize_block.rs
+/// `alloc_units`), its measured error at each of the allocation's widths: the unit's linears quantized
+/// together at the width, the others left at W. A unit without H (an under-routed expert's down_proj) gets
+/// zeros, as the RTN proxy gives it. Runs where the block's weights are (`resident`: the device copies the
+/// statistics' forward read, else `w`'s host values): each Ŵ takes its linear's place there for one
+/// forward, and W goes back. Only the errors reach the host.
 #[allow(clippy::too_many_arguments)]
 pub fn output_errors(
     be: &dyn Backend,
@@ -37,6 +41,7 @@ pub fn output_errors(
     x: &[Tensor],
     opts: &RunOptions,
     layer: usize,
+    unit: &[usize],
 ) -> anyhow::Result<Vec<Vec<f64>>> {
     let alloc = opts
         .bits
@@ -65,52 +70,107 @@ pub fn output_errors(
     };
     // The widths share each H's plan (q/k/v and gate/up share it too).
     let factors = FactorCache::new();
-    let mut out = Vec::with_capacity(w.linears.len());
-    for (i, ld) in cfg.block.linears.iter().enumerate() {
-        let Some(h) = stats.h_col(ld) else {
+    let n_units = unit.iter().map(|&u| u + 1).max().unwrap_or(0);
+    let mut out = Vec::with_capacity(n_units);
+    for u in 0..n_units {
+        let members: Vec<(usize, &Mat)> = cfg
+            .block
+            .linears
+            .iter()
+            .enumerate()
+            .filter(|&(i, _)| unit[i] == u)
+            .filter_map(|(i, ld)| stats.h_col(ld).map(|h| (i, h)))
+            .collect();
+        if members.is_empty() {
             out.push(vec![0.0; alloc.choices.len()]);
             continue;
-        };
-        let (d_out, d_in) = (w.linears[i].d_out, w.linears[i].d_in);
-        let on_device = resident.take(i);
-        let was_resident = on_device.is_some();
-        let wm = match on_device {
-            Some(t) => Mat::tensor(t, 1, d_out, d_in),
-            None => Mat::f32(w.linears[i].w.clone(), 1, d_out, d_in),
-        };
-        let mut errs = Vec::with_capacity(alloc.choices.len());
-        let measured = (|| -> anyhow::Result<()> {
-            for &b in &alloc.choices {
-                let spec = linear_spec(be, opts, cfg, layer, ld, b)?;
-                let g = gptq_options(opts, opts.seqlen, spec);
-                let q = gptq_quantize(be, &wm, h, &g, Some(&factors))
-                    .with_context(|| format!("GPTQ at {b} bits"))?;
-                // Ŵ where the forward reads linear i: the host values, or the resident copy.
-                let e = match q.w_hat.data {
-                    MatData::F32(Tensor::Host(v)) => {
-                        let fp = std::mem::replace(&mut w.linears[i].w, v);
-                        let e = error(w, resident);
-                        w.linears[i].w = fp;
-                        e
-                    }
-                    MatData::F32(t) => {
-                        resident.put(i, t);
-                        let e = error(w, resident);
-                        drop(resident.take(i));
-                        e
-                    }
-                    MatData::F64(_) => anyhow::bail!("Ŵ came back in f64"),
-                }?;
-                errs.push(e);
-            }
-            Ok(())
-        })();
-        // W back where the forward reads it, whatever happened.
-        if was_resident && let MatData::F32(t) = wm.data {
-            resident.put(i, t);
         }
-        measured.with_context(|| format!("layer {layer} {}: output proxy", ld.name))?;
+        // Each member's W, taken from where the forward reads it (`true`: the resident copy).
+        let ws: Vec<(Mat, bool)> = members
+            .iter()
+            .map(|&(i, _)| {
+                let (d_out, d_in) = (w.linears[i].d_out, w.linears[i].d_in);
+                match resident.take(i) {
+                    Some(t) => (Mat::tensor(t, 1, d_out, d_in), true),
+                    None => (Mat::f32(w.linears[i].w.clone(), 1, d_out, d_in), false),
+                }
+            })
+            .collect();
+        let mut errs = Vec::with_capacity(alloc.choices.len());
+        let mut failed = None;
+        for &b in &alloc.choices {
+            match unit_error(
+                be, w, resident, &members, &ws, &factors, b, opts, cfg, layer, &error,
+            ) {
+                Ok(e) => errs.push(e),
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+        // W back where the forward reads it, whatever happened.
+        for (&(i, _), (wm, was_resident)) in members.iter().zip(ws) {
+            if was_resident && let MatData::F32(t) = wm.data {
+                resident.put(i, t);
+            }
+        }
+        if let Some(e) = failed {
+            let names: Vec<&str> = members
+                .iter()
+                .map(|&(i, _)| cfg.block.linears[i].name.as_str())
+                .collect();
+            return Err(e.context(format!("layer {layer} {}: output proxy", names.join("+"))));
+        }
         out.push(errs);
     }
     Ok(out)
+}
+
+/// The block's output error with `members`' W (`ws`) quantized by GPTQ at `b` bits and put where the forward
+/// reads them; each is back at W when this returns (the resident ones taken out again for the caller).
+#[allow(clippy::too_many_arguments)]
+fn unit_error<'h>(
+    be: &dyn Backend,
+    w: &mut BlockWeights,
+    resident: &mut ResidentWeights,
+    members: &[(usize, &'h Mat)],
+    ws: &[(Mat, bool)],
+    factors: &FactorCache<'h>,
+    b: u32,
+    opts: &RunOptions,
+    cfg: &Config,
+    layer: usize,
+    error: &dyn Fn(&BlockWeights, &ResidentWeights) -> anyhow::Result<f64>,
+) -> anyhow::Result<f64> {
+    let mut host_w: Vec<(usize, Vec<f32>)> = Vec::new();
+    let mut on_device: Vec<usize> = Vec::new();
+    let installed = (|| -> anyhow::Result<()> {
+        for (&(i, h), (wm, _)) in members.iter().zip(ws) {
+            let ld = &cfg.block.linears[i];
+            let spec = linear_spec(be, opts, cfg, layer, ld, b)?;
+            let g = gptq_options(opts, opts.seqlen, spec);
+            let q = gptq_quantize(be, wm, h, &g, Some(factors))
+                .with_context(|| format!("{}: GPTQ at {b} bits", ld.name))?;
+            match q.w_hat.data {
+                MatData::F32(Tensor::Host(v)) => {
+                    host_w.push((i, std::mem::replace(&mut w.linears[i].w, v)))
+                }
+                MatData::F32(t) => {
+                    resident.put(i, t);
+                    on_device.push(i);
+                }
+                MatData::F64(_) => anyhow::bail!("Ŵ came back in f64"),
+            }
+        }
+        Ok(())
+    })();
+    let e = installed.and_then(|()| error(w, resident));
+    for (i, v) in host_w {
+        w.linears[i].w = v;
+    }
+    for i in on_device {
+        drop(resident.take(i));
+    }
+    e
 }

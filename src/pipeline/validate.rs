@@ -11,9 +11,10 @@
 //!   (the rest is copied through) take minutes each, so the scan costs a few percent of a full run.
 //!   Tensors are scanned in parallel (rayon), each straight from its memory map.
 
-use super::options::{LayerSet, RunOptions};
+use super::options::{AllocUnit, LayerSet, RunOptions};
 use crate::data::text;
 use crate::error::file_err;
+use crate::export::gptq_packed::OutFormat;
 use crate::export::out_guard::{Input, check_out};
 use crate::model::Model;
 use crate::progress::Progress;
@@ -72,12 +73,43 @@ pub fn before_work(opts: &RunOptions, model: &Model, progress: &Progress) -> any
                  (size mismatch): load it with quantization_config=CompressedTensorsConfig(dequantize=True)"
             );
         }
+        if opts.bits.is_some() {
+            // transformers 5.24's dequantize=True converter decompresses every dense linear with one config
+            // group's scheme (tests/compressed_tensors.rs measured it).
+            if opts.sym {
+                eprintln!(
+                    "note: with several widths, transformers loads this checkpoint through its default \
+                     from_pretrained only: CompressedTensorsConfig(dequantize=True) reads every linear at one \
+                     width"
+                );
+            } else {
+                eprintln!(
+                    "warning: an asymmetric checkpoint with several widths loads in neither of transformers' \
+                     paths (the default refuses packed zero points, dequantize=True reads every linear at one \
+                     width): pass --sym to load it in transformers"
+                );
+            }
+        }
     }
     if opts.format.version().is_some()
         && let Some(w) = loader_warning(opts.wbits, opts.group_size.columns(), &cfg.block.linears)
     {
         // Not silenced by --quiet: the checkpoint is written, but some loaders will refuse it.
         eprintln!("warning: {w}");
+    }
+    if let Some(b) = &opts.bits
+        && b.unit == AllocUnit::Linear
+        && matches!(
+            opts.format,
+            OutFormat::Gptq | OutFormat::GptqV2 | OutFormat::CompressedTensors
+        )
+    {
+        // Not silenced by --quiet, like the loader warnings.
+        eprintln!(
+            "note: q, k and v (and gate, up) may get different widths; vLLM runs each set as one fused layer \
+             and cannot load such a checkpoint (GPTQModel and transformers can): pass --alloc-unit fused to \
+             serve it in vLLM"
+        );
     }
     if let Some(b) = &opts.bits {
         let n = cfg.block.linears.len();

@@ -24,6 +24,28 @@ pub struct Candidate {
     pub errors: Vec<f64>,
 }
 
+/// The candidates of linears that must share one width merged into one each: `unit[i]` is linear i's unit
+/// (units numbered 0.. with none skipped); a unit's weights and errors are its linears' sums (each error was
+/// predicted with the other linears unquantized, so the sum takes them as adding up).
+pub fn merge_units(cands: &[Candidate], unit: &[usize]) -> Vec<Candidate> {
+    let n = unit.iter().map(|&u| u + 1).max().unwrap_or(0);
+    let k = cands.first().map_or(0, |c| c.errors.len());
+    let mut out = vec![
+        Candidate {
+            weights: 0,
+            errors: vec![0.0; k],
+        };
+        n
+    ];
+    for (c, &u) in cands.iter().zip(unit) {
+        out[u].weights += c.weights;
+        for (e, &x) in out[u].errors.iter_mut().zip(&c.errors) {
+            *e += x;
+        }
+    }
+    out
+}
+
 /// The index into `choices` of each candidate's width, minimising the summed error under the average
 /// (ties: fewer bits). Err when even the narrowest widths exceed the budget or the search is too large.
 pub fn allocate(choices: &[u32], cands: &[Candidate], avg_bits: f64) -> Result<Vec<usize>, String> {
@@ -71,6 +93,11 @@ pub fn allocate(choices: &[u32], cands: &[Candidate], avg_bits: f64) -> Result<V
             choices[0]
         )
     })
+}
+
+/// Each linear's pick from its unit's (`merge_units`' `unit`).
+pub fn spread_units(picks: &[usize], unit: &[usize]) -> Vec<usize> {
+    unit.iter().map(|&u| picks[u]).collect()
 }
 
 /// The widths of every block's linears under one average over all of them (`run --alloc-scope model`).
@@ -322,6 +349,47 @@ mod tests {
                 }
             }
             assert!(average_bits(&choices, &c, &p) <= avg + 1e-12);
+        }
+    }
+
+    #[test]
+    fn merged_units_give_the_best_assignment_with_shared_widths() {
+        let choices = [2, 3, 4];
+        // q/k/v (units 0), o (1), gate/up (2), down (3): alone, k would take 4 bits and q 2.
+        let c = [
+            cand(576 * 576, &[9.0, 3.0, 1.0]),
+            cand(192 * 576, &[80.0, 20.0, 5.0]),
+            cand(192 * 576, &[40.0, 10.0, 2.0]),
+            cand(576 * 576, &[6.0, 2.0, 1.0]),
+            cand(1536 * 576, &[12.0, 4.0, 2.0]),
+            cand(1536 * 576, &[12.0, 4.0, 2.0]),
+            cand(1536 * 576, &[30.0, 8.0, 2.0]),
+        ];
+        let unit = [0, 0, 0, 1, 2, 2, 3];
+        let alone = allocate(&choices, &c, 2.5).unwrap();
+        assert_ne!(
+            alone[0], alone[1],
+            "the example must split q from k when untied"
+        );
+        let merged = merge_units(&c, &unit);
+        assert_eq!(merged[0].weights, 576 * 576 + 2 * 192 * 576);
+        assert_eq!(merged[2].errors, vec![24.0, 8.0, 4.0]);
+        let p = spread_units(&allocate(&choices, &merged, 2.5).unwrap(), &unit);
+        assert!(average_bits(&choices, &c, &p) <= 2.5);
+        // Brute force over the assignments whose tied linears share a width.
+        let err = |p: &[usize]| -> f64 { c.iter().zip(p).map(|(c, &i)| c.errors[i]).sum() };
+        let mut best = f64::INFINITY;
+        for code in 0..81usize {
+            let u: Vec<usize> = (0..4).map(|j| code / 3usize.pow(j) % 3).collect();
+            let q = spread_units(&u, &unit);
+            if average_bits(&choices, &c, &q) <= 2.5 {
+                best = best.min(err(&q));
+            }
+        }
+        assert_eq!(err(&p), best);
+        assert!(err(&alone) <= best);
+        for (i, &u) in unit.iter().enumerate() {
+            assert_eq!(p[i], p[unit.iter().position(|&v| v == u).unwrap()]);
         }
     }
 
