@@ -59,7 +59,7 @@ fn state_memory_plan(
     let output_proxy = opts
         .bits
         .as_ref()
-        .is_some_and(|b| b.proxy.unwrap_or(AllocProxy::Output) == AllocProxy::Output);
+        .is_some_and(|b| b.proxy() == AllocProxy::Output);
     let calib = Calibration {
         nsamples: if needs_calib { opts.nsamples } else { 0 },
         seqlen: opts.seqlen,
@@ -180,10 +180,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
             be.name()
         ));
     }
-    let alloc_proxy = opts
-        .bits
-        .as_ref()
-        .map(|a| a.proxy.unwrap_or(AllocProxy::Output));
+    let alloc_proxy = opts.bits.as_ref().map(|a| a.proxy());
     if opts.refit_scales && be.device_memory().is_some() {
         return Err(crate::input_err!(
             "--refit-scales runs on the CPU only, not on {}: pass --device cpu",

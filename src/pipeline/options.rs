@@ -303,6 +303,13 @@ pub enum AllocUnit {
     Fused,
 }
 
+impl BitAllocation {
+    /// The proxy in force: `--alloc-proxy`, or the output proxy when it is not given.
+    pub fn proxy(&self) -> AllocProxy {
+        self.proxy.unwrap_or(AllocProxy::Output)
+    }
+}
+
 impl AllocUnit {
     fn is_linear(&self) -> bool {
         *self == AllocUnit::Linear
