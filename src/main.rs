@@ -258,6 +258,8 @@ struct RunArgs {
     /// perplexity; the checkpoint loads in GPTQModel, transformers and llama.cpp, but not in vLLM, which
     /// runs q/k/v and gate/up as fused layers of one width). fused: the linears that read one input (q/k/v,
     /// gate/up) share one width, measured together by the output proxy, so vLLM can load the checkpoint.
+    /// A mixture-of-experts block's routed experts share widths either way: one per part (gate, up, down)
+    /// under linear, one for all under fused.
     #[arg(long, value_enum, requires = "avg_bits")]
     alloc_unit: Option<AllocUnit>,
     /// Input columns per scale/zero group (a multiple of 16), -1 for one scale per output channel, or auto:

@@ -341,6 +341,7 @@ fn run_with_parked_activations_matches_the_cpu() {
         nsamples: 16,
         seqlen: 128,
         proxy_sequences: 0,
+        proxy_weights: 0,
     };
     let gib = format!("{:.6}", parking_budget_gib(&model, calib));
     let cfg: &[&str] = &["--method", "gptq", "--wbits", "4", "--gpu-mem", &gib];

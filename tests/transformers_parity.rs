@@ -319,6 +319,110 @@ fn moe_run_on_cuda_matches_the_cpu_and_keeps_its_rows_on_the_device() {
     }
 }
 
+/// `--avg-bits` with the output proxy on the MoE model with a shared expert, on CUDA (the emulator in CI) and
+/// on the CPU: the proxy's Ŵ of every expert of a part take their place in the resident block together, and
+/// the errors it measures, summed per width over each block's units, agree within 5%; the runs' mean output
+/// errors within 10%.
+#[test]
+fn moe_output_proxy_on_cuda_matches_the_cpu() {
+    if let Err(why) = boa_cuda::backend::cuda::CudaBackend::new(0) {
+        println!("skipped: {why}");
+        return;
+    }
+    let dir = references().join("qwen2_moe");
+    let tmp = tempfile::tempdir().unwrap();
+    let calib = calib_text();
+    let mut reports = Vec::new();
+    for dev in ["cuda", "cpu"] {
+        let out = tmp.path().join(dev);
+        let (code, _, err) = run(&[
+            "run",
+            "--model",
+            s(&dir),
+            "--calib",
+            s(&calib),
+            "--method",
+            "boa",
+            "--avg-bits",
+            "2.5",
+            "--group-size",
+            "32",
+            "--nsamples",
+            "8",
+            "--seqlen",
+            "64",
+            "--device",
+            dev,
+            "--out",
+            s(&out),
+            "--quiet",
+        ]);
+        assert_eq!(code, 0, "--device {dev}: {err}");
+        let r: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
+        reports.push(r);
+    }
+    let layers = |r: &serde_json::Value| r["layers"].as_array().unwrap().clone();
+    let mut mean_errors = Vec::new();
+    for r in &reports {
+        let errs: Vec<f64> = layers(r)
+            .iter()
+            .flat_map(|l| l["linears"].as_array().unwrap().clone())
+            .filter_map(|x| x["error"].as_f64())
+            .collect();
+        mean_errors.push(errs.iter().sum::<f64>() / errs.len() as f64);
+    }
+    for (lc, lp) in layers(&reports[0]).iter().zip(&layers(&reports[1])) {
+        // Each unit's errors once (its linears repeat them), summed per width.
+        let sums = |l: &serde_json::Value| -> Vec<f64> {
+            let mut seen: Vec<Vec<f64>> = Vec::new();
+            for x in l["linears"].as_array().unwrap() {
+                let p: Vec<f64> = x["predicted"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.as_f64().unwrap())
+                    .collect();
+                if !seen.contains(&p) {
+                    seen.push(p);
+                }
+            }
+            (0..3).map(|k| seen.iter().map(|p| p[k]).sum()).collect()
+        };
+        let bits = |l: &serde_json::Value| -> Vec<u64> {
+            l["linears"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x["bits"].as_u64().unwrap())
+                .collect()
+        };
+        let (c, p) = (sums(lc), sums(lp));
+        println!(
+            "layer {}: widths cuda {:?} cpu {:?}; summed proxy errors cuda {c:.4?} cpu {p:.4?}",
+            lc["layer"],
+            bits(lc),
+            bits(lp)
+        );
+        for (a, b) in c.iter().zip(&p) {
+            assert!(
+                ((a - b) / b).abs() < 0.05,
+                "layer {}: {c:?} against {p:?}",
+                lc["layer"]
+            );
+        }
+    }
+    let ratio = mean_errors[0] / mean_errors[1];
+    println!(
+        "mean output error cuda {:.5}, cpu {:.5}, ratio {ratio:.3}",
+        mean_errors[0], mean_errors[1]
+    );
+    assert!(
+        (0.9..=1.1).contains(&ratio),
+        "CUDA's mean error is {ratio:.3}× the CPU's"
+    );
+}
+
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
@@ -584,6 +688,178 @@ fn moe_experts_are_quantized_on_the_tokens_routed_to_them() {
         }
     }
     println!("{}", summary.join("\n"));
+}
+
+/// `--avg-bits` on the MoE models: a block's routed experts take their widths together (one per part under
+/// `--alloc-unit linear`, one for all of them under `fused`; vLLM and llama.cpp store every expert of a part
+/// in one layer of one type), the weights average at most the budget, GPTQ's `dynamic` names each part of
+/// the experts with one rule (and vLLM's fused MoE layer when they share a width), and the packed checkpoint
+/// evaluates as its `--format fake` twin does. Prints the output error of each against uniform widths.
+#[test]
+fn moe_avg_bits_give_the_experts_of_a_part_one_width() {
+    let root = references();
+    let tmp = tempfile::tempdir().unwrap();
+    let calib = calib_text();
+    let mut table = vec![format!(
+        "{:<10} {:<22} {:>10} {:>16}",
+        "model", "widths", "avg bits", "logits rel err²"
+    )];
+    for name in ["qwen3_moe", "mixtral", "qwen2_moe"] {
+        let dir = root.join(name);
+        let r = reference(&dir);
+        let cfg = Model::open(&dir).unwrap().cfg;
+        let moe = cfg.block.moe.clone().unwrap();
+        let quantize = |label: &str, extra: &[&str], format: &str| -> (PathBuf, Vec<Vec<u32>>) {
+            let out = tmp.path().join(format!("{name}-{label}-{format}"));
+            let mut args = vec![
+                "run",
+                "--model",
+                s(&dir),
+                "--calib",
+                s(&calib),
+                "--method",
+                "gptq",
+                "--group-size",
+                "32",
+                "--nsamples",
+                "32",
+                "--seqlen",
+                "64",
+                "--format",
+                format,
+                "--out",
+                s(&out),
+                "--quiet",
+            ];
+            args.extend_from_slice(extra);
+            let (code, _, err) = run(&args);
+            assert_eq!(code, 0, "{name} {label}: {err}");
+            let report: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap())
+                    .unwrap();
+            let bits = report["layers"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|l| {
+                    let lins = l["linears"].as_array().unwrap();
+                    assert_eq!(lins.len(), cfg.block.linears.len(), "{name} {label}");
+                    lins.iter()
+                        .map(|x| x["bits"].as_u64().unwrap() as u32)
+                        .collect()
+                })
+                .collect();
+            (out, bits)
+        };
+        let avg = |bits: &[Vec<u32>]| {
+            let (mut num, mut den) = (0f64, 0f64);
+            for layer in bits {
+                for (ld, &b) in cfg.block.linears.iter().zip(layer) {
+                    let n = (ld.d_out * ld.d_in) as f64;
+                    num += n * b as f64;
+                    den += n;
+                }
+            }
+            num / den
+        };
+        let mut uniform = Vec::new();
+        for w in ["2", "3"] {
+            let (out, bits) = quantize(&format!("uniform-{w}"), &["--wbits", w], "fake");
+            uniform.push(logits_rel_err2(&out, &r));
+            table.push(format!(
+                "{name:<10} {:<22} {:>10.3} {:>16.4e}",
+                format!("uniform {w}-bit"),
+                avg(&bits),
+                uniform[uniform.len() - 1]
+            ));
+        }
+        for (unit, target) in [("linear", "2.5"), ("linear", "3"), ("fused", "3")] {
+            let extra = ["--avg-bits", target, "--alloc-unit", unit];
+            let (packed, bits) = quantize(&format!("{unit}-{target}"), &extra, "gptq_v2");
+            let a = avg(&bits);
+            assert!(
+                a <= target.parse::<f64>().unwrap() + 1e-9,
+                "{name} {unit} {target}: {a}"
+            );
+            for (l, layer) in bits.iter().enumerate() {
+                // (part, width) of every routed expert linear: one width per part, or one for all.
+                let parts: Vec<(Option<boa_cuda::model::arch::Role>, u32)> = cfg
+                    .block
+                    .linears
+                    .iter()
+                    .zip(layer)
+                    .filter(|(ld, _)| ld.expert.is_some())
+                    .map(|(ld, &b)| ((unit == "linear").then_some(ld.role), b))
+                    .collect();
+                assert_eq!(parts.len(), 3 * moe.n_experts, "{name} layer {l}");
+                for (p, b) in &parts {
+                    let first = parts.iter().find(|(q, _)| q == p).unwrap().1;
+                    assert_eq!(
+                        *b, first,
+                        "{name} {unit} {target} layer {l}: {p:?} {parts:?}"
+                    );
+                }
+            }
+            let config: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(packed.join("config.json")).unwrap())
+                    .unwrap();
+            let q = &config["quantization_config"];
+            let base = q["bits"].as_u64().unwrap() as u32;
+            let rules: Vec<&String> = q["dynamic"]
+                .as_object()
+                .map(|m| m.keys().collect())
+                .unwrap_or_default();
+            // No rule names one expert: each routed part away from the base width has its one pattern.
+            assert!(
+                rules.iter().all(|k| !k.contains(r"experts\.0\.")),
+                "{name}: {rules:?}"
+            );
+            for (l, layer) in bits.iter().enumerate() {
+                let experts: Vec<u32> = cfg
+                    .block
+                    .linears
+                    .iter()
+                    .zip(layer)
+                    .filter(|(ld, _)| ld.expert.is_some())
+                    .map(|(_, &b)| b)
+                    .collect();
+                let parent = if name == "mixtral" {
+                    "block_sparse_moe"
+                } else {
+                    "mlp"
+                };
+                let fused = format!(r"+:^model\.layers\.{l}\.{parent}\.experts$");
+                let shared = experts.iter().all(|&b| b == experts[0]);
+                assert_eq!(
+                    rules.iter().any(|k| **k == fused),
+                    shared && experts[0] != base,
+                    "{name} {unit} {target} layer {l}: {rules:?}"
+                );
+            }
+            let (fake, _) = quantize(&format!("{unit}-{target}"), &extra, "fake");
+            let (p_packed, p_fake) = (eval_ppl(&packed, &calib), eval_ppl(&fake, &calib));
+            assert!(
+                ((p_packed - p_fake) / p_fake).abs() < 1e-5,
+                "{name} {unit} {target}: packed {p_packed} against fake {p_fake}"
+            );
+            let e = logits_rel_err2(&packed, &r);
+            table.push(format!(
+                "{name:<10} {:<22} {a:>10.3} {e:>16.4e}",
+                format!("--avg-bits {target} {unit}")
+            ));
+            // Per linear unit, the allocation beats the uniform width it averages (2.5 bits: 2-bit's).
+            let beaten = if target == "3" {
+                uniform[1]
+            } else {
+                uniform[0]
+            };
+            assert!(
+                unit == "fused" || e < beaten,
+                "{name} --avg-bits {target}: output error {e:.4e} not below uniform's {beaten:.4e}"
+            );
+        }
+    }
+    println!("{}", table.join("\n"));
 }
 
 /// `boa-cuda eval --json` on the first windows of the calibration text (a loaded checkpoint evaluates).

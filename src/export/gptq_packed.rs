@@ -201,22 +201,17 @@ pub fn quantization_config(
     v
 }
 
-/// GPTQModel's `dynamic` for linears stored at another width than the config's `bits`: one "+:" rule
-/// per linear, its name escaped and anchored at both ends, so no rule reaches another module. None when
-/// every linear has `bits`.
+/// GPTQModel's `dynamic` for modules stored at another width than the config's `bits`: one "+:" rule per
+/// (pattern, width), the pattern (a regex: an escaped module name, or one with `\d+` for the expert index)
+/// anchored at both ends, so no rule reaches another module. None when every width is `bits`.
 pub fn dynamic_bits(
     bits: u32,
-    linears: impl IntoIterator<Item = (String, u32)>,
+    patterns: impl IntoIterator<Item = (String, u32)>,
 ) -> Option<serde_json::Value> {
-    let rules: serde_json::Map<String, serde_json::Value> = linears
+    let rules: serde_json::Map<String, serde_json::Value> = patterns
         .into_iter()
         .filter(|&(_, b)| b != bits)
-        .map(|(name, b)| {
-            (
-                format!("+:^{}$", regex::escape(&name)),
-                serde_json::json!({ "bits": b }),
-            )
-        })
+        .map(|(pattern, b)| (format!("+:^{pattern}$"), serde_json::json!({ "bits": b })))
         .collect();
     (!rules.is_empty()).then_some(serde_json::Value::Object(rules))
 }

@@ -206,6 +206,9 @@ pub struct Calibration {
     /// Sequences the bit allocation's output proxy forwards (pipeline/sensitivity.rs; at most one chunk's),
     /// 0 without it.
     pub proxy_sequences: usize,
+    /// The weights of the largest allocation unit (all of a block's routed experts' down_proj, say), whose
+    /// Ŵ the output proxy holds beside W while it measures the unit; 0 without the proxy.
+    pub proxy_weights: usize,
 }
 
 /// Plans a run of `shape` on `target` with `budget` bytes free. `max_chunk_seqs` bounds the forward chunk
@@ -251,6 +254,10 @@ pub fn plan(
         items.push((
             "--avg-bits output proxy (input, Y_FP, Y − Y_FP)",
             3 * proxy as u64,
+        ));
+        items.push((
+            "--avg-bits output proxy (the largest unit's Ŵ)",
+            (calib.proxy_weights * F32) as u64,
         ));
         items
     };
@@ -606,6 +613,7 @@ mod tests {
         nsamples: 128,
         seqlen: 2048,
         proxy_sequences: 0,
+        proxy_weights: 0,
     };
 
     #[test]
@@ -699,22 +707,30 @@ mod tests {
     }
 
     #[test]
-    fn the_output_proxy_holds_three_buffers_of_its_sequences() {
+    fn the_output_proxy_holds_three_buffers_of_its_sequences_and_one_units_w_hat() {
         let (_, s7) = shapes()[0];
         let with = Calibration {
             proxy_sequences: 8,
+            proxy_weights: 1 << 20,
             ..CALIB
         };
         let a = plan(&s7, CALIB, Target::Gpu, 141 * GB, 8).unwrap();
         let b = plan(&s7, with, Target::Gpu, 141 * GB, 8).unwrap();
         assert_eq!(a.chunk_seqs, 8);
         assert_eq!(b.chunk_seqs, 8);
-        // 7B at seqlen 2048: 3 × 8 × 2048 × 4096 f32 = 768 MiB.
-        assert_eq!(b.device_bytes() - a.device_bytes(), 3 * 8 * 2048 * 4096 * 4);
+        // 7B at seqlen 2048: 3 × 8 × 2048 × 4096 f32 = 768 MiB, and the unit's Ŵ 4 MiB.
+        let w_hat = 4 << 20;
+        assert_eq!(
+            b.device_bytes() - a.device_bytes(),
+            3 * 8 * 2048 * 4096 * 4 + w_hat
+        );
         // A smaller chunk bounds the proxy's sequences (it forwards the first chunk's).
         let c = plan(&s7, with, Target::Gpu, 141 * GB, 2).unwrap();
         let d = plan(&s7, CALIB, Target::Gpu, 141 * GB, 2).unwrap();
-        assert_eq!(c.device_bytes() - d.device_bytes(), 3 * 2 * 2048 * 4096 * 4);
+        assert_eq!(
+            c.device_bytes() - d.device_bytes(),
+            3 * 2 * 2048 * 4096 * 4 + w_hat
+        );
     }
 
     #[test]
@@ -724,6 +740,7 @@ mod tests {
             nsamples: 0,
             seqlen: 2048,
             proxy_sequences: 0,
+            proxy_weights: 0,
         };
         let p = plan(&s7, calib, Target::Cpu, 16 * GB, 8).unwrap();
         assert_eq!(p.items[0].1, 0);

@@ -15,6 +15,7 @@ pub mod sensitivity;
 pub mod stats;
 pub mod traffic;
 pub mod validate;
+mod width_rules;
 
 use crate::backend::{Backend, Tensor, select_backend_with};
 use crate::data::{text, tokenizer::Tokenizer, windows};
@@ -27,7 +28,7 @@ use crate::model::llama::{BlockWeights, ResidentWeights, block_forward};
 use crate::nvtx::ranged;
 use crate::progress::Progress;
 use anyhow::Context;
-use options::{AllocProxy, AllocScope, Method, MoeHessian, RunOptions};
+use options::{AllocProxy, AllocScope, Method, RunOptions};
 use report::{LayerReport, RunReport, Timings};
 use std::time::Instant;
 
@@ -67,6 +68,17 @@ fn state_memory_plan(
             sensitivity::SEQUENCES
         } else {
             0
+        },
+        proxy_weights: match &opts.bits {
+            Some(b) if output_proxy => {
+                let unit = quantize_block::alloc_units(cfg, b);
+                let mut sums = vec![0usize; cfg.block.linears.len()];
+                for (ld, &u) in cfg.block.linears.iter().zip(&unit) {
+                    sums[u] += ld.d_out * ld.d_in;
+                }
+                sums.into_iter().max().unwrap_or(0)
+            }
+            _ => 0,
         },
     };
     let shape = ModelShape::of(cfg);
@@ -488,10 +500,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                                 rope,
                                 &x,
                                 opts.method == Method::Boa,
-                                stats::MoeStats {
-                                    min_tokens: opts.moe_min_tokens,
-                                    router_weighted: opts.moe_hessian == MoeHessian::Router,
-                                },
+                                stats::MoeStats::of(opts),
                             )
                             .with_context(|| format!("layer {l}: statistics"))?,
                         ),
@@ -738,47 +747,6 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
     }
 }
 
-/// Each quantized linear's module name ("model.layers.3.mlp.up_proj") and bit width.
-fn linear_bits(reports: &[LayerReport]) -> impl Iterator<Item = (String, u32)> + '_ {
-    reports.iter().flat_map(|r| {
-        r.linears
-            .iter()
-            .map(move |x| (format!("model.layers.{}.{}", r.layer, x.name), x.bits))
-    })
-}
-
-/// vLLM runs the linears that read one input as one fused layer beside them in the module tree (q/k/v as
-/// `qkv_proj`, gate/up as `gate_up_proj`) and matches GPTQ's `dynamic` rules against that name only: one
-/// more (name, bits) for each such set whose parts share a width (`--alloc-unit fused` makes them share).
-fn vllm_fused_bits<'a>(
-    cfg: &'a crate::model::config::Config,
-    reports: &'a [LayerReport],
-) -> impl Iterator<Item = (String, u32)> + 'a {
-    use crate::model::arch::Input;
-    reports.iter().flat_map(move |r| {
-        [(Input::Attn, "qkv_proj"), (Input::Mlp, "gate_up_proj")]
-            .into_iter()
-            .filter_map(move |(input, fused)| {
-                let parts: Vec<_> = cfg
-                    .block
-                    .linears
-                    .iter()
-                    .zip(&r.linears)
-                    .filter(|(ld, _)| ld.input() == input)
-                    .map(|(_, x)| x)
-                    .collect();
-                let first = parts.first()?;
-                let parent = first.name.rsplit_once('.')?.0;
-                (parts.len() > 1 && parts.iter().all(|x| x.bits == first.bits)).then(|| {
-                    (
-                        format!("model.layers.{}.{parent}.{fused}", r.layer),
-                        first.bits,
-                    )
-                })
-            })
-    })
-}
-
 /// `--format gguf`: the finished shards of the partial folder (gptq_v2) as one GGUF file beside them; the
 /// shards go at the publish.
 fn write_gguf(
@@ -790,7 +758,7 @@ fn write_gguf(
 ) -> anyhow::Result<crate::export::gguf_model::Written> {
     folder.write_index()?;
     let store = crate::model::weights::WeightStore::open(&folder.tmp)?;
-    let bits: std::collections::HashMap<String, u32> = linear_bits(reports).collect();
+    let bits: std::collections::HashMap<String, u32> = width_rules::linear_bits(reports).collect();
     let name = source
         .dir
         .canonicalize()
@@ -846,7 +814,7 @@ fn write_hf_configs(
                         .map(|d| format!("model.layers.{l}.{}", d.name)),
                 );
             }
-            let widths: Vec<(String, u32)> = linear_bits(reports).collect();
+            let widths: Vec<(String, u32)> = width_rules::linear_bits(reports).collect();
             config["quantization_config"] = crate::export::compressed_tensors::quantization_config(
                 opts.wbits,
                 &widths,
@@ -866,7 +834,7 @@ fn write_hf_configs(
                 opts.method.name(),
                 crate::export::gptq_packed::dynamic_bits(
                     opts.wbits,
-                    linear_bits(reports).chain(vllm_fused_bits(cfg, reports)),
+                    width_rules::dynamic_rules(cfg, reports),
                 ),
             );
             config["quantization_config"] = q.clone();

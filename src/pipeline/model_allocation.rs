@@ -51,7 +51,8 @@ pub fn allocate(
         let mut w = model.load_block(l).with_context(ctx)?;
         let mut resident = ResidentWeights::upload_now(be, &w).with_context(ctx)?;
         if layers.contains(l) {
-            // GPTQ on XᵀX is all the proxy runs: no attention-aware statistics.
+            // GPTQ on XᵀX is all the proxy runs: no attention-aware statistics. An MoE block's experts get
+            // the statistics the quantizing pass gives them (routed tokens or router-weighted, fallback).
             let s = stats::collect(
                 be,
                 &w,
@@ -60,7 +61,7 @@ pub fn allocate(
                 rope,
                 &x,
                 false,
-                MoeStats::default(),
+                MoeStats::of(opts),
             )
             .with_context(ctx)?;
             let e = output_errors(be, &mut w, &mut resident, &s, cfg, rope, &x, opts, l, &unit)

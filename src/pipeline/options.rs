@@ -296,10 +296,11 @@ pub struct BitAllocation {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum AllocUnit {
-    /// Each linear its own.
+    /// Each linear its own (a mixture-of-experts block's routed experts: one per part, gate/up/down).
     Linear,
     /// The linears that read one input (q/k/v; gate/up) share one width: vLLM runs each such set as one
-    /// fused layer (qkv_proj, gate_up_proj), which takes one scheme for all its parts.
+    /// fused layer (qkv_proj, gate_up_proj), which takes one scheme for all its parts; a block's routed
+    /// experts share one, as vLLM's fused MoE layer.
     Fused,
 }
 

@@ -273,25 +273,40 @@ pub(super) fn unit_candidates(cfg: &Config, unit: &[usize], m: &[Vec<f64>]) -> V
 }
 
 /// Which allocation unit each linear of the block (description order) is in, numbered from 0 in order of
-/// first appearance: under `--alloc-unit fused` the linears that read one input share one, else each its own.
+/// first appearance. Under `--alloc-unit linear` each linear has its own, and under `fused` the linears that
+/// read one input (q/k/v; gate/up) share one. An MoE block's routed experts never get widths of their own:
+/// under `linear` all experts' gate_proj share one unit (and up, and down: three units), under `fused` every
+/// expert linear of the block is one unit. vLLM runs a block's experts as one fused layer with one scheme,
+/// and llama.cpp stores each part of every expert in one tensor of one type; measuring each expert's linears
+/// alone would also cost the output proxy 3 · n_experts · |choices| forwards per block.
 pub(super) fn alloc_units(cfg: &Config, alloc: &BitAllocation) -> Vec<usize> {
-    let linears = &cfg.block.linears;
-    match alloc.unit {
-        AllocUnit::Linear => (0..linears.len()).collect(),
-        AllocUnit::Fused => {
-            let mut first: Vec<Input> = Vec::new();
-            linears
-                .iter()
-                .map(|ld| match first.iter().position(|&i| i == ld.input()) {
-                    Some(u) => u,
-                    None => {
-                        first.push(ld.input());
-                        first.len() - 1
-                    }
-                })
-                .collect()
-        }
+    #[derive(PartialEq)]
+    enum Key {
+        Linear(usize),
+        Input(Input),
+        Experts(Option<Role>),
     }
+    let mut first: Vec<Key> = Vec::new();
+    cfg.block
+        .linears
+        .iter()
+        .enumerate()
+        .map(|(i, ld)| {
+            let key = match (alloc.unit, ld.expert) {
+                (AllocUnit::Linear, Some(_)) => Key::Experts(Some(ld.role)),
+                (AllocUnit::Fused, Some(_)) => Key::Experts(None),
+                (AllocUnit::Linear, None) => Key::Linear(i),
+                (AllocUnit::Fused, None) => Key::Input(ld.input()),
+            };
+            match first.iter().position(|k| *k == key) {
+                Some(u) => u,
+                None => {
+                    first.push(key);
+                    first.len() - 1
+                }
+            }
+        })
+        .collect()
 }
 
 /// The per-head q/k norm weights of a block that has them (Qwen3), for BoA's row Hessians.
@@ -468,4 +483,91 @@ pub fn weight_mats(
             None => Mat::f32(l.w.clone(), 1, l.d_out, l.d_in),
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::alloc_units;
+    use crate::model::Config;
+    use crate::pipeline::options::{AllocScope, AllocUnit, BitAllocation};
+
+    fn config(extra: &str) -> Config {
+        Config::parse(&format!(
+            r#"{{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, {extra}}}"#
+        ))
+        .unwrap()
+    }
+
+    /// Each linear's unit, as (name, unit) in description order.
+    fn units(cfg: &Config, unit: AllocUnit) -> Vec<(String, usize)> {
+        let alloc = BitAllocation {
+            avg: 3.0,
+            choices: vec![2, 3, 4],
+            proxy: None,
+            scope: AllocScope::Model,
+            unit,
+        };
+        let u = alloc_units(cfg, &alloc);
+        cfg.block
+            .linears
+            .iter()
+            .map(|l| l.name.clone())
+            .zip(u)
+            .collect()
+    }
+
+    #[test]
+    fn dense_units_are_linears_or_the_sets_that_read_one_input() {
+        let cfg = config(r#""architectures": ["LlamaForCausalLM"]"#);
+        let linear: Vec<usize> = units(&cfg, AllocUnit::Linear).iter().map(|p| p.1).collect();
+        assert_eq!(linear, [0, 1, 2, 3, 4, 5, 6]);
+        let fused: Vec<usize> = units(&cfg, AllocUnit::Fused).iter().map(|p| p.1).collect();
+        // q/k/v, o, gate/up, down.
+        assert_eq!(fused, [0, 0, 0, 1, 2, 2, 3]);
+    }
+
+    #[test]
+    fn routed_experts_share_a_width_per_part_or_all_together() {
+        let cfg = config(
+            r#""architectures": ["Qwen2MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2,
+               "moe_intermediate_size": 32, "shared_expert_intermediate_size": 96"#,
+        );
+        let unit_of = |u: &[(String, usize)], name: &str| {
+            u.iter()
+                .find(|(n, _)| n == name)
+                .unwrap_or_else(|| panic!("{name}: {u:?}"))
+                .1
+        };
+        let linear = units(&cfg, AllocUnit::Linear);
+        let n = linear.iter().map(|p| p.1 + 1).max().unwrap();
+        // q, k, v, o, the shared expert's gate, up and down, and the routed experts' three parts.
+        assert_eq!(n, 10, "{linear:?}");
+        for part in ["gate_proj", "up_proj", "down_proj"] {
+            let first = unit_of(&linear, &format!("mlp.experts.0.{part}"));
+            for e in 1..4 {
+                assert_eq!(unit_of(&linear, &format!("mlp.experts.{e}.{part}")), first);
+            }
+            assert_ne!(
+                unit_of(&linear, &format!("mlp.shared_expert.{part}")),
+                first
+            );
+        }
+        let gate = unit_of(&linear, "mlp.experts.0.gate_proj");
+        assert_ne!(gate, unit_of(&linear, "mlp.experts.0.up_proj"));
+        let fused = units(&cfg, AllocUnit::Fused);
+        // q/k/v, o, the shared expert's gate/up and down, every routed expert linear.
+        assert_eq!(fused.iter().map(|p| p.1 + 1).max().unwrap(), 5, "{fused:?}");
+        let all = unit_of(&fused, "mlp.experts.0.gate_proj");
+        assert!(
+            fused
+                .iter()
+                .filter(|(n, _)| n.starts_with("mlp.experts."))
+                .all(|&(_, u)| u == all)
+        );
+        assert_eq!(
+            unit_of(&fused, "mlp.shared_expert.gate_proj"),
+            unit_of(&fused, "mlp.shared_expert.up_proj")
+        );
+    }
 }

@@ -60,6 +60,16 @@ impl Default for MoeStats {
     }
 }
 
+impl MoeStats {
+    /// The run's `--moe-hessian` and `--moe-min-tokens`.
+    pub fn of(opts: &super::options::RunOptions) -> MoeStats {
+        MoeStats {
+            min_tokens: opts.moe_min_tokens,
+            router_weighted: opts.moe_hessian == super::options::MoeHessian::Router,
+        }
+    }
+}
+
 impl BlockStats {
     /// H_col of linear `ld`; None when it has none (an under-routed expert's down_proj).
     pub fn h_col(&self, ld: &LinearDesc) -> Option<&Mat> {

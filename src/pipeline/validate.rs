@@ -11,7 +11,7 @@
 //!   (the rest is copied through) take minutes each, so the scan costs a few percent of a full run.
 //!   Tensors are scanned in parallel (rayon), each straight from its memory map.
 
-use super::options::{AllocUnit, LayerSet, RunOptions};
+use super::options::{AllocScope, AllocUnit, LayerSet, RunOptions};
 use crate::data::text;
 use crate::error::file_err;
 use crate::export::gptq_packed::OutFormat;
@@ -111,13 +111,20 @@ pub fn before_work(opts: &RunOptions, model: &Model, progress: &Progress) -> any
              serve it in vLLM"
         );
     }
-    if let Some(b) = &opts.bits {
-        let n = cfg.block.linears.len();
+    if let Some(b) = &opts.bits
+        && b.scope == AllocScope::Block
+    {
+        // The model scope's search is polynomial in the units; the block scope enumerates them.
+        let n = super::quantize_block::alloc_units(cfg, b)
+            .iter()
+            .map(|&u| u + 1)
+            .max()
+            .unwrap_or(0);
         if crate::quant::allocate::assignments(b.choices.len(), n).is_none() {
             return Err(crate::input_err!(
-                "--avg-bits searches every assignment of a block's widths, and a block of this model has {n} \
-                 linears ({}^{n} assignments, more than {}): mixture-of-experts blocks are not supported yet; \
-                 pass fewer --bit-choices or use --wbits",
+                "--alloc-scope block searches every assignment of a block's widths, and a block of this model \
+                 has {n} allocation units ({}^{n} assignments, more than {}): pass fewer --bit-choices, \
+                 --alloc-unit fused, or --alloc-scope model",
                 b.choices.len(),
                 crate::quant::allocate::MAX_ASSIGNMENTS
             ));

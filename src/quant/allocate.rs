@@ -3,8 +3,9 @@
 //! weights). e_ℓ(b) is what the caller predicts, e.g. tr(ΔW_b H ΔW_bᵀ) of min-max RTN at b bits on the
 //! linear's input covariance: rate follows the Hessian where the error falls fastest per stored bit.
 //!
-//! A dense block has few linears (7), so the optimum is found exactly by enumerating every assignment
-//! (|choices|^L ≤ `MAX_ASSIGNMENTS`); larger blocks are refused by the caller's check.
+//! A block has few allocation units (a dense block's 7 linears; an MoE block's attention, shared expert and
+//! routed experts by part, at most 10), so the optimum is found exactly by enumerating every assignment
+//! (|choices|^L ≤ `MAX_ASSIGNMENTS`); more are refused by the caller's check.
 
 /// The most assignments `allocate` enumerates (4 widths over 8 linears).
 pub const MAX_ASSIGNMENTS: usize = 1 << 16;
