@@ -19,6 +19,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use boa_cuda::model::arch::Input;
 use boa_cuda::model::config::Config;
 use boa_cuda::model::synth::{SynthArch, SynthSpec, write_model};
 use boa_cuda::pipeline::CHUNK;
@@ -231,19 +232,71 @@ fn output_proxy_on_cuda_matches_the_cpu() {
     let Some((tmp, model)) = cuda_and_model() else {
         return;
     };
-    let calib = tmp.path().join("calib.txt");
+    compare_output_proxy(tmp.path(), &model, 4, &[]);
+}
+
+/// The same with 8 calibration sequences and a GPU budget that makes the plan forward 2 at a time: the proxy
+/// gathers its 8 sequences from four chunks and forwards them a piece at a time, so it measures what the
+/// CPU (one chunk of 8) measures. Before, it measured the first chunk's 2.
+#[test]
+fn output_proxy_with_small_forward_chunks_matches_the_cpu() {
+    let Some((tmp, model)) = cuda_and_model() else {
+        return;
+    };
+    let cfg = Config::load(&model).unwrap();
+    let shape = ModelShape::of(&cfg);
+    // What the run plans with: under --alloc-unit fused the largest unit is gate/up's (or q/k/v's).
+    let unit_weights = |input| {
+        cfg.block
+            .linears
+            .iter()
+            .filter(|l| l.input() == input)
+            .map(|l| l.d_out * l.d_in)
+            .sum::<usize>()
+    };
+    let calib = Calibration {
+        nsamples: 8,
+        seqlen: 64,
+        proxy_sequences: 8,
+        proxy_weights: [Input::Attn, Input::AttnOut, Input::Mlp, Input::MlpAct]
+            .into_iter()
+            .map(unit_weights)
+            .max()
+            .unwrap(),
+    };
+    // The least budget whose plan forwards 2 sequences at a time with X on the device, and a little more.
+    let chunk2 = |b: u64| {
+        plan(&shape, calib, Target::Gpu, b, CHUNK)
+            .is_ok_and(|p| p.activations == Activations::Device && p.chunk_seqs >= 2)
+    };
+    let (mut lo, mut hi) = (0u64, 1u64 << 40);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if chunk2(mid) { hi = mid } else { lo = mid }
+    }
+    let gib = format!("{:.6}", (hi + (1 << 20)) as f64 / (1u64 << 30) as f64);
+    let p = plan(&shape, calib, Target::Gpu, hi + (1 << 20), CHUNK).unwrap();
+    assert_eq!(p.chunk_seqs, 2, "{p}");
+    compare_output_proxy(tmp.path(), &model, 8, &["--gpu-mem", &gib]);
+}
+
+/// `--avg-bits` with the output proxy on `--device cuda` (with `cuda_extra`) and `--device cpu`, layer 0,
+/// `nsamples` sequences of 64 tokens: the predicted errors agree within `PROXY_BIAS` / `PROXY_WORST`.
+fn compare_output_proxy(tmp: &Path, model: &Path, nsamples: usize, cuda_extra: &[&str]) {
+    let nsamples = nsamples.to_string();
+    let calib = tmp.join("calib.txt");
     std::fs::write(&calib, include_str!("../README.md")).unwrap();
     let mut runs = Vec::new();
     for dev in ["cuda", "cpu"] {
-        let out = tmp.path().join(format!("alloc-{dev}"));
-        let (code, _, err) = common::run(&[
+        let out = tmp.join(format!("alloc-{dev}"));
+        let mut args = vec![
             "run",
             "--model",
             model.to_str().unwrap(),
             "--calib",
             calib.to_str().unwrap(),
             "--nsamples",
-            "4",
+            &nsamples,
             "--seqlen",
             "64",
             "--layers",
@@ -269,8 +322,12 @@ fn output_proxy_on_cuda_matches_the_cpu() {
             "--out",
             out.to_str().unwrap(),
             "--quiet",
-        ]);
-        assert_eq!(code, 0, "--device {dev}: {err}");
+        ];
+        if dev == "cuda" {
+            args.extend_from_slice(cuda_extra);
+        }
+        let (code, _, err) = common::run(&args);
+        assert_eq!(code, 0, "--device {dev} {cuda_extra:?}: {err}");
         runs.push(allocation(&out.join("report.json")));
         std::fs::remove_dir_all(&out).unwrap();
     }

@@ -203,8 +203,8 @@ const RESERVE: &str = "CUDA context + cuBLAS workspace";
 pub struct Calibration {
     pub nsamples: usize,
     pub seqlen: usize,
-    /// Sequences the bit allocation's output proxy forwards (pipeline/sensitivity.rs; at most one chunk's),
-    /// 0 without it.
+    /// Sequences the bit allocation's output proxy measures on (pipeline/sensitivity.rs; a forward chunk's
+    /// at a time), 0 without it.
     pub proxy_sequences: usize,
     /// The weights of the largest allocation unit (all of a block's routed experts' down_proj, say), whose
     /// Ŵ the output proxy holds beside W while it measures the unit; 0 without the proxy.
@@ -249,11 +249,14 @@ pub fn plan(
             "forward chunk intermediates (f32)",
             forward_workspace(shape, chunk_tokens(seqs)),
         ));
-        // Its gathered input, the FP output and the difference (the forward's own copy is the chunk's).
-        let proxy = calib.proxy_sequences.min(seqs) * calib.seqlen * shape.d * F32;
+        // Its gathered inputs and FP outputs, all of its sequences (from as many chunks as hold them), and
+        // one piece's difference (it forwards a chunk's sequences at a time: the forward's own copy is the
+        // chunk's).
+        let all = calib.proxy_sequences.min(calib.nsamples);
+        let seq = calib.seqlen * shape.d * F32;
         items.push((
             "--avg-bits output proxy (input, Y_FP, Y − Y_FP)",
-            3 * proxy as u64,
+            ((2 * all + all.min(seqs)) * seq) as u64,
         ));
         items.push((
             "--avg-bits output proxy (the largest unit's Ŵ)",
@@ -707,7 +710,7 @@ mod tests {
     }
 
     #[test]
-    fn the_output_proxy_holds_three_buffers_of_its_sequences_and_one_units_w_hat() {
+    fn the_output_proxy_holds_its_sequences_inputs_and_outputs_and_one_units_w_hat() {
         let (_, s7) = shapes()[0];
         let with = Calibration {
             proxy_sequences: 8,
@@ -724,12 +727,34 @@ mod tests {
             b.device_bytes() - a.device_bytes(),
             3 * 8 * 2048 * 4096 * 4 + w_hat
         );
-        // A smaller chunk bounds the proxy's sequences (it forwards the first chunk's).
+        // A smaller chunk bounds one piece's difference; the inputs and FP outputs are of all 8 sequences
+        // (gathered from four chunks).
         let c = plan(&s7, with, Target::Gpu, 141 * GB, 2).unwrap();
         let d = plan(&s7, CALIB, Target::Gpu, 141 * GB, 2).unwrap();
         assert_eq!(
             c.device_bytes() - d.device_bytes(),
-            3 * 2 * 2048 * 4096 * 4 + w_hat
+            (2 * 8 + 2) * 2048 * 4096 * 4 + w_hat
+        );
+        // Fewer calibration sequences than the proxy's: all of them.
+        let few = Calibration {
+            nsamples: 4,
+            ..with
+        };
+        let e = plan(&s7, few, Target::Gpu, 141 * GB, 8).unwrap();
+        let f = plan(
+            &s7,
+            Calibration {
+                nsamples: 4,
+                ..CALIB
+            },
+            Target::Gpu,
+            141 * GB,
+            8,
+        )
+        .unwrap();
+        assert_eq!(
+            e.device_bytes() - f.device_bytes(),
+            3 * 4 * 2048 * 4096 * 4 + w_hat
         );
     }
 

@@ -21,7 +21,7 @@ use crate::quant::gptq::gptq_quantize;
 use crate::quant::plan::FactorCache;
 use anyhow::Context;
 
-/// Calibration sequences the proxy forwards (the first ones of the first chunk).
+/// Calibration sequences the proxy measures on: the first ones of X, whatever the forward chunk.
 pub const SEQUENCES: usize = 8;
 
 /// Per allocation unit (`unit[i]`: linear i's, numbered 0.. in description order; pipeline/quantize_block.rs
@@ -47,26 +47,28 @@ pub fn output_errors(
         .bits
         .as_ref()
         .context("the output proxy needs --avg-bits")?;
-    let per_seq = rope.t * cfg.d;
-    let first = x.first().context("no calibration activations")?;
-    let ns = (first.len() / per_seq).min(SEQUENCES);
-    // The first ns sequences, copied where the backend computes (a gather of their rows).
-    let staged = stage_if_parked(be, x, 0)?;
-    let rows: Vec<u32> = (0..(ns * rope.t) as u32).collect();
-    let xs = be.embed_t(staged.as_ref().unwrap_or(first), &rows, cfg.d, 1.0)?;
-    drop(staged);
-    let forward = |w: &BlockWeights, resident: &ResidentWeights| -> anyhow::Result<Tensor> {
-        let mut t = be.duplicate(&xs)?;
-        block_forward(be, w, Some(resident), cfg, rope, &mut t, ns, None)?;
-        Ok(t)
+    let pieces = first_sequences(be, x, rope.t, cfg.d, SEQUENCES)?;
+    // Each piece forwarded alone: at most one forward chunk's sequences, which the memory plan sized.
+    let forward = |w: &BlockWeights, resident: &ResidentWeights| -> anyhow::Result<Vec<Mat>> {
+        pieces
+            .iter()
+            .map(|(xs, ns)| {
+                let mut t = be.duplicate(xs)?;
+                block_forward(be, w, Some(resident), cfg, rope, &mut t, *ns, None)?;
+                let n = t.len();
+                Ok(Mat::tensor(t, 1, n, 1))
+            })
+            .collect()
     };
-    let as_mat = |t: Tensor| Mat::tensor(t, 1, ns * per_seq, 1);
-    let y_fp = as_mat(forward(w, resident)?);
+    let y_fp = forward(w, resident)?;
     // ‖Y − Y_FP‖² as tr(D·1·Dᵀ) of D = Y − Y_FP seen as one column: the backend's f64 sum of squares.
     let one = be.hessian(vec![1.0], 1, 1)?;
     let error = |w: &BlockWeights, resident: &ResidentWeights| -> anyhow::Result<f64> {
-        let d = be.sub(&as_mat(forward(w, resident)?), &y_fp)?;
-        Ok(be.quad_forms(&one, &[&d])?[0])
+        let mut sum = 0.0;
+        for (y, fp) in forward(w, resident)?.iter().zip(&y_fp) {
+            sum += be.quad_forms(&one, &[&be.sub(y, fp)?])?[0];
+        }
+        Ok(sum)
     };
     // The widths share each H's plan (q/k/v and gate/up share it too).
     let factors = FactorCache::new();
@@ -127,6 +129,37 @@ pub fn output_errors(
     Ok(out)
 }
 
+/// The first `n` sequences of X (chunks of whole sequences of `t` rows of `d`; fewer if X has fewer), as
+/// (piece, sequences) where the backend computes: the rows of each chunk they lie in, gathered (a parked
+/// chunk staged first). Across chunks, so the proxy measures the same sequences whatever forward chunk the
+/// memory plan chose (a GPU short of memory may forward fewer than `SEQUENCES` at once).
+pub(crate) fn first_sequences(
+    be: &dyn Backend,
+    x: &[Tensor],
+    t: usize,
+    d: usize,
+    n: usize,
+) -> anyhow::Result<Vec<(Tensor, usize)>> {
+    let mut pieces = Vec::new();
+    let mut taken = 0;
+    for i in 0..x.len() {
+        if taken == n {
+            break;
+        }
+        let staged = stage_if_parked(be, x, i)?;
+        let chunk = staged.as_ref().unwrap_or(&x[i]);
+        let ns = (chunk.len() / (t * d)).min(n - taken);
+        if ns == 0 {
+            continue;
+        }
+        let rows: Vec<u32> = (0..(ns * t) as u32).collect();
+        pieces.push((be.embed_t(chunk, &rows, d, 1.0)?, ns));
+        taken += ns;
+    }
+    anyhow::ensure!(!pieces.is_empty(), "no calibration activations");
+    Ok(pieces)
+}
+
 /// The block's output error with `members`' W (`ws`) quantized by GPTQ at `b` bits and put where the forward
 /// reads them; each is back at W when this returns (the resident ones taken out again for the caller).
 #[allow(clippy::too_many_arguments)]
@@ -173,4 +206,41 @@ fn unit_error<'h>(
         drop(resident.take(i));
     }
     e
+}
+
+#[cfg(test)]
+mod tests {
+    use super::first_sequences;
+    use crate::backend::Tensor;
+    use crate::backend::cpu::CpuBackend;
+
+    #[test]
+    fn the_first_sequences_are_gathered_across_chunks() {
+        let (t, d) = (3, 2);
+        let seq = |s: usize| -> Vec<f32> { (0..t * d).map(|i| (100 * s + i) as f32).collect() };
+        // Chunks of 2, 1 and 3 sequences: 0-1, 2, 3-5.
+        let x: Vec<Tensor> = [0..2, 2..3, 3..6]
+            .into_iter()
+            .map(|r| Tensor::Host(r.flat_map(seq).collect()))
+            .collect();
+        for (n, sizes) in [
+            (1, vec![1]),
+            (2, vec![2]),
+            (4, vec![2, 1, 1]),
+            (8, vec![2, 1, 3]),
+        ] {
+            let pieces = first_sequences(&CpuBackend, &x, t, d, n).unwrap();
+            assert_eq!(
+                pieces.iter().map(|p| p.1).collect::<Vec<_>>(),
+                sizes,
+                "n {n}"
+            );
+            let got: Vec<f32> = pieces
+                .iter()
+                .flat_map(|(p, _)| p.host().unwrap().to_vec())
+                .collect();
+            let want: Vec<f32> = (0..sizes.iter().sum()).flat_map(seq).collect();
+            assert_eq!(got, want, "n {n}");
+        }
+    }
 }

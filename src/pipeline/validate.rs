@@ -106,9 +106,14 @@ pub fn before_work(opts: &RunOptions, model: &Model, progress: &Progress) -> any
     {
         // Not silenced by --quiet, like the loader warnings.
         eprintln!(
-            "note: q, k and v (and gate, up) may get different widths; vLLM runs each set as one fused layer \
-             and cannot load such a checkpoint (GPTQModel and transformers can): pass --alloc-unit fused to \
-             serve it in vLLM"
+            "note: q, k and v (and gate, up{}) may get different widths; vLLM runs each set as one fused \
+             layer and cannot load such a checkpoint (GPTQModel and transformers can): pass --alloc-unit fused \
+             to serve it in vLLM",
+            if cfg.block.moe.is_some() {
+                "; a block's experts' gate, up and down"
+            } else {
+                ""
+            }
         );
     }
     if let Some(b) = &opts.bits
