@@ -243,9 +243,9 @@ struct RunArgs {
     #[arg(long, value_delimiter = ',', default_values_t = [2u32, 3, 4], requires = "avg_bits")]
     bit_choices: Vec<u32>,
     /// How --avg-bits predicts a linear's error at a width. output (the default): the linear alone
-    /// quantized by GPTQ at that width, measured on the block's output over 8 calibration sequences, so
-    /// every linear counts in the same units (lower perplexity; each block costs |bit-choices| GPTQ runs per
-    /// linear more). rtn: min-max RTN's tr(ΔW H ΔWᵀ) on the linear's input covariance (fast).
+    /// quantized by GPTQ (min-max scales) at that width, measured on the block's output over 8 calibration
+    /// sequences, so every linear counts in the same units (lower perplexity; each block costs |bit-choices|
+    /// GPTQ runs per linear more). rtn: min-max RTN's tr(ΔW H ΔWᵀ) on the linear's input covariance (fast).
     #[arg(long, value_enum, requires = "avg_bits")]
     alloc_proxy: Option<AllocProxy>,
     /// Over which weights --avg-bits holds. model (the default with the output proxy): one budget for all

@@ -331,8 +331,8 @@ pub enum AllocScope {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum AllocProxy {
-    /// Each linear alone quantized by GPTQ at the width, and the block's output error ‖Y − Y_FP‖² on the
-    /// first calibration sequences (pipeline/sensitivity.rs): every linear in the same units.
+    /// Each linear alone quantized by GPTQ (min-max scales) at the width, and the block's output error
+    /// ‖Y − Y_FP‖² on the first calibration sequences (pipeline/sensitivity.rs): every linear in the same units.
     Output,
     /// Min-max RTN's tr(ΔW H ΔWᵀ) on the linear's input covariance: fast, but in each linear's own output
     /// units.

@@ -3,9 +3,9 @@
 //! tr(ΔW H ΔWᵀ) on the linear's own input covariance) gives each linear's error in its own output's units, so
 //! q/k (whose outputs reach the block's output through a softmax), v (through the attention and W_O) and
 //! gate/up (through SiLU and W_down) are compared with o/down (which add to the residual stream) in different
-//! units. Here each linear alone is quantized by GPTQ at the width, the block runs on some calibration
-//! sequences with that one Ŵ, and its error is ‖Y − Y_FP‖² over them: the allocation then weighs every linear
-//! by what it does to the block's output. Linears that must share a width (`--alloc-unit fused`: q/k/v,
+//! units. Here each linear alone is quantized by GPTQ (min-max scales) at the width, the block runs on some
+//! calibration sequences with that one Ŵ, and its error is ‖Y − Y_FP‖² over them: the allocation then weighs
+//! every linear by what it does to the block's output. Linears that must share a width (`--alloc-unit fused`: q/k/v,
 //! gate/up) are quantized and measured together, so what they do to each other (q's and k's errors meet in
 //! the scores) is in their error. Cost: |choices| GPTQ runs per linear and |choices| · units + 1 forwards of
 //! those sequences.
@@ -16,7 +16,7 @@ use super::stats::{BlockStats, stage_if_parked};
 use crate::backend::{Backend, Tensor};
 use crate::model::Config;
 use crate::model::llama::{BlockWeights, ResidentWeights, RopeTable, block_forward};
-use crate::ops::{Mat, MatData};
+use crate::ops::{Mat, MatData, QuantSpec, ScaleSearch};
 use crate::quant::gptq::gptq_quantize;
 use crate::quant::plan::FactorCache;
 use anyhow::Context;
@@ -181,7 +181,14 @@ fn unit_error<'h>(
     let installed = (|| -> anyhow::Result<()> {
         for (&(i, h), (wm, _)) in members.iter().zip(ws) {
             let ld = &cfg.block.linears[i];
-            let spec = linear_spec(be, opts, cfg, layer, ld, b)?;
+            // Min-max scales, whatever --scale-search: the Hessian-weighted search was two thirds of the
+            // proxy's time, and at the quality table's 128 × 512 its widths were no better (README, "Bit
+            // allocation": 2.5 bits 51.47 / 118.18 with min-max against 54.27 / 128.43, 3.0 bits 36.57 /
+            // 69.10 against 36.11 / 69.48; the proxy 0.44× the time). At 8 × 256, 3.0 bits, min-max was worse.
+            let spec = QuantSpec {
+                search: ScaleSearch::MinMax,
+                ..linear_spec(be, opts, cfg, layer, ld, b)?
+            };
             let g = gptq_options(opts, opts.seqlen, spec);
             let q = gptq_quantize(be, wm, h, &g, Some(factors))
                 .with_context(|| format!("{}: GPTQ at {b} bits", ld.name))?;
