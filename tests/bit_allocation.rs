@@ -197,6 +197,17 @@ fn allocation_within_budget(proxy: Option<&str>, scope: Option<&str>, unit: Opti
             "no block traded bits: {averages:?}"
         );
     }
+    // Blocks 3.. stay unquantized: one "-:" rule each, so GPTQModel reads their plain weights; transformers
+    // (optimum) reads the quantized linears' full names instead.
+    let n_layers = cfg["num_hidden_layers"].as_u64().unwrap();
+    for l in 3..n_layers {
+        let key = format!("-:^model\\.layers\\.{l}\\.");
+        assert_eq!(dynamic.get(&key), Some(&serde_json::json!({})), "{key}");
+        overrides += 1;
+    }
+    let modules = q["modules_in_block_to_quantize"].as_array().unwrap();
+    assert_eq!(modules.len(), 3, "one list per quantized block");
+    assert_eq!(modules[2][0], "model.layers.2.self_attn.q_proj");
     assert_eq!(overrides, dynamic.len());
     assert!(widths.len() >= 2, "{widths:?}");
     let (code, out_eval, err) = run(&[

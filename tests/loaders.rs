@@ -7,7 +7,9 @@
 //! SmolLM2's d_in 576 and 1536, which GPTQModel's 4-bit CPU kernel takes; see `loader_warning`), at every
 //! bit width in the default format and asymmetric grid, plus the symmetric 4-bit grid in the v1 format, plus
 //! a rotated GPTQ 4-bit checkpoint (`run --rotate`: norms folded, Hadamard rotations fused into the weights,
-//! lm_head untied; the loaders run it unchanged): six checkpoints, twelve loads.
+//! lm_head untied; the loaders run it unchanged), plus two that quantize only blocks 0-2 (RTN 4-bit, and
+//! GPTQ --avg-bits 2.5, whose widths GPTQModel reads from `dynamic` and transformers cannot: optimum 2.3 has
+//! no `dynamic`, so it is loaded in GPTQModel only): eight checkpoints, fifteen loads.
 
 mod common;
 
@@ -63,7 +65,25 @@ fn gptq_checkpoints_load_in_gptqmodel_and_transformers() {
         a.extend_from_slice(extra);
         a
     };
-    let variants: [(&str, Vec<&str>); 6] = [
+    // --avg-bits over the first blocks: the other blocks stay unquantized, which `dynamic` says with a
+    // "-:" rule per block (GPTQModel) and `modules_in_block_to_quantize` with full names (transformers).
+    let mut avg = vec![
+        "--method",
+        "gptq",
+        "--avg-bits",
+        "2.5",
+        "--layers",
+        "0-2",
+        "--nsamples",
+        "2",
+        "--seqlen",
+        "128",
+        "--calib",
+    ];
+    avg.extend(calib.iter().map(String::as_str));
+    let variants: [(&str, Vec<&str>); 8] = [
+        ("w4-layers-0-2", rtn(&["--wbits", "4", "--layers", "0-2"])),
+        ("avg2.5-layers-0-2", avg),
         ("w2", rtn(&["--wbits", "2"])),
         ("w3", rtn(&["--wbits", "3"])),
         ("w4", rtn(&["--wbits", "4"])),
@@ -93,34 +113,45 @@ fn gptq_checkpoints_load_in_gptqmodel_and_transformers() {
         }
         dirs.push(out);
     }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/check_loaders.py");
-    let out = Command::new(py)
-        .arg(script)
-        .args([
-            "--data",
-            s(&text),
-            "--seqlen",
-            SEQLEN,
-            "--max-windows",
-            WINDOWS,
-        ])
-        .args(["--loader", "gptqmodel-f16", "--loader", "transformers"])
-        .args(dirs.iter().map(|d| s(d)))
-        // torch.compile of every GPTQ linear takes minutes on 2 cores and changes no number.
-        .env("TORCHDYNAMO_DISABLE", "1")
-        .output()
-        .expect("spawn the loaders python");
-    assert!(
-        out.status.success(),
-        "check_loaders.py failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    // optimum 2.3 has no `dynamic`: transformers cannot load several widths (`run` says so).
+    let (mixed, uniform): (Vec<_>, Vec<_>) = dirs
+        .iter()
+        .partition(|d| d.file_name().unwrap().to_str().unwrap().starts_with("avg"));
+    let mut rows: Vec<serde_json::Value> = Vec::new();
+    for (dirs, loaders) in [
+        (&uniform, &["gptqmodel-f16", "transformers"][..]),
+        (&mixed, &["gptqmodel-f16"][..]),
+    ] {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/check_loaders.py");
+        let out = Command::new(&py)
+            .arg(script)
+            .args([
+                "--data",
+                s(&text),
+                "--seqlen",
+                SEQLEN,
+                "--max-windows",
+                WINDOWS,
+            ])
+            .args(loaders.iter().flat_map(|l| ["--loader", l]))
+            .args(dirs.iter().map(|d| s(d)))
+            // torch.compile of every GPTQ linear takes minutes on 2 cores and changes no number.
+            .env("TORCHDYNAMO_DISABLE", "1")
+            .output()
+            .expect("spawn the loaders python");
+        assert!(
+            out.status.success(),
+            "check_loaders.py failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let new: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(new.len(), loaders.len() * dirs.len(), "{new:?}");
+        rows.extend(new);
+    }
     let mut failures = Vec::new();
-    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    assert_eq!(rows.len(), 2 * dirs.len(), "{rows:?}");
     for d in &dirs {
         let want = ours(d, &text);
         for r in rows.iter().filter(|r| r["dir"] == s(d)) {

@@ -880,3 +880,147 @@ fn eval_ppl(model: &Path, data: &Path) -> f64 {
     let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     v["perplexity"].as_f64().unwrap()
 }
+
+/// GPTQ checkpoints of the random models as their users load them: GPTQModel 7.7 (`GPTQModel.load`,
+/// float16) and transformers 5.24 + optimum 2.3 (`from_pretrained`, float32), in the venv of
+/// scripts/install_loaders.sh through scripts/check_loaders.py, each within a tolerance of `boa-cuda eval`'s
+/// perplexity on the same windows. GPTQ 4-bit groups of 32, except Qwen3-MoE (its experts' 48 columns take
+/// no group of 32: 8 bits, groups of 16) and an `--avg-bits` Qwen2-MoE (GPTQModel only: optimum has no
+/// `dynamic`, and `run` says so). Mixtral is not loaded: both loaders look for its experts under names its
+/// checkpoints do not use (`run` says so; docs/architectures.md, "Loaders").
+#[test]
+fn gptq_checkpoints_of_every_architecture_load_in_gptqmodel_and_transformers() {
+    /// |Δppl| / ppl, as tests/loaders.rs: transformers computes in float32 (measured ≤ 1.3e-4 here),
+    /// GPTQModel in float16 (measured ≤ 2.0e-3, the 8-bit Qwen3-MoE; 9.3e-4 the --avg-bits Qwen2-MoE).
+    const TOL_F32: f64 = 2e-3;
+    const TOL_F16: f64 = 1e-2;
+    let py = common::loaders_python("gptqmodel, optimum, transformers");
+    let root = references();
+    let tmp = tempfile::tempdir().unwrap();
+    let calib = calib_text();
+    let g32: &[&str] = &["--wbits", "4", "--group-size", "32"];
+    let cases: [(&str, &str, &[&str], bool); 10] = [
+        ("llama3", "w4g32", g32, true),
+        ("llama_bias", "w4g32", g32, true),
+        ("mistral", "w4g32", g32, true),
+        ("qwen2", "w4g32", g32, true),
+        ("qwen3", "w4g32", g32, true),
+        ("gemma3", "w4g32", g32, true),
+        (
+            "qwen3_moe",
+            "w8g16",
+            &["--wbits", "8", "--group-size", "16"],
+            true,
+        ),
+        ("qwen2_moe", "w4g32", g32, true),
+        (
+            "qwen2_moe",
+            "avg3",
+            &["--avg-bits", "3", "--group-size", "32"],
+            false,
+        ),
+        ("mixtral", "w4g32", g32, false),
+    ];
+    let (mut both, mut gptqmodel_only) = (Vec::new(), Vec::new());
+    for (name, label, extra, transformers) in cases {
+        let out = tmp.path().join(format!("{name}-{label}"));
+        let model = root.join(name);
+        let mut args = vec![
+            "run",
+            "--model",
+            s(&model),
+            "--calib",
+            s(&calib),
+            "--method",
+            "gptq",
+            "--nsamples",
+            "8",
+            "--seqlen",
+            "64",
+            "--out",
+            s(&out),
+            "--quiet",
+        ];
+        args.extend_from_slice(extra);
+        let (code, _, err) = run(&args);
+        assert_eq!(code, 0, "{name} {label}: {err}");
+        assert!(!err.contains("warning:"), "{name} {label}: {err}");
+        if name == "mixtral" {
+            assert!(
+                err.contains(
+                    "note: GPTQModel 7.7 and transformers 5.24 look for Mixtral's experts"
+                ),
+                "{err}"
+            );
+            continue;
+        }
+        assert_eq!(
+            err.contains("ignores GPTQ's per-module widths"),
+            !transformers,
+            "{name} {label}: {err}"
+        );
+        if transformers {
+            both.push(out)
+        } else {
+            gptqmodel_only.push(out)
+        }
+    }
+    // At 3 bits both loaders unpack 32 values per 3 words: the experts' 48 columns cannot be read.
+    let out = tmp.path().join("qwen3_moe-w3");
+    let model = root.join("qwen3_moe");
+    let (code, _, err) = run(&[
+        "run",
+        "--model",
+        s(&model),
+        "--method",
+        "rtn",
+        "--wbits",
+        "3",
+        "--out",
+        s(&out),
+        "--quiet",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("warning: mlp.experts.0.gate_proj is 48 x 64, not a multiple of 32 both ways"),
+        "{err}"
+    );
+    let mut failures = Vec::new();
+    for (dirs, loaders) in [
+        (&both, &["gptqmodel-f16", "transformers"][..]),
+        (&gptqmodel_only, &["gptqmodel-f16"][..]),
+    ] {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/check_loaders.py");
+        let out = std::process::Command::new(&py)
+            .arg(script)
+            .args(["--data", s(&calib), "--seqlen", &SEQLEN.to_string()])
+            .args(["--max-windows", "4"])
+            .args(loaders.iter().flat_map(|l| ["--loader", l]))
+            .args(dirs.iter().map(|d| s(d)))
+            // torch.compile of every GPTQ linear takes minutes on 2 cores and changes no number.
+            .env("TORCHDYNAMO_DISABLE", "1")
+            .output()
+            .expect("spawn the loaders python");
+        assert!(
+            out.status.success(),
+            "check_loaders.py failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(rows.len(), loaders.len() * dirs.len(), "{rows:?}");
+        for d in dirs {
+            let want = eval_ppl(d, &calib);
+            for r in rows.iter().filter(|r| r["dir"] == s(d)) {
+                let tol = match r["loader"] == "transformers" {
+                    true => TOL_F32,
+                    false => TOL_F16,
+                };
+                common::check_loader_ppl(&mut failures, d, r, "boa-cuda eval", want, tol);
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}

@@ -201,17 +201,27 @@ pub fn quantization_config(
     v
 }
 
-/// GPTQModel's `dynamic` for modules stored at another width than the config's `bits`: one "+:" rule per
-/// (pattern, width), the pattern (a regex: an escaped module name, or one with `\d+` for the expert index)
-/// anchored at both ends, so no rule reaches another module. None when every width is `bits`.
+/// GPTQModel's `dynamic`: first a "-:" rule per prefix in `skips` (the blocks left unquantized, e.g.
+/// `model\.layers\.5\.`: GPTQModel builds plain Linears for them and reads their `.weight`; without the rule
+/// it looks for their qweight and refuses the folder), then one "+:" rule per (pattern, width) stored at
+/// another width than `bits`, the pattern (a regex: an escaped module name, or one with `\d+` for the expert
+/// index) anchored at both ends, so no rule reaches another module. GPTQModel takes the first rule that
+/// matches; no module matches both kinds, so their order (serde_json sorts the keys) changes nothing. None
+/// when there is no rule.
 pub fn dynamic_bits(
     bits: u32,
     patterns: impl IntoIterator<Item = (String, u32)>,
+    skips: impl IntoIterator<Item = String>,
 ) -> Option<serde_json::Value> {
-    let rules: serde_json::Map<String, serde_json::Value> = patterns
+    let mut rules: serde_json::Map<String, serde_json::Value> = skips
         .into_iter()
-        .filter(|&(_, b)| b != bits)
-        .map(|(pattern, b)| (format!("+:^{pattern}$"), serde_json::json!({ "bits": b })))
+        .map(|prefix| (format!("-:^{prefix}"), serde_json::json!({})))
         .collect();
+    rules.extend(
+        patterns
+            .into_iter()
+            .filter(|&(_, b)| b != bits)
+            .map(|(pattern, b)| (format!("+:^{pattern}$"), serde_json::json!({ "bits": b }))),
+    );
     (!rules.is_empty()).then_some(serde_json::Value::Object(rules))
 }

@@ -386,6 +386,19 @@ mod tests {
         assert_eq!(at("model.layers.3.self_attn.q_proj"), Some((3, None)));
         // re.match anchors only the start.
         assert_eq!(at("xmodel.layers.3.self_attn.q_proj"), Some((2, Some(64))));
+        // What `run` writes for --layers 0-1 of a 12-block model, one linear at another width.
+        let dynamic = crate::export::gptq_packed::dynamic_bits(
+            2,
+            [("model\\.layers\\.0\\.mlp\\.down_proj".to_string(), 4)],
+            (2..12).map(|l| format!("model\\.layers\\.{l}\\.")),
+        );
+        let v = serde_json::json!({"bits": 2, "group_size": 64, "dynamic": dynamic});
+        let c = GptqConfig::parse(&v, "config.json").unwrap().unwrap();
+        let at = |n: &str| c.for_module(n).map(|c| c.bits);
+        assert_eq!(at("model.layers.0.mlp.down_proj"), Some(4));
+        assert_eq!(at("model.layers.1.mlp.down_proj"), Some(2));
+        assert_eq!(at("model.layers.2.mlp.down_proj"), None);
+        assert_eq!(at("model.layers.11.self_attn.q_proj"), None);
         for bad in [
             serde_json::json!({"bits": 2, "dynamic": {"(": {}}}),
             serde_json::json!({"bits": 2, "dynamic": {"a": {"bits": 5}}}),

@@ -835,8 +835,12 @@ fn write_hf_configs(
                 crate::export::gptq_packed::dynamic_bits(
                     opts.wbits,
                     width_rules::dynamic_rules(cfg, reports),
+                    width_rules::unquantized_blocks(cfg, layers),
                 ),
             );
+            let mut q = q;
+            q["modules_in_block_to_quantize"] =
+                width_rules::modules_in_block_to_quantize(cfg, layers);
             config["quantization_config"] = q.clone();
             folder.write_json("quantize_config.json", &q)?;
         }

@@ -91,8 +91,13 @@ pub fn before_work(opts: &RunOptions, model: &Model, progress: &Progress) -> any
             }
         }
     }
-    if opts.format.version().is_some()
-        && let Some(w) = loader_warning(opts.wbits, opts.group_size.columns(), &cfg.block.linears)
+    let gptq = matches!(opts.format, OutFormat::Gptq | OutFormat::GptqV2);
+    if gptq
+        && let Some(w) = loader_warning(
+            opts.bits.as_ref().map_or(&[opts.wbits][..], |b| &b.choices),
+            opts.group_size.columns(),
+            &cfg.block.linears,
+        )
     {
         // Not silenced by --quiet: the checkpoint is written, but some loaders will refuse it.
         eprintln!("warning: {w}");
@@ -107,13 +112,28 @@ pub fn before_work(opts: &RunOptions, model: &Model, progress: &Progress) -> any
         // Not silenced by --quiet, like the loader warnings.
         eprintln!(
             "note: q, k and v (and gate, up{}) may get different widths; vLLM runs each set as one fused \
-             layer and cannot load such a checkpoint (GPTQModel and transformers can): pass --alloc-unit fused \
-             to serve it in vLLM",
+             layer and cannot load such a checkpoint: pass --alloc-unit fused to serve it in vLLM",
             if cfg.block.moe.is_some() {
                 "; a block's experts' gate, up and down"
             } else {
                 ""
             }
+        );
+    }
+    if opts.bits.is_some() && gptq {
+        // Measured with optimum 2.3.0 (README "Loader matrix"): its GPTQ loader has no `dynamic`.
+        eprintln!(
+            "note: transformers' from_pretrained (through optimum 2.3) ignores GPTQ's per-module widths \
+             (`dynamic`) and refuses a checkpoint with several (size mismatch); GPTQModel.load and vLLM read \
+             them: for transformers, write --format compressed-tensors --sym"
+        );
+    }
+    if gptq && cfg.architecture == "MixtralForCausalLM" {
+        // Measured: with the experts renamed, both load and match `boa-cuda eval` (README "Loader matrix").
+        eprintln!(
+            "note: GPTQModel 7.7 and transformers 5.24 look for Mixtral's experts as \
+             mlp.experts.E.{{gate,up,down}}_proj and refuse the block_sparse_moe.experts.E.w1/w3/w2 names of \
+             Mixtral's checkpoints, which this one keeps (vLLM and llama.cpp's converter read them)"
         );
     }
     if let Some(b) = &opts.bits
@@ -168,18 +188,33 @@ pub fn before_work(opts: &RunOptions, model: &Model, progress: &Progress) -> any
 }
 
 /// Why third-party loaders will refuse the packed checkpoint on the CPU (measured with GPTQModel 7.7.0 and
-/// transformers 5.24 + optimum 2.3.0, README "Loader matrix"), or None. GPTQModel's 4-bit CPU kernels
-/// (TorchFused, TorchAten: torch's _weight_int4pack_mm_cpu) need a group of 32–256 columns that divides
-/// d_in; per-channel (a group of d_in) and a trailing partial group fail there. At other widths its kernel
-/// check refuses a partial group unless the kernel pads.
+/// transformers 5.24 + optimum 2.3.0, README "Loader matrix"), or None. `widths`: every width a linear may
+/// get (--wbits, or --bit-choices). GPTQModel's 4-bit CPU kernels (TorchFused, TorchAten: torch's
+/// _weight_int4pack_mm_cpu) need a group of 32–256 columns that divides d_in; per-channel (a group of d_in)
+/// and a trailing partial group fail there. At other widths its kernel check refuses a partial group unless
+/// the kernel pads. At 3 bits both loaders unpack qweight and qzeros 32 values per 3 words, so a d_in or d_out
+/// that is not a multiple of 32 fails to reshape (a random Qwen3-MoE's experts of 48 did).
 pub fn loader_warning(
-    wbits: u32,
+    widths: &[u32],
     group_size: Option<usize>,
     linears: &[crate::model::arch::LinearDesc],
 ) -> Option<String> {
+    let four = widths.contains(&4);
+    if widths.contains(&3)
+        && let Some(l) = linears
+            .iter()
+            .find(|l| l.d_in % 32 != 0 || l.d_out % 32 != 0)
+    {
+        return Some(format!(
+            "{} is {} x {}, not a multiple of 32 both ways: GPTQModel.load and transformers' from_pretrained \
+             cannot unpack its 3-bit qweight/qzeros (32 values per 3 words; \"shape ... is invalid\"); \
+             choose --wbits (or --bit-choices) without 3",
+            l.name, l.d_out, l.d_in
+        ));
+    }
     let bad = linears.iter().find(|l| match group_size {
-        Some(g) => l.d_in % g != 0 || (wbits == 4 && !(32..=256).contains(&g)),
-        None => wbits == 4 && !(32..=256).contains(&l.d_in),
+        Some(g) => l.d_in % g != 0 || (four && !(32..=256).contains(&g)),
+        None => four && !(32..=256).contains(&l.d_in),
     })?;
     let why = match group_size {
         Some(g) if bad.d_in % g != 0 => format!(
@@ -192,7 +227,7 @@ pub fn loader_warning(
             bad.name, bad.d_in
         ),
     };
-    let fails = if wbits == 4 {
+    let fails = if four {
         "GPTQModel.load and transformers' from_pretrained fail on the CPU (4-bit TorchFused kernel: \
          \"_weight_int4pack_mm_cpu\")"
     } else {

@@ -4,6 +4,7 @@
 use super::report::LayerReport;
 use crate::model::arch::Input;
 use crate::model::config::Config;
+use crate::pipeline::options::LayerSet;
 
 /// Each quantized linear's module name ("model.layers.3.mlp.up_proj") and bit width.
 pub(super) fn linear_bits(reports: &[LayerReport]) -> impl Iterator<Item = (String, u32)> + '_ {
@@ -51,6 +52,38 @@ pub(super) fn dynamic_rules(cfg: &Config, reports: &[LayerReport]) -> Vec<(Strin
     }
     rules.extend(vllm_fused(cfg, reports).map(|(name, bits)| (regex::escape(&name), bits)));
     rules
+}
+
+/// The prefix of each block left unquantized (outside --layers), a regex: `model\.layers\.5\.`.
+pub(super) fn unquantized_blocks(cfg: &Config, layers: &LayerSet) -> Vec<String> {
+    (0..cfg.n_layers)
+        .filter(|&l| !layers.contains(l))
+        .map(|l| regex::escape(&format!("model.layers.{l}.")))
+        .collect()
+}
+
+/// GPTQ's `modules_in_block_to_quantize`, which transformers (through optimum 2.3) reads to choose the
+/// Linears it replaces by quantized ones: without it every Linear of a block is replaced, and one we keep
+/// unquantized (Qwen2-MoE's `shared_expert_gate`, a block outside --layers) loads as garbage codes.
+/// optimum keeps a module when its full name ends with a listed name: the linears' names within a block
+/// when every block is quantized, else each quantized linear's full name. GPTQModel reads `dynamic` instead.
+pub(super) fn modules_in_block_to_quantize(cfg: &Config, layers: &LayerSet) -> serde_json::Value {
+    let names = |prefix: &str| -> Vec<String> {
+        cfg.block
+            .linears
+            .iter()
+            .map(|d| format!("{prefix}{}", d.name))
+            .collect()
+    };
+    if (0..cfg.n_layers).all(|l| layers.contains(l)) {
+        serde_json::json!([names("")])
+    } else {
+        let per_block: Vec<Vec<String>> = (0..cfg.n_layers)
+            .filter(|&l| layers.contains(l))
+            .map(|l| names(&format!("model.layers.{l}.")))
+            .collect();
+        serde_json::json!(per_block)
+    }
 }
 
 /// A routed expert's linear name split around its index: "mlp.experts.3.gate_proj" → ("mlp.experts.",
