@@ -270,7 +270,8 @@ struct RunArgs {
     /// Symmetric quantization (zero at the middle of the grid); implied by --format gguf.
     #[arg(long)]
     sym: bool,
-    /// Quantize columns in descending diag(H) order (records g_idx).
+    /// Quantize columns in descending diag(H) order (records g_idx). With BoA and groups, v_proj keeps its
+    /// natural order: its heads would each want their own, and a checkpoint has one g_idx per matrix.
     #[arg(long)]
     act_order: bool,
     /// BoA: quantize the rows of each head in descending diag(H_row) order.

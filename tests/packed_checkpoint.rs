@@ -163,6 +163,71 @@ fn packed_demo_gptq_act_order_v2_perplexity_matches_fake() {
     );
 }
 
+/// BoA with --act-order and groups: V's heads would order the columns each their own way, so V keeps its
+/// natural order (one g_idx per matrix) and `run` says so; q/k and the MLP follow act-order. Before, the run
+/// failed at block 0's v_proj after the calibration forward.
+#[test]
+fn packed_demo_boa_act_order_with_groups_matches_fake() {
+    let tmp = tempfile::tempdir().unwrap();
+    let calib = texts_dir().join("sotu");
+    let args = [
+        "--method",
+        "boa",
+        "--act-order",
+        "--group-size",
+        "64",
+        "--layers",
+        "0",
+        "--nsamples",
+        "4",
+        "--seqlen",
+        "128",
+        "--calib",
+        s(&calib),
+    ];
+    let fake = run_formats(&demo_model(), tmp.path(), &args, &["fake"]).remove(0);
+    let packed = tmp.path().join("gptq_v2");
+    let model = demo_model();
+    let mut a = vec!["run", "--model", s(&model), "--out", s(&packed)];
+    a.extend_from_slice(&args);
+    let (code, _, err) = run(&a);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains(
+            "note: with --act-order and groups, BoA quantizes v_proj in its natural column order"
+        ),
+        "{err}"
+    );
+    assert_close(
+        ppl(&packed, "128"),
+        ppl(&fake, "128"),
+        "boa 4-bit g64 act-order",
+    );
+    let info = ok(&["inspect", s(&packed)]);
+    assert!(
+        info.contains("desc_act true") && info.contains("act-order g_idx yes"),
+        "{info}"
+    );
+    let index: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(packed.join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let g_idx = |linear: &str| -> Vec<i32> {
+        let name = format!("model.layers.0.self_attn.{linear}.g_idx");
+        let file = packed.join(index["weight_map"][&name].as_str().unwrap());
+        let bytes = std::fs::read(file).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let t = st.tensor(&name).unwrap();
+        t.data()
+            .chunks_exact(4)
+            .map(|b| i32::from_le_bytes(b.try_into().unwrap()))
+            .collect()
+    };
+    let natural: Vec<i32> = (0..576).map(|j| j / 64).collect();
+    assert_eq!(g_idx("v_proj"), natural);
+    assert_ne!(g_idx("q_proj"), natural, "q_proj follows act-order");
+}
+
 /// Rewrites every tensor of `file` through `f` (None drops it).
 fn rewrite(
     file: &Path,

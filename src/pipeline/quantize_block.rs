@@ -420,6 +420,12 @@ pub fn quantize_block(
                                     .context("H_row")?
                             }
                         };
+                        // V's heads each order their columns by their own H_col, and a checkpoint has
+                        // one g_idx per matrix: with groups, V keeps its natural column order (`run` notes
+                        // it before any work).
+                        if g.spec.n_groups(ld.d_in) > 1 {
+                            b.act_order_col = false;
+                        }
                         boa_quantize(
                             ops,
                             w,

@@ -91,6 +91,15 @@ pub fn before_work(opts: &RunOptions, model: &Model, progress: &Progress) -> any
             }
         }
     }
+    if opts.act_order
+        && opts.boa_treats(crate::model::arch::Role::V)
+        && opts.group_size.columns().is_some()
+    {
+        progress.line(
+            "note: with --act-order and groups, BoA quantizes v_proj in its natural column order: its heads \
+             would each order the columns by their own Hessian, and a checkpoint has one g_idx per matrix",
+        );
+    }
     let gptq = matches!(opts.format, OutFormat::Gptq | OutFormat::GptqV2);
     if gptq
         && let Some(w) = loader_warning(
