@@ -1024,3 +1024,99 @@ fn gptq_checkpoints_of_every_architecture_load_in_gptqmodel_and_transformers() {
     }
     assert!(failures.is_empty(), "{failures:#?}");
 }
+
+/// compressed-tensors checkpoints of the dense random models in transformers 5.24 + compressed-tensors 0.20
+/// (its default `from_pretrained`; symmetric, which that path reads): every quantized linear equal to the
+/// `--format fake` twin's weight after the forward, and the perplexity `boa-cuda eval` gives the twin.
+/// Mixtures of experts are refused by `run` in this format.
+#[test]
+fn compressed_tensors_checkpoints_of_every_dense_architecture_load_in_transformers() {
+    let py = common::loaders_python("compressed_tensors, transformers");
+    let root = references();
+    let tmp = tempfile::tempdir().unwrap();
+    let calib = calib_text();
+    let dense = [
+        "llama3",
+        "llama_bias",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "gemma3",
+    ];
+    let mut packed = Vec::new();
+    for name in dense {
+        let model = root.join(name);
+        for format in ["compressed-tensors", "fake"] {
+            let out = tmp.path().join(match format {
+                "fake" => format!("{name}-fake"),
+                _ => name.to_string(),
+            });
+            let (code, _, err) = run(&[
+                "run",
+                "--model",
+                s(&model),
+                "--calib",
+                s(&calib),
+                "--method",
+                "gptq",
+                "--wbits",
+                "4",
+                "--group-size",
+                "32",
+                "--sym",
+                "--nsamples",
+                "8",
+                "--seqlen",
+                "64",
+                "--format",
+                format,
+                "--out",
+                s(&out),
+                "--quiet",
+            ]);
+            assert_eq!(code, 0, "{name} {format}: {err}");
+            assert!(!err.contains("warning:"), "{name} {format}: {err}");
+            if format != "fake" {
+                packed.push(out);
+            }
+        }
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/check_loaders.py");
+    let out = std::process::Command::new(&py)
+        .arg(script)
+        .args(["--data", s(&calib), "--seqlen", &SEQLEN.to_string()])
+        .args(["--max-windows", "4", "--loader", "compressed-tensors"])
+        .arg("--weights-like=-fake")
+        .args(packed.iter().map(|d| s(d)))
+        .output()
+        .expect("spawn the loaders python");
+    assert!(
+        out.status.success(),
+        "check_loaders.py failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), packed.len(), "{rows:?}");
+    let mut failures = Vec::new();
+    for (d, r) in packed.iter().zip(&rows) {
+        assert_eq!(r["dir"], s(d));
+        let fake = d.with_file_name(format!("{}-fake", d.file_name().unwrap().to_str().unwrap()));
+        let cfg = Model::open(&fake).unwrap().cfg;
+        if r["compared"] != cfg.block.linears.len() * cfg.n_layers || r["max_abs_diff"] != 0.0 {
+            failures.push(format!("{}: {r}", d.display()));
+        }
+        // The same f32 weights and forward: only the summation order differs (measured ≤ 1e-7).
+        common::check_loader_ppl(
+            &mut failures,
+            d,
+            r,
+            "boa-cuda eval of the fake twin",
+            eval_ppl(&fake, &calib),
+            1e-5,
+        );
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
