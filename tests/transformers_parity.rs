@@ -1120,3 +1120,77 @@ fn compressed_tensors_checkpoints_of_every_dense_architecture_load_in_transforme
     }
     assert!(failures.is_empty(), "{failures:#?}");
 }
+
+/// Checkpoints GPTQModel 7.7 writes itself (scripts/gptqmodel_quantize.py: its own GPTQ on the CPU, its
+/// v1 symmetric format) read by `boa-cuda inspect` and `eval`: the perplexity GPTQModel's own load gives
+/// (float16, tolerance 1e-2; measured ≤ 3.0e-4), with act-order g_idx (desc_act) and 3 bits, and a
+/// mixture of experts with a shared expert.
+#[test]
+fn gptqmodel_checkpoints_evaluate_in_boa_cuda() {
+    let py = common::loaders_python("gptqmodel, transformers");
+    let root = references();
+    let tmp = tempfile::tempdir().unwrap();
+    let calib = calib_text();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/gptqmodel_quantize.py");
+    let cases = [
+        ("llama3", "3", true),
+        ("qwen3", "4", true),
+        ("qwen2_moe", "4", false),
+    ];
+    let mut dirs = Vec::new();
+    for (name, bits, desc_act) in cases {
+        let out = tmp.path().join(format!("{name}-w{bits}"));
+        let mut cmd = std::process::Command::new(&py);
+        cmd.arg(&script)
+            .arg(root.join(name))
+            .arg(&out)
+            .args(["--text", s(&calib), "--bits", bits, "--group-size", "32"])
+            .env("TORCHDYNAMO_DISABLE", "1");
+        if desc_act {
+            cmd.arg("--desc-act");
+        }
+        let o = cmd.output().expect("spawn the loaders python");
+        assert!(
+            o.status.success(),
+            "{name}: gptqmodel_quantize.py failed: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let (code, info, err) = run(&["inspect", s(&out)]);
+        assert_eq!(code, 0, "{name}: {err}");
+        let want = format!(
+            "gptq, {bits}-bit, group size 32, desc_act {desc_act}, sym true, act-order g_idx {}",
+            if desc_act { "yes" } else { "no" }
+        );
+        assert!(info.contains(&want), "{name}: {info}");
+        dirs.push(out);
+    }
+    let out = std::process::Command::new(&py)
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/check_loaders.py"))
+        .args(["--data", s(&calib), "--seqlen", &SEQLEN.to_string()])
+        .args(["--max-windows", "4", "--loader", "gptqmodel-f16"])
+        .args(dirs.iter().map(|d| s(d)))
+        .env("TORCHDYNAMO_DISABLE", "1")
+        .output()
+        .expect("spawn the loaders python");
+    assert!(
+        out.status.success(),
+        "check_loaders.py failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), dirs.len(), "{rows:?}");
+    let mut failures = Vec::new();
+    for (d, r) in dirs.iter().zip(&rows) {
+        let ours = eval_ppl(d, &calib);
+        // GPTQModel's figure is the reference here; ours is checked against it.
+        let row = serde_json::json!({"loader": "boa-cuda eval", "perplexity": ours});
+        match r["perplexity"].as_f64() {
+            Some(p) => common::check_loader_ppl(&mut failures, d, &row, "GPTQModel (f16)", p, 1e-2),
+            None => failures.push(format!("{}: GPTQModel: {}", d.display(), r["error"])),
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
