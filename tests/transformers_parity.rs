@@ -1123,8 +1123,8 @@ fn compressed_tensors_checkpoints_of_every_dense_architecture_load_in_transforme
 
 /// Checkpoints GPTQModel 7.7 writes itself (scripts/gptqmodel_quantize.py: its own GPTQ on the CPU, its
 /// v1 symmetric format) read by `boa-cuda inspect` and `eval`: the perplexity GPTQModel's own load gives
-/// (float16, tolerance 1e-2; measured ≤ 3.0e-4), with act-order g_idx (desc_act) and 3 bits, and a
-/// mixture of experts with a shared expert.
+/// (float16, tolerance 1e-2; measured ≤ 3.0e-4), with act-order g_idx (desc_act) and 3 bits, a mixture of
+/// experts with a shared expert, and Mixtral under the tensor names transformers 5 gives it.
 #[test]
 fn gptqmodel_checkpoints_evaluate_in_boa_cuda() {
     let py = common::loaders_python("gptqmodel, transformers");
@@ -1136,6 +1136,8 @@ fn gptqmodel_checkpoints_evaluate_in_boa_cuda() {
         ("llama3", "3", true),
         ("qwen3", "4", true),
         ("qwen2_moe", "4", false),
+        // Written with transformers 5's names (mlp.experts.E.gate_proj), not Mixtral's own (w1/w3/w2).
+        ("mixtral", "4", false),
     ];
     let mut dirs = Vec::new();
     for (name, bits, desc_act) in cases {

@@ -68,14 +68,25 @@ pub struct Config {
 }
 
 impl Config {
+    /// config.json of `dir` with every architecture's default tensor names (`Model::open` asks the checkpoint).
     pub fn load(dir: &Path) -> anyhow::Result<Config> {
+        Self::load_stored(dir, &|_| false)
+    }
+
+    /// config.json of `dir`; `stored` says whether the checkpoint holds a tensor (`arch::describe`).
+    pub fn load_stored(dir: &Path, stored: &dyn Fn(&str) -> bool) -> anyhow::Result<Config> {
         let path = dir.join("config.json");
         let text = std::fs::read_to_string(&path)
             .map_err(|e| file_err(&path, format!("cannot read: {e}")))?;
-        Self::parse(&text).map_err(|msg| file_err(&path, msg))
+        Self::parse_stored(&text, stored).map_err(|msg| file_err(&path, msg))
     }
 
+    /// A config with no checkpoint behind it: every architecture's default tensor names.
     pub fn parse(text: &str) -> Result<Config, String> {
+        Self::parse_stored(text, &|_| false)
+    }
+
+    pub fn parse_stored(text: &str, stored: &dyn Fn(&str) -> bool) -> Result<Config, String> {
         let json: serde_json::Value =
             serde_json::from_str(text).map_err(|e| format!("invalid JSON: {e}"))?;
         let raw: RawConfig =
@@ -153,7 +164,7 @@ impl Config {
             n_kv_heads,
             d_h,
         };
-        let block = arch::describe(&architecture, &raw, dims)?;
+        let block = arch::describe(&architecture, &raw, dims, stored)?;
         // A per-layer RoPE (`BlockDesc::layer_rope`) was checked by the description.
         if block.layer_rope.is_none()
             && let Some(s) = &rope_scaling
@@ -364,6 +375,24 @@ mod tests {
         assert_eq!(c.block.linears[4].name, "block_sparse_moe.experts.0.w1");
         assert_eq!(c.block.linears[5].name, "block_sparse_moe.experts.0.w3");
         assert!(c.block.moe.as_ref().unwrap().renormalize);
+        // A checkpoint written under transformers 5's names (GPTQModel 7.7's Mixtral) is read with them.
+        let text = r#"{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+            "architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 2}"#;
+        let c = Config::parse_stored(text, &|n| n == "model.layers.0.mlp.gate.weight").unwrap();
+        let names: Vec<&str> = c.block.linears[4..7]
+            .iter()
+            .map(|l| l.name.as_str())
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "mlp.experts.0.gate_proj",
+                "mlp.experts.0.up_proj",
+                "mlp.experts.0.down_proj"
+            ]
+        );
+        assert_eq!(c.block.moe.as_ref().unwrap().router, "mlp.gate");
         for (extra, why) in [
             (
                 r#""num_experts": 4, "num_experts_per_tok": 5, "moe_intermediate_size": 8"#,

@@ -473,8 +473,8 @@ impl Model {
         if !dir.is_dir() {
             return Err(file_err(dir, "model folder not found"));
         }
-        let cfg = Config::load(dir)?;
         let store = WeightStore::open(dir)?;
+        let cfg = Config::load_stored(dir, &|n| store.entry(n).is_some())?;
         let gptq = GptqConfig::load(dir)?;
         let model = Model {
             dir: dir.to_path_buf(),

@@ -137,7 +137,13 @@ pub fn before_work(opts: &RunOptions, model: &Model, progress: &Progress) -> any
              them: for transformers, write --format compressed-tensors --sym"
         );
     }
-    if gptq && cfg.architecture == "MixtralForCausalLM" {
+    if gptq
+        && cfg
+            .block
+            .moe
+            .as_ref()
+            .is_some_and(|m| m.router == "block_sparse_moe.gate")
+    {
         // Measured: with the experts renamed, both load and match `boa-cuda eval` (README "Loader matrix").
         eprintln!(
             "note: GPTQModel 7.7 and transformers 5.24 look for Mixtral's experts as \

@@ -258,8 +258,14 @@ pub const SUPPORTED_ARCHITECTURES: &[&str] = &[
 ];
 
 /// The block of `architecture`, or why this config cannot be run here (a field that changes the math and is
-/// not implemented is refused, never ignored).
-pub fn describe(architecture: &str, raw: &RawConfig, dims: Dims) -> Result<BlockDesc, String> {
+/// not implemented is refused, never ignored). `stored` says whether the checkpoint holds a tensor, for the
+/// one architecture whose tensor names changed between writers (Mixtral).
+pub fn describe(
+    architecture: &str,
+    raw: &RawConfig,
+    dims: Dims,
+    stored: &dyn Fn(&str) -> bool,
+) -> Result<BlockDesc, String> {
     match architecture {
         "LlamaForCausalLM" | "MistralForCausalLM" | "Qwen2ForCausalLM" => {
             llama::describe(architecture, raw, dims)
@@ -267,7 +273,7 @@ pub fn describe(architecture: &str, raw: &RawConfig, dims: Dims) -> Result<Block
         "Qwen3ForCausalLM" => qwen3::describe(raw, dims),
         "Gemma3ForCausalLM" => gemma3::describe(raw, dims),
         "Qwen3MoeForCausalLM" => qwen3_moe::describe(raw, dims),
-        "MixtralForCausalLM" => mixtral::describe(raw, dims),
+        "MixtralForCausalLM" => mixtral::describe(raw, dims, stored),
         "Qwen2MoeForCausalLM" => qwen2_moe::describe(raw, dims),
         a => Err(format!(
             "unsupported architecture {a}; supported: {}",
