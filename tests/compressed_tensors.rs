@@ -1,7 +1,8 @@
 //! `--format compressed-tensors` as users load it: transformers 5.24 with compressed-tensors 0.20.0
 //! (`from_pretrained`, which reads the folder's `quantization_config`), in the venv of
-//! scripts/install_loaders.sh, through scripts/check_loaders.py. `boa-cuda eval` does not read this format, so
-//! each checkpoint is compared with `boa-cuda eval` of the same run written as `--format fake`, which holds
+//! scripts/install_loaders.sh, through scripts/check_loaders.py. Each checkpoint is compared with `boa-cuda
+//! eval` of the same run written as `--format fake` (`boa-cuda eval` reads this format too since 2026-12-05;
+//! tests/transformers_parity.rs checks it against the fake twin and transformers), which holds
 //! the same dequantized weights f16(s)·(q − z); the weights transformers decompresses must equal the fake
 //! twin's exactly (both float32). A missing venv fails the test, never skips it.
 //!

@@ -1027,8 +1027,9 @@ fn gptq_checkpoints_of_every_architecture_load_in_gptqmodel_and_transformers() {
 
 /// compressed-tensors checkpoints of the dense random models in transformers 5.24 + compressed-tensors 0.20
 /// (its default `from_pretrained`; symmetric, which that path reads): every quantized linear equal to the
-/// `--format fake` twin's weight after the forward, and the perplexity `boa-cuda eval` gives the twin.
-/// Mixtures of experts are refused by `run` in this format.
+/// `--format fake` twin's weight after the forward, and the perplexity `boa-cuda eval` gives the twin; and
+/// `boa-cuda eval` of the compressed folder itself gives it too. Mixtures of experts are refused by `run` in
+/// this format.
 #[test]
 fn compressed_tensors_checkpoints_of_every_dense_architecture_load_in_transformers() {
     let py = common::loaders_python("compressed_tensors, transformers");
@@ -1109,14 +1110,19 @@ fn compressed_tensors_checkpoints_of_every_dense_architecture_load_in_transforme
             failures.push(format!("{}: {r}", d.display()));
         }
         // The same f32 weights and forward: only the summation order differs (measured ≤ 1e-7).
+        let want = eval_ppl(&fake, &calib);
         common::check_loader_ppl(
             &mut failures,
             d,
             r,
             "boa-cuda eval of the fake twin",
-            eval_ppl(&fake, &calib),
+            want,
             1e-5,
         );
+        // boa-cuda reads the format too (the packed GEMM on its codes): measured ≤ 7e-8 from the twin.
+        let ours =
+            serde_json::json!({"loader": "boa-cuda eval", "perplexity": eval_ppl(d, &calib)});
+        common::check_loader_ppl(&mut failures, d, &ours, "the fake twin", want, 1e-6);
     }
     assert!(failures.is_empty(), "{failures:#?}");
 }
@@ -1192,6 +1198,84 @@ fn gptqmodel_checkpoints_evaluate_in_boa_cuda() {
         match r["perplexity"].as_f64() {
             Some(p) => common::check_loader_ppl(&mut failures, d, &row, "GPTQModel (f16)", p, 1e-2),
             None => failures.push(format!("{}: GPTQModel: {}", d.display(), r["error"])),
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// compressed-tensors checkpoints written by compressed-tensors 0.20 itself (scripts/ct_compress.py: its
+/// scheme, min-max qparams and `ModelCompressor` in the pack-quantized format, as llm-compressor saves)
+/// read by `boa-cuda inspect` and `eval`: the perplexity transformers gives them (the default load path for
+/// symmetric schemes, `dequantize=True` for asymmetric ones, which the default refuses), f32 on both sides
+/// (tolerance 1e-6; measured ≤ 1.2e-7), at 2, 3, 4 and 8 bits, grouped and per channel.
+#[test]
+fn compressed_tensors_checkpoints_evaluate_in_boa_cuda() {
+    let py = common::loaders_python("compressed_tensors, transformers");
+    let model = references().join("llama3");
+    let tmp = tempfile::tempdir().unwrap();
+    let calib = calib_text();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/ct_compress.py");
+    let cases = [
+        ("4", "32", false),
+        ("4", "32", true),
+        ("3", "-1", true),
+        ("8", "32", true),
+        ("2", "32", false),
+    ];
+    let mut failures = Vec::new();
+    for (bits, group, asym) in cases {
+        let out = tmp.path().join(format!(
+            "w{bits}-g{group}-{}",
+            if asym { "asym" } else { "sym" }
+        ));
+        let mut cmd = std::process::Command::new(&py);
+        cmd.arg(&script)
+            .arg(&model)
+            .arg(&out)
+            .args(["--bits", bits, "--group-size", group])
+            .env("TORCHDYNAMO_DISABLE", "1");
+        if asym {
+            cmd.arg("--asym");
+        }
+        let o = cmd.output().expect("spawn the loaders python");
+        assert!(
+            o.status.success(),
+            "{}: ct_compress.py failed: {}",
+            out.display(),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let (code, info, err) = run(&["inspect", s(&out)]);
+        assert_eq!(code, 0, "{}: {err}", out.display());
+        let want = format!(
+            "compressed-tensors pack-quantized, {bits}-bit, group size {group}, desc_act false, sym {}",
+            !asym
+        );
+        assert!(info.contains(&want), "{info}");
+        let loader = if asym {
+            "compressed-tensors-dequantize"
+        } else {
+            "compressed-tensors"
+        };
+        let o = std::process::Command::new(&py)
+            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/check_loaders.py"))
+            .args(["--data", s(&calib), "--seqlen", &SEQLEN.to_string()])
+            .args(["--max-windows", "4", "--loader", loader])
+            .arg(&out)
+            .env("TORCHDYNAMO_DISABLE", "1")
+            .output()
+            .expect("spawn the loaders python");
+        assert!(
+            o.status.success(),
+            "check_loaders.py failed: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let r: serde_json::Value =
+            serde_json::from_str(String::from_utf8_lossy(&o.stdout).trim()).unwrap();
+        let ours =
+            serde_json::json!({"loader": "boa-cuda eval", "perplexity": eval_ppl(&out, &calib)});
+        match r["perplexity"].as_f64() {
+            Some(p) => common::check_loader_ppl(&mut failures, &out, &ours, loader, p, 1e-6),
+            None => failures.push(format!("{}: {loader}: {}", out.display(), r["error"])),
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");

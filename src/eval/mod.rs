@@ -93,7 +93,7 @@ pub fn window_nll(
     // The CPU backend on a model without packed linears takes the fused window-parallel path (eval::cpu).
     // It masks causally only: a layer whose window is shorter than the evaluation window takes the generic one.
     let slides = (0..c.n_layers).any(|l| c.block.window_at(l).is_some_and(|w| w < t));
-    let fused = be.name() == "cpu" && model.gptq.is_none() && c.block.is_llama_like() && !slides;
+    let fused = be.name() == "cpu" && !model.is_quantized() && c.block.is_llama_like() && !slides;
     if fused {
         for group in wins.chunks(chunk) {
             let ids: Vec<u32> = group.iter().flat_map(|w| w.iter().copied()).collect();

@@ -452,6 +452,9 @@ pub struct Model {
     pub store: WeightStore,
     /// Set for a packed GPTQ checkpoint: linears with a `qweight` tensor are loaded packed.
     pub gptq: Option<GptqConfig>,
+    /// Set for a compressed-tensors pack-quantized checkpoint: linears with a `weight_packed` tensor are
+    /// loaded packed.
+    pub compressed: Option<super::compressed::CompressedConfig>,
 }
 
 impl Model {
@@ -476,11 +479,13 @@ impl Model {
         let store = WeightStore::open(dir)?;
         let cfg = Config::load_stored(dir, &|n| store.entry(n).is_some())?;
         let gptq = GptqConfig::load(dir)?;
+        let compressed = super::compressed::CompressedConfig::load(dir)?;
         let model = Model {
             dir: dir.to_path_buf(),
             cfg,
             store,
             gptq,
+            compressed,
         };
         model.check_globals()?;
         Ok(model)
@@ -556,9 +561,27 @@ impl Model {
         Ok(())
     }
 
-    /// Whether the linear `prefix` (e.g. "model.layers.3.mlp.up_proj") is stored packed.
+    /// Whether the linear `prefix` (e.g. "model.layers.3.mlp.up_proj") is stored packed (GPTQ or
+    /// compressed-tensors).
     pub fn is_packed(&self, prefix: &str) -> bool {
-        self.gptq.is_some() && self.store.contains(&format!("{prefix}.qweight"))
+        (self.gptq.is_some() && self.store.contains(&format!("{prefix}.qweight")))
+            || self.compressed_scheme(prefix).is_some()
+    }
+
+    /// Whether the folder holds a quantized checkpoint (GPTQ or compressed-tensors), which `run` and
+    /// `rotate` do not take as input.
+    pub fn is_quantized(&self) -> bool {
+        self.gptq.is_some() || self.compressed.is_some()
+    }
+
+    /// The compressed-tensors scheme the linear `prefix` is stored with; None when it is not stored
+    /// compressed.
+    fn compressed_scheme(&self, prefix: &str) -> Option<&super::compressed::Scheme> {
+        let c = self.compressed.as_ref()?;
+        if !self.store.contains(&format!("{prefix}.weight_packed")) {
+            return None;
+        }
+        c.scheme(prefix)
     }
 
     /// The GPTQ config the packed linear `prefix` is stored with (its `dynamic` override applied); None
@@ -590,6 +613,15 @@ impl Model {
         }
         for ld in &desc.linears {
             let name = &ld.name;
+            if let Some(sc) = self.compressed_scheme(&format!("{p}{name}")) {
+                for (suffix, shape) in sc.tensor_shapes(ld.d_out, ld.d_in) {
+                    v.push((format!("{p}{name}.{suffix}"), shape));
+                }
+                if ld.bias {
+                    v.push((format!("{p}{name}.bias"), vec![ld.d_out]));
+                }
+                continue;
+            }
             match self.packed_config(&format!("{p}{name}")) {
                 Some(q) => {
                     for (suffix, shape) in q.tensor_shapes(ld.d_out, ld.d_in) {
@@ -613,7 +645,11 @@ impl Model {
         let p = format!("model.layers.{l}.");
         let lin = |name: &str, d_out: usize, d_in: usize| -> anyhow::Result<Linear> {
             let prefix = format!("{p}{name}");
+            let compressed = self.compressed_scheme(&prefix).map(|sc| {
+                super::compressed::load_linear(&self.store, &self.dir, sc, &prefix, d_out, d_in)
+            });
             let (w, packed) = match self.packed_config(&prefix) {
+                _ if compressed.is_some() => (Vec::new(), compressed.transpose()?.map(Arc::new)),
                 Some(q) => {
                     let pl = load_packed_linear(&self.store, &self.dir, &q, &prefix, d_out, d_in)?;
                     (Vec::new(), Some(Arc::new(pl)))

@@ -2,6 +2,7 @@
 //! and the Llama-family block.
 
 pub mod arch;
+pub mod compressed;
 pub mod config;
 pub mod gguf;
 pub mod hadamard;

@@ -123,17 +123,16 @@ impl GptqConfig {
         v: &serde_json::Value,
         source: &'static str,
     ) -> Result<Option<GptqConfig>, String> {
-        if let Some(m) = v.get("quant_method").and_then(|m| m.as_str())
-            && m != "gptq"
-        {
-            return Err(format!(
-                "quantization_config.quant_method {m:?} is not supported (only \"gptq\"){}",
-                if m == "compressed-tensors" {
-                    "; to evaluate a --format compressed-tensors run, evaluate it written with --format fake"
-                } else {
-                    ""
-                }
-            ));
+        match v.get("quant_method").and_then(|m| m.as_str()) {
+            // Read by model::compressed.
+            Some("compressed-tensors") => return Ok(None),
+            Some(m) if m != "gptq" => {
+                return Err(format!(
+                    "quantization_config.quant_method {m:?} is not supported (\"gptq\" and \
+                     \"compressed-tensors\" are)"
+                ));
+            }
+            _ => {}
         }
         let bits = parse_bits(
             v.get("bits")
@@ -347,16 +346,23 @@ pub fn inspect(dir: &Path) -> anyhow::Result<CheckpointSummary> {
         }
     }
     let q = model.gptq.as_ref();
+    // A compressed-tensors checkpoint: its first config group's scheme (--avg-bits writes one per width).
+    let ct = model.compressed.as_ref().and_then(|c| c.first());
     Ok(CheckpointSummary {
         architecture: c.architecture.clone(),
         n_layers: c.n_layers,
         quantized_layers,
         packed_linears,
-        bits: q.map(|q| q.bits),
-        group_size: q.map(|q| q.group_size.map(|g| g as i64).unwrap_or(-1)),
-        checkpoint_format: q.map(|q| q.version.name()),
-        desc_act: q.map(|q| q.desc_act),
-        sym: q.map(|q| q.sym),
+        bits: q.map(|q| q.bits).or(ct.map(|s| s.bits)),
+        group_size: q
+            .map(|q| q.group_size)
+            .or(ct.map(|s| s.group_size))
+            .map(|g| g.map_or(-1, |g| g as i64)),
+        checkpoint_format: q
+            .map(|q| q.version.name())
+            .or(ct.map(|_| "compressed-tensors pack-quantized")),
+        desc_act: q.map(|q| q.desc_act).or(ct.map(|_| false)),
+        sym: q.map(|q| q.sym).or(ct.map(|s| s.sym)),
         act_order_g_idx: act_order,
         size_bytes,
         files,

@@ -177,10 +177,10 @@ pub fn rotate_model(
     let t0 = Instant::now();
     let cfg = &src.cfg;
     check_architecture(&cfg.architecture)?;
-    if src.gptq.is_some() {
+    if src.is_quantized() {
         return Err(file_err(
             &src.dir,
-            "is a packed GPTQ checkpoint; rotate the original model instead",
+            "is a quantized checkpoint; rotate the original model instead",
         ));
     }
     let rot = Rotations::new(cfg, spec);

@@ -201,10 +201,10 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
     }
     let traffic_start = be.traffic();
     let model = Model::open(&opts.model)?;
-    if model.gptq.is_some() {
+    if model.is_quantized() {
         return Err(file_err(
             &opts.model,
-            "is a packed GPTQ checkpoint; quantize the original model instead",
+            "is a quantized checkpoint; quantize the original model instead",
         ));
     }
     // The default group size follows the model's widths; everything after this reads the resolved one.
