@@ -29,6 +29,11 @@ def main():
     ap.add_argument("--nsamples", type=int, default=8)
     ap.add_argument("--seqlen", type=int, default=64)
     a = ap.parse_args()
+    a.model, a.out, a.text = (os.path.abspath(p) for p in (a.model, a.out, a.text))
+    # GPTQModel writes its quantization logs under ./logs: beside the output folder, never into the caller's
+    # directory (cargo test runs in the repository).
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    os.chdir(os.path.dirname(a.out))
     from gptqmodel import GPTQModel, QuantizeConfig
     from transformers import PreTrainedTokenizerFast
     tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(a.model, "tokenizer.json"))
