@@ -91,9 +91,15 @@ pub fn before_work(opts: &RunOptions, model: &Model, progress: &Progress) -> any
             }
         }
     }
+    let v_in = cfg
+        .block
+        .linears
+        .iter()
+        .find(|l| l.role == crate::model::arch::Role::V)
+        .map_or(0, |l| l.d_in);
     if opts.act_order
         && opts.boa_treats(crate::model::arch::Role::V)
-        && opts.group_size.columns().is_some()
+        && opts.group_size.columns().is_some_and(|g| g < v_in)
     {
         progress.line(
             "note: with --act-order and groups, BoA quantizes v_proj in its natural column order: its heads \
@@ -144,7 +150,7 @@ pub fn before_work(opts: &RunOptions, model: &Model, progress: &Progress) -> any
             .as_ref()
             .is_some_and(|m| m.router == "block_sparse_moe.gate")
     {
-        // Measured: with the experts renamed, both load and match `boa-cuda eval` (README "Loader matrix").
+        // Measured: with the experts renamed, both load and match (docs/architectures.md, "Loaders").
         eprintln!(
             "note: GPTQModel 7.7 and transformers 5.24 look for Mixtral's experts as \
              mlp.experts.E.{{gate,up,down}}_proj and refuse the block_sparse_moe.experts.E.w1/w3/w2 names of \
