@@ -18,7 +18,6 @@ mod common;
 
 use common::{assert_user_error, check_loader_ppl, demo_model, loaders_python, run, texts_dir};
 use std::path::Path;
-use std::process::Command;
 
 const SEQLEN: &str = "128";
 const WINDOWS: &str = "1";
@@ -245,34 +244,18 @@ fn check_loaded(
     loaders: &[&str],
     failures: &mut Vec<String>,
 ) {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/check_loaders.py");
-    let out = Command::new(py)
-        .arg(script)
-        .args([
-            "--data",
-            s(text),
-            "--seqlen",
-            SEQLEN,
-            "--max-windows",
-            WINDOWS,
-        ])
-        // Each checkpoint's weights, as transformers decompressed them, against its --format fake twin.
-        .arg("--weights-like=-fake")
-        .args(loaders.iter().flat_map(|l| ["--loader", l]))
-        .args(dirs.iter().map(|d| s(&d.0)))
-        .env("TORCHDYNAMO_DISABLE", "1")
-        .output()
-        .expect("spawn the loaders python");
-    assert!(
-        out.status.success(),
-        "check_loaders.py failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    assert_eq!(rows.len(), loaders.len() * dirs.len(), "{rows:?}");
+    // Each checkpoint's weights, as transformers decompressed them, against its --format fake twin.
+    let args = [
+        "--data",
+        s(text),
+        "--seqlen",
+        SEQLEN,
+        "--max-windows",
+        WINDOWS,
+        "--weights-like=-fake",
+    ];
+    let cts: Vec<&Path> = dirs.iter().map(|d| d.0.as_path()).collect();
+    let rows = common::check_loaders(py, &args, loaders, &cts);
     for (ct, fake, bits, sym) in dirs {
         let want = ours(fake, text);
         let tol = if *bits == 2 { TOL_2BIT } else { TOL };

@@ -13,9 +13,8 @@
 
 mod common;
 
-use common::{check_loader_ppl, demo_model, loaders_python, run, texts_dir};
+use common::{check_loader_ppl, check_loaders, demo_model, loaders_python, run, texts_dir};
 use std::path::Path;
-use std::process::Command;
 
 const SEQLEN: &str = "128";
 const WINDOWS: &str = "1";
@@ -122,34 +121,16 @@ fn gptq_checkpoints_load_in_gptqmodel_and_transformers() {
         (&uniform, &["gptqmodel-f16", "transformers"][..]),
         (&mixed, &["gptqmodel-f16"][..]),
     ] {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/check_loaders.py");
-        let out = Command::new(&py)
-            .arg(script)
-            .args([
-                "--data",
-                s(&text),
-                "--seqlen",
-                SEQLEN,
-                "--max-windows",
-                WINDOWS,
-            ])
-            .args(loaders.iter().flat_map(|l| ["--loader", l]))
-            .args(dirs.iter().map(|d| s(d)))
-            // torch.compile of every GPTQ linear takes minutes on 2 cores and changes no number.
-            .env("TORCHDYNAMO_DISABLE", "1")
-            .output()
-            .expect("spawn the loaders python");
-        assert!(
-            out.status.success(),
-            "check_loaders.py failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let new: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
-        assert_eq!(new.len(), loaders.len() * dirs.len(), "{new:?}");
-        rows.extend(new);
+        let args = [
+            "--data",
+            s(&text),
+            "--seqlen",
+            SEQLEN,
+            "--max-windows",
+            WINDOWS,
+        ];
+        let dirs: Vec<&Path> = dirs.iter().map(|d| d.as_path()).collect();
+        rows.extend(check_loaders(&py, &args, loaders, &dirs));
     }
     let mut failures = Vec::new();
     for d in &dirs {

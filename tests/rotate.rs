@@ -6,7 +6,6 @@
 mod common;
 use common::*;
 use std::path::Path;
-use std::process::Command;
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
@@ -52,18 +51,9 @@ fn rotation_keeps_the_fp_model() {
 
     // transformers runs the rotated folder unchanged (no online transform) and agrees with our eval.
     let py = loaders_python("transformers");
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/check_loaders.py");
     let text = texts_dir().join("moby-dick.txt");
-    let o = Command::new(py)
-        .arg(script)
-        .args(["--data", s(&text), "--seqlen", "512", "--max-windows", "4"])
-        .args(["--loader", "transformers", s(&out)])
-        .env("TORCHDYNAMO_DISABLE", "1")
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let row: serde_json::Value =
-        serde_json::from_str(String::from_utf8_lossy(&o.stdout).lines().next().unwrap()).unwrap();
+    let args = ["--data", s(&text), "--seqlen", "512", "--max-windows", "4"];
+    let row = common::check_loaders(&py, &args, &["transformers"], &[out.as_path()]).remove(0);
     let theirs = row["perplexity"]
         .as_f64()
         .unwrap_or_else(|| panic!("{row}"));

@@ -862,6 +862,22 @@ fn moe_avg_bits_give_the_experts_of_a_part_one_width() {
     println!("{}", table.join("\n"));
 }
 
+/// scripts/check_loaders.py (`common::check_loaders`) on the windows `eval_ppl` reads: the first 4 of the
+/// calibration text.
+fn load_in(py: &Path, loaders: &[&str], dirs: &[&Path], extra: &[&str]) -> Vec<serde_json::Value> {
+    let (calib, seqlen) = (calib_text(), SEQLEN.to_string());
+    let mut args = vec![
+        "--data",
+        s(&calib),
+        "--seqlen",
+        &seqlen,
+        "--max-windows",
+        "4",
+    ];
+    args.extend_from_slice(extra);
+    common::check_loaders(py, &args, loaders, dirs)
+}
+
 /// `boa-cuda eval --json` on the first windows of the calibration text (a loaded checkpoint evaluates).
 fn eval_ppl(model: &Path, data: &Path) -> f64 {
     let (code, out, err) = run(&[
@@ -990,27 +1006,8 @@ fn gptq_checkpoints_of_every_architecture_load_in_gptqmodel_and_transformers() {
         (&both, &["gptqmodel-f16", "transformers"][..]),
         (&gptqmodel_only, &["gptqmodel-f16"][..]),
     ] {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/check_loaders.py");
-        let out = std::process::Command::new(&py)
-            .arg(script)
-            .args(["--data", s(&calib), "--seqlen", &SEQLEN.to_string()])
-            .args(["--max-windows", "4"])
-            .args(loaders.iter().flat_map(|l| ["--loader", l]))
-            .args(dirs.iter().map(|d| s(d)))
-            // torch.compile of every GPTQ linear takes minutes on 2 cores and changes no number.
-            .env("TORCHDYNAMO_DISABLE", "1")
-            .output()
-            .expect("spawn the loaders python");
-        assert!(
-            out.status.success(),
-            "check_loaders.py failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
-        assert_eq!(rows.len(), loaders.len() * dirs.len(), "{rows:?}");
+        let dir_refs: Vec<&Path> = dirs.iter().map(|d| d.as_path()).collect();
+        let rows = load_in(&py, loaders, &dir_refs, &[]);
         for d in dirs {
             let want = eval_ppl(d, &calib);
             for r in rows.iter().filter(|r| r["dir"] == s(d)) {
@@ -1082,25 +1079,13 @@ fn compressed_tensors_checkpoints_of_every_dense_architecture_load_in_transforme
             }
         }
     }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/check_loaders.py");
-    let out = std::process::Command::new(&py)
-        .arg(script)
-        .args(["--data", s(&calib), "--seqlen", &SEQLEN.to_string()])
-        .args(["--max-windows", "4", "--loader", "compressed-tensors"])
-        .arg("--weights-like=-fake")
-        .args(packed.iter().map(|d| s(d)))
-        .output()
-        .expect("spawn the loaders python");
-    assert!(
-        out.status.success(),
-        "check_loaders.py failed: {}",
-        String::from_utf8_lossy(&out.stderr)
+    let dir_refs: Vec<&Path> = packed.iter().map(|d| d.as_path()).collect();
+    let rows = load_in(
+        &py,
+        &["compressed-tensors"],
+        &dir_refs,
+        &["--weights-like=-fake"],
     );
-    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    assert_eq!(rows.len(), packed.len(), "{rows:?}");
     let mut failures = Vec::new();
     for (d, r) in packed.iter().zip(&rows) {
         assert_eq!(r["dir"], s(d));
@@ -1172,24 +1157,8 @@ fn gptqmodel_checkpoints_evaluate_in_boa_cuda() {
         assert!(info.contains(&want), "{name}: {info}");
         dirs.push(out);
     }
-    let out = std::process::Command::new(&py)
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/check_loaders.py"))
-        .args(["--data", s(&calib), "--seqlen", &SEQLEN.to_string()])
-        .args(["--max-windows", "4", "--loader", "gptqmodel-f16"])
-        .args(dirs.iter().map(|d| s(d)))
-        .env("TORCHDYNAMO_DISABLE", "1")
-        .output()
-        .expect("spawn the loaders python");
-    assert!(
-        out.status.success(),
-        "check_loaders.py failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    assert_eq!(rows.len(), dirs.len(), "{rows:?}");
+    let dir_refs: Vec<&Path> = dirs.iter().map(|d| d.as_path()).collect();
+    let rows = load_in(&py, &["gptqmodel-f16"], &dir_refs, &[]);
     let mut failures = Vec::new();
     for (d, r) in dirs.iter().zip(&rows) {
         let ours = eval_ppl(d, &calib);
@@ -1256,21 +1225,7 @@ fn compressed_tensors_checkpoints_evaluate_in_boa_cuda() {
         } else {
             "compressed-tensors"
         };
-        let o = std::process::Command::new(&py)
-            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/check_loaders.py"))
-            .args(["--data", s(&calib), "--seqlen", &SEQLEN.to_string()])
-            .args(["--max-windows", "4", "--loader", loader])
-            .arg(&out)
-            .env("TORCHDYNAMO_DISABLE", "1")
-            .output()
-            .expect("spawn the loaders python");
-        assert!(
-            o.status.success(),
-            "check_loaders.py failed: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-        let r: serde_json::Value =
-            serde_json::from_str(String::from_utf8_lossy(&o.stdout).trim()).unwrap();
+        let r = load_in(&py, &[loader], &[out.as_path()], &[]).remove(0);
         let ours =
             serde_json::json!({"loader": "boa-cuda eval", "perplexity": eval_ppl(&out, &calib)});
         match r["perplexity"].as_f64() {

@@ -6,11 +6,10 @@
 //! and zeros as ours, and a symmetric scheme's zero is 2^(b−1). Anything else the config may say (another
 //! format, activation quantization, a group order kept in `weight_g_idx`) is refused in one line.
 
+use super::packed::words;
 use super::weights::WeightStore;
 use crate::error::file_err;
 use crate::quant::pack::{PackedLinear, pack_words, unpack_stream};
-use half::{bf16, f16};
-use safetensors::Dtype;
 use std::path::Path;
 
 /// How a config group's `targets` or the `ignore` list names a module.
@@ -235,23 +234,6 @@ impl Scheme {
     }
 }
 
-fn words(store: &WeightStore, dir: &Path, name: &str) -> anyhow::Result<Vec<u32>> {
-    match store.entry(name).map(|e| e.dtype) {
-        Some(Dtype::I32 | Dtype::U32) => {}
-        d => {
-            return Err(file_err(
-                dir,
-                format!("tensor {name} has dtype {d:?}, expected I32"),
-            ));
-        }
-    }
-    Ok(store
-        .bytes(name)?
-        .chunks_exact(4)
-        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect())
-}
-
 /// Loads the compressed linear `prefix` of a [d_out × d_in] layer as a packed linear, checking every shape
 /// and dtype so a malformed checkpoint gives a one-line error.
 pub fn load_linear(
@@ -290,28 +272,7 @@ pub fn load_linear(
             qweight[w * d_out + j] = packed[j * kw + w];
         }
     }
-    let sname = format!("{prefix}.weight_scale");
-    let sb = store.bytes(&sname)?;
-    let scales: Vec<f32> = match store.entry(&sname).map(|e| e.dtype) {
-        Some(Dtype::F32) => sb
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-        Some(Dtype::F16) => sb
-            .chunks_exact(2)
-            .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        Some(Dtype::BF16) => sb
-            .chunks_exact(2)
-            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        d => {
-            return Err(file_err(
-                dir,
-                format!("tensor {sname} has dtype {d:?}, expected F32, F16 or BF16"),
-            ));
-        }
-    };
+    let scales = store.f32(&format!("{prefix}.weight_scale"), &[d_out, ng])?;
     // [d_out × groups] → [groups × d_out], kept in f32: the packed GEMM dequantizes in f32, as
     // compressed-tensors does in the scale's dtype (an f32 model's scales are not f16 values, unlike GPTQ's).
     let scales: Vec<f32> = (0..ng * d_out)

@@ -612,29 +612,25 @@ impl Model {
             }
         }
         for ld in &desc.linears {
-            let name = &ld.name;
-            if let Some(sc) = self.compressed_scheme(&format!("{p}{name}")) {
-                for (suffix, shape) in sc.tensor_shapes(ld.d_out, ld.d_in) {
-                    v.push((format!("{p}{name}.{suffix}"), shape));
+            let prefix = format!("{p}{}", ld.name);
+            match (self.compressed_scheme(&prefix), self.packed_config(&prefix)) {
+                (Some(sc), _) => {
+                    for (suffix, shape) in sc.tensor_shapes(ld.d_out, ld.d_in) {
+                        v.push((format!("{prefix}.{suffix}"), shape));
+                    }
                 }
-                if ld.bias {
-                    v.push((format!("{p}{name}.bias"), vec![ld.d_out]));
-                }
-                continue;
-            }
-            match self.packed_config(&format!("{p}{name}")) {
-                Some(q) => {
+                (None, Some(q)) => {
                     for (suffix, shape) in q.tensor_shapes(ld.d_out, ld.d_in) {
-                        let n = format!("{p}{name}.{suffix}");
+                        let n = format!("{prefix}.{suffix}");
                         if suffix != "g_idx" || self.store.contains(&n) {
                             v.push((n, shape));
                         }
                     }
                 }
-                _ => v.push((format!("{p}{name}.weight"), vec![ld.d_out, ld.d_in])),
+                (None, None) => v.push((format!("{prefix}.weight"), vec![ld.d_out, ld.d_in])),
             }
             if ld.bias {
-                v.push((format!("{p}{name}.bias"), vec![ld.d_out]));
+                v.push((format!("{prefix}.bias"), vec![ld.d_out]));
             }
         }
         v
@@ -645,12 +641,19 @@ impl Model {
         let p = format!("model.layers.{l}.");
         let lin = |name: &str, d_out: usize, d_in: usize| -> anyhow::Result<Linear> {
             let prefix = format!("{p}{name}");
-            let compressed = self.compressed_scheme(&prefix).map(|sc| {
-                super::compressed::load_linear(&self.store, &self.dir, sc, &prefix, d_out, d_in)
-            });
-            let (w, packed) = match self.packed_config(&prefix) {
-                _ if compressed.is_some() => (Vec::new(), compressed.transpose()?.map(Arc::new)),
-                Some(q) => {
+            let (w, packed) = match (self.compressed_scheme(&prefix), self.packed_config(&prefix)) {
+                (Some(sc), _) => {
+                    let pl = super::compressed::load_linear(
+                        &self.store,
+                        &self.dir,
+                        sc,
+                        &prefix,
+                        d_out,
+                        d_in,
+                    )?;
+                    (Vec::new(), Some(Arc::new(pl)))
+                }
+                (None, Some(q)) => {
                     let pl = load_packed_linear(&self.store, &self.dir, &q, &prefix, d_out, d_in)?;
                     (Vec::new(), Some(Arc::new(pl)))
                 }

@@ -196,7 +196,8 @@ impl GptqConfig {
     }
 }
 
-fn words(store: &WeightStore, dir: &Path, name: &str) -> anyhow::Result<Vec<u32>> {
+/// A tensor of int32 words (packed codes, zeros, g_idx), whose presence the caller checked.
+pub(super) fn words(store: &WeightStore, dir: &Path, name: &str) -> anyhow::Result<Vec<u32>> {
     let e = store.entry(name).expect("checked by the caller");
     if !matches!(e.dtype, Dtype::I32 | Dtype::U32) {
         return Err(file_err(

@@ -189,6 +189,37 @@ pub fn eval_ppl(dir: &Path, text: &Path, seqlen: &str, windows: &str) -> f64 {
 
 /// One row of scripts/check_loaders.py against `boa-cuda eval`'s perplexity `want` (`against` names it):
 /// printed, and a failure pushed when the loader erred or |Δppl| / ppl exceeds `tol`.
+/// scripts/check_loaders.py in the loaders' venv `py`: each of `loaders` on each of `dirs`, with `args`
+/// (`--data`, `--seqlen`, `--max-windows`, `--weights-like=…`). Its JSON rows, one per folder and loader (a
+/// refusal is a row with "error"); the script failing fails the test. torch.compile is off: on 2 cores it
+/// compiles every quantized linear for minutes and changes no number.
+pub fn check_loaders(
+    py: &Path,
+    args: &[&str],
+    loaders: &[&str],
+    dirs: &[&Path],
+) -> Vec<serde_json::Value> {
+    let out = Command::new(py)
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/check_loaders.py"))
+        .args(args)
+        .args(loaders.iter().flat_map(|l| ["--loader", l]))
+        .args(dirs)
+        .env("TORCHDYNAMO_DISABLE", "1")
+        .output()
+        .expect("spawn the loaders python");
+    assert!(
+        out.status.success(),
+        "check_loaders.py failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), loaders.len() * dirs.len(), "{rows:?}");
+    rows
+}
+
 pub fn check_loader_ppl(
     failures: &mut Vec<String>,
     dir: &Path,
