@@ -209,6 +209,9 @@ pub struct Calibration {
     /// The weights of the largest allocation unit (all of a block's routed experts' down_proj, say), whose
     /// Ŵ the output proxy holds beside W while it measures the unit; 0 without the proxy.
     pub proxy_weights: usize,
+    /// The elements of the plans (damped H and factor) the output proxy keeps while it measures a unit: one
+    /// per expert in a unit of experts (sensitivity::plan_cache_elems); 0 without the proxy.
+    pub proxy_plans: usize,
 }
 
 /// Plans a run of `shape` on `target` with `budget` bytes free. `max_chunk_seqs` bounds the forward chunk
@@ -261,6 +264,10 @@ pub fn plan(
         items.push((
             "--avg-bits output proxy (the largest unit's Ŵ)",
             (calib.proxy_weights * F32) as u64,
+        ));
+        items.push((
+            "--avg-bits output proxy (the plans of its largest unit)",
+            (calib.proxy_plans * target.stat_bytes()) as u64,
         ));
         items
     };
@@ -617,6 +624,7 @@ mod tests {
         seqlen: 2048,
         proxy_sequences: 0,
         proxy_weights: 0,
+        proxy_plans: 0,
     };
 
     #[test]
@@ -710,19 +718,21 @@ mod tests {
     }
 
     #[test]
-    fn the_output_proxy_holds_its_sequences_inputs_and_outputs_and_one_units_w_hat() {
+    fn the_output_proxy_holds_its_sequences_inputs_and_outputs_and_one_units_w_hat_and_plans() {
         let (_, s7) = shapes()[0];
         let with = Calibration {
             proxy_sequences: 8,
             proxy_weights: 1 << 20,
+            proxy_plans: 1 << 18,
             ..CALIB
         };
         let a = plan(&s7, CALIB, Target::Gpu, 141 * GB, 8).unwrap();
         let b = plan(&s7, with, Target::Gpu, 141 * GB, 8).unwrap();
         assert_eq!(a.chunk_seqs, 8);
         assert_eq!(b.chunk_seqs, 8);
-        // 7B at seqlen 2048: 3 × 8 × 2048 × 4096 f32 = 768 MiB, and the unit's Ŵ 4 MiB.
-        let w_hat = 4 << 20;
+        // 7B at seqlen 2048: 3 × 8 × 2048 × 4096 f32 = 768 MiB, the unit's Ŵ 4 MiB and its plans (f32 on a
+        // GPU) 1 MiB.
+        let w_hat = (4 << 20) + (1 << 20);
         assert_eq!(
             b.device_bytes() - a.device_bytes(),
             3 * 8 * 2048 * 4096 * 4 + w_hat
@@ -766,6 +776,7 @@ mod tests {
             seqlen: 2048,
             proxy_sequences: 0,
             proxy_weights: 0,
+            proxy_plans: 0,
         };
         let p = plan(&s7, calib, Target::Cpu, 16 * GB, 8).unwrap();
         assert_eq!(p.items[0].1, 0);

@@ -80,6 +80,12 @@ fn state_memory_plan(
             }
             _ => 0,
         },
+        proxy_plans: match &opts.bits {
+            Some(b) if output_proxy => {
+                sensitivity::plan_cache_elems(cfg, &quantize_block::alloc_units(cfg, b))
+            }
+            _ => 0,
+        },
     };
     let shape = ModelShape::of(cfg);
     match be.device_memory() {

@@ -70,9 +70,17 @@ pub fn output_errors(
         }
         Ok(sum)
     };
-    // The widths share each H's plan (q/k/v and gate/up share it too).
-    let factors = FactorCache::new();
+    // The widths share each H's plan (q/k/v and gate/up share it too). A unit of experts has an H per expert
+    // and quantizes them all at each width: the cache holds the largest unit's plans (the memory plan counts
+    // them, `unit_plans`), so each is made once, not once per width.
     let n_units = unit.iter().map(|&u| u + 1).max().unwrap_or(0);
+    let factors = FactorCache::holding(
+        unit_plans(cfg, unit)
+            .into_iter()
+            .map(|widths| widths.len())
+            .max()
+            .unwrap_or(1),
+    );
     let mut out = Vec::with_capacity(n_units);
     for u in 0..n_units {
         let members: Vec<(usize, &Mat)> = cfg
@@ -127,6 +135,38 @@ pub fn output_errors(
         out.push(errs);
     }
     Ok(out)
+}
+
+/// Per allocation unit, the input width of each H_col its linears read (one per distinct H: q/k/v share the
+/// attention input's, gate/up the MLP input's, each expert's gate/up their routed inputs'): the plans the
+/// output proxy's cache holds while it measures the unit.
+pub fn unit_plans(cfg: &Config, unit: &[usize]) -> Vec<Vec<usize>> {
+    let n_units = unit.iter().map(|&u| u + 1).max().unwrap_or(0);
+    let mut out = vec![Vec::new(); n_units];
+    let mut seen = std::collections::HashSet::new();
+    for (ld, &u) in cfg.block.linears.iter().zip(unit) {
+        if seen.insert((u, ld.input())) {
+            out[u].push(ld.d_in);
+        }
+    }
+    out
+}
+
+/// The elements the output proxy's plan cache holds at most (each plan: the damped H and its factor, n² each,
+/// in the statistics' precision): the largest plans of the block, as many as the cache holds.
+pub fn plan_cache_elems(cfg: &Config, unit: &[usize]) -> usize {
+    let plans = unit_plans(cfg, unit);
+    let holds = plans.iter().map(Vec::len).max().unwrap_or(0);
+    let mut seen = std::collections::HashSet::new();
+    let mut sizes: Vec<usize> = cfg
+        .block
+        .linears
+        .iter()
+        .filter(|ld| seen.insert(ld.input()))
+        .map(|ld| 2 * ld.d_in * ld.d_in)
+        .collect();
+    sizes.sort_unstable_by(|a, b| b.cmp(a));
+    sizes.into_iter().take(holds).sum()
 }
 
 /// The first `n` sequences of X (chunks of whole sequences of `t` rows of `d`; fewer if X has fewer), as
@@ -217,9 +257,67 @@ fn unit_error<'h>(
 
 #[cfg(test)]
 mod tests {
-    use super::first_sequences;
+    use super::{first_sequences, plan_cache_elems, unit_plans};
     use crate::backend::Tensor;
     use crate::backend::cpu::CpuBackend;
+    use crate::model::Config;
+    use crate::pipeline::options::{AllocScope, AllocUnit, BitAllocation};
+    use crate::pipeline::quantize_block::alloc_units;
+
+    #[test]
+    fn the_proxy_holds_one_plan_per_expert_input_of_its_largest_unit() {
+        // d 64; a shared expert of 96; 4 experts of 32.
+        let cfg = Config::parse(
+            r#"{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+                "architectures": ["Qwen2MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32, "shared_expert_intermediate_size": 96}"#,
+        )
+        .unwrap();
+        let units = |unit| {
+            let alloc = BitAllocation {
+                avg: 3.0,
+                choices: vec![2, 3, 4],
+                proxy: None,
+                scope: AllocScope::Model,
+                unit,
+            };
+            alloc_units(&cfg, &alloc)
+        };
+        // Per part: each expert's routed-input H (gate, up: 64) or activation H (down: 32), four of them.
+        let linear = units(AllocUnit::Linear);
+        let most = unit_plans(&cfg, &linear)
+            .into_iter()
+            .max_by_key(Vec::len)
+            .unwrap();
+        assert_eq!(most.len(), 4);
+        // The four largest of the block's H: 96 (the shared expert's down), then three of 64.
+        assert_eq!(plan_cache_elems(&cfg, &linear), 2 * (96 * 96 + 3 * 64 * 64));
+        // All experts together: both of each expert's H, eight plans; the eight largest H of the block are
+        // 96 and seven of 64 (attention input, o's input, the MLP input, four experts' routed inputs).
+        let fused = units(AllocUnit::Fused);
+        let all = unit_plans(&cfg, &fused);
+        assert_eq!(all.iter().map(Vec::len).max(), Some(8));
+        assert_eq!(plan_cache_elems(&cfg, &fused), 2 * (96 * 96 + 7 * 64 * 64));
+        // A dense block holds one plan, its largest (down's, 128).
+        let dense = Config::parse(
+            r#"{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+                "architectures": ["LlamaForCausalLM"]}"#,
+        )
+        .unwrap();
+        let alloc = BitAllocation {
+            avg: 3.0,
+            choices: vec![2, 3, 4],
+            proxy: None,
+            scope: AllocScope::Model,
+            unit: AllocUnit::Linear,
+        };
+        assert_eq!(
+            plan_cache_elems(&dense, &alloc_units(&dense, &alloc)),
+            2 * 128 * 128
+        );
+    }
 
     #[test]
     fn the_first_sequences_are_gathered_across_chunks() {

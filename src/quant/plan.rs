@@ -131,18 +131,36 @@ struct PlanKey {
 ///
 /// An H is recognised by identity (the same `Mat`, which the `'h` borrow keeps alive and unchanged) and the
 /// plan by the options it was made with, so a hit returns exactly what planning again would (planning is
-/// deterministic, damping retries included). Only the last plan is kept: the block's order (q, k, v, o, gate,
-/// up, down) puts the sharers next to each other, and a d_ff-sized plan is not held longer than its layers
-/// need it.
-#[derive(Default)]
+/// deterministic, damping retries included). `new` keeps only the last plan: the block's order (q, k, v, o,
+/// gate, up, down) puts the sharers next to each other, and a d_ff-sized plan is not held longer than its
+/// layers need it. `holding(n)` keeps the n most recently used, for a caller that returns to several H in
+/// turn (the output proxy quantizes every expert of a unit at each width: with one entry it would plan each
+/// expert's H once per width).
 pub struct FactorCache<'h> {
-    last: std::sync::Mutex<Option<(&'h Mat, PlanKey, Arc<Plan>)>>,
+    /// Most recently used last.
+    entries: std::sync::Mutex<Vec<(&'h Mat, PlanKey, Arc<Plan>)>>,
+    capacity: usize,
     hits: std::sync::atomic::AtomicUsize,
+}
+
+impl Default for FactorCache<'_> {
+    fn default() -> Self {
+        Self::holding(1)
+    }
 }
 
 impl<'h> FactorCache<'h> {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A cache of the `n` (at least one) most recently used plans.
+    pub fn holding(n: usize) -> Self {
+        FactorCache {
+            entries: std::sync::Mutex::new(Vec::new()),
+            capacity: n.max(1),
+            hits: std::sync::atomic::AtomicUsize::new(0),
+        }
     }
 
     /// Plans served from the cache so far.
@@ -162,18 +180,83 @@ impl<'h> FactorCache<'h> {
             act_order,
             damping: *opts,
         };
-        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((ch, ck, p)) = last.as_ref()
-            && std::ptr::eq(*ch, h)
-            && *ck == key
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = entries
+            .iter()
+            .position(|(ch, ck, _)| std::ptr::eq(*ch, h) && *ck == key)
         {
             self.hits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            return Ok(p.clone());
+            let e = entries.remove(i);
+            let p = e.2.clone();
+            entries.push(e);
+            return Ok(p);
         }
-        // Drop the old plan before making the new one (peak memory: one plan, not two).
-        *last = None;
+        // Drop the least recently used before making the new one (peak memory: `capacity` plans, not one
+        // more).
+        if entries.len() == self.capacity {
+            entries.remove(0);
+        }
         let p = Arc::new(plan(ops, h, opts, act_order)?);
-        *last = Some((h, key, p.clone()));
+        entries.push((h, key, p.clone()));
         Ok(p)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Damping, FactorCache};
+    use crate::backend::cpu::CpuBackend;
+    use crate::ops::{Mat, QuantOps};
+
+    fn spd(n: usize, seed: f64) -> Mat {
+        let h: Vec<f64> = (0..n * n)
+            .map(|k| {
+                let (i, j) = (k / n, k % n);
+                if i == j {
+                    n as f64 + seed
+                } else {
+                    1.0 / (1.0 + (i + j) as f64 + seed)
+                }
+            })
+            .collect();
+        CpuBackend.hessian(h, 1, n).unwrap()
+    }
+
+    #[test]
+    fn the_cache_serves_the_plans_it_holds_and_plans_the_others_again() {
+        let damping = Damping {
+            damp: 0.01,
+            max_tries: 3,
+            dead_diag: 1.0,
+        };
+        let hs: Vec<Mat> = (0..3).map(|s| spd(8, s as f64)).collect();
+        // One entry: every change of H plans again.
+        let one = FactorCache::new();
+        for _ in 0..2 {
+            for h in &hs {
+                one.plan(&CpuBackend, h, &damping, false).unwrap();
+            }
+        }
+        assert_eq!(one.hits(), 0);
+        // Three entries: the second round is all hits, and a hit is the plan itself.
+        let three = FactorCache::holding(3);
+        let first: Vec<_> = hs
+            .iter()
+            .map(|h| three.plan(&CpuBackend, h, &damping, false).unwrap())
+            .collect();
+        for (h, p) in hs.iter().zip(&first) {
+            assert!(std::sync::Arc::ptr_eq(
+                &three.plan(&CpuBackend, h, &damping, false).unwrap(),
+                p
+            ));
+        }
+        assert_eq!(three.hits(), 3);
+        // Other options are another plan; it evicts the least recently used (hs[0]), not the others.
+        three.plan(&CpuBackend, &hs[2], &damping, true).unwrap();
+        assert_eq!(three.hits(), 3);
+        three.plan(&CpuBackend, &hs[1], &damping, false).unwrap();
+        assert_eq!(three.hits(), 4);
+        three.plan(&CpuBackend, &hs[0], &damping, false).unwrap();
+        assert_eq!(three.hits(), 4);
     }
 }

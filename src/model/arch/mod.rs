@@ -27,7 +27,7 @@ pub enum Role {
 
 /// The input whose covariance H_col = (2/N) X Xᵀ a linear's quantizer reads; linears that share an input share
 /// its statistic (and, under GPTQ, its factorization).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Input {
     /// The attention norm's output (q/k/v).
     Attn,
