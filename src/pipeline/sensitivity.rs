@@ -72,7 +72,7 @@ pub fn output_errors(
     };
     // The widths share each H's plan (q/k/v and gate/up share it too). A unit of experts has an H per expert
     // and quantizes them all at each width: the cache holds the largest unit's plans (the memory plan counts
-    // them, `unit_plans`), so each is made once, not once per width.
+    // them, `plan_cache_elems`), so each is made once, not once per width.
     let n_units = unit.iter().map(|&u| u + 1).max().unwrap_or(0);
     let factors = FactorCache::holding(
         unit_plans(cfg, unit)
