@@ -233,21 +233,19 @@ fn gguf_checkpoints_load_in_transformers_with_the_fake_formats_weights() {
             "{name}: import-gguf + eval {back} vs the fake folder's {want}"
         );
 
-        let o = Command::new(&py)
-            .arg("scripts/check_loaders.py")
-            .args([
-                "--data",
-                s(&text),
-                "--seqlen",
-                SEQLEN,
-                "--max-windows",
-                WINDOWS,
-            ])
-            .args(["--tokenizer", s(&demo_model()), "--weights-like=-fake"])
-            .args(["--loader", "transformers-gguf", s(&out)])
-            .output()
-            .unwrap();
-        let row = last_json(&o, "check_loaders.py");
+        let tokenizer = demo_model();
+        let args = [
+            "--data",
+            s(&text),
+            "--seqlen",
+            SEQLEN,
+            "--max-windows",
+            WINDOWS,
+            "--tokenizer",
+            s(&tokenizer),
+            "--weights-like=-fake",
+        ];
+        let row = common::check_loaders(&py, &args, &["transformers-gguf"], &[&out]).remove(0);
         check_loader_ppl(
             &mut failures,
             &out,
@@ -659,15 +657,18 @@ fn gguf_qwen2_and_qwen3_load_in_transformers_and_llama_cpp() {
         );
 
         if transformers {
-            let o = Command::new(&py)
-                .arg("scripts/check_loaders.py")
-                .args(["--data", s(&text), "--seqlen", seqlen])
-                .args(["--max-windows", windows])
-                .args(["--tokenizer", s(&model), "--weights-like=-fake"])
-                .args(["--loader", "transformers-gguf", s(&out)])
-                .output()
-                .unwrap();
-            let row = last_json(&o, "check_loaders.py");
+            let args = [
+                "--data",
+                s(&text),
+                "--seqlen",
+                seqlen,
+                "--max-windows",
+                windows,
+                "--tokenizer",
+                s(&model),
+                "--weights-like=-fake",
+            ];
+            let row = common::check_loaders(&py, &args, &["transformers-gguf"], &[&out]).remove(0);
             check_loader_ppl(
                 &mut failures,
                 &out,

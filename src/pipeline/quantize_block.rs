@@ -491,13 +491,15 @@ pub fn weight_mats(
         .collect()
 }
 
+/// Small configs and allocations for this module's tests and pipeline/sensitivity.rs's.
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::alloc_units;
     use crate::model::Config;
     use crate::pipeline::options::{AllocScope, AllocUnit, BitAllocation};
 
-    fn config(extra: &str) -> Config {
+    /// d 64, d_ff 128, 4 heads over 2 KV heads, 2 layers, with `extra` fields (the architecture).
+    pub(crate) fn config(extra: &str) -> Config {
         Config::parse(&format!(
             r#"{{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                 "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, {extra}}}"#
@@ -505,16 +507,20 @@ mod tests {
         .unwrap()
     }
 
-    /// Each linear's unit, as (name, unit) in description order.
-    fn units(cfg: &Config, unit: AllocUnit) -> Vec<(String, usize)> {
-        let alloc = BitAllocation {
+    /// --avg-bits 3 over 2, 3 and 4 bits, model scope, by `unit`.
+    pub(crate) fn allocation(unit: AllocUnit) -> BitAllocation {
+        BitAllocation {
             avg: 3.0,
             choices: vec![2, 3, 4],
             proxy: None,
             scope: AllocScope::Model,
             unit,
-        };
-        let u = alloc_units(cfg, &alloc);
+        }
+    }
+
+    /// Each linear's unit, as (name, unit) in description order.
+    fn units(cfg: &Config, unit: AllocUnit) -> Vec<(String, usize)> {
+        let u = alloc_units(cfg, &allocation(unit));
         cfg.block
             .linears
             .iter()

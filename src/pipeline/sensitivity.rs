@@ -260,30 +260,18 @@ mod tests {
     use super::{first_sequences, plan_cache_elems, unit_plans};
     use crate::backend::Tensor;
     use crate::backend::cpu::CpuBackend;
-    use crate::model::Config;
-    use crate::pipeline::options::{AllocScope, AllocUnit, BitAllocation};
+    use crate::pipeline::options::AllocUnit;
     use crate::pipeline::quantize_block::alloc_units;
+    use crate::pipeline::quantize_block::tests::{allocation, config};
 
     #[test]
     fn the_proxy_holds_one_plan_per_expert_input_of_its_largest_unit() {
         // d 64; a shared expert of 96; 4 experts of 32.
-        let cfg = Config::parse(
-            r#"{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
-                "architectures": ["Qwen2MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2,
-                "moe_intermediate_size": 32, "shared_expert_intermediate_size": 96}"#,
-        )
-        .unwrap();
-        let units = |unit| {
-            let alloc = BitAllocation {
-                avg: 3.0,
-                choices: vec![2, 3, 4],
-                proxy: None,
-                scope: AllocScope::Model,
-                unit,
-            };
-            alloc_units(&cfg, &alloc)
-        };
+        let cfg = config(
+            r#""architectures": ["Qwen2MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2,
+               "moe_intermediate_size": 32, "shared_expert_intermediate_size": 96"#,
+        );
+        let units = |unit| alloc_units(&cfg, &allocation(unit));
         // Per part: each expert's routed-input H (gate, up: 64) or activation H (down: 32), four of them.
         let linear = units(AllocUnit::Linear);
         let most = unit_plans(&cfg, &linear)
@@ -300,23 +288,9 @@ mod tests {
         assert_eq!(all.iter().map(Vec::len).max(), Some(8));
         assert_eq!(plan_cache_elems(&cfg, &fused), 2 * (96 * 96 + 7 * 64 * 64));
         // A dense block holds one plan, its largest (down's, 128).
-        let dense = Config::parse(
-            r#"{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
-                "architectures": ["LlamaForCausalLM"]}"#,
-        )
-        .unwrap();
-        let alloc = BitAllocation {
-            avg: 3.0,
-            choices: vec![2, 3, 4],
-            proxy: None,
-            scope: AllocScope::Model,
-            unit: AllocUnit::Linear,
-        };
-        assert_eq!(
-            plan_cache_elems(&dense, &alloc_units(&dense, &alloc)),
-            2 * 128 * 128
-        );
+        let dense = config(r#""architectures": ["LlamaForCausalLM"]"#);
+        let linear = alloc_units(&dense, &allocation(AllocUnit::Linear));
+        assert_eq!(plan_cache_elems(&dense, &linear), 2 * 128 * 128);
     }
 
     #[test]

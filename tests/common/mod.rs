@@ -187,8 +187,6 @@ pub fn eval_ppl(dir: &Path, text: &Path, seqlen: &str, windows: &str) -> f64 {
     v["perplexity"].as_f64().unwrap()
 }
 
-/// One row of scripts/check_loaders.py against `boa-cuda eval`'s perplexity `want` (`against` names it):
-/// printed, and a failure pushed when the loader erred or |Δppl| / ppl exceeds `tol`.
 /// scripts/check_loaders.py in the loaders' venv `py`: each of `loaders` on each of `dirs`, with `args`
 /// (`--data`, `--seqlen`, `--max-windows`, `--weights-like=…`). Its JSON rows, one per folder and loader (a
 /// refusal is a row with "error"); the script failing fails the test. torch.compile is off: on 2 cores it
@@ -220,6 +218,8 @@ pub fn check_loaders(
     rows
 }
 
+/// One row of scripts/check_loaders.py against `boa-cuda eval`'s perplexity `want` (`against` names it):
+/// printed, and a failure pushed when the loader erred or |Δppl| / ppl exceeds `tol`.
 pub fn check_loader_ppl(
     failures: &mut Vec<String>,
     dir: &Path,
