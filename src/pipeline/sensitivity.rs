@@ -74,13 +74,7 @@ pub fn output_errors(
     // and quantizes them all at each width: the cache holds the largest unit's plans (the memory plan counts
     // them, `plan_cache_elems`), so each is made once, not once per width.
     let n_units = unit.iter().map(|&u| u + 1).max().unwrap_or(0);
-    let factors = FactorCache::holding(
-        unit_plans(cfg, unit)
-            .into_iter()
-            .map(|widths| widths.len())
-            .max()
-            .unwrap_or(1),
-    );
+    let factors = FactorCache::holding(plans_held(cfg, unit));
     let mut out = Vec::with_capacity(n_units);
     for u in 0..n_units {
         let members: Vec<(usize, &Mat)> = cfg
@@ -137,26 +131,23 @@ pub fn output_errors(
     Ok(out)
 }
 
-/// Per allocation unit, the input width of each H_col its linears read (one per distinct H: q/k/v share the
-/// attention input's, gate/up the MLP input's, each expert's gate/up their routed inputs'): the plans the
-/// output proxy's cache holds while it measures the unit.
-pub fn unit_plans(cfg: &Config, unit: &[usize]) -> Vec<Vec<usize>> {
+/// The plans the output proxy's cache holds: the most distinct H_col any allocation unit's linears read
+/// (q/k/v share the attention input's, gate/up the MLP input's, each expert's gate/up their routed inputs').
+pub fn plans_held(cfg: &Config, unit: &[usize]) -> usize {
     let n_units = unit.iter().map(|&u| u + 1).max().unwrap_or(0);
-    let mut out = vec![Vec::new(); n_units];
+    let mut per_unit = vec![0; n_units];
     let mut seen = std::collections::HashSet::new();
     for (ld, &u) in cfg.block.linears.iter().zip(unit) {
         if seen.insert((u, ld.input())) {
-            out[u].push(ld.d_in);
+            per_unit[u] += 1;
         }
     }
-    out
+    per_unit.into_iter().max().unwrap_or(0)
 }
 
 /// The elements the output proxy's plan cache holds at most (each plan: the damped H and its factor, n² each,
 /// in the statistics' precision): the largest plans of the block, as many as the cache holds.
 pub fn plan_cache_elems(cfg: &Config, unit: &[usize]) -> usize {
-    let plans = unit_plans(cfg, unit);
-    let holds = plans.iter().map(Vec::len).max().unwrap_or(0);
     let mut seen = std::collections::HashSet::new();
     let mut sizes: Vec<usize> = cfg
         .block
@@ -166,7 +157,7 @@ pub fn plan_cache_elems(cfg: &Config, unit: &[usize]) -> usize {
         .map(|ld| 2 * ld.d_in * ld.d_in)
         .collect();
     sizes.sort_unstable_by(|a, b| b.cmp(a));
-    sizes.into_iter().take(holds).sum()
+    sizes.into_iter().take(plans_held(cfg, unit)).sum()
 }
 
 /// The first `n` sequences of X (chunks of whole sequences of `t` rows of `d`; fewer if X has fewer), as
@@ -257,7 +248,7 @@ fn unit_error<'h>(
 
 #[cfg(test)]
 mod tests {
-    use super::{first_sequences, plan_cache_elems, unit_plans};
+    use super::{first_sequences, plan_cache_elems, plans_held};
     use crate::backend::Tensor;
     use crate::backend::cpu::CpuBackend;
     use crate::pipeline::options::AllocUnit;
@@ -274,18 +265,13 @@ mod tests {
         let units = |unit| alloc_units(&cfg, &allocation(unit));
         // Per part: each expert's routed-input H (gate, up: 64) or activation H (down: 32), four of them.
         let linear = units(AllocUnit::Linear);
-        let most = unit_plans(&cfg, &linear)
-            .into_iter()
-            .max_by_key(Vec::len)
-            .unwrap();
-        assert_eq!(most.len(), 4);
+        assert_eq!(plans_held(&cfg, &linear), 4);
         // The four largest of the block's H: 96 (the shared expert's down), then three of 64.
         assert_eq!(plan_cache_elems(&cfg, &linear), 2 * (96 * 96 + 3 * 64 * 64));
         // All experts together: both of each expert's H, eight plans; the eight largest H of the block are
         // 96 and seven of 64 (attention input, o's input, the MLP input, four experts' routed inputs).
         let fused = units(AllocUnit::Fused);
-        let all = unit_plans(&cfg, &fused);
-        assert_eq!(all.iter().map(Vec::len).max(), Some(8));
+        assert_eq!(plans_held(&cfg, &fused), 8);
         assert_eq!(plan_cache_elems(&cfg, &fused), 2 * (96 * 96 + 7 * 64 * 64));
         // A dense block holds one plan, its largest (down's, 128).
         let dense = config(r#""architectures": ["LlamaForCausalLM"]"#);
