@@ -2085,18 +2085,40 @@ fn parity_report(ops: &dyn QuantOps, at: &Place) {
     let refs: Vec<&Mat> = mats.iter().collect();
     let got = ops.quad_forms(&hm, &refs).expect("quad_forms");
     assert_eq!(got.len(), shapes.len());
-    for (i, (v, &r)) in a.iter().zip(&shapes).enumerate() {
-        let a64 = to64(v);
-        let want = trace_f64(&a64, &h, r, n);
-        let abs_a: Vec<f64> = a64.iter().map(|x| x.abs()).collect();
-        let abs_h: Vec<f64> = h.iter().map(|x| x.abs()).collect();
-        let bound = gamma(n + 1) * trace_f64(&abs_a, &abs_h, r, n) + 1e-300;
-        assert!(
-            (got[i] - want).abs() <= bound,
-            "{who}: quad_forms #{i} ({r} rows): {} vs {want} (bound {bound:.2e})",
-            got[i]
-        );
-    }
+    let check = |got: &[f64], what: &str| {
+        for (i, (v, &r)) in a.iter().zip(&shapes).enumerate() {
+            let a64 = to64(v);
+            let want = trace_f64(&a64, &h, r, n);
+            let abs_a: Vec<f64> = a64.iter().map(|x| x.abs()).collect();
+            let abs_h: Vec<f64> = h.iter().map(|x| x.abs()).collect();
+            let bound = gamma(n + 1) * trace_f64(&abs_a, &abs_h, r, n) + 1e-300;
+            assert!(
+                (got[i] - want).abs() <= bound,
+                "{who}: {what} #{i} ({r} rows): {} vs {want} (bound {bound:.2e})",
+                got[i]
+            );
+        }
+    };
+    check(&got, "quad_forms");
+    // The same forms queued into a block's sums at offsets (as the report queues its linears), read at once:
+    // within the same bound, and zeros in the slots nothing was queued into.
+    let mut sums = ops.quad_sums(7).expect("quad_sums");
+    ops.quad_forms_into(&mut sums, 1, &hm, &refs[..2])
+        .expect("quad_forms_into");
+    ops.quad_forms_into(&mut sums, 4, &hm, &refs[2..])
+        .expect("quad_forms_into");
+    assert!(
+        ops.quad_forms_into(&mut sums, 6, &hm, &refs[..2]).is_err(),
+        "{who}: quad_forms_into past the last slot"
+    );
+    let read = ops.read_quad_sums(sums).expect("read_quad_sums");
+    assert_eq!(read.len(), 7);
+    check(&[read[1], read[2], read[4]], "queued quad form");
+    assert_eq!(
+        [read[0], read[3], read[5], read[6]],
+        [0.0; 4],
+        "{who}: slots without a queued form"
+    );
     // sub: exact.
     let (x, y) = (randn(&mut rng, 7 * 33, 1.0), randn(&mut rng, 7 * 33, 1.0));
     let d = ops
@@ -2107,6 +2129,7 @@ fn parity_report(ops: &dyn QuantOps, at: &Place) {
 
     // pack: against quant::pack::pack_codes, and every code back with unpack_stream; bit widths that straddle
     // words (3), d_in off 32, shuffled g_idx (act-order groups).
+    let mut all = Vec::new();
     for (d_out, d_in, bits, g) in [
         (5usize, 100usize, 3u32, 32usize),
         (33, 64, 4, 64),
@@ -2125,16 +2148,17 @@ fn parity_report(ops: &dyn QuantOps, at: &Place) {
             .map(|_| rng.random_range(0..=maxq) as f32)
             .collect();
         let g_idx = static_col_group(&perm(&mut rng, d_in), g);
-        let q = QuantizedLinear {
+        let linear = |zeros: Vec<f32>| QuantizedLinear {
             d_out,
             d_in,
             bits,
             w_hat: at.f32(vec![0.0; d_out * d_in], 1, d_out, d_in),
             codes: at.codes(codes.clone()),
-            grids: at.grids(scales.clone(), zeros.clone(), d_out, ng),
+            grids: at.grids(scales.clone(), zeros, d_out, ng),
             g_idx: g_idx.clone(),
             error: None,
         };
+        let q = linear(zeros.clone());
         let p = ops.pack(&q).expect("pack");
         let want = pack_codes(&codes, &scales, &zeros, &g_idx, d_out, d_in, bits, ng).unwrap();
         assert_eq!(p, want, "{who}: pack [{d_out} × {d_in}] {bits} bits");
@@ -2149,14 +2173,24 @@ fn parity_report(ops: &dyn QuantOps, at: &Place) {
         // A zero point that is not a code is refused.
         let mut bad = zeros.clone();
         bad[0] = 0.5;
-        let q = QuantizedLinear {
-            grids: at.grids(scales, bad, d_out, ng),
-            ..q
-        };
+        let bad = linear(bad);
         assert!(
-            ops.pack(&q).is_err(),
+            ops.pack(&bad).is_err(),
             "{who}: pack accepted a zero point of 0.5"
         );
+        all.push((q, want));
+    }
+    // pack_all: every linear's pack as `pack` gives it, read back with two downloads on a device.
+    let qs: Vec<&QuantizedLinear> = all.iter().map(|(q, _)| q).collect();
+    let before = ops.traffic();
+    let packed = ops.pack_all(&qs).expect("pack_all");
+    let syncs = (ops.traffic() - before).syncs;
+    for (p, (_, want)) in packed.iter().zip(&all) {
+        assert_eq!(p, want, "{who}: pack_all");
+    }
+    assert_eq!(packed.len(), all.len());
+    if at.cuda.is_some() {
+        assert_eq!(syncs, 2, "{who}: pack_all of {} linears", all.len());
     }
     println!("{who}: quad_forms within their rounding bound; sub and pack exact");
     let moved = ops.traffic() - traffic_before;

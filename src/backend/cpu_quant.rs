@@ -6,8 +6,9 @@
 
 use super::cpu::{self, CpuBackend};
 use crate::ops::{
-    AttnShape, Codes, Grid, GridMode, Grids, Lattice, Mat, MatData, Packed, QuantOps, QuantSpec,
-    QuantizedLinear, Result, RopeAverage, ScaleSearch, Swept, Tensor, check_rope_row_hessians,
+    AttnShape, Codes, Grid, GridMode, Grids, Lattice, Mat, MatData, Packed, QuadSums, QuantOps,
+    QuantSpec, QuantizedLinear, Result, RopeAverage, ScaleSearch, Swept, Tensor,
+    check_rope_row_hessians,
 };
 use crate::quant::Real;
 use crate::quant::boa::{ColFactor, boa_sweep};
@@ -920,32 +921,31 @@ impl QuantOps for CpuBackend {
         }
     }
 
-    fn quad_forms(&self, h: &Mat, a: &[&Mat]) -> Result<Vec<f64>> {
-        check_sym(h, "quad_forms")?;
-        let n = h.rows;
-        if a.iter().any(|m| m.cols != n || m.batch != 1) {
-            bail!("quad_forms: a matrix does not have {n} columns");
+    fn quad_sums(&self, slots: usize) -> Result<QuadSums> {
+        Ok(QuadSums::Host(vec![0.0; slots]))
+    }
+
+    fn read_quad_sums(&self, sums: QuadSums) -> Result<Vec<f64>> {
+        match sums {
+            QuadSums::Host(v) => Ok(v),
+            QuadSums::Device { .. } => bail!("read_quad_sums: the sums are in device memory"),
         }
-        let rows: usize = a.iter().map(|m| m.rows).sum();
-        let exact = a.iter().any(|m| m.host_f64().is_some());
-        let hv = as_f64(h, "H")?;
-        // All A stacked: one GEMM A·H. f64 when an A is f64 (the exactness tests), else f32 with f64 sums: the
-        // report's relative errors need a few digits, and f32 halves the time of the CPU's error report.
-        Ok(if exact {
-            let stacked: Vec<f64> = a
-                .iter()
-                .map(|m| conv::<f64>(m, "A"))
-                .collect::<Result<Vec<_>>>()?
-                .concat();
-            quad_forms_f64(&stacked, &hv, rows, n, a)
-        } else {
-            let stacked: Vec<f32> = a
-                .iter()
-                .map(|m| conv::<f32>(m, "A"))
-                .collect::<Result<Vec<_>>>()?
-                .concat();
-            quad_forms_f32(&stacked, &hv, rows, n, a)
-        })
+    }
+
+    /// Computed now: the values are what the CPU holds.
+    fn quad_forms_into(
+        &self,
+        sums: &mut QuadSums,
+        first: usize,
+        h: &Mat,
+        a: &[&Mat],
+    ) -> Result<()> {
+        sums.check_room(first, a.len())?;
+        let QuadSums::Host(slots) = sums else {
+            bail!("quad_forms_into: the sums are in device memory");
+        };
+        slots[first..first + a.len()].copy_from_slice(&quad_forms_host(h, a)?);
+        Ok(())
     }
 
     fn refit_scales(
@@ -1078,6 +1078,35 @@ fn reorder_grids(g: &Grids, row_perm: &[usize], gather: bool) -> Result<Grids> {
     Ok(Grids {
         scale: one(&g.scale)?,
         zero: one(&g.zero)?,
+    })
+}
+
+/// tr(A H Aᵀ) of every A of `a` on the host.
+fn quad_forms_host(h: &Mat, a: &[&Mat]) -> Result<Vec<f64>> {
+    check_sym(h, "quad_forms")?;
+    let n = h.rows;
+    if a.iter().any(|m| m.cols != n || m.batch != 1) {
+        bail!("quad_forms: a matrix does not have {n} columns");
+    }
+    let rows: usize = a.iter().map(|m| m.rows).sum();
+    let exact = a.iter().any(|m| m.host_f64().is_some());
+    let hv = as_f64(h, "H")?;
+    // All A stacked: one GEMM A·H. f64 when an A is f64 (the exactness tests), else f32 with f64 sums: the
+    // report's relative errors need a few digits, and f32 halves the time of the CPU's error report.
+    Ok(if exact {
+        let stacked: Vec<f64> = a
+            .iter()
+            .map(|m| conv::<f64>(m, "A"))
+            .collect::<Result<Vec<_>>>()?
+            .concat();
+        quad_forms_f64(&stacked, &hv, rows, n, a)
+    } else {
+        let stacked: Vec<f32> = a
+            .iter()
+            .map(|m| conv::<f32>(m, "A"))
+            .collect::<Result<Vec<_>>>()?
+            .concat();
+        quad_forms_f32(&stacked, &hv, rows, n, a)
     })
 }
 

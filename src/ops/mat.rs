@@ -111,6 +111,40 @@ impl Codes {
     }
 }
 
+/// Quadratic forms tr(A H Aᵀ) queued where the backend computes (`QuantOps::quad_forms_into`) and read back
+/// together (`QuantOps::read_quad_sums`): a block's error report costs one host synchronization, not one per
+/// linear. The CPU holds the values; a device, each slot's partial sums until they are read.
+pub enum QuadSums {
+    Host(Vec<f64>),
+    /// `DOT_CTAS` f64 partials per slot; forms were queued into the first `used` slots.
+    Device {
+        partials: CudaSlice<f64>,
+        slots: usize,
+        used: usize,
+    },
+}
+
+impl QuadSums {
+    pub fn slots(&self) -> usize {
+        match self {
+            QuadSums::Host(v) => v.len(),
+            QuadSums::Device { slots, .. } => *slots,
+        }
+    }
+
+    /// Refuses `count` forms from slot `first` on when they run past the last slot.
+    pub fn check_room(&self, first: usize, count: usize) -> anyhow::Result<()> {
+        if first + count > self.slots() {
+            anyhow::bail!(
+                "quad_forms_into: slots {first}..{} of {}",
+                first + count,
+                self.slots()
+            );
+        }
+        Ok(())
+    }
+}
+
 /// Quantization grids of a matrix: scale and (integer-valued) zero of every (row, group), [rows × n_groups].
 pub struct Grids {
     pub scale: Mat,

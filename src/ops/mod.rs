@@ -20,7 +20,7 @@ pub mod rope;
 pub mod spec;
 pub mod tensor;
 
-pub use mat::{Codes, Grids, Mat, MatData, Packed, QuantizedLinear, Swept};
+pub use mat::{Codes, Grids, Mat, MatData, Packed, QuadSums, QuantizedLinear, Swept};
 pub use rope::RopeAverage;
 pub use spec::{AttnShape, Grid, Lattice, QuantSpec, ScaleSearch};
 pub use tensor::Tensor;
@@ -334,14 +334,34 @@ pub trait QuantOps: Send + Sync {
 
     // ---- The report and the output.
 
-    /// tr(A H Aᵀ) for every A [rows × n] of `a`, with H [n × n].
-    fn quad_forms(&self, h: &Mat, a: &[&Mat]) -> Result<Vec<f64>>;
+    /// tr(A H Aᵀ) for every A [rows × n] of `a`, with H [n × n]: queued and read at once.
+    fn quad_forms(&self, h: &Mat, a: &[&Mat]) -> Result<Vec<f64>> {
+        let mut sums = self.quad_sums(a.len())?;
+        self.quad_forms_into(&mut sums, 0, h, a)?;
+        self.read_quad_sums(sums)
+    }
+
+    /// `slots` zeroed quadratic forms, for `quad_forms_into`.
+    fn quad_sums(&self, slots: usize) -> Result<QuadSums>;
+
+    /// tr(A H Aᵀ) of the i-th A of `a` into slot `first + i` of `sums`, without reading anything back: the
+    /// A may be dropped as soon as this returns.
+    fn quad_forms_into(&self, sums: &mut QuadSums, first: usize, h: &Mat, a: &[&Mat])
+    -> Result<()>;
+
+    /// Every slot's value (one host synchronization on a device).
+    fn read_quad_sums(&self, sums: QuadSums) -> Result<Vec<f64>>;
 
     /// a − b, elementwise.
     fn sub(&self, a: &Mat, b: &Mat) -> Result<Mat>;
 
     /// The checkpoint tensors of a quantized linear (the one O(weights) transfer to the host, b/32 of f32).
     fn pack(&self, q: &QuantizedLinear) -> Result<Packed>;
+
+    /// `pack` of each of `qs`; a device reads them back together (one synchronization for a block's linears).
+    fn pack_all(&self, qs: &[&QuantizedLinear]) -> Result<Vec<Packed>> {
+        qs.iter().map(|q| self.pack(q)).collect()
+    }
 
     /// `q` (a quantization of W) with each row's scales refitted by least squares to its codes
     /// (`quant::refit`, `run --refit-scales`), H the undamped input covariance: codes and zero points kept, Ŵ

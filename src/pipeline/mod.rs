@@ -570,15 +570,14 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                         floor_bytes = weights.iter().map(|m| 4 * m.len() as u64).sum();
                     }
                     drop(weights);
-                    let packed = quantized
+                    let types: Vec<_> = cfg
+                        .block
+                        .linears
                         .iter()
-                        .zip(&cfg.block.linears)
-                        .map(|((q, _), ld)| {
-                            let name = &ld.name;
-                            store_linear(be, q, quantize_block::gguf_type(opts, cfg, l, ld))
-                                .with_context(|| format!("layer {l} {name}: packing"))
-                        })
-                        .collect::<anyhow::Result<Vec<_>>>()?;
+                        .map(|ld| quantize_block::gguf_type(opts, cfg, l, ld))
+                        .collect();
+                    let packed = store_block(be, &quantized, &types)
+                        .with_context(|| format!("layer {l}: packing"))?;
                     // qweight words, then scales and zeros as f32 (QuantOps::pack's downloads).
                     floor_bytes += packed.iter().map(StoredLinear::down_bytes).sum::<u64>();
                     crate::quant::profile::fence(be);
@@ -1033,27 +1032,54 @@ impl StoredLinear {
     }
 }
 
-/// Packs a quantized linear (`ty`: its GGUF type under --gguf-type): a codec type is encoded from its codes
-/// and grids read back to the host (a CPU run: the codec types refuse the GPU before any work).
-fn store_linear(
+/// Packs a block's quantized linears (`types`: each one's GGUF type under --gguf-type), the packed ones read
+/// back together (`QuantOps::pack_all`: one synchronization for the block); a codec type is encoded from its
+/// codes and grids read back to the host (a CPU run: the codec types refuse the GPU before any work).
+fn store_block(
     be: &dyn Backend,
-    q: &crate::ops::QuantizedLinear,
-    ty: Option<crate::model::gguf::GgmlType>,
-) -> anyhow::Result<StoredLinear> {
-    match ty.filter(|&t| crate::export::gguf_mix::via_codec(t)) {
-        Some(t) => Ok(StoredLinear::Blocks(
-            crate::export::gguf_model::CodecLinear::encode(
-                "linear",
-                t,
-                &be.read_codes(&q.codes)?,
-                &be.read_f64(&q.grids.scale)?,
-                &be.read_f64(&q.grids.zero)?,
-                q.d_out,
-                q.d_in,
-            )?,
-        )),
-        None => Ok(StoredLinear::Packed(be.pack(q)?)),
-    }
+    quantized: &[(crate::ops::QuantizedLinear, quantize_block::LinearReport)],
+    types: &[Option<crate::model::gguf::GgmlType>],
+) -> anyhow::Result<Vec<StoredLinear>> {
+    let codec = |i: usize| {
+        types
+            .get(i)
+            .copied()
+            .flatten()
+            .filter(|&t| crate::export::gguf_mix::via_codec(t))
+    };
+    let plain: Vec<&crate::ops::QuantizedLinear> = quantized
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| codec(i).is_none())
+        .map(|(_, (q, _))| q)
+        .collect();
+    let mut packed = be.pack_all(&plain)?.into_iter();
+    quantized
+        .iter()
+        .enumerate()
+        .map(|(i, (q, r))| -> anyhow::Result<StoredLinear> {
+            let stored = match codec(i) {
+                Some(t) => StoredLinear::Blocks(
+                    crate::export::gguf_model::CodecLinear::encode(
+                        "linear",
+                        t,
+                        &be.read_codes(&q.codes)?,
+                        &be.read_f64(&q.grids.scale)?,
+                        &be.read_f64(&q.grids.zero)?,
+                        q.d_out,
+                        q.d_in,
+                    )
+                    .with_context(|| r.name.clone())?,
+                ),
+                None => StoredLinear::Packed(
+                    packed
+                        .next()
+                        .ok_or_else(|| anyhow::anyhow!("pack_all returned too few linears"))?,
+                ),
+            };
+            Ok(stored)
+        })
+        .collect()
 }
 
 /// Embeddings, final norm and lm_head as stored.

@@ -10,7 +10,7 @@ use crate::model::arch::{Input, LinearDesc, NormRole, Role};
 use crate::model::gguf::GgmlType;
 use crate::model::gguf::codec::codec;
 use crate::model::llama::BlockWeights;
-use crate::ops::{Mat, QuantOps, QuantSpec, QuantizedLinear, Result, ScaleSearch};
+use crate::ops::{Mat, QuadSums, QuantOps, QuantSpec, QuantizedLinear, Result, ScaleSearch};
 use crate::quant::allocate::{Candidate, allocate, merge_units, spread_units};
 use crate::quant::boa::{BoaOptions, ColHessian, boa_quantize};
 use crate::quant::gptq::{GptqOptions, gptq_quantize};
@@ -119,17 +119,41 @@ fn rtn_forms(
     Ok((forms[0], forms[1..].to_vec()))
 }
 
-/// The relative errors (min-max RTN, the method) of `q` against W with H (undamped): tr(W H Wᵀ) and
-/// tr(ΔW_rtn H ΔW_rtnᵀ) from `known` (the allocation computed them), plus tr(ΔW H ΔWᵀ) of the method
-/// unless its sweep knew it, all in one `quad_forms` call (one download).
-fn relative_errors(
+/// Where the quadratic forms of one linear's relative errors come from: a value already known, or a slot of
+/// the block's `QuadSums`.
+#[derive(Clone, Copy)]
+enum Form {
+    Known(f64),
+    Slot(usize),
+}
+
+impl Form {
+    fn value(self, sums: &[f64]) -> f64 {
+        match self {
+            Form::Known(v) => v,
+            Form::Slot(i) => sums[i],
+        }
+    }
+}
+
+/// The forms of tr(W H Wᵀ), min-max RTN's and the method's tr(ΔW H ΔWᵀ).
+type ErrorForms = [Form; 3];
+
+/// Queues the relative errors (min-max RTN, the method) of `q` against W with H (undamped) into `sums` from
+/// slot `*next` on: tr(W H Wᵀ) and tr(ΔW_rtn H ΔW_rtnᵀ) unless `known` (the allocation computed them), and
+/// tr(ΔW H ΔWᵀ) of the method unless its sweep knew it. Nothing is read back here: the block's report reads
+/// every linear's forms at once (`relative`).
+#[allow(clippy::too_many_arguments)]
+fn queue_errors(
     ops: &dyn QuantOps,
+    sums: &mut QuadSums,
+    next: &mut usize,
     w: &Mat,
     q: &QuantizedLinear,
     h: &Mat,
     spec: &QuantSpec,
     known: Option<(f64, f64)>,
-) -> Result<(f64, f64)> {
+) -> Result<ErrorForms> {
     let mut mats = Vec::with_capacity(3);
     if known.is_none() {
         // Min-max RTN on the same grids (a GGUF type's lattice included).
@@ -148,18 +172,29 @@ fn relative_errors(
         refs.push(w);
     }
     refs.extend(mats.iter());
-    let forms = if refs.is_empty() {
-        Vec::new()
-    } else {
-        ops.quad_forms(h, &refs)?
+    let first = *next;
+    if !refs.is_empty() {
+        ops.quad_forms_into(sums, first, h, &refs)?;
+    }
+    *next += refs.len();
+    let mut slot = (first..).map(Form::Slot);
+    let mut take = || slot.next().expect("an endless range");
+    let (w_form, rtn_form) = match known {
+        Some((wf, rf)) => (Form::Known(wf), Form::Known(rf)),
+        None => (take(), take()),
     };
-    let (w_form, rtn_form, rest) = match known {
-        Some((wf, rf)) => (wf, rf, &forms[..]),
-        None => (forms[0], forms[1], &forms[2..]),
+    let after = match q.error {
+        Some(e) => Form::Known(e),
+        None => take(),
     };
-    let after = q.error.unwrap_or_else(|| rest[0]);
+    Ok([w_form, rtn_form, after])
+}
+
+/// The relative errors (min-max RTN, the method) of `forms` once the block's sums are read.
+fn relative(forms: ErrorForms, sums: &[f64]) -> (f64, f64) {
+    let [w_form, rtn_form, after] = forms.map(|f| f.value(sums));
     let rel = |num: f64| if w_form > 0.0 { num / w_form } else { 0.0 };
-    Ok((rel(rtn_form), rel(after)))
+    (rel(rtn_form), rel(after))
 }
 
 /// tr(W H Wᵀ) and min-max RTN's tr(ΔW H ΔWᵀ) at the linear's width, when the allocation computed them.
@@ -356,6 +391,11 @@ pub fn quantize_block(
     let rope = RopeAverage::new(&cfg.inv_freq_for(layer), offsets);
     let desc = &cfg.block;
     let mut out = Vec::with_capacity(desc.linears.len());
+    // Every linear's error report queued into one set of sums, read once after the last linear: at most
+    // three forms each.
+    let mut sums = ops.quad_sums(3 * desc.linears.len())?;
+    let mut next = 0;
+    let mut forms = Vec::with_capacity(desc.linears.len());
     for (i, ld) in desc.linears.iter().enumerate() {
         let name = ld.name.as_str();
         let start = Instant::now();
@@ -452,25 +492,36 @@ pub fn quantize_block(
                 (q, "gptq")
             }
         };
-        let (rtn_error, error) = match h {
-            Some(h) => relative_errors(ops, w, &q, h, &lspec, known[i])
-                .with_context(|| format!("layer {layer} {name}: error report"))?,
-            None => (f64::NAN, f64::NAN),
+        let report = match h {
+            Some(h) => Some(
+                queue_errors(ops, &mut sums, &mut next, w, &q, h, &lspec, known[i])
+                    .with_context(|| format!("layer {layer} {name}: error report"))?,
+            ),
+            None => None,
         };
+        forms.push(report);
         let seconds = start.elapsed().as_secs_f64();
         out.push((
             q,
             LinearReport {
                 name: name.into(),
                 method,
-                rtn_error,
-                error,
+                rtn_error: f64::NAN,
+                error: f64::NAN,
                 bits: lspec.bits,
                 seconds,
                 tokens,
                 predicted: predicted[i].take(),
             },
         ));
+    }
+    let sums = ops
+        .read_quad_sums(sums)
+        .with_context(|| format!("layer {layer}: error report"))?;
+    for ((_, r), f) in out.iter_mut().zip(forms) {
+        if let Some(f) = f {
+            (r.rtn_error, r.error) = relative(f, &sums);
+        }
     }
     Ok(out)
 }

@@ -481,7 +481,7 @@ pub fn launch_dot_partials(
 pub fn launch_pack(
     s: &Arc<CudaStream>,
     k: &CoreKernels,
-    qweight: &mut CudaSlice<u32>,
+    qweight: &mut CudaViewMut<u32>,
     codes: &CudaSlice<u8>,
     d_out: usize,
     d_in: usize,

@@ -29,11 +29,11 @@ use super::sweep::{
 use super::{CudaBackend, CudaError, driver};
 use crate::backend::cpu::CpuBackend;
 use crate::ops::{
-    AttnShape, Codes, GridMode, Grids, Mat, MatData, Packed, QuantOps, QuantSpec, QuantizedLinear,
-    Result, RopeAverage, Swept, Tensor, check_rope_row_hessians,
+    AttnShape, Codes, GridMode, Grids, Mat, MatData, Packed, QuadSums, QuantOps, QuantSpec,
+    QuantizedLinear, Result, RopeAverage, Swept, Tensor, check_rope_row_hessians,
 };
 use anyhow::{anyhow, bail};
-use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, ValidAsZeroBits};
 
 /// The device buffer of a `Mat` (f32 in device memory), or an error naming what is elsewhere.
 fn dev<'a>(m: &'a Mat, what: &str) -> Result<&'a CudaSlice<f32>> {
@@ -125,9 +125,9 @@ impl CudaBackend {
         self.stream.clone_htod(v).map_err(driver(what))
     }
 
-    fn download<T: DeviceRepr + Default + Clone>(
+    fn download<T: DeviceRepr + Default + Clone, D: DevicePtr<T>>(
         &self,
-        d: &CudaSlice<T>,
+        d: &D,
         what: &'static str,
     ) -> std::result::Result<Vec<T>, CudaError> {
         self.counters.dtoh(d.len() * size_of::<T>());
@@ -1096,12 +1096,31 @@ impl QuantOps for CudaBackend {
         })
     }
 
-    /// One cuBLAS SGEMM of all A stacked times H, then A∘(AH) summed per matrix on the device.
-    fn quad_forms(&self, h: &Mat, a: &[&Mat]) -> Result<Vec<f64>> {
+    fn quad_sums(&self, slots: usize) -> Result<QuadSums> {
+        Ok(QuadSums::Device {
+            partials: self.zeros_of::<f64>(slots * DOT_CTAS, "alloc partial sums")?,
+            slots,
+            used: 0,
+        })
+    }
+
+    /// One cuBLAS SGEMM per A (times H), then A∘(AH) summed into its slot's partials on the device; nothing
+    /// is read back.
+    fn quad_forms_into(
+        &self,
+        sums: &mut QuadSums,
+        first: usize,
+        h: &Mat,
+        a: &[&Mat],
+    ) -> Result<()> {
         let n = h.rows;
         if h.batch != 1 || h.cols != n || a.iter().any(|m| m.cols != n || m.batch != 1) {
             bail!("quad_forms: a matrix does not fit H {}", h.describe());
         }
+        sums.check_room(first, a.len())?;
+        let QuadSums::Device { partials, used, .. } = sums else {
+            bail!("quad_forms_into: the sums are in host memory");
+        };
         let blas = self
             .blas()
             .map_err(|why| anyhow!("the error report needs cuBLAS: {why}"))?;
@@ -1109,22 +1128,40 @@ impl QuantOps for CudaBackend {
         // dot has read it): the report holds one extra copy of W, not two per matrix.
         let rows = a.iter().map(|m| m.rows).max().unwrap_or(0);
         let mut ah = self.out_f32(rows * n)?;
-        let mut part = self.zeros_of::<f64>(a.len() * DOT_CTAS, "alloc partial sums")?;
         for (i, m) in a.iter().enumerate() {
             let (am, len) = (dev(m, "A")?, m.rows * n);
+            let slot = first + i;
             blas.rows_times_h(&mut ah, am, dev(h, "H")?, m.rows, n)?;
             launch_dot_partials(
                 &self.stream,
                 &self.quant.core,
-                &mut part.slice_mut(i * DOT_CTAS..(i + 1) * DOT_CTAS),
+                &mut partials.slice_mut(slot * DOT_CTAS..(slot + 1) * DOT_CTAS),
                 &am.slice(..len),
                 &ah.slice(..len),
             )?;
         }
-        let v = self.download(&part, "download partial sums")?;
-        Ok((0..a.len())
-            .map(|i| v[i * DOT_CTAS..(i + 1) * DOT_CTAS].iter().sum())
-            .collect())
+        *used = (*used).max(first + a.len());
+        Ok(())
+    }
+
+    fn read_quad_sums(&self, sums: QuadSums) -> Result<Vec<f64>> {
+        let QuadSums::Device {
+            partials,
+            slots,
+            used,
+        } = sums
+        else {
+            bail!("read_quad_sums: the sums are in host memory");
+        };
+        // The slots no form was queued into are zeros: not downloaded.
+        let mut out = vec![0.0; slots];
+        if used > 0 {
+            let v = self.download(&partials.slice(..used * DOT_CTAS), "download partial sums")?;
+            for (i, o) in out.iter_mut().enumerate().take(used) {
+                *o = v[i * DOT_CTAS..(i + 1) * DOT_CTAS].iter().sum();
+            }
+        }
+        Ok(out)
     }
 
     fn sub(&self, a: &Mat, b: &Mat) -> Result<Mat> {
@@ -1154,63 +1191,99 @@ impl QuantOps for CudaBackend {
     }
 
     fn pack(&self, q: &QuantizedLinear) -> Result<Packed> {
-        let (d_out, d_in, ng) = (q.d_out, q.d_in, q.n_groups());
-        let kw = (d_in * q.bits as usize).div_ceil(32);
-        let mut qw = self.zeros_of::<u32>(kw * d_out, "alloc qweight")?;
-        launch_pack(
-            &self.stream,
-            &self.quant.core,
-            &mut qw,
-            codes_dev(&q.codes, "codes")?,
-            d_out,
-            d_in,
-            q.bits,
-        )?;
-        let qweight = self.download(&qw, "download qweight")?[..kw * d_out].to_vec();
-        // Scales and zeros side by side in one buffer: one download.
-        let g_len = d_out * ng;
-        let mut grids = self.out_f32(2 * g_len)?;
-        self.stream
-            .memcpy_dtod(
-                dev(&q.grids.scale, "scales")?,
-                &mut grids.slice_mut(..g_len),
-            )
-            .map_err(driver("gather scales"))?;
-        self.stream
-            .memcpy_dtod(
-                dev(&q.grids.zero, "zeros")?,
-                &mut grids.slice_mut(g_len..2 * g_len),
-            )
-            .map_err(driver("gather zeros"))?;
-        let grids = self.download(&grids, "download grids")?;
-        let (scales, zeros) = grids.split_at(g_len);
-        let maxq = (1u32 << q.bits) - 1;
-        let mut z = vec![0u8; ng * d_out];
-        let mut s = vec![half::f16::ZERO; ng * d_out];
-        for j in 0..d_out {
-            for g in 0..ng {
-                let v = zeros[j * ng + g];
-                if v.fract() != 0.0 || !(0.0..=maxq as f32).contains(&v) {
-                    bail!(
-                        "pack: zero point {v} (output {j}, group {g}) is not a {}-bit code",
-                        q.bits
-                    );
-                }
-                z[g * d_out + j] = v as u8;
-                s[g * d_out + j] = half::f16::from_f32(scales[j * ng + g]);
-            }
-        }
-        Ok(Packed {
-            d_out,
-            d_in,
-            bits: q.bits,
-            n_groups: ng,
-            qweight,
-            scales: s,
-            zeros: z,
-            g_idx: q.g_idx.clone(),
-        })
+        let mut one = self.pack_all(&[q])?;
+        Ok(one.remove(0))
     }
+
+    /// Every linear's qweight packed on the device into one buffer and its scales and zeros gathered into
+    /// another: two downloads for all of them.
+    fn pack_all(&self, qs: &[&QuantizedLinear]) -> Result<Vec<Packed>> {
+        // (qweight words, grid entries) of each.
+        let sizes: Vec<(usize, usize)> = qs
+            .iter()
+            .map(|q| {
+                let kw = (q.d_in * q.bits as usize).div_ceil(32);
+                (kw * q.d_out, q.d_out * q.n_groups())
+            })
+            .collect();
+        let words: usize = sizes.iter().map(|s| s.0).sum();
+        let entries: usize = sizes.iter().map(|s| s.1).sum();
+        let mut qw = self.zeros_of::<u32>(words, "alloc qweight")?;
+        let mut grids = self.out_f32(2 * entries)?;
+        let (mut w0, mut g0) = (0, 0);
+        for (q, &(nw, ng)) in qs.iter().zip(&sizes) {
+            launch_pack(
+                &self.stream,
+                &self.quant.core,
+                &mut qw.slice_mut(w0..w0 + nw),
+                codes_dev(&q.codes, "codes")?,
+                q.d_out,
+                q.d_in,
+                q.bits,
+            )?;
+            // Scales then zeros, side by side.
+            self.stream
+                .memcpy_dtod(
+                    dev(&q.grids.scale, "scales")?,
+                    &mut grids.slice_mut(2 * g0..2 * g0 + ng),
+                )
+                .map_err(driver("gather scales"))?;
+            self.stream
+                .memcpy_dtod(
+                    dev(&q.grids.zero, "zeros")?,
+                    &mut grids.slice_mut(2 * g0 + ng..2 * (g0 + ng)),
+                )
+                .map_err(driver("gather zeros"))?;
+            (w0, g0) = (w0 + nw, g0 + ng);
+        }
+        let qw = self.download(&qw, "download qweight")?;
+        let grids = self.download(&grids, "download grids")?;
+        let (mut w0, mut g0) = (0, 0);
+        let mut out = Vec::with_capacity(qs.len());
+        for (q, &(nw, ng)) in qs.iter().zip(&sizes) {
+            let (scales, zeros) = grids[2 * g0..2 * (g0 + ng)].split_at(ng);
+            out.push(packed_from(q, qw[w0..w0 + nw].to_vec(), scales, zeros)?);
+            (w0, g0) = (w0 + nw, g0 + ng);
+        }
+        Ok(out)
+    }
+}
+
+/// The checkpoint form of `q` from its packed words and its grids [d_out × n_groups] as the device held them
+/// (f32): f16 scales and integer zero points, group-major.
+fn packed_from(
+    q: &QuantizedLinear,
+    qweight: Vec<u32>,
+    scales: &[f32],
+    zeros: &[f32],
+) -> Result<Packed> {
+    let (d_out, ng) = (q.d_out, q.n_groups());
+    let maxq = (1u32 << q.bits) - 1;
+    let mut z = vec![0u8; ng * d_out];
+    let mut s = vec![half::f16::ZERO; ng * d_out];
+    for j in 0..d_out {
+        for g in 0..ng {
+            let v = zeros[j * ng + g];
+            if v.fract() != 0.0 || !(0.0..=maxq as f32).contains(&v) {
+                bail!(
+                    "pack: zero point {v} (output {j}, group {g}) is not a {}-bit code",
+                    q.bits
+                );
+            }
+            z[g * d_out + j] = v as u8;
+            s[g * d_out + j] = half::f16::from_f32(scales[j * ng + g]);
+        }
+    }
+    Ok(Packed {
+        d_out,
+        d_in: q.d_in,
+        bits: q.bits,
+        n_groups: ng,
+        qweight,
+        scales: s,
+        zeros: z,
+        g_idx: q.g_idx.clone(),
+    })
 }
 
 impl CudaBackend {
