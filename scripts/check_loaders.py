@@ -83,18 +83,47 @@ def perplexity(model, wins):
 
 
 def weights_diff(model, ref_dir):
-    import glob
+    import glob, re, torch
     from safetensors.torch import load_file
     sd = model.state_dict()
-    n, worst = 0, 0.0
+    ref = {}
     for f in sorted(glob.glob(os.path.join(ref_dir, "*.safetensors"))):
-        for k, v in load_file(f).items():
-            # Only the quantized linears: norms and embeddings are copied through in every format.
-            if k.startswith("model.layers.") and k.endswith("_proj.weight") and k in sd:
-                if sd[k].shape != v.shape:
-                    raise ValueError(f"{k}: shape {tuple(sd[k].shape)} vs {tuple(v.shape)} in {ref_dir}")
-                worst = max(worst, (sd[k].double() - v.double()).abs().max().item())
-                n += 1
+        ref.update(load_file(f))
+    n, worst = 0, 0.0
+
+    def compare(name, got, want):
+        nonlocal n, worst
+        if got.shape != want.shape:
+            raise ValueError(f"{name}: shape {tuple(got.shape)} vs {tuple(want.shape)} in {ref_dir}")
+        worst = max(worst, (got.double() - want.double()).abs().max().item())
+        n += 1
+
+    for k, v in ref.items():
+        # Only the quantized linears: norms and embeddings are copied through in every format.
+        if k.startswith("model.layers.") and k.endswith("_proj.weight") and k in sd:
+            compare(k, sd[k], v)
+    # transformers 5 holds a block's experts fused, [E × 2·I × d] (gate rows, then up rows) and [E × d × I];
+    # the folder has one linear per expert and part, under either set of names Mixtral has had.
+    parts = {"gate": ("gate_proj", "w1"), "up": ("up_proj", "w3"), "down": ("down_proj", "w2")}
+    for k, v in sd.items():
+        m = re.fullmatch(r"(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", k)
+        if m is None:
+            continue
+        layer, fused = m.groups()
+        for e in range(v.shape[0]):
+            def expert(part):
+                for block, names in (("mlp", parts[part][0]), ("block_sparse_moe", parts[part][1])):
+                    name = f"{layer}.{block}.experts.{e}.{names}.weight"
+                    if name in ref:
+                        return name, ref[name]
+                raise ValueError(f"{layer} expert {e}: no {part} weight in {ref_dir}")
+            if fused == "down_proj":
+                compare(*expert("down")[:1], v[e], expert("down")[1])
+            else:
+                (g_name, g), (u_name, u) = expert("gate"), expert("up")
+                half = v.shape[1] // 2
+                compare(g_name, v[e][:half], g)
+                compare(u_name, v[e][half:], u)
     return n, worst
 
 

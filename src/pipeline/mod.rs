@@ -819,6 +819,17 @@ fn write_hf_configs(
                         .map(|d| format!("model.layers.{l}.{}", d.name)),
                 );
             }
+            // An MoE block's router (and Qwen2-MoE's shared-expert gate) are Linear modules kept in high
+            // precision in every block.
+            if let Some(m) = &cfg.block.moe {
+                for l in 0..cfg.n_layers {
+                    ignore.extend(
+                        std::iter::once(m.router)
+                            .chain(m.shared_expert.as_ref().map(|s| s.gate))
+                            .map(|n| format!("model.layers.{l}.{n}")),
+                    );
+                }
+            }
             let widths: Vec<(String, u32)> = width_rules::linear_bits(reports).collect();
             config["quantization_config"] = crate::export::compressed_tensors::quantization_config(
                 opts.wbits,

@@ -49,12 +49,6 @@ pub fn before_work(opts: &RunOptions, model: &Model, progress: &Progress) -> any
         ));
     }
     if opts.format == crate::export::gptq_packed::OutFormat::CompressedTensors {
-        if cfg.block.linears.iter().any(|l| l.expert.is_some()) {
-            return Err(crate::input_err!(
-                "--format compressed-tensors does not support mixture-of-experts models yet (their routers \
-                 are Linear modules we leave unquantized): use --format gptq_v2"
-            ));
-        }
         if let Some(g) = opts.group_size.columns()
             && let Some(l) = cfg.block.linears.iter().find(|l| l.d_in % g != 0)
         {
