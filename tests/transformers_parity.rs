@@ -1100,6 +1100,29 @@ fn compressed_tensors_checkpoints_of_every_architecture_load_in_transformers() {
             }
         }
     }
+    // Mixed widths on a mixture of experts are refused before any work: transformers decodes the fused experts
+    // at one group's width (measured: up to 0.73 off the twin's weights).
+    let refused = tmp.path().join("qwen2_moe-avg-bits");
+    let (code, _, err) = run(&[
+        "run",
+        "--model",
+        s(&root.join("qwen2_moe")),
+        "--calib",
+        s(&calib),
+        "--avg-bits",
+        "3",
+        "--sym",
+        "--format",
+        "compressed-tensors",
+        "--out",
+        s(&refused),
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("--avg-bits") && err.contains("mixture of experts"),
+        "{err}"
+    );
+    assert!(!refused.exists());
     let dir_refs: Vec<&Path> = packed.iter().map(|d| d.as_path()).collect();
     let rows = load_in(
         &py,

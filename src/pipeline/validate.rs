@@ -49,6 +49,15 @@ pub fn before_work(opts: &RunOptions, model: &Model, progress: &Progress) -> any
         ));
     }
     if opts.format == crate::export::gptq_packed::OutFormat::CompressedTensors {
+        if opts.bits.is_some() && cfg.block.moe.is_some() {
+            // Measured with transformers 5.24 + compressed-tensors 0.20: a config group naming an expert's
+            // linears matches no module (transformers holds a block's experts fused), and the fused experts
+            // are decoded at another group's width.
+            return Err(crate::input_err!(
+                "--format compressed-tensors with --avg-bits on a mixture of experts: transformers decodes \
+                 every expert at one width, so mixed widths load wrong; use --wbits, or --format gptq_v2"
+            ));
+        }
         if let Some(g) = opts.group_size.columns()
             && let Some(l) = cfg.block.linears.iter().find(|l| l.d_in % g != 0)
         {
