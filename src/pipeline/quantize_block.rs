@@ -177,8 +177,11 @@ fn queue_errors(
         ops.quad_forms_into(sums, first, h, &refs)?;
     }
     *next += refs.len();
-    let mut slot = (first..).map(Form::Slot);
-    let mut take = || slot.next().expect("an endless range");
+    let mut slot = first;
+    let mut take = || {
+        slot += 1;
+        Form::Slot(slot - 1)
+    };
     let (w_form, rtn_form) = match known {
         Some((wf, rf)) => (Form::Known(wf), Form::Known(rf)),
         None => (take(), take()),
