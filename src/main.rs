@@ -199,7 +199,8 @@ struct RunArgs {
     /// gptq_v2 (default): packed GPTQ checkpoint with the true zero points (loads in GPTQModel and
     /// transformers). gptq: zeros stored as zero − 1 (AutoGPTQ v1), which cannot store an asymmetric
     /// grid's zero point 0: needs --sym. fake: dequantized weights in the input dtype. compressed-tensors:
-    /// compressed-tensors' pack-quantized (transformers with compressed-tensors, vLLM; no --act-order).
+    /// compressed-tensors' pack-quantized (transformers with compressed-tensors, vLLM; no --act-order;
+    /// on a mixture of experts no --avg-bits: transformers decodes its fused experts at one width).
     /// gguf: one llama.cpp file, --out/model.gguf (Llama architecture; 4-bit Q4_0 or 8-bit Q8_0, so
     /// symmetric 32-column groups, no --act-order), the GPTQ/BoA codes stored exactly.
     /// Scales are f16-rounded in every format (compressed-tensors stores them in the model's dtype).
