@@ -83,7 +83,7 @@ def perplexity(model, wins):
 
 
 def weights_diff(model, ref_dir):
-    import glob, re, torch
+    import glob, re
     from safetensors.torch import load_file
     sd = model.state_dict()
     ref = {}
@@ -110,20 +110,23 @@ def weights_diff(model, ref_dir):
         if m is None:
             continue
         layer, fused = m.groups()
+
+        def expert(e, part):
+            for block, name in zip(("mlp", "block_sparse_moe"), parts[part]):
+                key = f"{layer}.{block}.experts.{e}.{name}.weight"
+                if key in ref:
+                    return key, ref[key]
+            raise ValueError(f"{layer} expert {e}: no {part} weight in {ref_dir}")
+
         for e in range(v.shape[0]):
-            def expert(part):
-                for block, names in (("mlp", parts[part][0]), ("block_sparse_moe", parts[part][1])):
-                    name = f"{layer}.{block}.experts.{e}.{names}.weight"
-                    if name in ref:
-                        return name, ref[name]
-                raise ValueError(f"{layer} expert {e}: no {part} weight in {ref_dir}")
             if fused == "down_proj":
-                compare(*expert("down")[:1], v[e], expert("down")[1])
+                name, want = expert(e, "down")
+                compare(name, v[e], want)
             else:
-                (g_name, g), (u_name, u) = expert("gate"), expert("up")
                 half = v.shape[1] // 2
-                compare(g_name, v[e][:half], g)
-                compare(u_name, v[e][half:], u)
+                for part, got in (("gate", v[e][:half]), ("up", v[e][half:])):
+                    name, want = expert(e, part)
+                    compare(name, got, want)
     return n, worst
 
 

@@ -2178,6 +2178,17 @@ fn parity_report(ops: &dyn QuantOps, at: &Place) {
             ops.pack(&bad).is_err(),
             "{who}: pack accepted a zero point of 0.5"
         );
+        // Beside a good linear in one pack_all, only the bad one fails.
+        let both = ops.pack_all(&[&q, &bad]).expect("pack_all");
+        assert_eq!(
+            both[0].as_ref().ok(),
+            Some(&want),
+            "{who}: pack_all beside a bad linear"
+        );
+        assert!(
+            both[1].is_err(),
+            "{who}: pack_all accepted a zero point of 0.5"
+        );
         all.push((q, want));
     }
     // pack_all: every linear's pack as `pack` gives it, read back with two downloads on a device.
@@ -2186,7 +2197,7 @@ fn parity_report(ops: &dyn QuantOps, at: &Place) {
     let packed = ops.pack_all(&qs).expect("pack_all");
     let syncs = (ops.traffic() - before).syncs;
     for (p, (_, want)) in packed.iter().zip(&all) {
-        assert_eq!(p, want, "{who}: pack_all");
+        assert_eq!(p.as_ref().expect("pack_all"), want, "{who}: pack_all");
     }
     assert_eq!(packed.len(), all.len());
     if at.cuda.is_some() {

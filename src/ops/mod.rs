@@ -358,9 +358,11 @@ pub trait QuantOps: Send + Sync {
     /// The checkpoint tensors of a quantized linear (the one O(weights) transfer to the host, b/32 of f32).
     fn pack(&self, q: &QuantizedLinear) -> Result<Packed>;
 
-    /// `pack` of each of `qs`; a device reads them back together (one synchronization for a block's linears).
-    fn pack_all(&self, qs: &[&QuantizedLinear]) -> Result<Vec<Packed>> {
-        qs.iter().map(|q| self.pack(q)).collect()
+    /// `pack` of each of `qs`, each its own result (the caller names the linear a bad grid belongs to); a
+    /// device reads them back together (one synchronization for a block's linears). The outer error is the
+    /// device's, for all of them.
+    fn pack_all(&self, qs: &[&QuantizedLinear]) -> Result<Vec<Result<Packed>>> {
+        Ok(qs.iter().map(|q| self.pack(q)).collect())
     }
 
     /// `q` (a quantization of W) with each row's scales refitted by least squares to its codes

@@ -1088,7 +1088,8 @@ fn store_block(
                 None => StoredLinear::Packed(
                     packed
                         .next()
-                        .ok_or_else(|| anyhow::anyhow!("pack_all returned too few linears"))?,
+                        .ok_or_else(|| anyhow::anyhow!("pack_all returned too few linears"))?
+                        .with_context(|| r.name.clone())?,
                 ),
             };
             Ok(stored)

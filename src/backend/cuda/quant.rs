@@ -1191,61 +1191,57 @@ impl QuantOps for CudaBackend {
     }
 
     fn pack(&self, q: &QuantizedLinear) -> Result<Packed> {
-        let mut one = self.pack_all(&[q])?;
-        Ok(one.remove(0))
+        self.pack_all(&[q])?.remove(0)
     }
 
     /// Every linear's qweight packed on the device into one buffer and its scales and zeros gathered into
     /// another: two downloads for all of them.
-    fn pack_all(&self, qs: &[&QuantizedLinear]) -> Result<Vec<Packed>> {
-        // (qweight words, grid entries) of each.
-        let sizes: Vec<(usize, usize)> = qs
-            .iter()
-            .map(|q| {
-                let kw = (q.d_in * q.bits as usize).div_ceil(32);
-                (kw * q.d_out, q.d_out * q.n_groups())
-            })
-            .collect();
-        let words: usize = sizes.iter().map(|s| s.0).sum();
-        let entries: usize = sizes.iter().map(|s| s.1).sum();
+    fn pack_all(&self, qs: &[&QuantizedLinear]) -> Result<Vec<Result<Packed>>> {
+        // Each linear's qweight words and (scales then zeros) entries in the two buffers.
+        let mut spans = Vec::with_capacity(qs.len());
+        let (mut words, mut entries) = (0, 0);
+        for q in qs {
+            let nw = (q.d_in * q.bits as usize).div_ceil(32) * q.d_out;
+            let ng = q.d_out * q.n_groups();
+            spans.push((words..words + nw, entries..entries + 2 * ng));
+            (words, entries) = (words + nw, entries + 2 * ng);
+        }
         let mut qw = self.zeros_of::<u32>(words, "alloc qweight")?;
-        let mut grids = self.out_f32(2 * entries)?;
-        let (mut w0, mut g0) = (0, 0);
-        for (q, &(nw, ng)) in qs.iter().zip(&sizes) {
+        let mut grids = self.out_f32(entries)?;
+        for (q, (w, g)) in qs.iter().zip(&spans) {
             launch_pack(
                 &self.stream,
                 &self.quant.core,
-                &mut qw.slice_mut(w0..w0 + nw),
+                &mut qw.slice_mut(w.clone()),
                 codes_dev(&q.codes, "codes")?,
                 q.d_out,
                 q.d_in,
                 q.bits,
             )?;
-            // Scales then zeros, side by side.
+            let mid = g.start + g.len() / 2;
             self.stream
                 .memcpy_dtod(
                     dev(&q.grids.scale, "scales")?,
-                    &mut grids.slice_mut(2 * g0..2 * g0 + ng),
+                    &mut grids.slice_mut(g.start..mid),
                 )
                 .map_err(driver("gather scales"))?;
             self.stream
                 .memcpy_dtod(
                     dev(&q.grids.zero, "zeros")?,
-                    &mut grids.slice_mut(2 * g0 + ng..2 * (g0 + ng)),
+                    &mut grids.slice_mut(mid..g.end),
                 )
                 .map_err(driver("gather zeros"))?;
-            (w0, g0) = (w0 + nw, g0 + ng);
         }
         let qw = self.download(&qw, "download qweight")?;
         let grids = self.download(&grids, "download grids")?;
-        let (mut w0, mut g0) = (0, 0);
-        let mut out = Vec::with_capacity(qs.len());
-        for (q, &(nw, ng)) in qs.iter().zip(&sizes) {
-            let (scales, zeros) = grids[2 * g0..2 * (g0 + ng)].split_at(ng);
-            out.push(packed_from(q, qw[w0..w0 + nw].to_vec(), scales, zeros)?);
-            (w0, g0) = (w0 + nw, g0 + ng);
-        }
-        Ok(out)
+        Ok(qs
+            .iter()
+            .zip(spans)
+            .map(|(q, (w, g))| {
+                let (scales, zeros) = grids[g].split_at(q.d_out * q.n_groups());
+                packed_from(q, qw[w].to_vec(), scales, zeros)
+            })
+            .collect())
     }
 }
 
