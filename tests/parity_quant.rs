@@ -38,15 +38,15 @@ use boa_cuda::backend::cuda::{
     SearchVariant, TrailingVariant, XxtVariant,
 };
 use boa_cuda::ops::{
-    AttnShape, Codes, Grid, GridMode, Grids, Lattice, Mat, MatData, QuantOps, QuantSpec,
-    QuantizedLinear, ScaleSearch, Swept, Tensor, Traffic,
+    AttnShape, Codes, Grid, GridMode, Grids, Lattice, Mat, MatData, QuadSums, QuantOps, QuantSpec,
+    QuantizedLinear, ScaleSearch, SweepError, Swept, Tensor, Traffic,
 };
 use boa_cuda::quant::boa::{BoaOptions, ColHessian, boa_quantize};
 use boa_cuda::quant::gptq::{GptqOptions, gptq_quantize, static_col_group, to_host};
 use boa_cuda::quant::hessian::Accumulator;
 use boa_cuda::quant::linalg::cholesky_upper_inverse_reference;
 use boa_cuda::quant::pack::{pack_codes, unpack_stream};
-use boa_cuda::quant::plan::plan;
+use boa_cuda::quant::plan::{FactorCache, plan};
 use boa_cuda::quant::quantizer::{dequantize, minmax_grid, quantize, search_candidates};
 use boa_cuda::quant::rtn::rtn_quantize;
 use rand::{RngExt, SeedableRng};
@@ -67,6 +67,13 @@ fn rng() -> ChaCha8Rng {
         .unwrap_or_else(|| rand::rng().random::<u64>());
     println!("seed {seed} (BOA_TEST_SEED={seed} replays)");
     ChaCha8Rng::seed_from_u64(seed)
+}
+
+/// A GPTQ linear's error from its sweep's sums, read back.
+fn sweep_error(ops: &dyn QuantOps, q: &QuantizedLinear) -> f64 {
+    let e = q.error.as_ref().expect("GPTQ reports its error");
+    let sums = ops.read_quad_sums(&e.sums).expect("read the loss");
+    SweepError::value(e.damp, sums[0], sums[1])
 }
 
 fn rel_err(y: &[f64], reference: &[f64]) -> f64 {
@@ -343,13 +350,15 @@ struct Read {
 
 impl Read {
     fn of(ops: &dyn QuantOps, s: &Swept) -> Read {
+        let sums = ops.read_quad_sums(&s.loss).expect("read the loss");
+        assert_eq!(sums.len(), 2, "a sweep's loss sums");
         Read {
             codes: ops.read_codes(&s.codes).expect("read codes"),
             q: ops.read_f32(&s.q).expect("read Q"),
             scale: ops.read_f32(&s.grids.scale).expect("read scales"),
             zero: ops.read_f32(&s.grids.zero).expect("read zeros"),
-            loss: s.loss,
-            delta_sq: s.delta_sq,
+            loss: sums[0],
+            delta_sq: sums[1],
         }
     }
 
@@ -1082,6 +1091,64 @@ fn parity_plan(ops: &dyn QuantOps, at: &Place) {
         e.contains("matrix 1 of 2") && e.contains("singular"),
         "{who}: {e}"
     );
+    // FactorCache::plan_batch (an MoE block's expert plans): the three as separate matrices, planned as one
+    // batch, each plan what `plan` makes of it alone, bit for bit, and served from the cache; a batch with an
+    // H that stays singular plans nothing (each H is planned alone when asked, the bad one failing there).
+    let mats: Vec<Mat> = [&h0, &h1, &h2]
+        .iter()
+        .map(|h| at.f64((*h).clone(), 1, n, n))
+        .collect();
+    let refs: Vec<&Mat> = mats.iter().collect();
+    let stacked = ops
+        .stack(&[&at.f64(hv.clone(), 3, n, n), refs[1]])
+        .expect("stack");
+    assert_eq!(stacked.batch, 4);
+    let parts = ops.unstack(stacked).expect("unstack");
+    let want_parts = [&h0, &h1, &h2, &h1];
+    for (m, want) in parts.iter().zip(want_parts) {
+        assert_eq!(&ops.read_f64(m).unwrap(), want, "{who}: stack, unstack");
+    }
+    let unlike = at.f64(vec![1.0; 4], 1, 2, 2);
+    assert!(
+        ops.stack(&[refs[0], &unlike]).is_err(),
+        "{who}: stack of two shapes"
+    );
+    for act_order in [false, true] {
+        let cache = FactorCache::holding(3);
+        cache
+            .plan_batch(ops, &refs, &opts.damping(), act_order)
+            .expect("plan_batch");
+        for (b, m) in mats.iter().enumerate() {
+            let alone = plan(ops, m, &opts.damping(), act_order).expect("plan");
+            let got = cache
+                .plan(ops, m, &opts.damping(), act_order)
+                .expect("cached plan");
+            let what = format!("{who}: plan_batch's plan of matrix {b} (act-order {act_order})");
+            assert_eq!(got.perm, alone.perm, "{what}: order");
+            assert_eq!(got.dead, alone.dead, "{what}: dead inputs");
+            assert_eq!(got.damp, alone.damp, "{what}: damping");
+            for (g, a, name) in [(&got.h_p, &alone.h_p, "H_p"), (&got.u, &alone.u, "U")] {
+                assert_eq!((g.batch, g.rows, g.cols), (1, n, n), "{what}: {name} shape");
+                assert_eq!(
+                    ops.read_f64(g).unwrap(),
+                    ops.read_f64(a).unwrap(),
+                    "{what}: {name}"
+                );
+            }
+        }
+        assert_eq!(
+            cache.hits(),
+            3,
+            "{who}: plan_batch's plans served from the cache"
+        );
+    }
+    let bad = at.f64(hbad.clone(), 1, n, n);
+    let cache = FactorCache::holding(3);
+    cache
+        .plan_batch(ops, &[refs[0], &bad], &opts.damping(), false)
+        .expect("a batch that fails to plan is no error");
+    cache.plan(ops, refs[0], &opts.damping(), false).unwrap();
+    assert_eq!(cache.hits(), 0, "{who}: a failed batch left a plan behind");
     let e = plan(ops, &at.f64(hbad, 1, n, n), &opts.damping(), true)
         .err()
         .expect("fails")
@@ -1189,8 +1256,7 @@ fn parity_weights(ops: &dyn QuantOps, at: &Place) {
             q: wp,
             codes: at.codes(codes_p),
             grids: gp,
-            loss: 0.0,
-            delta_sq: 0.0,
+            loss: QuadSums::Host(vec![0.0; 2]),
         };
         let (wb, cb, gb) = ops.unorder(swept, &row_perm, &col_perms).unwrap();
         assert_eq!(
@@ -1812,7 +1878,7 @@ fn gptq_report_identity_f64() {
         let hm = Mat::f64(h.clone(), 1, n, n);
         let q =
             gptq_quantize(&ops, &Mat::f64(w.clone(), 1, rows, n), &hm, &opts, None).expect("gptq");
-        let error = q.error.expect("GPTQ reports its error");
+        let error = sweep_error(&ops, &q);
         let w_hat = ops.read_f64(&q.w_hat).unwrap();
         let dw: Vec<f64> = w_hat.iter().zip(&w).map(|(a, b)| a - b).collect();
         let tr = trace_f64(&dw, &h, rows, n);
@@ -1972,7 +2038,7 @@ fn parity_quantize_end_to_end(ops: &dyn QuantOps, at: &Place) {
         let q = run(ops, at);
         let ours = well_formed(ops, &q, &what);
         let rel = rel_of(&ours.0);
-        let error = q.error.expect("error") / tr_w;
+        let error = sweep_error(ops, &q) / tr_w;
         assert!(
             (error - rel).abs() <= REPORT_F32_TOL * rel,
             "{what}: reported error {error:.6e} vs tr(ΔW H ΔWᵀ)/tr(W H Wᵀ) {rel:.6e}"
@@ -2111,13 +2177,31 @@ fn parity_report(ops: &dyn QuantOps, at: &Place) {
         ops.quad_forms_into(&mut sums, 6, &hm, &refs[..2]).is_err(),
         "{who}: quad_forms_into past the last slot"
     );
-    let read = ops.read_quad_sums(sums).expect("read_quad_sums");
+    let read = ops.read_quad_sums(&sums).expect("read_quad_sums");
     assert_eq!(read.len(), 7);
     check(&[read[1], read[2], read[4]], "queued quad form");
     assert_eq!(
         [read[0], read[3], read[5], read[6]],
         [0.0; 4],
         "{who}: slots without a queued form"
+    );
+    // queue_sums: another set of sums (a sweep's loss) and host values moved into slots, as they were.
+    let mut from = ops.quad_sums(2).expect("quad_sums");
+    ops.quad_forms_into(&mut from, 0, &hm, &refs[..2])
+        .expect("quad_forms_into");
+    let mut into = ops.quad_sums(5).expect("quad_sums");
+    ops.queue_sums(&mut into, 1, &from).expect("queue_sums");
+    ops.queue_sums(&mut into, 3, &QuadSums::Host(vec![1.5, -2.25]))
+        .expect("queue_sums of host values");
+    assert!(
+        ops.queue_sums(&mut into, 4, &from).is_err(),
+        "{who}: queue_sums past the last slot"
+    );
+    let moved = ops.read_quad_sums(&into).expect("read_quad_sums");
+    assert_eq!(
+        moved,
+        [0.0, read[1], read[2], 1.5, -2.25],
+        "{who}: queued sums"
     );
     // sub: exact.
     let (x, y) = (randn(&mut rng, 7 * 33, 1.0), randn(&mut rng, 7 * 33, 1.0));
@@ -2385,6 +2469,23 @@ fn lattice_specs_are_the_cpus() {
 
 /// Runs `f` on a CUDA backend (device 0, outputs poisoned) or prints why it is skipped.
 fn with_cuda(f: impl FnOnce(&mut CudaBackend)) {
+    let _shared = COUNTING.read().unwrap_or_else(|e| e.into_inner());
+    cuda_backend(f)
+}
+
+/// The emulator counts traffic for the whole process (backend/cuda/traffic.rs), so a test that asserts exact
+/// counts (parity_report: 2 syncs for a pack_all) holds this lock for writing while the other CUDA tests of
+/// this binary hold it for reading; a GPU's host-layer counters are per backend and need none of this. Without
+/// it, a concurrent test's syncs landed inside pack_all's count and failed CI's race-check pass.
+static COUNTING: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+/// `with_cuda`, with no other CUDA test of this binary running meanwhile.
+fn with_cuda_alone(f: impl FnOnce(&mut CudaBackend)) {
+    let _alone = COUNTING.write().unwrap_or_else(|e| e.into_inner());
+    cuda_backend(f)
+}
+
+fn cuda_backend(f: impl FnOnce(&mut CudaBackend)) {
     match CudaBackend::new(0) {
         Ok(mut b) => {
             b.set_poison_outputs(true);
@@ -2633,7 +2734,7 @@ fn parity_quantize_end_to_end_cuda() {
 /// (backend/cuda/traffic.rs), as the first H200 run (2026-12-04) showed this test once expecting otherwise.
 #[test]
 fn traffic_counts_transfers_cuda() {
-    with_cuda(|b| {
+    with_cuda_alone(|b| {
         let before = QuantOps::traffic(b);
         parity_report(b, &Place::cuda(b));
         let moved = QuantOps::traffic(b) - before;
@@ -2656,7 +2757,7 @@ fn parity_report_cpu() {
 
 #[test]
 fn parity_report_cuda() {
-    with_cuda(|b| parity_report(b, &Place::cuda(b)));
+    with_cuda_alone(|b| parity_report(b, &Place::cuda(b)));
 }
 
 // ---------------------------------------------------------------------------------------------------------

@@ -366,8 +366,7 @@ fn gptq_sweep_t<T: Real + IntoMat>(
         q: T::into_mat(q, 1, rows, n),
         codes: Codes::Host(codes),
         grids: grids_mat(&g, rows, n_groups),
-        loss,
-        delta_sq,
+        loss: QuadSums::Host(vec![loss, delta_sq]),
     })
 }
 
@@ -470,8 +469,7 @@ fn boa_sweep_t<T: Real + IntoMat>(
         codes: Codes::Host(codes),
         grids: grids_mat(&g, rows, n_groups),
         // BoA's sweep leaves rows before their own GPTQ updates; its report comes from `quad_forms`.
-        loss: f64::NAN,
-        delta_sq: f64::NAN,
+        loss: QuadSums::Host(vec![f64::NAN; 2]),
     })
 }
 
@@ -925,10 +923,31 @@ impl QuantOps for CpuBackend {
         Ok(QuadSums::Host(vec![0.0; slots]))
     }
 
-    fn read_quad_sums(&self, sums: QuadSums) -> Result<Vec<f64>> {
+    fn read_quad_sums(&self, sums: &QuadSums) -> Result<Vec<f64>> {
         match sums {
-            QuadSums::Host(v) => Ok(v),
+            QuadSums::Host(v) => Ok(v.clone()),
             QuadSums::Device { .. } => bail!("read_quad_sums: the sums are in device memory"),
+        }
+    }
+
+    fn stack(&self, mats: &[&Mat]) -> Result<Mat> {
+        crate::ops::check_stack(mats)?;
+        Mat::stack_host(mats).ok_or_else(|| anyhow!("stack: a matrix is not in host memory"))
+    }
+
+    fn unstack(&self, m: Mat) -> Result<Vec<Mat>> {
+        m.unstack_host()
+            .map_err(|m| anyhow!("unstack: {} is not in host memory", m.describe()))
+    }
+
+    fn queue_sums(&self, into: &mut QuadSums, first: usize, from: &QuadSums) -> Result<()> {
+        into.check_room(first, from.slots())?;
+        match (into, from) {
+            (QuadSums::Host(to), QuadSums::Host(v)) => {
+                to[first..first + v.len()].copy_from_slice(v);
+                Ok(())
+            }
+            _ => bail!("queue_sums: the sums are in device memory"),
         }
     }
 

@@ -81,6 +81,45 @@ impl Mat {
         matches!(&self.data, MatData::F32(t) if t.on_device())
     }
 
+    /// Host matrices (batches) of one kind and shape as one batch, in order; None when one is on a device or
+    /// the kinds differ (the shapes are the caller's check: `ops::check_stack`).
+    pub fn stack_host(mats: &[&Mat]) -> Option<Mat> {
+        let (rows, cols) = (mats.first()?.rows, mats.first()?.cols);
+        let batch = mats.iter().map(|m| m.batch).sum();
+        if let Some(parts) = mats
+            .iter()
+            .map(|m| m.host_f64())
+            .collect::<Option<Vec<_>>>()
+        {
+            return Some(Mat::f64(parts.concat(), batch, rows, cols));
+        }
+        let parts = mats
+            .iter()
+            .map(|m| m.host_f32())
+            .collect::<Option<Vec<_>>>()?;
+        Some(Mat::f32(parts.concat(), batch, rows, cols))
+    }
+
+    /// Each matrix of a host batch on its own; the batch back when it is on a device.
+    pub fn unstack_host(self) -> std::result::Result<Vec<Mat>, Mat> {
+        let (batch, rows, cols, s) = (self.batch, self.rows, self.cols, self.stride());
+        match &self.data {
+            MatData::F64(v) => Ok(v
+                .chunks(s.max(1))
+                .take(batch)
+                .map(|m| Mat::f64(m.to_vec(), 1, rows, cols))
+                .collect()),
+            MatData::F32(t) => match t.host() {
+                Some(v) => Ok(v
+                    .chunks(s.max(1))
+                    .take(batch)
+                    .map(|m| Mat::f32(m.to_vec(), 1, rows, cols))
+                    .collect()),
+                None => Err(self),
+            },
+        }
+    }
+
     /// "[b × r × c] f64 on the host" and the like, for error messages.
     pub fn describe(&self) -> String {
         let place = match &self.data {
@@ -136,7 +175,7 @@ impl QuadSums {
     pub fn check_room(&self, first: usize, count: usize) -> anyhow::Result<()> {
         if first + count > self.slots() {
             anyhow::bail!(
-                "quad_forms_into: slots {first}..{} of {}",
+                "queued sums: slots {first}..{} of {}",
                 first + count,
                 self.slots()
             );
@@ -167,13 +206,30 @@ pub struct Swept {
     pub q: Mat,
     pub codes: Codes,
     pub grids: Grids,
-    /// Σ e² over every quantized element, e = (w − q) / U_cc (BoA: / (U_row,jj · U_col,cc)) with w the value the
-    /// element had when it was quantized. For GPTQ, with ΔW = Q − W (W after the dead inputs were zeroed),
-    /// Σ e² = tr(ΔW H_d ΔWᵀ) in exact arithmetic, H_d being the damped H the factor U was made from: the sweep
-    /// applies W ← W − e U and ends at Q, so ΔW = −E U, and U H_d Uᵀ = I for U = chol(H_d⁻¹)ᵀ.
-    pub loss: f64,
-    /// ‖Q − W‖² (the same W): with the damping λ added to H's diagonal, tr(ΔW H ΔWᵀ) = loss − λ·delta_sq.
-    pub delta_sq: f64,
+    /// Σ e² over every quantized element (slot 0), e = (w − q) / U_cc (BoA: / (U_row,jj · U_col,cc)) with w
+    /// the value the element had when it was quantized, and ‖Q − W‖² (slot 1, the same W): queued where the
+    /// backend computes them, so a device sweep reads nothing back (`QuantOps::read_quad_sums` reads them).
+    /// For GPTQ, with ΔW = Q − W (W after the dead inputs were zeroed), Σ e² = tr(ΔW H_d ΔWᵀ) in exact
+    /// arithmetic, H_d being the damped H the factor U was made from: the sweep applies W ← W − e U and ends at
+    /// Q, so ΔW = −E U, and U H_d Uᵀ = I for U = chol(H_d⁻¹)ᵀ. With the damping λ added to H's diagonal,
+    /// tr(ΔW H ΔWᵀ) = Σ e² − λ·‖Q − W‖² (`SweepError`). BoA's sweeps leave both NaN (its report comes from
+    /// `quad_forms`).
+    pub loss: QuadSums,
+}
+
+/// A GPTQ linear's tr(ΔW H ΔWᵀ), H undamped, from its sweep's own sums (`Swept::loss`): Σ e² − λ·‖Q − W‖²,
+/// known once the sums are read (the block's report queues them with its other forms: `QuantOps::queue_sums`).
+pub struct SweepError {
+    pub sums: QuadSums,
+    /// λ: everything damping added to H's diagonal.
+    pub damp: f64,
+}
+
+impl SweepError {
+    /// The error from the sweep's two sums as read.
+    pub fn value(damp: f64, loss: f64, delta_sq: f64) -> f64 {
+        loss - damp * delta_sq
+    }
 }
 
 /// One quantized linear layer, original row and column order.
@@ -191,7 +247,7 @@ pub struct QuantizedLinear {
     pub g_idx: Vec<u32>,
     /// tr((W − Ŵ) H (W − Ŵ)ᵀ) when the algorithm knows it from its own sweep (GPTQ: `Swept::loss`), H the
     /// undamped input covariance; None when it must be computed (`QuantOps::quad_forms`).
-    pub error: Option<f64>,
+    pub error: Option<SweepError>,
 }
 
 impl QuantizedLinear {

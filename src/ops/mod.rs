@@ -20,7 +20,7 @@ pub mod rope;
 pub mod spec;
 pub mod tensor;
 
-pub use mat::{Codes, Grids, Mat, MatData, Packed, QuadSums, QuantizedLinear, Swept};
+pub use mat::{Codes, Grids, Mat, MatData, Packed, QuadSums, QuantizedLinear, SweepError, Swept};
 pub use rope::RopeAverage;
 pub use spec::{AttnShape, Grid, Lattice, QuantSpec, ScaleSearch};
 pub use tensor::Tensor;
@@ -92,6 +92,20 @@ pub fn check_rope_row_hessians(
         c.describe(),
         norm.map(<[f32]>::len)
     );
+    Ok(())
+}
+
+/// Matrices `stack` can join: at least one, all of one shape.
+pub fn check_stack(mats: &[&Mat]) -> Result<()> {
+    let Some(first) = mats.first() else {
+        anyhow::bail!("stack: no matrices");
+    };
+    if let Some(m) = mats
+        .iter()
+        .find(|m| (m.rows, m.cols) != (first.rows, first.cols))
+    {
+        anyhow::bail!("stack: {} beside {}", m.describe(), first.describe());
+    }
     Ok(())
 }
 
@@ -338,7 +352,7 @@ pub trait QuantOps: Send + Sync {
     fn quad_forms(&self, h: &Mat, a: &[&Mat]) -> Result<Vec<f64>> {
         let mut sums = self.quad_sums(a.len())?;
         self.quad_forms_into(&mut sums, 0, h, a)?;
-        self.read_quad_sums(sums)
+        self.read_quad_sums(&sums)
     }
 
     /// `slots` zeroed quadratic forms, for `quad_forms_into`.
@@ -349,8 +363,20 @@ pub trait QuantOps: Send + Sync {
     fn quad_forms_into(&self, sums: &mut QuadSums, first: usize, h: &Mat, a: &[&Mat])
     -> Result<()>;
 
+    /// The matrices of `mats` (each one matrix or a batch, all of one shape) as one batch, in order: copies,
+    /// where the backend keeps them. A plan of several Hessians made as one batch reads its diagonals and
+    /// factor statuses once for all (quant/plan.rs `FactorCache::plan_batch`).
+    fn stack(&self, mats: &[&Mat]) -> Result<Mat>;
+
+    /// Each matrix of the batch `m` on its own (copies; `m` is dropped).
+    fn unstack(&self, m: Mat) -> Result<Vec<Mat>>;
+
     /// Every slot's value (one host synchronization on a device).
-    fn read_quad_sums(&self, sums: QuadSums) -> Result<Vec<f64>>;
+    fn read_quad_sums(&self, sums: &QuadSums) -> Result<Vec<f64>>;
+
+    /// Every slot of `from` (a sweep's loss sums) into `into` from slot `first` on, without reading anything
+    /// back: a block's report reads its GPTQ linears' losses with its other forms.
+    fn queue_sums(&self, into: &mut QuadSums, first: usize, from: &QuadSums) -> Result<()>;
 
     /// a − b, elementwise.
     fn sub(&self, a: &Mat, b: &Mat) -> Result<Mat>;

@@ -14,6 +14,7 @@
 //! device.
 
 use crate::model::config::Config;
+use crate::quant::plan::batch_len;
 use std::fmt;
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -359,17 +360,30 @@ fn fixed_items(
     // product by H), and the damped H_p and U of its input width — for V one of each per KV head (its per-head
     // H_col are planned in one batch).
     let d_kv_heads = shape.n_kv_heads as u64;
-    let work = shape
-        .linears()
-        .into_iter()
-        .chain(shape.shared_linears())
-        .enumerate()
-        .map(|(k, (o, i))| {
-            let factors = if k == 2 { d_kv_heads } else { 1 };
-            (6 * o * i) as u64 * 4 + 2 * factors * (i * i) as u64 * 4
-        })
-        .max()
-        .unwrap_or(0);
+    // An MoE block's expert plans are made in batches ahead of their linears (quant/plan.rs `batch_len`;
+    // H_p and U, 2n² each, in the statistics' precision): one batch held per width of the experts' inputs
+    // (d and d_expert), and while the next is made, its stacked H, batched H_p and U, and their copies one
+    // per plan (at most twice a batch).
+    let expert_plans = match shape.experts {
+        Some(e) if with_stats => {
+            let batch = |n: usize| (batch_len(n).min(group) * 2 * n * n) as u64;
+            let (bd, bf) = (batch(shape.d), batch(e.d_expert));
+            (bd + bf + 2 * bd.max(bf)) * sb
+        }
+        _ => 0,
+    };
+    let work = expert_plans
+        + shape
+            .linears()
+            .into_iter()
+            .chain(shape.shared_linears())
+            .enumerate()
+            .map(|(k, (o, i))| {
+                let factors = if k == 2 { d_kv_heads } else { 1 };
+                (6 * o * i) as u64 * 4 + 2 * factors * (i * i) as u64 * 4
+            })
+            .max()
+            .unwrap_or(0);
     let weights_name = match (target, shape.experts) {
         (Target::Gpu, None) => "block weights ×2 (current + prefetch)",
         (Target::Gpu, Some(e)) if e.d_shared > 0 => {

@@ -10,12 +10,14 @@ use crate::model::arch::{Input, LinearDesc, NormRole, Role};
 use crate::model::gguf::GgmlType;
 use crate::model::gguf::codec::codec;
 use crate::model::llama::BlockWeights;
-use crate::ops::{Mat, QuadSums, QuantOps, QuantSpec, QuantizedLinear, Result, ScaleSearch};
+use crate::ops::{
+    Mat, QuadSums, QuantOps, QuantSpec, QuantizedLinear, Result, ScaleSearch, SweepError,
+};
 use crate::quant::allocate::{Candidate, allocate, merge_units, spread_units};
 use crate::quant::boa::{BoaOptions, ColHessian, boa_quantize};
 use crate::quant::gptq::{GptqOptions, gptq_quantize};
 use crate::quant::hessian::RopeAverage;
-use crate::quant::plan::FactorCache;
+use crate::quant::plan::{FactorCache, batch_len};
 use crate::quant::rtn::rtn_quantize;
 use anyhow::Context;
 use std::time::Instant;
@@ -125,6 +127,8 @@ fn rtn_forms(
 enum Form {
     Known(f64),
     Slot(usize),
+    /// A GPTQ sweep's Σ e² and ‖Q − W‖² in this slot and the next, with its damping λ (`SweepError`).
+    Sweep(usize, f64),
 }
 
 impl Form {
@@ -132,6 +136,7 @@ impl Form {
         match self {
             Form::Known(v) => v,
             Form::Slot(i) => sums[i],
+            Form::Sweep(i, damp) => SweepError::value(damp, sums[i], sums[i + 1]),
         }
     }
 }
@@ -141,8 +146,8 @@ type ErrorForms = [Form; 3];
 
 /// Queues the relative errors (min-max RTN, the method) of `q` against W with H (undamped) into `sums` from
 /// slot `*next` on: tr(W H Wᵀ) and tr(ΔW_rtn H ΔW_rtnᵀ) unless `known` (the allocation computed them), and
-/// tr(ΔW H ΔWᵀ) of the method unless its sweep knew it. Nothing is read back here: the block's report reads
-/// every linear's forms at once (`relative`).
+/// tr(ΔW H ΔWᵀ) of the method (its sweep's own sums when it has them). Nothing is read back here: the block's
+/// report reads every linear's forms at once (`relative`).
 #[allow(clippy::too_many_arguments)]
 fn queue_errors(
     ops: &dyn QuantOps,
@@ -186,8 +191,12 @@ fn queue_errors(
         Some((wf, rf)) => (Form::Known(wf), Form::Known(rf)),
         None => (take(), take()),
     };
-    let after = match q.error {
-        Some(e) => Form::Known(e),
+    let after = match &q.error {
+        Some(e) => {
+            ops.queue_sums(sums, *next, &e.sums)?;
+            *next += 2;
+            Form::Sweep(*next - 2, e.damp)
+        }
         None => take(),
     };
     Ok([w_form, rtn_form, after])
@@ -363,6 +372,58 @@ impl<'a> QkNorms<'a> {
     }
 }
 
+/// The distinct input covariances that GPTQ plans for the block's routed experts, in order of first use, in
+/// batches of one width of at most `batch_len(n)` each (`FactorCache::plan_batch` plans a batch at once: an
+/// MoE block has two distinct H per expert, and planning each alone reads a diagonal and a factor status
+/// from the device for it), and how many plans the block's cache must hold for them.
+fn expert_batches<'h>(
+    desc: &crate::model::arch::BlockDesc,
+    stats: Option<&'h BlockStats>,
+    opts: &RunOptions,
+) -> (Vec<Vec<&'h Mat>>, usize) {
+    let mut batches: Vec<Vec<&'h Mat>> = Vec::new();
+    // Per width: the batch still filling.
+    let mut open: Vec<(usize, usize)> = Vec::new();
+    for ld in &desc.linears {
+        let gptq =
+            opts.method != Method::Rtn && !(opts.method == Method::Boa && opts.boa_treats(ld.role));
+        let Some(h) = stats
+            .and_then(|s| s.h_col(ld))
+            .filter(|_| gptq && ld.expert.is_some())
+        else {
+            continue;
+        };
+        if batches.iter().flatten().any(|b| std::ptr::eq(*b, h)) {
+            continue;
+        }
+        let n = h.rows;
+        match open.iter_mut().find(|(w, _)| *w == n) {
+            Some((_, i)) if batches[*i].len() < batch_len(n) => batches[*i].push(h),
+            Some((_, i)) => {
+                batches.push(vec![h]);
+                *i = batches.len() - 1;
+            }
+            None => {
+                batches.push(vec![h]);
+                open.push((n, batches.len() - 1));
+            }
+        }
+    }
+    // The largest batch of each width, held while the other width's batch is used in turn.
+    let held = open
+        .iter()
+        .map(|&(n, _)| {
+            batches
+                .iter()
+                .filter(|b| b[0].rows == n)
+                .map(Vec::len)
+                .max()
+                .unwrap_or(0)
+        })
+        .sum();
+    (batches, held)
+}
+
 /// Quantizes every linear of the block. `weights` holds each linear's W (description order) where the backend
 /// keeps it (the copy the FP forward read); the results' Ŵ stay there too, for the next forward. `measured`:
 /// under --avg-bits with the output proxy, each allocation unit's error at each width (pipeline/sensitivity.rs);
@@ -384,8 +445,11 @@ pub fn quantize_block(
         known,
         mut predicted,
     } = linear_bits(ops, weights, stats, cfg, opts, layer, measured, chosen)?;
-    // Linears that read the same input share its plan (q/k, and v under GPTQ; gate/up).
-    let factors = FactorCache::new();
+    // Linears that read the same input share its plan (q/k, and v under GPTQ; gate/up), and the experts'
+    // plans are made in batches ahead of their linears.
+    let (batches, held) = expert_batches(&cfg.block, stats, opts);
+    let mut planned = vec![false; batches.len()];
+    let factors = FactorCache::holding(1 + held);
     // The offsets between a query and the keys it sees: fewer than the window where the layer slides.
     let offsets = cfg
         .block
@@ -395,8 +459,8 @@ pub fn quantize_block(
     let desc = &cfg.block;
     let mut out = Vec::with_capacity(desc.linears.len());
     // Every linear's error report queued into one set of sums, read once after the last linear: at most
-    // three forms each.
-    let mut sums = ops.quad_sums(3 * desc.linears.len())?;
+    // three forms each (a sweep's loss takes two slots in place of the method's form).
+    let mut sums = ops.quad_sums(4 * desc.linears.len())?;
     let mut next = 0;
     let mut forms = Vec::with_capacity(desc.linears.len());
     for (i, ld) in desc.linears.iter().enumerate() {
@@ -484,6 +548,16 @@ pub fn quantize_block(
                 (q.with_context(ctx)?, "boa")
             }
             (_, Some(h)) => {
+                if let Some(b) = batches
+                    .iter()
+                    .position(|b| b.iter().any(|x| std::ptr::eq(*x, h)))
+                    && !planned[b]
+                {
+                    planned[b] = true;
+                    factors
+                        .plan_batch(ops, &batches[b], &g.damping(), g.act_order)
+                        .with_context(|| format!("layer {layer}: the experts' plans"))?;
+                }
                 let q = gptq_quantize(ops, w, h, &g, Some(&factors)).with_context(ctx)?;
                 let q = if opts.refit_scales {
                     ops.refit_scales(w, h, q)
@@ -519,7 +593,7 @@ pub fn quantize_block(
         ));
     }
     let sums = ops
-        .read_quad_sums(sums)
+        .read_quad_sums(&sums)
         .with_context(|| format!("layer {layer}: error report"))?;
     for ((_, r), f) in out.iter_mut().zip(forms) {
         if let Some(f) = f {

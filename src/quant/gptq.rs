@@ -14,7 +14,7 @@ use super::plan::FactorCache;
 use super::profile::{Phase, timed};
 use super::quantizer::{Grid, QuantSpec, ScaleSearch, dequantize, quant_dequant};
 use crate::ops::Lattice;
-use crate::ops::{GridMode, Mat, QuantOps, QuantizedLinear, Result};
+use crate::ops::{GridMode, Mat, QuadSums, QuantOps, QuantizedLinear, Result, SweepError};
 use anyhow::Context;
 use rayon::prelude::*;
 
@@ -380,7 +380,7 @@ pub(crate) fn check_lattice_dynamic(spec: &QuantSpec, dynamic: bool) -> Result<(
 /// GPTQ-quantizes W [d_out × d_in] with H = H_col [d_in × d_in] (undamped, as the statistics give it),
 /// through `ops`; the plan of `h` comes from `cache` when another layer of the block made it (same result,
 /// one factorization fewer). The result's `error` is tr(ΔW H ΔWᵀ) from the sweep's own loss (`Swept::loss`,
-/// minus the damping term).
+/// minus the damping term), queued where the backend computed it.
 pub fn gptq_quantize<'h>(
     ops: &dyn QuantOps,
     w: &Mat,
@@ -446,11 +446,14 @@ pub fn gptq_quantize<'h>(
             spec: &opts.spec,
         },
     };
-    let swept = timed(ops, Phase::Sweep, || {
+    let mut swept = timed(ops, Phase::Sweep, || {
         ops.gptq_sweep(wp, &plan.u, mode, opts.block_size, opts.spec.maxq())
     })
     .context("sweep")?;
-    let error = swept.loss - plan.damp[0] * swept.delta_sq;
+    let error = SweepError {
+        sums: std::mem::replace(&mut swept.loss, QuadSums::Host(Vec::new())),
+        damp: plan.damp[0],
+    };
     let (w_hat, codes, grids) = ops
         .unorder(swept, &identity(d_out), &plan.perm)
         .context("sweep (back to the original order)")?;

@@ -118,6 +118,17 @@ pub fn plan(ops: &dyn QuantOps, h: &Mat, opts: &Damping, act_order: bool) -> Res
     })
 }
 
+/// The elements of damped H and factor (2n² per plan) that one batch of plans made ahead may hold
+/// (`FactorCache::plan_batch`): 2^26, 256 MiB in f32 on a device (512 MiB in f64 on the CPU). An MoE block
+/// holds at most one such batch per width of its experts' inputs (two) beside its other plans; the memory
+/// plan counts them.
+pub const BATCH_PLAN_ELEMS: usize = 1 << 26;
+
+/// How many plans of n × n matrices a batch holds: at least one.
+pub fn batch_len(n: usize) -> usize {
+    (BATCH_PLAN_ELEMS / (2 * n * n).max(1)).max(1)
+}
+
 /// What a plan depends on besides H itself.
 #[derive(Clone, Copy, Debug, PartialEq)]
 struct PlanKey {
@@ -138,9 +149,32 @@ struct PlanKey {
 /// expert's H once per width).
 pub struct FactorCache<'h> {
     /// Most recently used last.
-    entries: std::sync::Mutex<Vec<(&'h Mat, PlanKey, Arc<Plan>)>>,
+    entries: std::sync::Mutex<Vec<Entry<'h>>>,
     capacity: usize,
     hits: std::sync::atomic::AtomicUsize,
+}
+
+struct Entry<'h> {
+    h: &'h Mat,
+    key: PlanKey,
+    plan: Arc<Plan>,
+    /// Handed to a caller at least once: a plan made ahead (`plan_batch`) is not evicted before one that was
+    /// used, or a batch would push out the plans of another batch still waiting for their linears.
+    served: bool,
+}
+
+impl Entry<'_> {
+    fn is(&self, h: &Mat, key: PlanKey) -> bool {
+        std::ptr::eq(self.h, h) && self.key == key
+    }
+}
+
+/// Makes room for one more plan: the least recently used of those served, else the oldest.
+fn evict(entries: &mut Vec<Entry<'_>>, capacity: usize) {
+    if entries.len() >= capacity {
+        let i = entries.iter().position(|e| e.served).unwrap_or(0);
+        entries.remove(i);
+    }
 }
 
 impl Default for FactorCache<'_> {
@@ -181,24 +215,100 @@ impl<'h> FactorCache<'h> {
             damping: *opts,
         };
         let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(i) = entries
-            .iter()
-            .position(|(ch, ck, _)| std::ptr::eq(*ch, h) && *ck == key)
-        {
+        if let Some(i) = entries.iter().position(|e| e.is(h, key)) {
             self.hits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let e = entries.remove(i);
-            let p = e.2.clone();
+            let mut e = entries.remove(i);
+            e.served = true;
+            let p = e.plan.clone();
             entries.push(e);
             return Ok(p);
         }
         // Drop the least recently used before making the new one (peak memory: `capacity` plans, not one
         // more).
-        if entries.len() == self.capacity {
-            entries.remove(0);
-        }
+        evict(&mut entries, self.capacity);
         let p = Arc::new(plan(ops, h, opts, act_order)?);
-        entries.push((h, key, p.clone()));
+        entries.push(Entry {
+            h,
+            key,
+            plan: p.clone(),
+            served: true,
+        });
         Ok(p)
+    }
+
+    /// Plans the matrices of `hs` [n × n each] that the cache does not hold as one batch and holds each plan
+    /// as `plan` would have made it: one diagonal read and one factor status per damping round for all of
+    /// them, where planning each reads its own (a device synchronization each; an MoE block has two distinct
+    /// H per expert). Planning is per matrix (the diagonal, the order, the damping rounds, the factor), so
+    /// the plans are the same bit for bit. At most `capacity` are made (the cache must hold them until they
+    /// are used). A batch that fails to plan (a singular H) leaves the cache as it was: each H is planned
+    /// alone when asked for, and the one that fails is named with its linear.
+    pub fn plan_batch(
+        &self,
+        ops: &dyn QuantOps,
+        hs: &[&'h Mat],
+        opts: &Damping,
+        act_order: bool,
+    ) -> Result<()> {
+        let key = PlanKey {
+            act_order,
+            damping: *opts,
+        };
+        let mut todo: Vec<&'h Mat> = Vec::with_capacity(hs.len());
+        {
+            let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+            for &h in hs {
+                let held = entries.iter().any(|e| e.is(h, key));
+                if !held && !todo.iter().any(|t| std::ptr::eq(*t, h)) {
+                    todo.push(h);
+                }
+            }
+        }
+        todo.truncate(self.capacity);
+        if todo.len() < 2 {
+            return Ok(());
+        }
+        let stacked = ops.stack(&todo)?;
+        let Ok(batch) = plan(ops, &stacked, opts, act_order) else {
+            return Ok(());
+        };
+        drop(stacked);
+        let Plan {
+            n,
+            perm,
+            inv,
+            dead,
+            damp,
+            h_p,
+            u,
+        } = batch;
+        let (h_p, u) = (ops.unstack(h_p)?, ops.unstack(u)?);
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        let parts = perm
+            .into_iter()
+            .zip(inv)
+            .zip(dead)
+            .zip(damp)
+            .zip(h_p.into_iter().zip(u));
+        for (&h, ((((perm, inv), dead), damp), (h_p, u))) in todo.iter().zip(parts) {
+            evict(&mut entries, self.capacity);
+            let p = Plan {
+                n,
+                perm: vec![perm],
+                inv: vec![inv],
+                dead: vec![dead],
+                damp: vec![damp],
+                h_p,
+                u,
+            };
+            entries.push(Entry {
+                h,
+                key,
+                plan: Arc::new(p),
+                served: false,
+            });
+        }
+        Ok(())
     }
 }
 
@@ -258,5 +368,37 @@ mod tests {
         assert_eq!(three.hits(), 4);
         three.plan(&CpuBackend, &hs[0], &damping, false).unwrap();
         assert_eq!(three.hits(), 4);
+    }
+
+    #[test]
+    fn plans_made_ahead_outlive_the_plans_already_used() {
+        let damping = Damping {
+            damp: 0.01,
+            max_tries: 3,
+            dead_diag: 1.0,
+        };
+        let hs: Vec<Mat> = (0..5).map(|s| spd(8, s as f64)).collect();
+        let cache = FactorCache::holding(3);
+        cache.plan(&CpuBackend, &hs[0], &damping, false).unwrap();
+        cache
+            .plan_batch(&CpuBackend, &[&hs[1], &hs[2]], &damping, false)
+            .unwrap();
+        cache.plan(&CpuBackend, &hs[1], &damping, false).unwrap();
+        assert_eq!(cache.hits(), 1);
+        // Two more made ahead: the two used ones go (hs[0], then hs[1]), not hs[2], which waits for its use
+        // and is older than hs[1] by recency.
+        cache
+            .plan_batch(&CpuBackend, &[&hs[3], &hs[4]], &damping, false)
+            .unwrap();
+        for h in &hs[2..] {
+            cache.plan(&CpuBackend, h, &damping, false).unwrap();
+        }
+        assert_eq!(cache.hits(), 4);
+        // A batch of one is left to `plan`; what is held already is not made again.
+        cache
+            .plan_batch(&CpuBackend, &[&hs[4], &hs[0]], &damping, false)
+            .unwrap();
+        cache.plan(&CpuBackend, &hs[0], &damping, false).unwrap();
+        assert_eq!(cache.hits(), 4);
     }
 }

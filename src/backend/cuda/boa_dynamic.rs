@@ -18,7 +18,9 @@
 use super::core::launch_u_row_f;
 use super::{CudaBackend, CudaError, driver};
 use crate::nvtx::range;
-use crate::ops::{Codes, Grids, Mat, MatData, QuantSpec, Result, ScaleSearch, Swept, Tensor};
+use crate::ops::{
+    Codes, Grids, Mat, MatData, QuadSums, QuantSpec, Result, ScaleSearch, Swept, Tensor,
+};
 use anyhow::bail;
 use cudarc::driver::{
     CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
@@ -447,8 +449,7 @@ impl CudaBackend {
                 scale: dmat(scales, 1, rows, n_groups),
                 zero: dmat(zeros, 1, rows, n_groups),
             },
-            loss: f64::NAN,
-            delta_sq: f64::NAN,
+            loss: QuadSums::Host(vec![f64::NAN; 2]),
         })
     }
 }

@@ -330,24 +330,26 @@ impl CudaBackend {
     /// Σ over the DOT_CTAS partials of a·b (f64), one download.
     /// Σ a∘b over each (a, b, range) of `dots`, f64: every product's partial sums into one buffer, one
     /// download for all of them (one host synchronization, whatever the count).
+    /// Σ a∘b over each pair's range, one slot each, queued (nothing read back).
     fn dots(
         &self,
         dots: &[(&CudaSlice<f32>, &CudaSlice<f32>, std::ops::Range<usize>)],
-    ) -> Result<Vec<f64>> {
-        let mut part = self.zeros_of::<f64>(dots.len() * DOT_CTAS, "alloc partial sums")?;
+    ) -> Result<QuadSums> {
+        let mut partials = self.zeros_of::<f64>(dots.len() * DOT_CTAS, "alloc partial sums")?;
         for (i, (a, b, range)) in dots.iter().enumerate() {
             launch_dot_partials(
                 &self.stream,
                 &self.quant.core,
-                &mut part.slice_mut(i * DOT_CTAS..(i + 1) * DOT_CTAS),
+                &mut partials.slice_mut(i * DOT_CTAS..(i + 1) * DOT_CTAS),
                 &a.slice(range.clone()),
                 &b.slice(range.clone()),
             )?;
         }
-        let v = self.download(&part, "download partial sums")?;
-        Ok((0..dots.len())
-            .map(|i| v[i * DOT_CTAS..(i + 1) * DOT_CTAS].iter().sum())
-            .collect())
+        Ok(QuadSums::Device {
+            partials,
+            slots: dots.len(),
+            used: dots.len(),
+        })
     }
 
     /// [rows × n] (grids: [rows × n_groups]) gathered or scattered by rows and per-part column permutations.
@@ -978,18 +980,16 @@ impl QuantOps for CudaBackend {
                 }
             }
         };
-        // Σ e² (each row's loss summed against ones) and ‖Q − W‖², read back together.
+        // Σ e² (each row's loss summed against ones) and ‖Q − W‖², queued for the block's report.
         let ones = self.upload(&vec![1f32; rows], "upload ones")?;
         let mut delta = self.out_f32(rows * n)?;
         launch_sub(&self.stream, &self.quant.core, &mut delta, &q_d, &w0)?;
-        let sums = self.dots(&[(&loss, &ones, 0..rows), (&delta, &delta, 0..rows * n)])?;
-        let (loss, delta_sq) = (sums[0], sums[1]);
+        let loss = self.dots(&[(&loss, &ones, 0..rows), (&delta, &delta, 0..rows * n)])?;
         Ok(Swept {
             q: dmat(q_d, 1, rows, n),
             codes: Codes::Device(c_d),
             grids,
             loss,
-            delta_sq,
         })
     }
 
@@ -1091,8 +1091,7 @@ impl QuantOps for CudaBackend {
             q: dmat(q_d, 1, rows, n),
             codes: Codes::Device(c_d),
             grids,
-            loss: f64::NAN,
-            delta_sq: f64::NAN,
+            loss: QuadSums::Host(vec![f64::NAN; 2]),
         })
     }
 
@@ -1144,14 +1143,15 @@ impl QuantOps for CudaBackend {
         Ok(())
     }
 
-    fn read_quad_sums(&self, sums: QuadSums) -> Result<Vec<f64>> {
-        let QuadSums::Device {
-            partials,
-            slots,
-            used,
-        } = sums
-        else {
-            bail!("read_quad_sums: the sums are in host memory");
+    fn read_quad_sums(&self, sums: &QuadSums) -> Result<Vec<f64>> {
+        let (partials, slots, used) = match sums {
+            QuadSums::Device {
+                partials,
+                slots,
+                used,
+            } => (partials, *slots, *used),
+            // Values no kernel computed (a BoA sweep's NaN loss, a sweep that ran on the host).
+            QuadSums::Host(v) => return Ok(v.clone()),
         };
         // The slots no form was queued into are zeros: not downloaded.
         let mut out = vec![0.0; slots];
@@ -1162,6 +1162,81 @@ impl QuantOps for CudaBackend {
             }
         }
         Ok(out)
+    }
+
+    /// Device-to-device copies into one buffer (host matrices are uploaded first).
+    fn stack(&self, mats: &[&Mat]) -> Result<Mat> {
+        crate::ops::check_stack(mats)?;
+        let (rows, cols) = (mats[0].rows, mats[0].cols);
+        let total: usize = mats.iter().map(|m| m.len()).sum();
+        let mut out = self.out_f32(total)?;
+        let mut at = 0;
+        for m in mats {
+            let len = m.len();
+            let mut dst = out.slice_mut(at..at + len);
+            if m.on_device() {
+                self.stream
+                    .memcpy_dtod(&dev(m, "stacked matrix")?.slice(..len), &mut dst)
+                    .map_err(driver("stack"))?;
+            } else {
+                let up = self.upload_mat(Mat::stack_host(&[m]).ok_or_else(|| {
+                    anyhow!(
+                        "stack: {} is neither on the device nor readable",
+                        m.describe()
+                    )
+                })?)?;
+                self.stream
+                    .memcpy_dtod(&dev(&up, "stacked matrix")?.slice(..len), &mut dst)
+                    .map_err(driver("stack"))?;
+            }
+            at += len;
+        }
+        Ok(dmat(out, total / (rows * cols).max(1), rows, cols))
+    }
+
+    fn unstack(&self, m: Mat) -> Result<Vec<Mat>> {
+        let m = match m.unstack_host() {
+            Ok(host) => return host.into_iter().map(|h| self.upload_mat(h)).collect(),
+            Err(m) => m,
+        };
+        let (s, d) = (m.stride(), dev(&m, "batch")?);
+        (0..m.batch)
+            .map(|b| {
+                let mut one = self.out_f32(s)?;
+                self.stream
+                    .memcpy_dtod(&d.slice(b * s..(b + 1) * s), &mut one.slice_mut(..s))
+                    .map_err(driver("unstack"))?;
+                Ok(dmat(one, 1, m.rows, m.cols))
+            })
+            .collect()
+    }
+
+    /// A device-to-device copy of the partials (host values are uploaded as one partial per slot).
+    fn queue_sums(&self, into: &mut QuadSums, first: usize, from: &QuadSums) -> Result<()> {
+        into.check_room(first, from.slots())?;
+        let QuadSums::Device { partials, used, .. } = into else {
+            bail!("queue_sums: the sums are in host memory");
+        };
+        let k = from.slots();
+        let mut dst = partials.slice_mut(first * DOT_CTAS..(first + k) * DOT_CTAS);
+        match from {
+            QuadSums::Device { partials: src, .. } => self
+                .stream
+                .memcpy_dtod(&src.slice(..k * DOT_CTAS), &mut dst)
+                .map_err(driver("queue sums"))?,
+            QuadSums::Host(v) => {
+                let mut p = vec![0f64; k * DOT_CTAS];
+                for (i, &x) in v.iter().enumerate() {
+                    p[i * DOT_CTAS] = x;
+                }
+                let src = self.upload(&p, "upload sums")?;
+                self.stream
+                    .memcpy_dtod(&src, &mut dst)
+                    .map_err(driver("queue sums"))?
+            }
+        }
+        *used = (*used).max(first + k);
+        Ok(())
     }
 
     fn sub(&self, a: &Mat, b: &Mat) -> Result<Mat> {
@@ -1294,7 +1369,6 @@ impl CudaBackend {
             codes,
             grids: self.device_grids(s.grids)?,
             loss: s.loss,
-            delta_sq: s.delta_sq,
         })
     }
 }
