@@ -395,7 +395,14 @@ fn fixed_items(
     vec![
         (weights_name, blocks),
         ("block statistics", stats),
-        ("quantization workspace (largest linear)", work),
+        (
+            if expert_plans > 0 {
+                "quantization workspace (largest linear, a batch of expert plans)"
+            } else {
+                "quantization workspace (largest linear)"
+            },
+            work,
+        ),
         (RESERVE, target.reserve()),
     ]
 }
