@@ -17,7 +17,7 @@ use crate::quant::allocate::{Candidate, allocate, merge_units, spread_units};
 use crate::quant::boa::{BoaOptions, ColHessian, boa_quantize};
 use crate::quant::gptq::{GptqOptions, gptq_quantize};
 use crate::quant::hessian::RopeAverage;
-use crate::quant::plan::{FactorCache, batch_len};
+use crate::quant::plan::{FactorCache, batches};
 use crate::quant::rtn::rtn_quantize;
 use anyhow::Context;
 use std::time::Instant;
@@ -372,56 +372,25 @@ impl<'a> QkNorms<'a> {
     }
 }
 
-/// The distinct input covariances that GPTQ plans for the block's routed experts, in order of first use, in
-/// batches of one width of at most `batch_len(n)` each (`FactorCache::plan_batch` plans a batch at once: an
-/// MoE block has two distinct H per expert, and planning each alone reads a diagonal and a factor status
-/// from the device for it), and how many plans the block's cache must hold for them.
+/// The distinct input covariances that GPTQ plans for the block's routed experts, in batches of one width
+/// (`quant::plan::batches`): `FactorCache::plan_batch` plans a batch at once, where planning each expert's H
+/// alone reads a diagonal and a factor status from the device for it (an MoE block has two per expert).
 fn expert_batches<'h>(
     desc: &crate::model::arch::BlockDesc,
     stats: Option<&'h BlockStats>,
     opts: &RunOptions,
 ) -> (Vec<Vec<&'h Mat>>, usize) {
-    let mut batches: Vec<Vec<&'h Mat>> = Vec::new();
-    // Per width: the batch still filling.
-    let mut open: Vec<(usize, usize)> = Vec::new();
-    for ld in &desc.linears {
-        let gptq =
-            opts.method != Method::Rtn && !(opts.method == Method::Boa && opts.boa_treats(ld.role));
-        let Some(h) = stats
-            .and_then(|s| s.h_col(ld))
-            .filter(|_| gptq && ld.expert.is_some())
-        else {
-            continue;
-        };
-        if batches.iter().flatten().any(|b| std::ptr::eq(*b, h)) {
-            continue;
-        }
-        let n = h.rows;
-        match open.iter_mut().find(|(w, _)| *w == n) {
-            Some((_, i)) if batches[*i].len() < batch_len(n) => batches[*i].push(h),
-            Some((_, i)) => {
-                batches.push(vec![h]);
-                *i = batches.len() - 1;
-            }
-            None => {
-                batches.push(vec![h]);
-                open.push((n, batches.len() - 1));
-            }
-        }
-    }
-    // The largest batch of each width, held while the other width's batch is used in turn.
-    let held = open
-        .iter()
-        .map(|&(n, _)| {
-            batches
-                .iter()
-                .filter(|b| b[0].rows == n)
-                .map(Vec::len)
-                .max()
-                .unwrap_or(0)
-        })
-        .sum();
-    (batches, held)
+    let gptq = |ld: &LinearDesc| {
+        ld.expert.is_some()
+            && opts.method != Method::Rtn
+            && !(opts.method == Method::Boa && opts.boa_treats(ld.role))
+    };
+    batches(
+        desc.linears
+            .iter()
+            .filter(|ld| gptq(ld))
+            .filter_map(|ld| stats.and_then(|s| s.h_col(ld))),
+    )
 }
 
 /// Quantizes every linear of the block. `weights` holds each linear's W (description order) where the backend

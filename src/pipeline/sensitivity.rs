@@ -11,14 +11,14 @@
 //! those sequences.
 
 use super::options::RunOptions;
-use super::quantize_block::{gptq_options, linear_spec};
+use super::quantize_block::{gptq_options, linear_spec, spec};
 use super::stats::{BlockStats, stage_if_parked};
 use crate::backend::{Backend, Tensor};
 use crate::model::Config;
 use crate::model::llama::{BlockWeights, ResidentWeights, RopeTable, block_forward};
 use crate::ops::{Mat, MatData, QuantSpec, ScaleSearch};
 use crate::quant::gptq::gptq_quantize;
-use crate::quant::plan::FactorCache;
+use crate::quant::plan::{FactorCache, batches};
 use anyhow::Context;
 
 /// Calibration sequences the proxy measures on: the first ones of X, whatever the forward chunk.
@@ -100,6 +100,14 @@ pub fn output_errors(
                 }
             })
             .collect();
+        // A unit of experts: their plans in batches, made once for every width either way (the cache holds
+        // the unit's), read back a batch at a time instead of one H at a time.
+        let g = gptq_options(opts, opts.seqlen, spec(opts, opts.wbits));
+        for batch in batches(members.iter().map(|&(_, h)| h)).0 {
+            factors
+                .plan_batch(be, &batch, &g.damping(), g.act_order)
+                .with_context(|| format!("layer {layer}: the output proxy's plans"))?;
+        }
         let mut errs = Vec::with_capacity(alloc.choices.len());
         let mut failed = None;
         for &b in &alloc.choices {

@@ -129,6 +129,51 @@ pub fn batch_len(n: usize) -> usize {
     (BATCH_PLAN_ELEMS / (2 * n * n).max(1)).max(1)
 }
 
+/// The distinct matrices of `hs` (by identity, in order of first appearance) in batches for
+/// `FactorCache::plan_batch`: one width each, at most `batch_len(n)` matrices; and how many plans a cache must
+/// hold to keep one batch of each width while the others are made (the largest batch of each width, summed).
+pub fn batches<'h>(hs: impl IntoIterator<Item = &'h Mat>) -> (Vec<Vec<&'h Mat>>, usize) {
+    batches_of(hs, batch_len)
+}
+
+/// `batches` with at most `limit(n)` matrices of width n in a batch.
+fn batches_of<'h>(
+    hs: impl IntoIterator<Item = &'h Mat>,
+    limit: impl Fn(usize) -> usize,
+) -> (Vec<Vec<&'h Mat>>, usize) {
+    let mut out: Vec<Vec<&'h Mat>> = Vec::new();
+    // Per width: the batch still filling.
+    let mut open: Vec<(usize, usize)> = Vec::new();
+    for h in hs {
+        if out.iter().flatten().any(|b| std::ptr::eq(*b, h)) {
+            continue;
+        }
+        let n = h.rows;
+        match open.iter_mut().find(|(w, _)| *w == n) {
+            Some((_, i)) if out[*i].len() < limit(n) => out[*i].push(h),
+            Some((_, i)) => {
+                out.push(vec![h]);
+                *i = out.len() - 1;
+            }
+            None => {
+                out.push(vec![h]);
+                open.push((n, out.len() - 1));
+            }
+        }
+    }
+    let held = open
+        .iter()
+        .map(|&(n, _)| {
+            out.iter()
+                .filter(|b| b[0].rows == n)
+                .map(Vec::len)
+                .max()
+                .unwrap_or(0)
+        })
+        .sum();
+    (out, held)
+}
+
 /// What a plan depends on besides H itself.
 #[derive(Clone, Copy, Debug, PartialEq)]
 struct PlanKey {
@@ -314,7 +359,7 @@ impl<'h> FactorCache<'h> {
 
 #[cfg(test)]
 mod tests {
-    use super::{Damping, FactorCache};
+    use super::{Damping, FactorCache, batches_of};
     use crate::backend::cpu::CpuBackend;
     use crate::ops::{Mat, QuantOps};
 
@@ -368,6 +413,27 @@ mod tests {
         assert_eq!(three.hits(), 4);
         three.plan(&CpuBackend, &hs[0], &damping, false).unwrap();
         assert_eq!(three.hits(), 4);
+    }
+
+    #[test]
+    fn batches_hold_distinct_matrices_of_one_width_up_to_the_limit() {
+        let (a, b) = (spd(4, 0.0), spd(6, 0.0));
+        let more: Vec<Mat> = (1..4).map(|s| spd(4, s as f64)).collect();
+        // a, b, a again (gate/up share an H), then three more of width 4: at most two per batch.
+        let hs = [&a, &b, &a, &more[0], &more[1], &more[2]];
+        let (got, held) = batches_of(hs, |_| 2);
+        let ids = |batch: &[&Mat]| -> Vec<*const Mat> {
+            batch.iter().map(|m| *m as *const Mat).collect()
+        };
+        let want: [Vec<&Mat>; 3] = [vec![&a, &more[0]], vec![&b], vec![&more[1], &more[2]]];
+        assert_eq!(got.len(), want.len());
+        for (g, w) in got.iter().zip(&want) {
+            assert_eq!(ids(g), ids(w));
+        }
+        // One batch of width 4 (two) and one of width 6 (one) held at once.
+        assert_eq!(held, 3);
+        assert_eq!(super::batch_len(1024), 32);
+        assert_eq!(super::batch_len(1 << 20), 1);
     }
 
     #[test]
