@@ -190,9 +190,10 @@ fn resident_forward_and_statistics_on_cuda() {
     assert!(matches!(parked, Tensor::Pinned(_)));
     assert_eq!(parked.host().unwrap(), reversed.as_slice());
 
-    // Weight uploads: a length's first upload is pageable, later ones pass through its page-locked staging
-    // buffer, which the next upload may only overwrite once the previous copy has read it, whichever stream
-    // each copy is on (upload_weight: the copy stream; upload_weight_now: the main one).
+    // Weight uploads: a length's first upload is pageable, later ones pass through its two page-locked
+    // staging buffers in turn, and an upload may only overwrite a buffer once the copy before it from that
+    // buffer has read it, whichever stream each copy is on (upload_weight: the copy stream;
+    // upload_weight_now: the main one). Six uploads reuse each buffer twice.
     let uploads: Vec<Vec<f32>> = (0..6)
         .map(|k| (0..300_000).map(|i| (i * 6 + k) as f32).collect())
         .collect();

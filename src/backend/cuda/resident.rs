@@ -40,53 +40,72 @@ pub(super) struct RopeTablesOnDevice {
 /// Most table pairs kept: a run has one (Llama) or two (Gemma 3's local and global layers) per length.
 const ROPE_TABLES_KEPT: usize = 4;
 
-/// Page-locked buffers that weights pass through on their way to the device, one per weight length: a block
-/// has at most three (q/o, k/v, gate/up/down), so 7B keeps ~0.25 GB page-locked and 70B ~1.2 GB, reused by
-/// every block. A length is staged from its second upload on, so a one-off upload (an embedding table, an LM
-/// head) pins nothing. Write-combined: the host only writes them, the DMA engine only reads them.
+/// Page-locked buffers that weights pass through on their way to the device, two per weight length, used in
+/// turn: the host fills one while the DMA engine reads the other, so weights of one length uploaded one after
+/// another (a block's gate/up/down, an MoE block's hundreds of experts) overlap their host copy with the
+/// previous one's transfer instead of waiting for it. A block has at most three lengths (q/o, k/v,
+/// gate/up/down), so 7B keeps ~0.5 GB page-locked and 70B ~2.5 GB, reused by every block. A length is staged
+/// from its second upload on and gets its second buffer at its third, so a one-off upload (an embedding
+/// table, an LM head) pins nothing and a length uploaded twice pins one buffer. Write-combined: the host only
+/// writes them, the DMA engine only reads them.
 #[derive(Default)]
 pub(super) struct WeightStaging {
-    buffers: std::collections::HashMap<usize, PinnedHostSlice<f32>>,
+    rings: std::collections::HashMap<usize, StagingRing>,
     seen: std::collections::HashSet<usize>,
-    /// Page-locking failed once (then every upload is pageable).
+    /// Page-locking failed once: no buffer is added after that (those held keep serving; a length without
+    /// one uploads from pageable memory).
     refused: bool,
 }
 
+/// One weight length's buffers and the one the next upload fills.
+struct StagingRing {
+    buffers: Vec<PinnedHostSlice<f32>>,
+    next: usize,
+}
+
+/// Buffers per weight length: two let the host copy of one weight overlap the transfer of the one before.
+const STAGING_DEPTH: usize = 2;
+
 /// Page-locked staging stops growing here; larger sets of shapes (an eval's LM head beside a 70B block's
-/// weights) upload the rest from pageable memory.
+/// weights) keep one buffer per length or upload the rest from pageable memory.
 const STAGING_CAP_BYTES: usize = 4 << 30;
 
 impl WeightStaging {
-    /// The buffer for weights of `len` f32, allocated on the second upload of that length; None before,
-    /// when it would pass the cap, or when the driver refuses to page-lock more memory.
+    /// The buffer for the next weight of `len` f32: none on a length's first upload, or when its first
+    /// buffer would pass the cap or the driver refuses to page-lock it. A second buffer is added on the
+    /// length's third upload where the cap and the driver allow; else the one buffer serves every upload.
     fn buffer(
         &mut self,
         ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
         len: usize,
     ) -> Option<&mut PinnedHostSlice<f32>> {
-        if len == 0 || self.refused {
+        if len == 0 || self.seen.insert(len) {
             return None;
         }
-        if !self.buffers.contains_key(&len) {
-            if self.seen.insert(len) {
-                return None;
-            }
-            let held: usize = self.buffers.keys().sum();
-            if (held + len) * size_of::<f32>() > STAGING_CAP_BYTES {
-                return None;
-            }
+        let held: usize = self.rings.iter().map(|(l, r)| l * r.buffers.len()).sum();
+        let have = self.rings.get(&len).map_or(0, |r| r.buffers.len());
+        if !self.refused
+            && have < STAGING_DEPTH
+            && (held + len) * size_of::<f32>() <= STAGING_CAP_BYTES
+        {
             // SAFETY: try_upload_weight writes all len values before each copy reads the buffer.
             match unsafe { ctx.alloc_pinned::<f32>(len) } {
                 Ok(b) => {
-                    self.buffers.insert(len, b);
+                    let ring = self.rings.entry(len).or_insert(StagingRing {
+                        buffers: Vec::new(),
+                        next: 0,
+                    });
+                    // The new buffer serves this upload; the ones before it follow in turn.
+                    ring.next = ring.buffers.len();
+                    ring.buffers.push(b);
                 }
-                Err(_) => {
-                    self.refused = true;
-                    return None;
-                }
+                Err(_) => self.refused = true,
             }
         }
-        self.buffers.get_mut(&len)
+        let ring = self.rings.get_mut(&len)?;
+        let i = ring.next;
+        ring.next = (i + 1) % ring.buffers.len();
+        ring.buffers.get_mut(i)
     }
 }
 
