@@ -296,14 +296,21 @@ fn moe_run_on_cuda_matches_the_cpu_and_keeps_its_rows_on_the_device() {
                 // A block's packed linears and its error report (GPTQ's sweep losses among its forms) are read
                 // back at once (QuantOps::pack_all, quad_forms_into, queue_sums), and its experts' plans are
                 // made in batches (FactorCache::plan_batch): what is left does not grow with the number of
-                // experts (12 for qwen3_moe, 17 for qwen2_moe's shared expert besides). Reading each linear's
-                // pack and report on its own took ~5 per linear (145 for qwen3_moe's 28, 102 for qwen2_moe's
-                // 19), and planning each expert's H alone 38 and 29.
-                let linears = layer["linears"].as_array().unwrap().len() as u64;
+                // experts (12 for qwen3_moe, 17 for qwen2_moe's shared expert besides), but for one fence
+                // per linear outside the routed experts and one after them (quantize_block: a kernel fault
+                // names its linear). Reading each linear's pack and report on its own took ~5 per linear
+                // (145 for qwen3_moe's 28, 102 for qwen2_moe's 19), and planning each expert's H alone 38
+                // and 29.
+                let names = layer["linears"].as_array().unwrap();
+                let linears = names.len() as u64;
+                let fences = 1 + names
+                    .iter()
+                    .filter(|l| !l["name"].as_str().unwrap().contains("experts."))
+                    .count() as u64;
                 let syncs = tr["syncs"].as_u64().unwrap();
                 if b["layer"].as_u64() != Some(0) {
                     assert!(
-                        syncs <= 20,
+                        syncs <= 20 + fences,
                         "{name} {extra:?} block {}: {syncs} syncs for {linears} linears",
                         b["layer"]
                     );

@@ -411,7 +411,8 @@ pub trait QuantOps: Send + Sync {
 
     /// Waits until every operation queued so far has finished (a host backend finishes each call before it
     /// returns). `run --profile` fences at its phase boundaries, so each phase's time holds its own device
-    /// work rather than whatever the next synchronizing call waited for.
+    /// work rather than whatever the next synchronizing call waited for; quantize_block fences after each
+    /// linear, so a kernel fault is reported with the linear whose work raised it.
     fn fence(&self) -> Result<()> {
         Ok(())
     }

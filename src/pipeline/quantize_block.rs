@@ -546,6 +546,21 @@ pub fn quantize_block(
             None => None,
         };
         forms.push(report);
+        // A device runs ahead of the host, so a kernel fault surfaces at the next synchronization; a fence
+        // after each linear's queued work names the linear that faulted. The routed experts share one fence
+        // after the last of them, so an MoE block's synchronizations do not grow with its experts.
+        let last_expert =
+            ld.expert.is_some() && desc.linears.get(i + 1).is_none_or(|n| n.expert.is_none());
+        if ld.expert.is_none() || last_expert {
+            let (what, whose) = if last_expert {
+                ("the routed experts", "their")
+            } else {
+                (name, "its")
+            };
+            ops.fence().with_context(|| {
+                format!("layer {layer} {what}: sweep or error report (a device fault in {whose} queued work)")
+            })?;
+        }
         let seconds = start.elapsed().as_secs_f64();
         out.push((
             q,
