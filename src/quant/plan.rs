@@ -363,6 +363,12 @@ mod tests {
     use crate::backend::cpu::CpuBackend;
     use crate::ops::{Mat, QuantOps};
 
+    const DAMPING: Damping = Damping {
+        damp: 0.01,
+        max_tries: 3,
+        dead_diag: 1.0,
+    };
+
     fn spd(n: usize, seed: f64) -> Mat {
         let h: Vec<f64> = (0..n * n)
             .map(|k| {
@@ -379,11 +385,7 @@ mod tests {
 
     #[test]
     fn the_cache_serves_the_plans_it_holds_and_plans_the_others_again() {
-        let damping = Damping {
-            damp: 0.01,
-            max_tries: 3,
-            dead_diag: 1.0,
-        };
+        let damping = DAMPING;
         let hs: Vec<Mat> = (0..3).map(|s| spd(8, s as f64)).collect();
         // One entry: every change of H plans again.
         let one = FactorCache::new();
@@ -438,11 +440,7 @@ mod tests {
 
     #[test]
     fn plans_made_ahead_outlive_the_plans_already_used() {
-        let damping = Damping {
-            damp: 0.01,
-            max_tries: 3,
-            dead_diag: 1.0,
-        };
+        let damping = DAMPING;
         let hs: Vec<Mat> = (0..5).map(|s| spd(8, s as f64)).collect();
         let cache = FactorCache::holding(3);
         cache.plan(&CpuBackend, &hs[0], &damping, false).unwrap();

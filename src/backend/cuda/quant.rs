@@ -327,10 +327,8 @@ impl CudaBackend {
             .collect())
     }
 
-    /// Σ over the DOT_CTAS partials of a·b (f64), one download.
-    /// Σ a∘b over each (a, b, range) of `dots`, f64: every product's partial sums into one buffer, one
-    /// download for all of them (one host synchronization, whatever the count).
-    /// Σ a∘b over each pair's range, one slot each, queued (nothing read back).
+    /// Σ a∘b over each (a, b, range) of `dots`, f64, one slot each: every product's partial sums queued into
+    /// one buffer, nothing read back (`read_quad_sums` reads them, one host synchronization for all).
     fn dots(
         &self,
         dots: &[(&CudaSlice<f32>, &CudaSlice<f32>, std::ops::Range<usize>)],
@@ -1173,22 +1171,20 @@ impl QuantOps for CudaBackend {
         let mut at = 0;
         for m in mats {
             let len = m.len();
-            let mut dst = out.slice_mut(at..at + len);
-            if m.on_device() {
-                self.stream
-                    .memcpy_dtod(&dev(m, "stacked matrix")?.slice(..len), &mut dst)
-                    .map_err(driver("stack"))?;
+            let up = if m.on_device() {
+                None
             } else {
-                let up = self.upload_mat(Mat::stack_host(&[m]).ok_or_else(|| {
+                Some(self.upload_mat(Mat::stack_host(&[m]).ok_or_else(|| {
                     anyhow!(
                         "stack: {} is neither on the device nor readable",
                         m.describe()
                     )
-                })?)?;
-                self.stream
-                    .memcpy_dtod(&dev(&up, "stacked matrix")?.slice(..len), &mut dst)
-                    .map_err(driver("stack"))?;
-            }
+                })?)?)
+            };
+            let src = dev(up.as_ref().unwrap_or(m), "stacked matrix")?;
+            self.stream
+                .memcpy_dtod(&src.slice(..len), &mut out.slice_mut(at..at + len))
+                .map_err(driver("stack"))?;
             at += len;
         }
         Ok(dmat(out, total / (rows * cols).max(1), rows, cols))
