@@ -51,6 +51,11 @@ enum Cmd {
         /// Seed of the Hadamard signs and random matrices.
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// Also QuaRot's R4: an online Hadamard transform of down_proj's input (order d_ff), its inverse
+        /// folded into down_proj. Only boa-cuda runs the result: config.json's model_type becomes
+        /// boa_cuda_online_hadamard, so other loaders refuse it instead of computing another function.
+        #[arg(long)]
+        online: bool,
         /// Replace --out if it exists.
         #[arg(long)]
         force: bool,
@@ -328,6 +333,11 @@ struct RunArgs {
     /// Seed of the rotation (default 0).
     #[arg(long, requires = "rotate")]
     rotate_seed: Option<u64>,
+    /// With --rotate, also QuaRot's R4: an online Hadamard transform of down_proj's input, its inverse
+    /// folded into down_proj. The checkpoint then needs boa-cuda's forward: config.json's model_type
+    /// becomes boa_cuda_online_hadamard (other loaders refuse it) and --format gguf is refused.
+    #[arg(long, requires = "rotate")]
+    rotate_online: bool,
     /// Blocks to quantize, e.g. 0-3,8,10-12 (default: all); the others are copied through unchanged.
     #[arg(long)]
     layers: Option<String>,
@@ -454,6 +464,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 rotate: a.rotate.map(|kind| RotateSpec {
                     kind,
                     seed: a.rotate_seed.unwrap_or(0),
+                    online: a.rotate_online,
                 }),
             };
             let r = boa_cuda::pipeline::run(&opts, &progress)?;
@@ -486,18 +497,23 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             out,
             kind,
             seed,
+            online,
             force,
             quiet,
         } => {
             use boa_cuda::model::rotate;
             let progress = Progress::auto(quiet);
-            rotate::check_foldable(&model)?;
+            rotate::check_foldable(&model, online)?;
             let src = Model::open(&model)?;
-            let info =
-                rotate::rotate_model(&src, &out, &RotateSpec { kind, seed }, force, &progress)?;
+            let spec = RotateSpec { kind, seed, online };
+            let info = rotate::rotate_model(&src, &out, &spec, force, &progress)?;
             rotate::print_info(&info, &progress);
+            let r4 = match &info.r4 {
+                Some(m) => format!(", R4 {} × {} online", m.size, m.size),
+                None => String::new(),
+            };
             println!(
-                "wrote {} (norms folded, R1 {} × {}, {} R2 of {} × {}) in {:.1} s",
+                "wrote {} (norms folded, R1 {} × {}, {} R2 of {} × {}{r4}) in {:.1} s",
                 out.display(),
                 info.r1.size,
                 info.r1.size,

@@ -205,6 +205,43 @@ fn run_on_cuda_matches_run_on_the_cpu() {
     }
 }
 
+/// The synthesized GQA model with a d_ff that has a Hadamard matrix here (640 = 20 ⊗ 32), for R4.
+fn synth_model_r4(dir: &Path) -> PathBuf {
+    let model = dir.join("synth-r4");
+    let spec = SynthSpec {
+        d: 256,
+        d_ff: 640,
+        n_heads: 4,
+        n_kv_heads: 2,
+        ..SynthSpec::tiny()
+    };
+    write_model(&model, &spec).unwrap();
+    model
+}
+
+/// `--rotate --rotate-online` (QuaRot's R4, model/online.rs): the online Hadamard before down_proj runs as
+/// a linear on the device in the statistics pass and in the quantized forward; the errors agree with the
+/// CPU's, and its weight goes up once per block (counted in the block's floor) within the residency bounds.
+#[test]
+fn run_with_online_rotation_on_cuda_matches_the_cpu() {
+    let Some((tmp, model)) = cuda_and(synth_model_r4) else {
+        return;
+    };
+    let cfg = [
+        "--method",
+        "gptq",
+        "--wbits",
+        "4",
+        "--group-size",
+        "64",
+        "--rotate",
+        "--rotate-online",
+        "--quiet",
+    ];
+    let (_, report) = compare_devices_as(tmp.path(), &model, (8, 128), &cfg, "gptq_v2");
+    assert_traffic_bounds(&cfg, &report);
+}
+
 /// Each linear's (bits, predicted errors) of report.json, block by block.
 fn allocation(report: &Path) -> Vec<(u64, Vec<f64>)> {
     let r: serde_json::Value =

@@ -137,3 +137,180 @@ fn rotate_refuses_blocks_it_cannot_fold() {
         assert!(!out.exists(), "{args:?} wrote {}", out.display());
     }
 }
+
+/// `rotate --online` (QuaRot's R4, src/model/online.rs): the FP model with the online Hadamard before
+/// down_proj is the same function in our eval; config.json's model_type makes transformers refuse the
+/// folder instead of running it without the transform; a second rotation and a GGUF output are refused.
+#[test]
+fn online_rotation_keeps_the_fp_model_and_other_loaders_refuse_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("r4");
+    let demo = demo_model();
+    let (code, stdout, err) = run(&["rotate", "--model", s(&demo), "--out", s(&out), "--online"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(stdout.contains("R4 1536 × 1536 online"), "{stdout}");
+    assert!(err.contains("only boa-cuda runs this checkpoint"), "{err}");
+    let cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["model_type"], boa_cuda::model::online::MODEL_TYPE);
+    assert_eq!(cfg["boa_cuda"]["online_hadamard"]["size"], 1536);
+    assert_eq!(cfg["boa_cuda"]["online_hadamard"]["model_type"], "llama");
+    let (before, after) = (ppl(&demo), ppl(&out));
+    let rel = (after - before).abs() / before;
+    eprintln!("FP {before} rotated with R4 {after} (rel {rel:.1e})");
+    assert!(
+        rel < 1e-4,
+        "R4-rotated FP {after} vs {before} (rel {rel:.1e})"
+    );
+
+    let py = loaders_python("transformers");
+    let load = std::process::Command::new(&py)
+        .args([
+            "-c",
+            "import sys, transformers; transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1])",
+            s(&out),
+        ])
+        .output()
+        .unwrap();
+    let load_err = String::from_utf8_lossy(&load.stderr);
+    assert!(
+        !load.status.success() && load_err.contains(boa_cuda::model::online::MODEL_TYPE),
+        "transformers should refuse the R4 folder by its model_type: {load_err}"
+    );
+
+    let again = tmp.path().join("again");
+    assert_user_error(
+        &["rotate", "--model", s(&out), "--out", s(&again)],
+        &["already carries an online Hadamard"],
+    );
+    assert!(!again.exists());
+    let q = tmp.path().join("q");
+    for args in [
+        vec![
+            "run",
+            "--model",
+            s(&out),
+            "--method",
+            "rtn",
+            "--format",
+            "gguf",
+        ],
+        vec![
+            "run",
+            "--model",
+            s(&demo),
+            "--method",
+            "rtn",
+            "--rotate",
+            "--rotate-online",
+            "--format",
+            "gguf",
+        ],
+    ] {
+        let mut args = args.clone();
+        args.extend(["--out", s(&q)]);
+        assert_user_error(&args, &["cannot be written as GGUF"]);
+        assert!(!q.exists(), "{args:?} wrote {}", q.display());
+    }
+}
+
+/// BoA 2-bit g64, 4 × 256 calibration tokens of the speeches before 2000, both rotated: with R4 added
+/// (`--rotate-online`) the perplexity on Moby-Dick must be lower than with R1 and R2 alone. The output
+/// keeps the online marker, so our eval applies the transform.
+#[test]
+fn online_rotation_helps_boa_at_2_bits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let demo = demo_model();
+    let calib = sotu_speeches(|y| y < 2000);
+    let mut results = Vec::new();
+    for online in [false, true] {
+        let out = tmp.path().join(format!("boa-{online}"));
+        let mut a = vec![
+            "run",
+            "--model",
+            s(&demo),
+            "--method",
+            "boa",
+            "--wbits",
+            "2",
+            "--group-size",
+            "64",
+            "--format",
+            "fake",
+            "--nsamples",
+            "4",
+            "--seqlen",
+            "256",
+            "--rotate",
+            "--out",
+            s(&out),
+            "--quiet",
+        ];
+        if online {
+            a.push("--rotate-online");
+        }
+        a.push("--calib");
+        a.extend(calib.iter().map(|c| c.as_str()));
+        let (code, _, err) = run(&a);
+        assert_eq!(code, 0, "online {online}: {err}");
+        let cfg: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
+        assert_eq!(
+            cfg["model_type"] == boa_cuda::model::online::MODEL_TYPE,
+            online,
+            "{cfg}"
+        );
+        results.push(ppl(&out));
+    }
+    eprintln!(
+        "BoA 2-bit g64 rotated: without R4 {}, with R4 {}",
+        results[0], results[1]
+    );
+    assert!(results[1] < results[0], "{results:?}");
+}
+
+/// An intermediate size with no Hadamard construction here, and --rotate-online without --rotate, are
+/// refused before any work.
+#[test]
+fn online_rotation_refuses_what_it_cannot_build() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tiny_model(tmp.path());
+    let cfg_path = m.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&cfg_path).unwrap()).unwrap();
+    // 52 = 4 · 13: no Sylvester, Paley (prime q) or Kronecker construction.
+    cfg["intermediate_size"] = 52.into();
+    std::fs::write(&cfg_path, serde_json::to_vec(&cfg).unwrap()).unwrap();
+    let out = tmp.path().join("out");
+    assert_user_error(
+        &["rotate", "--model", s(&m), "--out", s(&out), "--online"],
+        &["--rotate-online", "d_ff = 52"],
+    );
+    assert_user_error(
+        &[
+            "run",
+            "--model",
+            s(&m),
+            "--method",
+            "rtn",
+            "--rotate",
+            "--rotate-online",
+            "--out",
+            s(&out),
+        ],
+        &["--rotate-online", "d_ff = 52"],
+    );
+    assert!(!out.exists());
+    let (code, _, err) = run(&[
+        "run",
+        "--model",
+        s(&m),
+        "--method",
+        "rtn",
+        "--rotate-online",
+        "--out",
+        s(&out),
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--rotate"), "{err}");
+}

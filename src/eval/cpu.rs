@@ -53,6 +53,8 @@ pub struct FusedBlock {
     /// [gate; up] [2·d_ff × d] by chunks of FF_CHUNK rows of each, and its bias in the same order.
     gate_up: Vec<f32>,
     gate_up_bias: Option<Vec<f32>>,
+    /// The online transform of down_proj's input, Qᵀ [d_ff × d_ff] (`model/online.rs`).
+    online: Option<std::sync::Arc<Vec<f32>>>,
     down: Linear,
 }
 
@@ -113,6 +115,7 @@ impl FusedBlock {
             mlp_norm: norm(NormRole::Mlp)?,
             gate_up,
             gate_up_bias,
+            online: w.online.clone(),
             down: down.clone(),
         }))
     }
@@ -127,6 +130,8 @@ pub struct Workspace {
     attn: Vec<f32>,
     gu: Vec<f32>,
     act: Vec<f32>,
+    /// The transformed act (an online transform's output).
+    act_q: Vec<f32>,
     s: Vec<f32>,
 }
 
@@ -296,6 +301,14 @@ pub fn block_forward_window(
         }
         laps.lap(6);
     }
+    let act = match &w.online {
+        Some(q) => {
+            let aq = sized(&mut ws.act_q, t * d_ff);
+            gemm_nt(aq, act, q, t, d_ff, d_ff, false);
+            aq
+        }
+        None => act,
+    };
     gemm_nt(x, act, &w.down.w, t, d_ff, d, true);
     add_bias(x, w.down.b.as_deref());
     laps.lap(7);

@@ -164,7 +164,9 @@ impl Config {
             n_kv_heads,
             d_h,
         };
-        let block = arch::describe(&architecture, &raw, dims, stored)?;
+        let mut block = arch::describe(&architecture, &raw, dims, stored)?;
+        block.online_down =
+            super::online::parse(&json, raw.intermediate_size, block.moe.is_some())?;
         // A per-layer RoPE (`BlockDesc::layer_rope`) was checked by the description.
         if block.layer_rope.is_none()
             && let Some(s) = &rope_scaling

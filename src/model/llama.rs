@@ -76,6 +76,9 @@ pub struct BlockWeights {
     pub router: Option<Vec<f32>>,
     /// An MoE block's shared-expert gate w_g [1 × d] (never quantized).
     pub shared_gate: Option<Vec<f32>>,
+    /// The online transform of down_proj's input as a linear's weight [d_ff × d_ff] (`model/online.rs`),
+    /// one copy shared by every block.
+    pub online: Option<Arc<Vec<f32>>>,
 }
 
 impl BlockWeights {
@@ -154,6 +157,8 @@ pub enum Resident {
 #[derive(Default)]
 pub struct ResidentWeights {
     w: Vec<Option<Resident>>,
+    /// The online transform's copy (`BlockWeights::online`): once per block, not once per chunk.
+    online: Option<Tensor>,
 }
 
 impl ResidentWeights {
@@ -170,6 +175,10 @@ impl ResidentWeights {
     /// For a forward of many chunks of a loaded block (eval): packed linears too.
     pub fn upload_all(be: &dyn Backend, w: &BlockWeights) -> anyhow::Result<ResidentWeights> {
         Ok(ResidentWeights {
+            online: match &w.online {
+                Some(q) => be.upload_weight(q)?,
+                None => None,
+            },
             w: w.linears
                 .iter()
                 .map(|l| {
@@ -187,6 +196,10 @@ impl ResidentWeights {
         up: impl Fn(&[f32]) -> anyhow::Result<Option<Tensor>>,
     ) -> anyhow::Result<ResidentWeights> {
         Ok(ResidentWeights {
+            online: match &w.online {
+                Some(q) => up(q)?,
+                None => None,
+            },
             w: w.linears
                 .iter()
                 .map(|l| {
@@ -201,10 +214,21 @@ impl ResidentWeights {
 
     /// Weights already in the backend's memory (description order; None where the forward reads the host
     /// values): the quantized block's Ŵ, which the quantizer left there.
-    pub fn from_tensors(w: Vec<Option<Tensor>>) -> ResidentWeights {
+    pub fn from_tensors(w: Vec<Option<Tensor>>, online: Option<Tensor>) -> ResidentWeights {
         ResidentWeights {
             w: w.into_iter().map(|t| t.map(Resident::Dense)).collect(),
+            online,
         }
+    }
+
+    /// Takes the online transform's copy out (for the quantized block's `from_tensors`).
+    pub fn take_online(&mut self) -> Option<Tensor> {
+        self.online.take()
+    }
+
+    /// Bytes of the online transform's copy (a weight the block uploads besides its linears).
+    pub fn online_bytes(&self) -> u64 {
+        self.online.as_ref().map_or(0, |t| 4 * t.len() as u64)
     }
 
     /// Takes linear i's dense copy out (the quantizer reads W where the forward did).
@@ -375,6 +399,26 @@ pub fn block_forward(
                     .with_context(of("GeGLU (mlp.down_proj's input)"))?,
             };
             drop((gate, up));
+            // down_proj was folded with the transform's inverse: its input (and so its statistics) must
+            // be the transformed one.
+            let act = match &w.online {
+                Some(q) => {
+                    let n = q.len().isqrt();
+                    be.linear_t(
+                        &act,
+                        Weight {
+                            host: q,
+                            resident: resident.and_then(|r| r.online.as_ref()),
+                        },
+                        None,
+                        m,
+                        n,
+                        n,
+                    )
+                    .with_context(of("the online Hadamard before mlp.down_proj"))?
+                }
+                None => act,
+            };
             let down = match trace.is_some() {
                 true => None,
                 false => Some(lin(Role::Down, &act)?),
@@ -455,6 +499,8 @@ pub struct Model {
     /// Set for a compressed-tensors pack-quantized checkpoint: linears with a `weight_packed` tensor are
     /// loaded packed.
     pub compressed: Option<super::compressed::CompressedConfig>,
+    /// `BlockWeights::online`, built once.
+    online: Option<Arc<Vec<f32>>>,
 }
 
 impl Model {
@@ -480,12 +526,19 @@ impl Model {
         let cfg = Config::load_stored(dir, &|n| store.entry(n).is_some())?;
         let gptq = GptqConfig::load(dir)?;
         let compressed = super::compressed::CompressedConfig::load(dir)?;
+        let online = match cfg.block.online_down {
+            Some(n) => Some(Arc::new(
+                super::online::weight(n).map_err(|m| file_err(dir.join("config.json"), m))?,
+            )),
+            None => None,
+        };
         let model = Model {
             dir: dir.to_path_buf(),
             cfg,
             store,
             gptq,
             compressed,
+            online,
         };
         model.check_globals()?;
         Ok(model)
@@ -699,6 +752,7 @@ impl Model {
                 ),
                 None => None,
             },
+            online: self.online.clone(),
             norms: desc
                 .norms
                 .iter()

@@ -8,6 +8,7 @@ pub mod gguf;
 pub mod hadamard;
 pub mod llama;
 pub mod moe;
+pub mod online;
 pub mod orthogonal;
 pub mod packed;
 pub mod raw_config;

@@ -67,6 +67,21 @@ impl Orthogonal {
         }
     }
 
+    /// H / √n itself, no random signs: the fixed transform of an online rotation (model/online.rs), which
+    /// the forward applies by order alone; an error says why order n has no construction here.
+    pub fn plain_hadamard(n: usize) -> Result<Orthogonal, String> {
+        let h = Hadamard::new(n)?;
+        Ok(Orthogonal {
+            n,
+            construction: format!("Hadamard {}", h.describe()),
+            form: Form::Hadamard {
+                h,
+                signs: vec![1.0; n],
+            },
+            fallback: None,
+        })
+    }
+
     /// W ← W · Q for W [rows × n] row-major.
     pub fn right(&self, w: &mut [f64]) {
         let n = self.n;

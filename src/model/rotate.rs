@@ -1,6 +1,7 @@
 //! Rotations fused into the weights (QuaRot / SpinQuant style, issue 23): `boa-cuda rotate` and
 //! `run --rotate`. The output is an ordinary checkpoint of the same architecture that computes the same
-//! function (to rounding) and that any loader runs unchanged: no online transform.
+//! function (to rounding) and that any loader runs unchanged: no online transform. `--rotate-online` adds
+//! QuaRot's R4 (model/online.rs), which does need one: that checkpoint runs in boa-cuda only.
 //!
 //! Row-vector convention (x is a row of the residual stream, a linear computes y = x Wᵀ):
 //! 1. Fold every RMSNorm's weight γ into the linears it feeds: W ← W diag(γ) for q/k/v (attention norm),
@@ -45,6 +46,10 @@ pub struct RotateSpec {
     pub kind: RotationKind,
     /// Seeds the Hadamard signs and the random orthogonal matrices.
     pub seed: u64,
+    /// R4: the online Hadamard of down_proj's input (model/online.rs). Absent from the fingerprint when
+    /// off, so fingerprints of earlier rotated runs are unchanged.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub online: bool,
 }
 
 /// One family of rotations as built (for report.json and stderr).
@@ -65,6 +70,9 @@ pub struct RotationInfo {
     pub seed: u64,
     pub r1: MatrixInfo,
     pub r2: MatrixInfo,
+    /// R4, the online transform of down_proj's input (`--rotate-online`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub r4: Option<MatrixInfo>,
     /// RMSNorm weights folded into the linears after them (2 per layer + the final norm).
     pub norms_folded: usize,
     /// lm_head written apart from the embedding (it was tied; the final norm's weight made them differ).
@@ -86,21 +94,36 @@ impl RotationInfo {
     /// The lines printed on stderr: which matrices were used, and any fallback with its reason.
     pub fn lines(&self) -> Vec<String> {
         let mut v = Vec::new();
-        for (name, m) in [("R1", &self.r1), ("R2", &self.r2)] {
+        for (name, m) in [("R1", &self.r1), ("R2", &self.r2)]
+            .into_iter()
+            .chain(self.r4.as_ref().map(|m| ("R4", m)))
+        {
             let what = if m.count == 1 {
                 format!("{} × {}", m.size, m.size)
             } else {
                 format!("{} of {} × {}", m.count, m.size, m.size)
             };
-            v.push(format!(
-                "rotation {name} ({what}): {}, seed {}",
-                m.construction, self.seed
-            ));
+            v.push(match name {
+                // A fixed Hadamard: the forward rebuilds it from its order.
+                "R4" => format!("rotation {name} ({what}): {}, online", m.construction),
+                _ => format!(
+                    "rotation {name} ({what}): {}, seed {}",
+                    m.construction, self.seed
+                ),
+            });
             if let Some(why) = &m.fallback {
                 v.push(format!(
                     "note: {name} falls back to a random orthogonal matrix: {why}"
                 ));
             }
+        }
+        if self.r4.is_some() {
+            v.push(format!(
+                "note: R4 is applied online before {} (config.json's model_type {}): only boa-cuda runs \
+                 this checkpoint; other loaders refuse it",
+                super::online::BEFORE,
+                super::online::MODEL_TYPE
+            ));
         }
         if self.untied_lm_head {
             v.push(
@@ -113,9 +136,10 @@ impl RotationInfo {
     }
 }
 
-/// Refuses, before any work, a model whose architecture this module cannot fold (read from config.json
-/// alone, so the message is about the rotation whatever else the engine thinks of the model).
-pub fn check_foldable(model_dir: &Path) -> anyhow::Result<()> {
+/// Refuses, before any work, a model whose architecture this module cannot fold, or with `online` one whose
+/// d_ff has no Hadamard matrix here (read from config.json alone, so the message is about the rotation
+/// whatever else the engine thinks of the model).
+pub fn check_foldable(model_dir: &Path, online: bool) -> anyhow::Result<()> {
     let path = model_dir.join("config.json");
     let text =
         std::fs::read_to_string(&path).map_err(|e| file_err(&path, format!("cannot read: {e}")))?;
@@ -125,7 +149,18 @@ pub fn check_foldable(model_dir: &Path) -> anyhow::Result<()> {
         .get(0)
         .and_then(|a| a.as_str())
         .unwrap_or("(none)");
-    check_architecture(arch)
+    check_architecture(arch)?;
+    if json["model_type"].as_str() == Some(super::online::MODEL_TYPE) {
+        return Err(file_err(
+            &path,
+            "already carries an online Hadamard (R4); rotate the original model instead",
+        ));
+    }
+    if online {
+        let d_ff = json["intermediate_size"].as_u64().unwrap_or(0) as usize;
+        super::online::transform(d_ff).map_err(|m| crate::input_err!("{m}"))?;
+    }
+    Ok(())
 }
 
 fn check_architecture(arch: &str) -> anyhow::Result<()> {
@@ -144,10 +179,12 @@ fn check_architecture(arch: &str) -> anyhow::Result<()> {
 struct Rotations {
     r1: Orthogonal,
     r2: Vec<Orthogonal>,
+    /// R4 (`--rotate-online`): folded into down_proj's columns, applied online to its input.
+    r4: Option<Orthogonal>,
 }
 
 impl Rotations {
-    fn new(cfg: &Config, spec: &RotateSpec) -> Rotations {
+    fn new(cfg: &Config, spec: &RotateSpec) -> anyhow::Result<Rotations> {
         let rng = |stream: u64| {
             let mut r = ChaCha8Rng::seed_from_u64(spec.seed);
             r.set_stream(stream);
@@ -157,7 +194,11 @@ impl Rotations {
         let r2 = (0..cfg.n_layers * cfg.n_kv_heads)
             .map(|i| Orthogonal::new(cfg.d_h, spec.kind, &mut rng(1 + i as u64)))
             .collect();
-        Rotations { r1, r2 }
+        let r4 = match spec.online {
+            true => Some(super::online::transform(cfg.d_ff).map_err(|m| crate::input_err!("{m}"))?),
+            false => None,
+        };
+        Ok(Rotations { r1, r2, r4 })
     }
 
     fn r2(&self, cfg: &Config, l: usize, g: usize) -> &Orthogonal {
@@ -183,7 +224,13 @@ pub fn rotate_model(
             "is a quantized checkpoint; rotate the original model instead",
         ));
     }
-    let rot = Rotations::new(cfg, spec);
+    if cfg.block.online_down.is_some() {
+        return Err(file_err(
+            &src.dir,
+            "already carries an online Hadamard (R4); rotate the original model instead",
+        ));
+    }
+    let rot = Rotations::new(cfg, spec)?;
     let (mut folder, _) = OutFolder::prepare(out, force, false, cfg.n_layers + 1)?;
     let result = (|| -> anyhow::Result<bool> {
         let mut bar = progress.bar("rotate", cfg.n_layers as u64, "blocks");
@@ -218,6 +265,12 @@ pub fn rotate_model(
             construction: rot.r2[0].construction.clone(),
             fallback: rot.r2[0].fallback.clone(),
         },
+        r4: rot.r4.as_ref().map(|q| MatrixInfo {
+            size: q.n,
+            count: 1,
+            construction: q.construction.clone(),
+            fallback: None,
+        }),
         norms_folded: 2 * cfg.n_layers + 1,
         untied_lm_head: untied,
         seconds: t0.elapsed().as_secs_f64(),
@@ -234,6 +287,9 @@ pub fn rotate_model(
         }
     }
     config["boa_cuda"] = serde_json::json!({ "rotation": info.config_json() });
+    if let Some(q) = &rot.r4 {
+        super::online::mark(&mut config, q);
+    }
     folder.write_json("config.json", &config)?;
     folder.copy_model_files(&src.dir)?;
     folder.publish()?;
@@ -397,6 +453,10 @@ fn block_entries(
                 rot.r1.left_t(&mut m, lin.d_in);
                 if let Some(b) = &mut b {
                     rot.r1.left_t(b, 1);
+                }
+                // R4: the input arrives as a · Q, so W ← W · Q undoes it (a Q (W Q)ᵀ = a Wᵀ).
+                if let Some(q) = &rot.r4 {
+                    q.right(&mut m);
                 }
             }
             _ => {

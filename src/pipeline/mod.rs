@@ -171,8 +171,8 @@ fn place_t(be: &dyn Backend, t: Tensor, placement: &Placement) -> anyhow::Result
 pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> {
     let t_start = Instant::now();
     opts.validate().map_err(|m| crate::input_err!("{m}"))?;
-    if opts.rotate.is_some() {
-        crate::model::rotate::check_foldable(&opts.model)?;
+    if let Some(r) = &opts.rotate {
+        crate::model::rotate::check_foldable(&opts.model, r.online)?;
     }
     let (be, note) = select_backend_with(opts.device, opts.gemm)?;
     if let Some(n) = note {
@@ -225,6 +225,15 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
         },
         ..opts.clone()
     };
+    // llama.cpp reads no field that could say so: it would run the model without the transform.
+    if opts.format == OutFormat::Gguf
+        && (model.cfg.block.online_down.is_some() || opts.rotate.as_ref().is_some_and(|r| r.online))
+    {
+        return Err(crate::input_err!(
+            "an online Hadamard (--rotate-online, R4) cannot be written as GGUF: llama.cpp would run the \
+             model without it; use --format gptq_v2 or fake and evaluate with boa-cuda"
+        ));
+    }
     if gguf {
         crate::export::gguf_model::check_model(&model.cfg, &model.dir)
             .map_err(|m| crate::input_err!("{m}"))?;
@@ -570,7 +579,8 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                         floor_bytes = 0;
                     } else {
                         // The weights went up in f32 (ResidentWeights::upload) for the FP forward.
-                        floor_bytes = weights.iter().map(|m| 4 * m.len() as u64).sum();
+                        floor_bytes = weights.iter().map(|m| 4 * m.len() as u64).sum::<u64>()
+                            + resident.online_bytes();
                     }
                     drop(weights);
                     let types: Vec<_> = cfg
@@ -598,7 +608,8 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                     });
                     // The quantized block makes the next block's inputs from the Ŵ the quantizer left in the
                     // backend's memory.
-                    let resident = install_quantized(&mut w, quantized)?;
+                    let online = resident.take_online();
+                    let resident = install_quantized(&mut w, quantized, online)?;
                     if needs_calib && l < last_needed {
                         let t = Instant::now();
                         ranged(c"forward", || {
@@ -800,12 +811,18 @@ fn write_hf_configs(
     let cfg = &model.cfg;
     {
         let mut config = cfg.json.clone();
+        // The one entry of the source's own that the output keeps: without it, model_type names a
+        // transform no field describes (model/online.rs).
+        let online = config["boa_cuda"]["online_hadamard"].clone();
         config["boa_cuda"] = serde_json::json!({"quantized": true, "method": opts.method, "wbits": opts.wbits,
             "avg_bits": opts.bits.as_ref().map(|b| b.avg),
             "group_size": opts.group_size.columns().map(|g| g as i64).unwrap_or(-1), "sym": opts.sym,
             "format": opts.format.name()});
         if let Some(info) = rotation {
             config["boa_cuda"]["rotation"] = info.config_json();
+        }
+        if !online.is_null() {
+            config["boa_cuda"]["online_hadamard"] = online;
         }
         if let Some(t) = opts.gguf_type {
             config["boa_cuda"]["gguf_type"] = t.name().into();
@@ -966,6 +983,7 @@ fn stored_entries(model: &Model, l: usize) -> anyhow::Result<Vec<TensorEntry<'_>
 fn install_quantized(
     w: &mut BlockWeights,
     quantized: Vec<(crate::ops::QuantizedLinear, quantize_block::LinearReport)>,
+    online: Option<Tensor>,
 ) -> anyhow::Result<ResidentWeights> {
     use crate::ops::MatData;
     let mut resident = Vec::with_capacity(quantized.len());
@@ -984,7 +1002,7 @@ fn install_quantized(
             MatData::F64(_) => anyhow::bail!("{name}: Ŵ came back in f64"),
         }
     }
-    Ok(ResidentWeights::from_tensors(resident))
+    Ok(ResidentWeights::from_tensors(resident, online))
 }
 
 /// Block l with each linear's weight replaced by its quantized form (`quantized`, in the description's order):

@@ -81,6 +81,7 @@ pub(super) fn describe(raw: &RawConfig, dims: Dims) -> Result<BlockDesc, String>
         embed_scale: Some((dims.d as f64).sqrt() as f32),
         layer_rope: Some(layer_rope),
         moe: None,
+        online_down: None,
     })
 }
 

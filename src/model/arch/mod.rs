@@ -159,6 +159,9 @@ pub struct BlockDesc {
     pub layer_rope: Option<Vec<RopeSpec>>,
     /// A mixture-of-experts MLP instead of the dense one (its experts' linears are in `linears`).
     pub moe: Option<MoeDesc>,
+    /// An online Hadamard transform of down_proj's input of this order (`model/online.rs`): set by the
+    /// checkpoint's config.json, not by the architecture.
+    pub online_down: Option<usize>,
 }
 
 /// The MLP activations here.
@@ -354,6 +357,7 @@ pub(super) fn swiglu_block(
         embed_scale: None,
         layer_rope: None,
         moe: None,
+        online_down: None,
     }
 }
 
