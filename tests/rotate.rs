@@ -140,7 +140,8 @@ fn rotate_refuses_blocks_it_cannot_fold() {
 
 /// `rotate --online` (QuaRot's R4, src/model/online.rs): the FP model with the online Hadamard before
 /// down_proj is the same function in our eval; config.json's model_type makes transformers refuse the
-/// folder instead of running it without the transform; a second rotation and a GGUF output are refused.
+/// folder, and GPTQModel a packed checkpoint quantized from it, instead of running either without the
+/// transform; a second rotation and a GGUF output are refused.
 #[test]
 fn online_rotation_keeps_the_fp_model_and_other_loaders_refuse_it() {
     let tmp = tempfile::tempdir().unwrap();
@@ -163,20 +164,54 @@ fn online_rotation_keeps_the_fp_model_and_other_loaders_refuse_it() {
         "R4-rotated FP {after} vs {before} (rel {rel:.1e})"
     );
 
-    let py = loaders_python("transformers");
-    let load = std::process::Command::new(&py)
-        .args([
-            "-c",
-            "import sys, transformers; transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1])",
-            s(&out),
-        ])
-        .output()
-        .unwrap();
-    let load_err = String::from_utf8_lossy(&load.stderr);
+    // One block packed (RTN, seconds): the packed output keeps the mark, and our eval applies the transform.
+    let packed = tmp.path().join("packed");
+    let (code, _, err) = run(&[
+        "run",
+        "--model",
+        s(&out),
+        "--method",
+        "rtn",
+        "--wbits",
+        "4",
+        "--group-size",
+        "64",
+        "--layers",
+        "0",
+        "--format",
+        "gptq_v2",
+        "--out",
+        s(&packed),
+        "--quiet",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let packed_ppl = ppl(&packed);
     assert!(
-        !load.status.success() && load_err.contains(boa_cuda::model::online::MODEL_TYPE),
-        "transformers should refuse the R4 folder by its model_type: {load_err}"
+        (packed_ppl - after).abs() / after < 0.05,
+        "one RTN 4-bit block moved the R4 model's perplexity from {after} to {packed_ppl}"
     );
+    let py = loaders_python("gptqmodel, transformers");
+    for (dir, load) in [
+        (
+            &out,
+            "import sys, transformers; transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1])",
+        ),
+        (
+            &packed,
+            "import sys; from gptqmodel import GPTQModel; GPTQModel.load(sys.argv[1], device='cpu')",
+        ),
+    ] {
+        let r = std::process::Command::new(&py)
+            .args(["-c", load, s(dir)])
+            .output()
+            .unwrap();
+        let load_err = String::from_utf8_lossy(&r.stderr);
+        assert!(
+            !r.status.success() && load_err.contains(boa_cuda::model::online::MODEL_TYPE),
+            "{load}: should refuse {} by its model_type: {load_err}",
+            dir.display()
+        );
+    }
 
     let again = tmp.path().join("again");
     assert_user_error(
