@@ -45,10 +45,15 @@ fn mean_errors(report: &Path) -> BTreeMap<String, f64> {
 }
 
 fn synth_model(dir: &Path) -> PathBuf {
-    let model = dir.join("synth");
+    synth_model_with(dir, "synth", 688)
+}
+
+/// The synthesized GQA model (d 256, 4 heads over 2 KV heads) with MLP width `d_ff`, in `dir/name`.
+fn synth_model_with(dir: &Path, name: &str, d_ff: usize) -> PathBuf {
+    let model = dir.join(name);
     let spec = SynthSpec {
         d: 256,
-        d_ff: 688,
+        d_ff,
         n_heads: 4,
         n_kv_heads: 2,
         ..SynthSpec::tiny()
@@ -207,16 +212,7 @@ fn run_on_cuda_matches_run_on_the_cpu() {
 
 /// The synthesized GQA model with a d_ff that has a Hadamard matrix here (640 = 20 ⊗ 32), for R4.
 fn synth_model_r4(dir: &Path) -> PathBuf {
-    let model = dir.join("synth-r4");
-    let spec = SynthSpec {
-        d: 256,
-        d_ff: 640,
-        n_heads: 4,
-        n_kv_heads: 2,
-        ..SynthSpec::tiny()
-    };
-    write_model(&model, &spec).unwrap();
-    model
+    synth_model_with(dir, "synth-r4", 640)
 }
 
 /// `--rotate --rotate-online` (QuaRot's R4, model/online.rs): the online Hadamard before down_proj runs as

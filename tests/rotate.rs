@@ -30,6 +30,59 @@ fn ppl(model: &Path) -> f64 {
     v["perplexity"].as_f64().unwrap()
 }
 
+/// BoA on the demo model, `wbits` bits with groups of `group` (-1 per-channel), 4 × 256 calibration tokens of
+/// the speeches before 2000, `--format fake`, plus `extra`; the output folder `tmp/name` (asserted written)
+/// and its config.json.
+fn demo_boa(
+    tmp: &Path,
+    name: &str,
+    wbits: &str,
+    group: &str,
+    extra: &[&str],
+) -> (std::path::PathBuf, serde_json::Value) {
+    let demo = demo_model();
+    let calib = sotu_speeches(|y| y < 2000);
+    let out = tmp.join(name);
+    let mut a = vec![
+        "run",
+        "--model",
+        s(&demo),
+        "--method",
+        "boa",
+        "--wbits",
+        wbits,
+        "--group-size",
+        group,
+        "--format",
+        "fake",
+        "--nsamples",
+        "4",
+        "--seqlen",
+        "256",
+        "--out",
+        s(&out),
+        "--quiet",
+    ];
+    a.extend_from_slice(extra);
+    a.push("--calib");
+    a.extend(calib.iter().map(|c| c.as_str()));
+    let (code, _, err) = run(&a);
+    assert_eq!(code, 0, "{name} {extra:?}: {err}");
+    let cfg = serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
+    (out, cfg)
+}
+
+/// The tiny model with its config.json changed by `edit` (what the refusals read before any work).
+fn tiny_model_edited(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) -> std::path::PathBuf {
+    let m = tiny_model(dir);
+    let cfg_path = m.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&cfg_path).unwrap()).unwrap();
+    edit(&mut cfg);
+    std::fs::write(&cfg_path, serde_json::to_vec(&cfg).unwrap()).unwrap();
+    m
+}
+
 /// Measured 2026-12-02 (2-core Xeon): 53.25249595 → 53.25248537 (rel 2e-7), f32 rotated weights.
 #[test]
 fn rotation_keeps_the_fp_model() {
@@ -67,38 +120,9 @@ fn rotation_keeps_the_fp_model() {
 #[test]
 fn rotated_boa_3bit_beats_unrotated() {
     let tmp = tempfile::tempdir().unwrap();
-    let demo = demo_model();
-    let calib = sotu_speeches(|y| y < 2000);
     let mut results = Vec::new();
-    for rotate in [false, true] {
-        let out = tmp.path().join(format!("boa-{rotate}"));
-        let mut a = vec![
-            "run",
-            "--model",
-            s(&demo),
-            "--method",
-            "boa",
-            "--wbits",
-            "3",
-            "--group-size",
-            "-1",
-            "--format",
-            "fake",
-            "--nsamples",
-            "4",
-            "--seqlen",
-            "256",
-            "--out",
-            s(&out),
-            "--quiet",
-        ];
-        if rotate {
-            a.push("--rotate");
-        }
-        a.push("--calib");
-        a.extend(calib.iter().map(|c| c.as_str()));
-        let (code, _, err) = run(&a);
-        assert_eq!(code, 0, "rotate {rotate}: {err}");
+    for (name, extra) in [("boa", &[][..]), ("boa-rotated", &["--rotate"][..])] {
+        let (out, _) = demo_boa(tmp.path(), name, "3", "-1", extra);
         // The rotated copy the run calibrated on is not part of the output.
         assert!(!out.join("rotated").exists());
         results.push(ppl(&out));
@@ -113,12 +137,9 @@ fn rotated_boa_3bit_beats_unrotated() {
 #[test]
 fn rotate_refuses_blocks_it_cannot_fold() {
     let tmp = tempfile::tempdir().unwrap();
-    let m = tiny_model(tmp.path());
-    let cfg_path = m.join("config.json");
-    let mut cfg: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&cfg_path).unwrap()).unwrap();
-    cfg["architectures"] = serde_json::json!(["Qwen3ForCausalLM"]);
-    std::fs::write(&cfg_path, serde_json::to_vec(&cfg).unwrap()).unwrap();
+    let m = tiny_model_edited(tmp.path(), |cfg| {
+        cfg["architectures"] = serde_json::json!(["Qwen3ForCausalLM"])
+    });
     let out = tmp.path().join("out");
     for args in [
         vec!["rotate", "--model", s(&m), "--out", s(&out)],
@@ -255,41 +276,12 @@ fn online_rotation_keeps_the_fp_model_and_other_loaders_refuse_it() {
 #[test]
 fn online_rotation_helps_boa_at_2_bits() {
     let tmp = tempfile::tempdir().unwrap();
-    let demo = demo_model();
-    let calib = sotu_speeches(|y| y < 2000);
     let mut results = Vec::new();
-    for online in [false, true] {
-        let out = tmp.path().join(format!("boa-{online}"));
-        let mut a = vec![
-            "run",
-            "--model",
-            s(&demo),
-            "--method",
-            "boa",
-            "--wbits",
-            "2",
-            "--group-size",
-            "64",
-            "--format",
-            "fake",
-            "--nsamples",
-            "4",
-            "--seqlen",
-            "256",
-            "--rotate",
-            "--out",
-            s(&out),
-            "--quiet",
-        ];
-        if online {
-            a.push("--rotate-online");
-        }
-        a.push("--calib");
-        a.extend(calib.iter().map(|c| c.as_str()));
-        let (code, _, err) = run(&a);
-        assert_eq!(code, 0, "online {online}: {err}");
-        let cfg: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
+    for (online, extra) in [
+        (false, &["--rotate"][..]),
+        (true, &["--rotate", "--rotate-online"][..]),
+    ] {
+        let (out, cfg) = demo_boa(tmp.path(), &format!("boa-{online}"), "2", "64", extra);
         assert_eq!(
             cfg["model_type"] == boa_cuda::model::online::MODEL_TYPE,
             online,
@@ -309,13 +301,8 @@ fn online_rotation_helps_boa_at_2_bits() {
 #[test]
 fn online_rotation_refuses_what_it_cannot_build() {
     let tmp = tempfile::tempdir().unwrap();
-    let m = tiny_model(tmp.path());
-    let cfg_path = m.join("config.json");
-    let mut cfg: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&cfg_path).unwrap()).unwrap();
     // 52 = 4 · 13: no Sylvester, Paley (prime q) or Kronecker construction.
-    cfg["intermediate_size"] = 52.into();
-    std::fs::write(&cfg_path, serde_json::to_vec(&cfg).unwrap()).unwrap();
+    let m = tiny_model_edited(tmp.path(), |cfg| cfg["intermediate_size"] = 52.into());
     let out = tmp.path().join("out");
     assert_user_error(
         &["rotate", "--model", s(&m), "--out", s(&out), "--online"],
