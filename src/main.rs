@@ -10,7 +10,7 @@ use boa_cuda::model::orthogonal::RotationKind;
 use boa_cuda::model::rotate::RotateSpec;
 use boa_cuda::pipeline::options::{
     AllocProxy, AllocScope, AllocUnit, BitAllocation, GroupSize, LayerSet, Method, MoeHessian,
-    Projection, RunOptions, ScaleSearchArg, VRowHessian,
+    Projection, QkNormHessian, RunOptions, ScaleSearchArg, VRowHessian,
 };
 use boa_cuda::progress::Progress;
 use clap::{Parser, Subcommand};
@@ -51,11 +51,16 @@ enum Cmd {
         /// Seed of the Hadamard signs and random matrices.
         #[arg(long, default_value_t = 0)]
         seed: u64,
-        /// Also QuaRot's R4: an online Hadamard transform of down_proj's input (order d_ff), its inverse
-        /// folded into down_proj. Only boa-cuda runs the result: config.json's model_type becomes
+        /// Also QuaRot's R4: an online Hadamard transform of down_proj's input (in blocks: I ⊗ H_b), its
+        /// inverse folded into down_proj. Only boa-cuda runs the result: config.json's model_type becomes
         /// boa_cuda_online_hadamard, so other loaders refuse it instead of computing another function.
         #[arg(long)]
         online: bool,
+        /// R4's block order b (a divisor of intermediate_size with a Hadamard matrix); default: the largest
+        /// such divisor up to 2048 (the whole width on the demo model; 256 at Llama-2-7B's 11008). Larger
+        /// blocks mix more columns and cost more in the forward (d_ff · b per token).
+        #[arg(long, requires = "online")]
+        online_block: Option<usize>,
         /// Replace --out if it exists.
         #[arg(long)]
         force: bool,
@@ -299,6 +304,12 @@ struct RunArgs {
     /// README's 128 × 512 table, and the only one with BoA < GPTQ at 2 bits) or wout (the paper's Table 1).
     #[arg(long, value_enum, default_value_t = VRowHessian::Identity)]
     v_row_hessian: VRowHessian,
+    /// BoA's row Hessians of W_Q and W_K where the model has a per-head q/k norm (Qwen3, Gemma 3): diag
+    /// (the norm's weight and mean scale only) or exact (each token's norm Jacobian, which removes the part of
+    /// an error along q that the norm undoes; a second pass over each block's input for the pre-norm q and k,
+    /// computed on the host even on a GPU). No effect on models without a q/k norm.
+    #[arg(long, value_enum, default_value_t = QkNormHessian::Diag)]
+    qk_norm_hessian: QkNormHessian,
     /// --method boa: the attention projections BoA quantizes, comma-separated (default q,k,v); the others of
     /// q/k/v go through GPTQ on their input's XᵀX, like o and the MLP. To find which projection BoA helps or
     /// hurts on a model.
@@ -338,6 +349,9 @@ struct RunArgs {
     /// becomes boa_cuda_online_hadamard (other loaders refuse it) and --format gguf is refused.
     #[arg(long, requires = "rotate")]
     rotate_online: bool,
+    /// R4's block order (see `rotate --online-block`).
+    #[arg(long, requires = "rotate_online")]
+    rotate_online_block: Option<usize>,
     /// Blocks to quantize, e.g. 0-3,8,10-12 (default: all); the others are copied through unchanged.
     #[arg(long)]
     layers: Option<String>,
@@ -440,6 +454,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 static_groups: a.static_groups,
                 scale_search,
                 v_row_hessian: a.v_row_hessian,
+                qk_norm_hessian: a.qk_norm_hessian,
                 boa_on: a.boa_on.clone(),
                 moe_hessian: a.moe_hessian,
                 moe_min_tokens: a.moe_min_tokens,
@@ -465,6 +480,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     kind,
                     seed: a.rotate_seed.unwrap_or(0),
                     online: a.rotate_online,
+                    online_block: a.rotate_online_block,
                 }),
             };
             let r = boa_cuda::pipeline::run(&opts, &progress)?;
@@ -498,18 +514,24 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             kind,
             seed,
             online,
+            online_block,
             force,
             quiet,
         } => {
             use boa_cuda::model::rotate;
             let progress = Progress::auto(quiet);
-            rotate::check_foldable(&model, online)?;
+            let spec = RotateSpec {
+                kind,
+                seed,
+                online,
+                online_block,
+            };
+            rotate::check_foldable(&model, &spec)?;
             let src = Model::open(&model)?;
-            let spec = RotateSpec { kind, seed, online };
             let info = rotate::rotate_model(&src, &out, &spec, force, &progress)?;
             rotate::print_info(&info, &progress);
             let r4 = match &info.r4 {
-                Some(m) => format!(", R4 {} × {} online", m.size, m.size),
+                Some(m) => format!(", R4 {} of {} × {} online", m.count, m.size, m.size),
                 None => String::new(),
             };
             println!(
@@ -784,6 +806,7 @@ fn bench_quant(
                 static_groups: false,
                 scale_search: ScaleSearchArg::Hessian,
                 v_row_hessian: VRowHessian::Identity,
+                qk_norm_hessian: QkNormHessian::Diag,
                 boa_on: None,
                 moe_hessian: MoeHessian::Tokens,
                 moe_min_tokens: 64,

@@ -164,6 +164,28 @@ fn gemma3_model(dir: &Path) -> PathBuf {
     model
 }
 
+/// A small Gemma 3 (d 128, 2 query heads over 1 KV head of 64 dims, block 0 local with window 48): q/k norms
+/// at a size the emulator runs in seconds.
+fn small_gemma3_model(dir: &Path) -> PathBuf {
+    let model = dir.join("gemma3-small");
+    let spec = SynthSpec {
+        arch: SynthArch::Gemma3 {
+            head_dim: 64,
+            sliding_window: 48,
+            global_every: 2,
+        },
+        d: 128,
+        d_ff: 256,
+        n_heads: 2,
+        n_kv_heads: 1,
+        tie_word_embeddings: true,
+        seed: 5,
+        ..SynthSpec::tiny()
+    };
+    write_model(&model, &spec).unwrap();
+    model
+}
+
 /// A temporary folder holding the model `make` writes, or None (after printing why) without a CUDA device.
 fn cuda_and(make: fn(&Path) -> PathBuf) -> Option<(tempfile::TempDir, PathBuf)> {
     if let Err(why) = boa_cuda::backend::cuda::CudaBackend::new(0) {
@@ -570,4 +592,26 @@ fn run_gemma3_on_cuda_matches_the_cpu_and_is_resident() {
         let (_, report) = compare_devices_as(tmp.path(), &model, (4, 128), cfg, "gptq_v2");
         assert_traffic_bounds(cfg, &report);
     }
+}
+
+/// `--qk-norm-hessian exact` (BoA's Q/K row Hessians with each token's q/k-norm Jacobian): the second pass over
+/// each block's input runs on the device's own q/k projections; the sums themselves are the CPU's (a host round
+/// trip, documented in the CUDA backend), so the errors agree as the other configs' do.
+#[test]
+fn run_with_exact_qk_norm_hessians_on_cuda_matches_the_cpu() {
+    let Some((tmp, model)) = cuda_and(small_gemma3_model) else {
+        return;
+    };
+    let cfg = [
+        "--method",
+        "boa",
+        "--qk-norm-hessian",
+        "exact",
+        "--wbits",
+        "3",
+        "--group-size",
+        "-1",
+        "--quiet",
+    ];
+    compare_devices(tmp.path(), &model, (4, 128), &cfg);
 }

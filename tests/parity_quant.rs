@@ -486,7 +486,7 @@ fn parity_statistics(ops: &dyn QuantOps, at: &Place, xxt_tol: f64, attn_tol: f64
 
     // V's column statistics, through the algorithms' Accumulator (stat_v_col, then stat_finish with the query
     // heads per KV head as divisor): GQA 2:1 and 4:1, d_h 64, 72 and 128, d off the tiles, several sequences;
-    // d_h = 136 and 256 (Gemma 3: the kernels' wide instantiations); sliding windows (Mistral, Gemma 3's local
+    // d_h = 136 and 256 (Gemma 3: the kernels' wide instantiations) and 320 (past them); sliding windows (Mistral, Gemma 3's local
     // layers) shorter than a key tile, crossing tiles, and rows whose window starts past the first tiles.
     for (n_seq, s) in [
         (
@@ -586,6 +586,18 @@ fn parity_statistics(ops: &dyn QuantOps, at: &Place, xxt_tol: f64, attn_tol: f64
                 h: 2,
                 h_kv: 1,
                 d_h: 256,
+                d: 40,
+                window: None,
+            },
+        ),
+        // Wider than the attention tiles (CUDA: the CPU's sums added to its accumulator).
+        (
+            2,
+            AttnShape {
+                t: 24,
+                h: 2,
+                h_kv: 1,
+                d_h: 320,
                 d: 40,
                 window: None,
             },
@@ -700,6 +712,69 @@ fn rope_avg_ref(c: &[f64], d_h: usize, theta: &[f64], positions: usize) -> Vec<f
     }
     m.iter_mut().for_each(|v| *v /= positions.max(1) as f64);
     m
+}
+
+/// QuantOps::stat_norm_jacobian (BoA's exact Q/K row Hessians behind a q/k norm) against Σ_t J_tᵀ A J_t per
+/// head with the analytic J_t = (I − v_t v_tᵀ) / r_t, v_t = q_t / (√d_h r_t), in f64 token by token (not the
+/// oracle's Gram expansion), finished as (2/N)·Σ. d_h 64 with 3 heads and Gemma 3's 256 with one, 600 tokens
+/// in two calls (the second crosses a 512-token chunk). Tolerance: f32 Grams of the CPU (≤ 1e-5 normwise);
+/// CUDA (today the CPU's sums added to its f32 accumulator) the same.
+fn parity_norm_jacobian(ops: &dyn QuantOps, at: &Place) {
+    let mut rng = rng();
+    let who = &at.name;
+    for (heads, d_h) in [(3usize, 64usize), (1, 256)] {
+        let (m, eps, dd) = (600usize, 1e-6f32, d_h * d_h);
+        let common = randn(&mut rng, d_h, 1.0);
+        let mut x = randn(&mut rng, m * heads * d_h, 0.5);
+        for (i, v) in x.iter_mut().enumerate() {
+            *v += 2.0 * common[i % d_h] * (1 + (i / (heads * d_h)) % 5) as f32;
+        }
+        let a: Vec<f64> = (0..heads).flat_map(|_| spd(&mut rng, d_h)).collect();
+        let a = f32_exact(&a);
+        let mut reference = vec![0f64; heads * dd];
+        for t in 0..m {
+            for h in 0..heads {
+                let q = to64(&x[(t * heads + h) * d_h..][..d_h]);
+                let r2 = q.iter().map(|v| v * v).sum::<f64>() / d_h as f64 + eps as f64;
+                let v: Vec<f64> = q.iter().map(|e| e / (d_h as f64 * r2).sqrt()).collect();
+                // P A P / r² with P = I − v vᵀ: (A − v (Av)ᵀ − (Av) vᵀ + (vᵀAv) v vᵀ) / r²
+                let ah = &a[h * dd..(h + 1) * dd];
+                let av: Vec<f64> = (0..d_h)
+                    .map(|i| (0..d_h).map(|k| ah[i * d_h + k] * v[k]).sum())
+                    .collect();
+                let vav: f64 = v.iter().zip(&av).map(|(p, q)| p * q).sum();
+                for i in 0..d_h {
+                    for j in 0..d_h {
+                        reference[h * dd + i * d_h + j] +=
+                            (ah[i * d_h + j] - v[i] * av[j] - av[i] * v[j] + vav * v[i] * v[j])
+                                / r2;
+                    }
+                }
+            }
+        }
+        reference.iter_mut().for_each(|e| *e *= 2.0 / m as f64);
+        let am = at.f64(a.clone(), heads, d_h, d_h);
+        let mut acc = ops.stat_acc(heads, d_h).unwrap();
+        let split = 100;
+        let (x0, x1) = x.split_at(split * heads * d_h);
+        ops.stat_norm_jacobian(&mut acc, &at.tensor(x0.to_vec()), split, &am, eps)
+            .expect("stat_norm_jacobian");
+        ops.stat_norm_jacobian(&mut acc, &at.tensor(x1.to_vec()), m - split, &am, eps)
+            .expect("stat_norm_jacobian");
+        let h = ops.stat_finish(acc, m, 1.0).unwrap();
+        let err = rel_err(&ops.read_f64(&h).unwrap(), &reference);
+        assert!(
+            err <= 1e-5,
+            "{who}: stat_norm_jacobian {heads} × d_h {d_h}: rel. error {err:.3e}"
+        );
+    }
+    // Refused: A of the wrong shape.
+    let mut acc = ops.stat_acc(2, 4).unwrap();
+    let a = at.f64(vec![0.0; 16], 1, 4, 4);
+    assert!(
+        ops.stat_norm_jacobian(&mut acc, &at.tensor(vec![1.0; 8]), 1, &a, 1e-6)
+            .is_err()
+    );
 }
 
 /// QuantOps::rope_row_hessians (BoA's H_row of W_Q and W_K) against `rope_avg_ref`: W_Q from KV-head
@@ -2547,6 +2622,16 @@ fn parity_rope_row_hessians_cpu() {
 #[test]
 fn parity_rope_row_hessians_cuda() {
     with_cuda(|b| parity_rope_row_hessians(b, &Place::cuda(b)));
+}
+
+#[test]
+fn parity_norm_jacobian_cpu() {
+    parity_norm_jacobian(&CpuBackend, &Place::cpu());
+}
+
+#[test]
+fn parity_norm_jacobian_cuda() {
+    with_cuda(|b| parity_norm_jacobian(b, &Place::cuda(b)));
 }
 
 #[test]

@@ -294,3 +294,84 @@ fn v_column_statistic_case(
         &format!("V H_col (window {window:?})"),
     );
 }
+
+/// The exact row Hessian behind a q/k norm (`QuantOps::stat_norm_jacobian`) against Σ_t J_tᵀ A J_t with
+/// each J_t taken by central differences of q ↦ q / √(mean(q²) + ε) in f64: the Jacobian's derivation and
+/// the S A − C A − A C + F expansion both, over 700 tokens (two chunks) fed in two batches. The queries share
+/// a strong common direction, as trained queries do, so dropping the projection (the diag approximation,
+/// E[1/r²]·A) is far off; the test asserts that too, so it fails if the exact form degenerates to it.
+#[test]
+fn norm_jacobian_equals_finite_differences() {
+    let (heads, d_h, m, eps) = (2usize, 16usize, 700usize, 1e-6f32);
+    let mut r = rng(7);
+    let common = randn_vec(&mut r, d_h);
+    let mut x = vec![0f32; m * heads * d_h];
+    for t in 0..m {
+        let scale = 0.2 + 3.0 * (t % 7) as f64 / 7.0;
+        for h in 0..heads {
+            let z = randn_vec(&mut r, d_h);
+            for j in 0..d_h {
+                x[t * heads * d_h + h * d_h + j] = (scale * (2.0 * common[j] + 0.5 * z[j])) as f32;
+            }
+        }
+    }
+    let a: Vec<f64> = (0..heads).flat_map(|_| random_spd(&mut r, d_h)).collect();
+    let dd = d_h * d_h;
+    let norm = |q: &[f64]| -> Vec<f64> {
+        let r2 = q.iter().map(|v| v * v).sum::<f64>() / d_h as f64 + eps as f64;
+        q.iter().map(|v| v / r2.sqrt()).collect()
+    };
+    let (mut brute, mut approx) = (vec![0f64; heads * dd], vec![0f64; heads * dd]);
+    for t in 0..m {
+        for h in 0..heads {
+            let q: Vec<f64> = widen(&x[t * heads * d_h + h * d_h..][..d_h]);
+            // J[i][k] = ∂n_i/∂q_k
+            let mut jac = vec![0f64; dd];
+            for k in 0..d_h {
+                let step = 1e-6 * q[k].abs().max(1e-3);
+                let (mut up, mut dn) = (q.clone(), q.clone());
+                up[k] += step;
+                dn[k] -= step;
+                let (nu, nd) = (norm(&up), norm(&dn));
+                for i in 0..d_h {
+                    jac[i * d_h + k] = (nu[i] - nd[i]) / (2.0 * step);
+                }
+            }
+            let ah = &a[h * dd..(h + 1) * dd];
+            let r2 = q.iter().map(|v| v * v).sum::<f64>() / d_h as f64 + eps as f64;
+            for i in 0..d_h {
+                for j in 0..d_h {
+                    let mut v = 0.0;
+                    for p in 0..d_h {
+                        for s in 0..d_h {
+                            v += jac[p * d_h + i] * ah[p * d_h + s] * jac[s * d_h + j];
+                        }
+                    }
+                    brute[h * dd + i * d_h + j] += v;
+                    approx[h * dd + i * d_h + j] += ah[i * d_h + j] / r2;
+                }
+            }
+        }
+    }
+    let ops = CpuBackend;
+    let am = boa_cuda::ops::Mat::f64(a.clone(), heads, d_h, d_h);
+    let mut acc = Accumulator::heads(&ops, heads, d_h).unwrap();
+    let split = 300 * heads * d_h;
+    acc.add_norm_jacobian(&ops, &Tensor::Host(x[..split].to_vec()), 300, &am, eps)
+        .unwrap();
+    acc.add_norm_jacobian(&ops, &Tensor::Host(x[split..].to_vec()), m - 300, &am, eps)
+        .unwrap();
+    assert_eq!(acc.n_tokens(), m);
+    let got = values(acc);
+    // `finish` scales by 2/N
+    let scaled = |v: &[f64]| -> Vec<f64> { v.iter().map(|x| x * 2.0 / m as f64).collect() };
+    let (brute, approx) = (scaled(&brute), scaled(&approx));
+    let rel = |a: &[f64], b: &[f64]| {
+        let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+        (num / b.iter().map(|y| y * y).sum::<f64>()).sqrt()
+    };
+    let (err, off) = (rel(&got, &brute), rel(&approx, &brute));
+    println!("exact vs finite differences {err:.2e}; the diag approximation {off:.2e}");
+    assert!(err < 1e-4, "exact form: rel. error {err:.3e}");
+    assert!(off > 0.1, "the diag approximation is only {off:.3e} off");
+}

@@ -94,6 +94,7 @@ fn statistics_over_chunks_match_one_chunk() {
         &rope,
         &x,
         true,
+        false,
         MoeStats::default(),
     )
     .unwrap();
@@ -105,6 +106,7 @@ fn statistics_over_chunks_match_one_chunk() {
         &rope,
         &whole,
         true,
+        false,
         MoeStats::default(),
     )
     .unwrap();
@@ -267,6 +269,7 @@ fn resident_forward_and_statistics_on_cuda() {
         &rope,
         &xs,
         true,
+        false,
         MoeStats::default(),
     )
     .unwrap();
@@ -278,6 +281,7 @@ fn resident_forward_and_statistics_on_cuda() {
         &rope,
         &host_tensors(&chunks),
         true,
+        false,
         MoeStats::default(),
     )
     .unwrap();
@@ -298,6 +302,7 @@ fn resident_forward_and_statistics_on_cuda() {
         &rope,
         &parked,
         true,
+        false,
         MoeStats::default(),
     )
     .unwrap();

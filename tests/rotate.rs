@@ -170,7 +170,7 @@ fn online_rotation_keeps_the_fp_model_and_other_loaders_refuse_it() {
     let demo = demo_model();
     let (code, stdout, err) = run(&["rotate", "--model", s(&demo), "--out", s(&out), "--online"]);
     assert_eq!(code, 0, "{err}");
-    assert!(stdout.contains("R4 1536 × 1536 online"), "{stdout}");
+    assert!(stdout.contains("R4 1 of 1536 × 1536 online"), "{stdout}");
     assert!(err.contains("only boa-cuda runs this checkpoint"), "{err}");
     let cfg: serde_json::Value =
         serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
@@ -184,6 +184,31 @@ fn online_rotation_keeps_the_fp_model_and_other_loaders_refuse_it() {
         rel < 1e-4,
         "R4-rotated FP {after} vs {before} (rel {rel:.1e})"
     );
+    // In blocks of 512 (I_3 ⊗ H_512): the fold and the forward read the same blocks.
+    let blocks = tmp.path().join("r4-512");
+    let (code, stdout, err) = run(&[
+        "rotate",
+        "--model",
+        s(&demo),
+        "--out",
+        s(&blocks),
+        "--online",
+        "--online-block",
+        "512",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(stdout.contains("R4 3 of 512 × 512 online"), "{stdout}");
+    let bcfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(blocks.join("config.json")).unwrap()).unwrap();
+    assert_eq!(bcfg["boa_cuda"]["online_hadamard"]["block"], 512);
+    let in_blocks = ppl(&blocks);
+    let rel = (in_blocks - before).abs() / before;
+    eprintln!("FP {before} rotated with R4 in blocks of 512 {in_blocks} (rel {rel:.1e})");
+    assert!(
+        rel < 1e-4,
+        "R4-rotated (blocks of 512) FP {in_blocks} vs {before} (rel {rel:.1e})"
+    );
+    std::fs::remove_dir_all(&blocks).unwrap();
 
     // One block packed (RTN, seconds): the packed output keeps the mark, and our eval applies the transform.
     let packed = tmp.path().join("packed");
@@ -296,8 +321,8 @@ fn online_rotation_helps_boa_at_2_bits() {
     assert!(results[1] < results[0], "{results:?}");
 }
 
-/// An intermediate size with no Hadamard construction here, and --rotate-online without --rotate, are
-/// refused before any work.
+/// An intermediate size with no block of 64 or more with a Hadamard construction here, a block that does not
+/// divide it, and --rotate-online without --rotate, are refused before any work.
 #[test]
 fn online_rotation_refuses_what_it_cannot_build() {
     let tmp = tempfile::tempdir().unwrap();
@@ -306,7 +331,11 @@ fn online_rotation_refuses_what_it_cannot_build() {
     let out = tmp.path().join("out");
     assert_user_error(
         &["rotate", "--model", s(&m), "--out", s(&out), "--online"],
-        &["--rotate-online", "d_ff = 52"],
+        &[
+            "--rotate-online",
+            "intermediate_size 52",
+            "the largest is 4",
+        ],
     );
     assert_user_error(
         &[
@@ -320,7 +349,27 @@ fn online_rotation_refuses_what_it_cannot_build() {
             "--out",
             s(&out),
         ],
-        &["--rotate-online", "d_ff = 52"],
+        &[
+            "--rotate-online",
+            "intermediate_size 52",
+            "the largest is 4",
+        ],
+    );
+    assert_user_error(
+        &[
+            "rotate",
+            "--model",
+            s(&m),
+            "--out",
+            s(&out),
+            "--online",
+            "--online-block",
+            "8",
+        ],
+        &[
+            "--rotate-online-block 8",
+            "does not divide intermediate_size 52",
+        ],
     );
     assert!(!out.exists());
     let (code, _, err) = run(&[

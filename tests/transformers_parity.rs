@@ -464,10 +464,21 @@ fn every_method_quantizes_every_architecture_to_a_loadable_checkpoint() {
         let dir = root.join(name);
         let fp = eval_ppl(&dir, &calib);
         let r = reference(&dir);
-        let n_linears = Model::open(&dir).unwrap().cfg.block.linears.len();
+        let opened = Model::open(&dir).unwrap();
+        let n_linears = opened.cfg.block.linears.len();
         table.push(format!("{name:<11} {:<6} {fp:>12.4e}", "fp"));
-        for method in ["rtn", "gptq", "boa"] {
+        // Behind a q/k norm, BoA also with each token's norm Jacobian in its Q/K row Hessians ("boa-x").
+        let methods: &[&str] = match opened.cfg.block.qk_norm() {
+            true => &["rtn", "gptq", "boa", "boa-x"],
+            false => &["rtn", "gptq", "boa"],
+        };
+        let mut boa_err2 = None;
+        for &method in methods {
             let out = tmp.path().join(format!("{name}-{method}"));
+            let (m, exact) = match method {
+                "boa-x" => ("boa", "exact"),
+                m => (m, "diag"),
+            };
             let (code, _, err) = run(&[
                 "run",
                 "--model",
@@ -475,7 +486,9 @@ fn every_method_quantizes_every_architecture_to_a_loadable_checkpoint() {
                 "--calib",
                 s(&calib),
                 "--method",
-                method,
+                m,
+                "--qk-norm-hessian",
+                exact,
                 "--wbits",
                 "4",
                 "--group-size",
@@ -527,9 +540,16 @@ fn every_method_quantizes_every_architecture_to_a_loadable_checkpoint() {
             assert!(ppl.is_finite(), "{name} {method}: ppl {ppl}");
             // ‖Δlogits‖² / ‖logits‖² against the FP model's (transformers') on its windows: the whole
             // model's output error, a steadier measure than the perplexity of a random model.
+            let err2 = logits_rel_err2(&out, &r);
+            match method {
+                "boa" => boa_err2 = Some(err2),
+                // The option reaches the quantizer: a different H_row gives a different model.
+                "boa-x" => assert_ne!(Some(err2), boa_err2, "{name}: boa-x quantized as boa did"),
+                _ => {}
+            }
             table.push(format!(
                 "{name:<11} {method:<6} {ppl:>12.4e} {:>16.4e} {:>14} {:>14}",
-                logits_rel_err2(&out, &r),
+                err2,
                 mean(&attn),
                 mean(&mlp)
             ));

@@ -14,8 +14,8 @@ use crate::quant::Real;
 use crate::quant::boa::{ColFactor, boa_sweep};
 use crate::quant::gptq::{DynamicGroups, gptq_block_sweep};
 use crate::quant::hessian::{
-    CHUNK_TOKENS, add_xxt_f64, finish, fold_grams, gram_f32, group_means, k_row_hessians,
-    q_row_hessians, scale_by_norm_weight, v_row_hessians_from_wout,
+    CHUNK_TOKENS, add_norm_jacobian_f64, add_xxt_f64, finish, fold_grams, gram_f32, group_means,
+    k_row_hessians, q_row_hessians, scale_by_norm_weight, v_row_hessians_from_wout,
 };
 use crate::quant::lattice::lattice_row;
 use crate::quant::linalg::{cholesky_upper_inverse, permute_sym};
@@ -582,6 +582,29 @@ impl QuantOps for CpuBackend {
                 add_xxt_f64(sum, &x[h * dh..], m, dh, nh * dh, &mut s);
             }
         }
+        Ok(())
+    }
+
+    fn stat_norm_jacobian(
+        &self,
+        acc: &mut Mat,
+        x: &Tensor,
+        m: usize,
+        a: &Mat,
+        eps: f32,
+    ) -> Result<()> {
+        let (nh, dh) = (acc.batch, acc.rows);
+        let x = host(x, "X")?;
+        if x.len() != m * nh * dh || (a.batch, a.rows, a.cols) != (nh, dh, dh) {
+            bail!(
+                "stat_norm_jacobian: X of {} values for {m} tokens and A {} into {}",
+                x.len(),
+                a.describe(),
+                acc.describe()
+            );
+        }
+        let a = as_f64(a, "stat_norm_jacobian")?;
+        add_norm_jacobian_f64(f64_mut(acc, "stat_norm_jacobian")?, x, m, nh, dh, &a, eps);
         Ok(())
     }
 

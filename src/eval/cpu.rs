@@ -53,7 +53,7 @@ pub struct FusedBlock {
     /// [gate; up] [2·d_ff × d] by chunks of FF_CHUNK rows of each, and its bias in the same order.
     gate_up: Vec<f32>,
     gate_up_bias: Option<Vec<f32>>,
-    /// The online transform of down_proj's input, Qᵀ [d_ff × d_ff] (`model/online.rs`).
+    /// The online transform of down_proj's input, one block's Q_bᵀ [b × b] (`model/online.rs`).
     online: Option<std::sync::Arc<Vec<f32>>>,
     down: Linear,
 }
@@ -303,8 +303,10 @@ pub fn block_forward_window(
     }
     let act = match &w.online {
         Some(q) => {
+            // Q = I ⊗ Q_b: act read as [t·d_ff/b × b] rows, each times Q_b.
+            let b = q.len().isqrt();
             let aq = sized(&mut ws.act_q, t * d_ff);
-            gemm_nt(aq, act, q, t, d_ff, d_ff, false);
+            gemm_nt(aq, act, q, t * d_ff / b, b, b, false);
             aq
         }
         None => act,

@@ -76,8 +76,8 @@ pub struct BlockWeights {
     pub router: Option<Vec<f32>>,
     /// An MoE block's shared-expert gate w_g [1 × d] (never quantized).
     pub shared_gate: Option<Vec<f32>>,
-    /// The online transform of down_proj's input as a linear's weight [d_ff × d_ff] (`model/online.rs`),
-    /// one copy shared by every block.
+    /// The online transform of down_proj's input, I ⊗ Q_b: one block's Q_b as a linear's weight [b × b]
+    /// (`model/online.rs`), one copy shared by every block.
     pub online: Option<Arc<Vec<f32>>>,
 }
 
@@ -275,6 +275,47 @@ pub struct BlockTrace {
     pub experts: Vec<super::moe::ExpertTrace>,
 }
 
+/// Linear `role` of the block on x [m × d_in], its own resident copy when there is one; an error names the
+/// module.
+fn linear_of(
+    be: &dyn Backend,
+    w: &BlockWeights,
+    resident: Option<&ResidentWeights>,
+    role: Role,
+    x: &Tensor,
+    m: usize,
+) -> anyhow::Result<Tensor> {
+    use anyhow::Context as _;
+    let (i, desc) = w
+        .desc
+        .linear(role)
+        .ok_or_else(|| anyhow::anyhow!("the block has no {role:?} linear"))?;
+    let r = resident.and_then(|r| r.get(i));
+    w.linears[i]
+        .forward_t(be, x, m, r)
+        .with_context(|| format!("forward of {}", desc.name))
+}
+
+/// W_Q's and W_K's outputs on X [m × d], before the q/k norm and RoPE: the vectors whose norm Jacobian
+/// BoA's exact row Hessians read (pipeline/stats.rs). The same calls as `block_forward`'s, so the same values.
+pub fn qk_projections(
+    be: &dyn Backend,
+    w: &BlockWeights,
+    resident: Option<&ResidentWeights>,
+    cfg: &Config,
+    x: &Tensor,
+    m: usize,
+) -> anyhow::Result<(Tensor, Tensor)> {
+    use anyhow::Context as _;
+    let xa = be
+        .rms_norm_t(x, w.required_norm(NormRole::Attn)?, cfg.d, cfg.eps)
+        .context("forward of input_layernorm")?;
+    Ok((
+        linear_of(be, w, resident, Role::Q, &xa, m)?,
+        linear_of(be, w, resident, Role::K, &xa, m)?,
+    ))
+}
+
 /// One block forward on X [n_seq·t × d], in place, wherever the backend keeps X. `resident` holds copies of
 /// the weights in the backend's memory (else each linear reads `w`'s host values). With `trace` (the
 /// statistics pass), the intermediates are moved into it and a dense block's MLP output, which no statistic
@@ -298,17 +339,7 @@ pub fn block_forward(
         cfg.d
     );
     let (h, h_kv, d_h) = (cfg.n_heads, cfg.n_kv_heads, cfg.d_h);
-    // Linear `role` on `x`, its own resident copy when there is one; an error names the module.
-    let lin = |role: Role, x: &Tensor| -> anyhow::Result<Tensor> {
-        let (i, desc) = w
-            .desc
-            .linear(role)
-            .ok_or_else(|| anyhow::anyhow!("the block has no {role:?} linear"))?;
-        let r = resident.and_then(|r| r.get(i));
-        w.linears[i]
-            .forward_t(be, x, m, r)
-            .with_context(|| format!("forward of {}", desc.name))
-    };
+    let lin = |role: Role, x: &Tensor| linear_of(be, w, resident, role, x, m);
 
     // Each step names the module it runs (an error then says where in the block the device failed).
     use anyhow::Context as _;
@@ -403,6 +434,7 @@ pub fn block_forward(
             // be the transformed one.
             let act = match &w.online {
                 Some(q) => {
+                    // Q = I ⊗ Q_b: act [m × d_ff] read as [m·d_ff/b × b] rows, each times Q_b.
                     let n = q.len().isqrt();
                     be.linear_t(
                         &act,
@@ -411,7 +443,7 @@ pub fn block_forward(
                             resident: resident.and_then(|r| r.online.as_ref()),
                         },
                         None,
-                        m,
+                        act.len() / n,
                         n,
                         n,
                     )
@@ -499,8 +531,9 @@ pub struct Model {
     /// Set for a compressed-tensors pack-quantized checkpoint: linears with a `weight_packed` tensor are
     /// loaded packed.
     pub compressed: Option<super::compressed::CompressedConfig>,
-    /// `BlockWeights::online`, built once.
-    online: Option<Arc<Vec<f32>>>,
+    /// `BlockWeights::online`, built by the first block that needs it (not by `inspect` or `eval`'s setup:
+    /// at d_ff 11008 it is 0.48 GB and a second of work).
+    online: std::sync::OnceLock<Arc<Vec<f32>>>,
 }
 
 impl Model {
@@ -526,22 +559,29 @@ impl Model {
         let cfg = Config::load_stored(dir, &|n| store.entry(n).is_some())?;
         let gptq = GptqConfig::load(dir)?;
         let compressed = super::compressed::CompressedConfig::load(dir)?;
-        let online = match cfg.block.online_down {
-            Some(n) => Some(Arc::new(
-                super::online::weight(n).map_err(|m| file_err(dir.join("config.json"), m))?,
-            )),
-            None => None,
-        };
         let model = Model {
             dir: dir.to_path_buf(),
             cfg,
             store,
             gptq,
             compressed,
-            online,
+            online: std::sync::OnceLock::new(),
         };
         model.check_globals()?;
         Ok(model)
+    }
+
+    /// The online transform's weight (`BlockWeights::online`), made on first use and shared after.
+    fn online_weight(&self) -> anyhow::Result<Option<Arc<Vec<f32>>>> {
+        let Some(b) = self.cfg.block.online_down else {
+            return Ok(None);
+        };
+        if let Some(w) = self.online.get() {
+            return Ok(Some(w.clone()));
+        }
+        // config.json's parse refused an order with no construction, so this fails only on a bug.
+        let w = super::online::weight(b).map_err(|m| file_err(self.dir.join("config.json"), m))?;
+        Ok(Some(self.online.get_or_init(|| Arc::new(w)).clone()))
     }
 
     /// Checks the tensors outside the blocks now, so a broken checkpoint fails before any long work.
@@ -752,7 +792,7 @@ impl Model {
                 ),
                 None => None,
             },
-            online: self.online.clone(),
+            online: self.online_weight()?,
             norms: desc
                 .norms
                 .iter()

@@ -1,9 +1,15 @@
-//! QuaRot's R4 (issue 23): an online Hadamard transform of down_proj's input, a ↦ a · Q with Q = H / √n
-//! (n = d_ff, H from `hadamard.rs`, no random signs), whose inverse `rotate --online` folds into
-//! down_proj's columns (W_down ← W_down · Q, so a Q · (W_down Q)ᵀ = a W_downᵀ). Unlike R1 and R2 it cannot
-//! be folded away: SwiGLU's product sits between up_proj and down_proj. The transform spreads the outliers
-//! of the MLP's activations over every column before down_proj reads them, as R1 does for the residual
-//! stream.
+//! QuaRot's R4 (issue 23): an online Hadamard transform of down_proj's input, a ↦ a · Q with
+//! Q = I_{n/b} ⊗ H_b / √b (n = d_ff, H_b from `hadamard.rs`, no random signs), whose inverse
+//! `rotate --online` folds into down_proj's columns (W_down ← W_down · Q, so a Q · (W_down Q)ᵀ = a W_downᵀ).
+//! Unlike R1 and R2 it cannot be folded away: SwiGLU's product sits between up_proj and down_proj. The
+//! transform spreads the outliers of the MLP's activations over the columns of each block of b before
+//! down_proj reads them, as R1 does for the residual stream.
+//!
+//! Why blocks: the forward applies Q as a dense product (no fast Hadamard kernel here), d_ff · b per token
+//! against down_proj's d_ff · d. With b = n (the whole width, QuaRot's choice) that is 2.7× down_proj at
+//! Llama-2-7B's 11008, and 11008 needs a 5504-order Paley matrix; with b ≤ `MAX_BLOCK` every d_ff with a
+//! power of two in it has a transform (11008 = 43 · 256, Qwen2.5-7B's 18944 = 16 · 1184, Llama-3's
+//! 14336 = 7 · 2048) and it costs at most half of down_proj at d = 4096. Its matrix is b² instead of n².
 //!
 //! Such a checkpoint computes the original function only in a forward that applies Q: boa-cuda's (`eval`,
 //! and `run` on it). So that no other loader runs it as a plain model of its architecture, config.json's
@@ -27,25 +33,61 @@ pub struct Marker {
     pub before: String,
     /// n: the transform is n × n (d_ff).
     pub size: usize,
-    /// How H was built, e.g. "Hadamard 1536 = 12 (Paley I, q = 11) ⊗ 128 (Sylvester)".
+    /// b: the transform is I_{n/b} ⊗ H_b / √b; absent when b = n (checkpoints made before blocks existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block: Option<usize>,
+    /// How H_b was built, e.g. "Hadamard 1536 = 12 (Paley I, q = 11) ⊗ 128 (Sylvester)".
     pub construction: String,
     /// The architecture's own `model_type`, which `MODEL_TYPE` replaces.
     pub model_type: Option<String>,
 }
 
-/// Q for order n, or why this code has no Hadamard matrix of that order (an online transform is applied by
-/// its order alone, so it cannot fall back to a seeded random matrix the way R1 and R2 do).
-pub fn transform(n: usize) -> Result<Orthogonal, String> {
-    Orthogonal::plain_hadamard(n).map_err(|why| {
-        format!("--rotate-online needs a Hadamard matrix of order d_ff = {n}: {why}")
-    })
+/// The largest block order `block` picks by itself (see the module's "Why blocks").
+pub const MAX_BLOCK: usize = 2048;
+
+/// The smallest it picks: a block of a few columns spreads an outlier over too few to matter.
+pub const MIN_BLOCK: usize = 64;
+
+/// One block's Q_b = H_b / √b, or why this code has no Hadamard matrix of order b (an online transform is
+/// applied by its order alone, so it cannot fall back to a seeded random matrix the way R1 and R2 do).
+pub fn transform(b: usize) -> Result<Orthogonal, String> {
+    Orthogonal::plain_hadamard(b)
+        .map_err(|why| format!("--rotate-online needs a Hadamard matrix of order {b}: {why}"))
 }
 
-/// Marks `config` (a model's config.json) as needing the transform of order `size`.
-pub fn mark(config: &mut serde_json::Value, q: &Orthogonal) {
+/// The block order for an MLP of width `d_ff`: `asked` (`--rotate-online-block`) when it divides d_ff and has
+/// a Hadamard matrix, else the largest divisor of d_ff up to `MAX_BLOCK` that has one, if not below
+/// `MIN_BLOCK`.
+pub fn block(d_ff: usize, asked: Option<usize>) -> Result<usize, String> {
+    if let Some(b) = asked {
+        if b == 0 || !d_ff.is_multiple_of(b) {
+            return Err(format!(
+                "--rotate-online-block {b} does not divide intermediate_size {d_ff}"
+            ));
+        }
+        transform(b)?;
+        return Ok(b);
+    }
+    let b = (1..=MAX_BLOCK.min(d_ff))
+        .rev()
+        .find(|&b| d_ff.is_multiple_of(b) && Orthogonal::plain_hadamard(b).is_ok())
+        .unwrap_or(1);
+    match b >= MIN_BLOCK {
+        true => Ok(b),
+        false => Err(format!(
+            "--rotate-online: intermediate_size {d_ff} has no divisor from {MIN_BLOCK} to {MAX_BLOCK} with a \
+             Hadamard matrix here (the largest is {b}); ask for a smaller block with --online-block \
+             (rotate) or --rotate-online-block (run)"
+        )),
+    }
+}
+
+/// Marks `config` (a model's config.json) as needing the transform I_{size/b} ⊗ Q_b, Q_b = `q`.
+pub fn mark(config: &mut serde_json::Value, size: usize, q: &Orthogonal) {
     let marker = Marker {
         before: BEFORE.into(),
-        size: q.n,
+        size,
+        block: (q.n != size).then_some(q.n),
         construction: q.construction.clone(),
         model_type: config["model_type"].as_str().map(str::to_string),
     };
@@ -54,8 +96,8 @@ pub fn mark(config: &mut serde_json::Value, q: &Orthogonal) {
         serde_json::to_value(&marker).expect("plain data serializes");
 }
 
-/// The transform's order when `json` (a config.json) asks for one, checked against the block it applies
-/// to: a dense MLP of width `d_ff`.
+/// The transform's block order b when `json` (a config.json) asks for one, checked against the block it
+/// applies to: a dense MLP of width `d_ff`.
 pub fn parse(json: &serde_json::Value, d_ff: usize, moe: bool) -> Result<Option<usize>, String> {
     let typed = json["model_type"].as_str() == Some(MODEL_TYPE);
     let marker = &json["boa_cuda"]["online_hadamard"];
@@ -91,11 +133,19 @@ pub fn parse(json: &serde_json::Value, d_ff: usize, moe: bool) -> Result<Option<
             m.size
         ));
     }
-    transform(m.size)?;
-    Ok(Some(m.size))
+    let b = m.block.unwrap_or(m.size);
+    if b == 0 || !m.size.is_multiple_of(b) {
+        return Err(format!(
+            "boa_cuda.online_hadamard.block {b} does not divide its size {}",
+            m.size
+        ));
+    }
+    transform(b)?;
+    Ok(Some(b))
 }
 
-/// The transform as a linear's weight W = Qᵀ [n × n] row-major f32, so that `linear` (a Wᵀ) computes a Q.
+/// One block's transform as a linear's weight W = Q_bᵀ [b × b] row-major f32, so that `linear` (a Wᵀ) on
+/// rows of b computes a Q_b.
 pub fn weight(n: usize) -> Result<Vec<f32>, String> {
     let q = transform(n)?.dense();
     let mut w = vec![0.0f32; n * n];
@@ -119,7 +169,7 @@ mod tests {
     fn a_marked_config_parses_back_and_an_edited_one_is_refused() {
         let mut c = config(48);
         assert_eq!(parse(&c, 48, false), Ok(None));
-        mark(&mut c, &transform(48).unwrap());
+        mark(&mut c, 48, &transform(48).unwrap());
         assert_eq!(c["model_type"], MODEL_TYPE);
         assert_eq!(c["boa_cuda"]["online_hadamard"]["model_type"], "llama");
         assert_eq!(parse(&c, 48, false), Ok(Some(48)));
@@ -142,8 +192,41 @@ mod tests {
         let Err(e) = transform(52) else {
             panic!("order 52 was built")
         };
-        assert!(e.contains("order d_ff = 52"), "{e}");
+        assert!(e.contains("order 52"), "{e}");
         assert!(transform(36).is_ok());
+    }
+
+    #[test]
+    fn blocks_are_the_largest_constructible_divisor_up_to_the_cap() {
+        // The demo's 1536 whole; Llama-2-7B, Qwen2.5-7B, Llama-3-8B in blocks.
+        for (d_ff, b) in [
+            (1536, 1536),
+            (11008, 256),
+            (18944, 1184),
+            (14336, 2048),
+            (640, 640),
+        ] {
+            assert_eq!(block(d_ff, None), Ok(b), "{d_ff}");
+        }
+        assert_eq!(block(1536, Some(512)), Ok(512));
+        let e = block(1536, Some(500)).unwrap_err();
+        assert!(e.contains("does not divide"), "{e}");
+        let e = block(1536, Some(6)).unwrap_err();
+        assert!(e.contains("order 6"), "{e}");
+        let e = block(52, None).unwrap_err();
+        assert!(e.contains("the largest is 4"), "{e}");
+        assert_eq!(block(52, Some(4)), Ok(4));
+        // A block marker parses back to its block; a block that does not divide is refused.
+        let mut c = config(1536);
+        mark(&mut c, 1536, &transform(512).unwrap());
+        assert_eq!(c["boa_cuda"]["online_hadamard"]["block"], 512);
+        assert_eq!(parse(&c, 1536, false), Ok(Some(512)));
+        c["boa_cuda"]["online_hadamard"]["block"] = 500.into();
+        assert!(
+            parse(&c, 1536, false)
+                .unwrap_err()
+                .contains("does not divide")
+        );
     }
 
     #[test]

@@ -34,6 +34,11 @@ use rand_chacha::ChaCha8Rng;
 use std::path::Path;
 use std::time::Instant;
 
+/// The refusal of rotating a model that already carries R4, whether read from its config.json
+/// (`check_foldable`) or from the opened model (`rotate`).
+const ALREADY_R4: &str =
+    "already carries an online Hadamard (R4); rotate the original model instead";
+
 /// Architectures whose block this module knows how to fold (pre-norm RMSNorm with a plain weight, RoPE,
 /// GQA attention, SwiGLU): every architecture the engine runs today. A new block (Gemma's 1 + γ norms,
 /// q/k norms, post-norms) must be added here deliberately, with its own fold.
@@ -50,6 +55,23 @@ pub struct RotateSpec {
     /// off, so fingerprints of earlier rotated runs are unchanged.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub online: bool,
+    /// R4's block order asked for (`--rotate-online-block`); None: `online::block` picks it. Absent from
+    /// the fingerprint when None.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub online_block: Option<usize>,
+}
+
+impl RotateSpec {
+    /// R4's block order for an MLP of width `d_ff`, or why there is none; None without R4.
+    pub fn r4_block(&self, d_ff: usize) -> anyhow::Result<Option<usize>> {
+        match self.online {
+            true => Ok(Some(
+                super::online::block(d_ff, self.online_block)
+                    .map_err(|m| crate::input_err!("{m}"))?,
+            )),
+            false => Ok(None),
+        }
+    }
 }
 
 /// One family of rotations as built (for report.json and stderr).
@@ -136,10 +158,10 @@ impl RotationInfo {
     }
 }
 
-/// Refuses, before any work, a model whose architecture this module cannot fold, or with `online` one whose
-/// d_ff has no Hadamard matrix here (read from config.json alone, so the message is about the rotation
-/// whatever else the engine thinks of the model).
-pub fn check_foldable(model_dir: &Path, online: bool) -> anyhow::Result<()> {
+/// Refuses, before any work, a model whose architecture this module cannot fold, or with R4 one whose d_ff
+/// has no block order with a Hadamard matrix here (read from config.json alone, so the message is about the
+/// rotation whatever else the engine thinks of the model).
+pub fn check_foldable(model_dir: &Path, spec: &RotateSpec) -> anyhow::Result<()> {
     let path = model_dir.join("config.json");
     let text =
         std::fs::read_to_string(&path).map_err(|e| file_err(&path, format!("cannot read: {e}")))?;
@@ -151,15 +173,9 @@ pub fn check_foldable(model_dir: &Path, online: bool) -> anyhow::Result<()> {
         .unwrap_or("(none)");
     check_architecture(arch)?;
     if json["model_type"].as_str() == Some(super::online::MODEL_TYPE) {
-        return Err(file_err(
-            &path,
-            "already carries an online Hadamard (R4); rotate the original model instead",
-        ));
+        return Err(file_err(&path, ALREADY_R4));
     }
-    if online {
-        let d_ff = json["intermediate_size"].as_u64().unwrap_or(0) as usize;
-        super::online::transform(d_ff).map_err(|m| crate::input_err!("{m}"))?;
-    }
+    spec.r4_block(json["intermediate_size"].as_u64().unwrap_or(0) as usize)?;
     Ok(())
 }
 
@@ -179,7 +195,8 @@ fn check_architecture(arch: &str) -> anyhow::Result<()> {
 struct Rotations {
     r1: Orthogonal,
     r2: Vec<Orthogonal>,
-    /// R4 (`--rotate-online`): folded into down_proj's columns, applied online to its input.
+    /// R4's block Q_b (`--rotate-online`): I ⊗ Q_b folded into down_proj's columns, applied online to its
+    /// input.
     r4: Option<Orthogonal>,
 }
 
@@ -194,9 +211,9 @@ impl Rotations {
         let r2 = (0..cfg.n_layers * cfg.n_kv_heads)
             .map(|i| Orthogonal::new(cfg.d_h, spec.kind, &mut rng(1 + i as u64)))
             .collect();
-        let r4 = match spec.online {
-            true => Some(super::online::transform(cfg.d_ff).map_err(|m| crate::input_err!("{m}"))?),
-            false => None,
+        let r4 = match spec.r4_block(cfg.d_ff)? {
+            Some(b) => Some(super::online::transform(b).map_err(|m| crate::input_err!("{m}"))?),
+            None => None,
         };
         Ok(Rotations { r1, r2, r4 })
     }
@@ -225,10 +242,7 @@ pub fn rotate_model(
         ));
     }
     if cfg.block.online_down.is_some() {
-        return Err(file_err(
-            &src.dir,
-            "already carries an online Hadamard (R4); rotate the original model instead",
-        ));
+        return Err(file_err(&src.dir, ALREADY_R4));
     }
     let rot = Rotations::new(cfg, spec)?;
     let (mut folder, _) = OutFolder::prepare(out, force, false, cfg.n_layers + 1)?;
@@ -267,7 +281,7 @@ pub fn rotate_model(
         },
         r4: rot.r4.as_ref().map(|q| MatrixInfo {
             size: q.n,
-            count: 1,
+            count: cfg.d_ff / q.n,
             construction: q.construction.clone(),
             fallback: None,
         }),
@@ -288,7 +302,7 @@ pub fn rotate_model(
     }
     config["boa_cuda"] = serde_json::json!({ "rotation": info.config_json() });
     if let Some(q) = &rot.r4 {
-        super::online::mark(&mut config, q);
+        super::online::mark(&mut config, cfg.d_ff, q);
     }
     folder.write_json("config.json", &config)?;
     folder.copy_model_files(&src.dir)?;
@@ -454,7 +468,8 @@ fn block_entries(
                 if let Some(b) = &mut b {
                     rot.r1.left_t(b, 1);
                 }
-                // R4: the input arrives as a · Q, so W ← W · Q undoes it (a Q (W Q)ᵀ = a Wᵀ).
+                // R4: the input arrives as a · Q, so W ← W · Q undoes it (a Q (W Q)ᵀ = a Wᵀ). Q = I ⊗ Q_b:
+                // W's rows read as rows of b are its column blocks, each times Q_b.
                 if let Some(q) = &rot.r4 {
                     q.right(&mut m);
                 }

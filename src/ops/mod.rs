@@ -196,6 +196,19 @@ pub trait QuantOps: Send + Sync {
     /// keys; heads = acc.batch, d_h = acc.rows).
     fn stat_head_cov(&self, acc: &mut Mat, x: &Tensor, m: usize) -> Result<()>;
 
+    /// acc [heads × d_h × d_h] += Σ_t J_tᵀ A_h J_t per head of X [m × heads·d_h] (W_Q's or W_K's outputs
+    /// before a per-head RMSNorm with epsilon `eps`; J_t that norm's Jacobian without its weight, which `a`
+    /// [heads × d_h × d_h] carries): the exact row Hessian behind a q/k norm
+    /// (`quant::hessian::add_norm_jacobian_f64`).
+    fn stat_norm_jacobian(
+        &self,
+        acc: &mut Mat,
+        x: &Tensor,
+        m: usize,
+        a: &Mat,
+        eps: f32,
+    ) -> Result<()>;
+
     /// acc [h_kv × d × d] += Σ over the `n_seq` sequences and over each KV head's query heads h of
     /// (A_h X)ᵀ (A_h X), A_h = causal softmax(Q_h K_hᵀ / √d_h): W_V's column statistics. X [n_seq·t × d],
     /// Q [n_seq·t × h·d_h], K [n_seq·t × h_kv·d_h] (post-RoPE).

@@ -32,6 +32,9 @@ pub struct ModelShape {
     pub d_h: usize,
     /// A mixture-of-experts MLP (then `d_ff` is unused).
     pub experts: Option<ExpertShape>,
+    /// The block order b of an online Hadamard before down_proj (R4, I ⊗ H_b: one dense f32 [b × b] held
+    /// with each resident block, model/online.rs); 0 without one.
+    pub online: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,6 +62,7 @@ impl ModelShape {
                 d_expert: m.d_expert,
                 d_shared: m.shared_expert.as_ref().map_or(0, |s| s.d_ff),
             }),
+            online: cfg.block.online_down.unwrap_or(0),
         }
     }
 
@@ -90,8 +94,8 @@ impl ModelShape {
         }
     }
 
-    /// What a block holds whatever the expert group: the attention's weights, the norms and an MoE block's
-    /// router and shared expert (its gate w_g too).
+    /// What a block holds whatever the expert group: the attention's weights, the norms, an MoE block's
+    /// router and shared expert (its gate w_g too), and an online Hadamard's matrix.
     fn attention_params(&self) -> usize {
         let router = self.experts.map_or(0, |e| e.n_experts * self.d);
         let shared = match self.d_shared() {
@@ -105,6 +109,7 @@ impl ModelShape {
             + 2 * self.d
             + router
             + shared
+            + self.online * self.online
     }
 
     /// One MLP's weights (one expert's in an MoE block).
@@ -408,12 +413,15 @@ fn fixed_items(
 }
 
 /// f32 intermediates of one forward chunk at the statistics forward's peak: the chunk's copy, the normed
-/// inputs, q, k, v, the attention output and the MLP's down output (6·d + 2·d_kv), gate, up and act (3·d_ff).
+/// inputs, q, k, v, the attention output and the MLP's down output (6·d + 2·d_kv), gate, up and act (3·d_ff)
+/// and, with an online Hadamard, act's transform (d_ff).
 /// Attention probabilities are formed tile by tile (flash style) and need no t×t buffer per head.
 /// An MoE block has, per token, its router logits and, for each of its top-k experts, the gathered input,
 /// gate, up, act and output rows instead, and a shared expert's gate, up, act, output and sigmoid gate.
 fn forward_workspace(shape: &ModelShape, tokens: usize) -> u64 {
     let mlp = match shape.experts {
+        // R4's transformed act beside act itself
+        None if shape.online > 0 => 4 * shape.d_ff,
         None => 3 * shape.d_ff,
         Some(e) => {
             let shared = match e.d_shared {
@@ -477,6 +485,7 @@ mod tests {
             n_kv_heads: n_kv,
             d_h: d / n_heads,
             experts: None,
+            online: 0,
         }
     }
 
@@ -495,6 +504,7 @@ mod tests {
                 d_expert,
                 d_shared: 0,
             }),
+            online: 0,
         };
         // Qwen2-MoE: the same with a shared expert of `d_shared`.
         let shared = |s: ModelShape, d_shared| ModelShape {
@@ -673,6 +683,33 @@ mod tests {
                 assert!(p.chunk_seqs >= 1, "{name}");
             }
         }
+    }
+
+    #[test]
+    fn an_online_hadamard_is_held_with_each_resident_block() {
+        // Llama-2-7B with R4 in blocks of 256 (11008 = 43 · 256): a 256² f32 matrix per held block, and one
+        // more d_ff-wide row per forward token.
+        let (_, s7) = shapes()[0];
+        let r4 = ModelShape { online: 256, ..s7 };
+        let (a, b) = (
+            plan(&s7, CALIB, Target::Gpu, 141 * GB, 8).unwrap(),
+            plan(&r4, CALIB, Target::Gpu, 141 * GB, 8).unwrap(),
+        );
+        let item = |p: &MemoryPlan, prefix: &str| {
+            p.items
+                .iter()
+                .find(|(n, _)| n.starts_with(prefix))
+                .unwrap()
+                .1
+        };
+        assert_eq!(
+            item(&b, "block weights") - item(&a, "block weights"),
+            2 * 256 * 256 * 4
+        );
+        assert_eq!(
+            item(&b, "forward chunk") - item(&a, "forward chunk"),
+            (8 * CALIB.seqlen * 11008 * 4) as u64
+        );
     }
 
     #[test]

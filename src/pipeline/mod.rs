@@ -87,7 +87,14 @@ fn state_memory_plan(
             _ => 0,
         },
     };
-    let shape = ModelShape::of(cfg);
+    // `--rotate-online` makes the R4 transform after this plan, from the source's config.
+    let shape = ModelShape {
+        online: match &opts.rotate {
+            Some(r) => r.r4_block(cfg.d_ff)?.unwrap_or(0),
+            None => cfg.block.online_down.unwrap_or(0),
+        },
+        ..ModelShape::of(cfg)
+    };
     match be.device_memory() {
         Some((free, _)) => {
             let cap = opts
@@ -172,7 +179,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
     let t_start = Instant::now();
     opts.validate().map_err(|m| crate::input_err!("{m}"))?;
     if let Some(r) = &opts.rotate {
-        crate::model::rotate::check_foldable(&opts.model, r.online)?;
+        crate::model::rotate::check_foldable(&opts.model, r)?;
     }
     let (be, note) = select_backend_with(opts.device, opts.gemm)?;
     if let Some(n) = note {
@@ -518,6 +525,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                                 rope,
                                 &x,
                                 opts.method == Method::Boa,
+                                opts.qk_norm_hessian == options::QkNormHessian::Exact,
                                 stats::MoeStats::of(opts),
                             )
                             .with_context(|| format!("layer {l}: statistics"))?,

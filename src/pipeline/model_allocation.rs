@@ -61,6 +61,7 @@ pub fn allocate(
                 rope,
                 &x,
                 false,
+                false,
                 MoeStats::of(opts),
             )
             .with_context(ctx)?;

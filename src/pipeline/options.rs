@@ -85,6 +85,35 @@ pub enum VRowHessian {
     Wout,
 }
 
+/// BoA's row Hessians of W_Q and W_K behind a per-head q/k norm (Qwen3, Gemma 3; docs/architectures.md,
+/// "BoA behind a q/k norm").
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    clap::ValueEnum,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum QkNormHessian {
+    /// diag(g) M diag(g): the norm's Jacobian without its projection off q (one pass, no extra work).
+    #[default]
+    Diag,
+    /// E[Jᵀ diag(g) M diag(g) J] with each token's Jacobian J: a second pass over the block's input for the
+    /// pre-norm q and k (on the host on a GPU).
+    Exact,
+}
+
+impl QkNormHessian {
+    pub fn is_diag(&self) -> bool {
+        *self == QkNormHessian::Diag
+    }
+}
+
 /// An attention projection BoA can take (`--boa-on`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -223,6 +252,9 @@ pub struct RunOptions {
     pub static_groups: bool,
     pub scale_search: ScaleSearchArg,
     pub v_row_hessian: VRowHessian,
+    /// `--qk-norm-hessian`; absent from the fingerprint at its default, so other runs' are unchanged.
+    #[serde(default, skip_serializing_if = "QkNormHessian::is_diag")]
+    pub qk_norm_hessian: QkNormHessian,
     /// `--boa-on`: the attention projections BoA quantizes (the others of q/k/v go through GPTQ on their
     /// input's XᵀX); None: all three. Absent from the fingerprint when None, so other runs' are unchanged.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -16,7 +16,6 @@ use crate::ops::{
 use crate::quant::allocate::{Candidate, allocate, merge_units, spread_units};
 use crate::quant::boa::{BoaOptions, ColHessian, boa_quantize};
 use crate::quant::gptq::{GptqOptions, gptq_quantize};
-use crate::quant::hessian::RopeAverage;
 use crate::quant::plan::{FactorCache, batches};
 use crate::quant::rtn::rtn_quantize;
 use anyhow::Context;
@@ -419,12 +418,7 @@ pub fn quantize_block(
     let (batches, held) = expert_batches(&cfg.block, stats, opts);
     let mut planned = vec![false; batches.len()];
     let factors = FactorCache::holding(1 + held);
-    // The offsets between a query and the keys it sees: fewer than the window where the layer slides.
-    let offsets = cfg
-        .block
-        .window_at(layer)
-        .map_or(opts.seqlen, |w| w.min(opts.seqlen));
-    let rope = RopeAverage::new(&cfg.inv_freq_for(layer), offsets);
+    let rope = super::stats::rope_average(cfg, layer, opts.seqlen);
     let desc = &cfg.block;
     let mut out = Vec::with_capacity(desc.linears.len());
     // Every linear's error report queued into one set of sums, read once after the last linear: at most
@@ -464,21 +458,28 @@ pub fn quantize_block(
                     // W_Q and W_K share H_col (and its plan, through `factors`); W_V's per-head H_col are its own.
                     // Made where the statistics are (on a device, nothing of d_h² crosses to the host).
                     Role::Q | Role::K => {
-                        let (c, heads, norm) = if ld.role == Role::Q {
-                            (&a.c_k, cfg.n_heads, norms.q)
+                        let (c, heads, norm, exact) = if ld.role == Role::Q {
+                            (&a.c_k, cfg.n_heads, norms.q, a.h_row_q.as_ref())
                         } else {
-                            (&a.c_q, cfg.n_kv_heads, norms.k)
+                            (&a.c_q, cfg.n_kv_heads, norms.k, a.h_row_k.as_ref())
                         };
-                        let h_row = ops
-                            .rope_row_hessians(c, heads, &rope, norm)
-                            .context("H_row")?;
+                        let made;
+                        let h_row = match exact {
+                            Some(h) => h,
+                            None => {
+                                made = ops
+                                    .rope_row_hessians(c, heads, &rope, norm)
+                                    .context("H_row")?;
+                                &made
+                            }
+                        };
                         boa_quantize(
                             ops,
                             w,
                             heads,
                             d_h,
                             ColHessian::Shared(h),
-                            &h_row,
+                            h_row,
                             &b,
                             Some(&factors),
                         )

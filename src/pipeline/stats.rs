@@ -4,10 +4,12 @@
 
 use crate::backend::{AttnShape, Backend, Tensor};
 use crate::model::Config;
-use crate::model::arch::{Input, LinearDesc};
-use crate::model::llama::{BlockTrace, BlockWeights, ResidentWeights, RopeTable, block_forward};
+use crate::model::arch::{Input, LinearDesc, NormRole};
+use crate::model::llama::{
+    BlockTrace, BlockWeights, ResidentWeights, RopeTable, block_forward, qk_projections,
+};
 use crate::ops::{Mat, Result};
-use crate::quant::hessian::Accumulator;
+use crate::quant::hessian::{Accumulator, RopeAverage};
 use anyhow::Context as _;
 use std::time::{Duration, Instant};
 
@@ -88,6 +90,66 @@ pub struct AttnStats {
     pub c_k: Mat,
     pub c_q: Mat,
     pub v_col: Mat,
+    /// `--qk-norm-hessian exact`: W_Q's and W_K's row Hessians behind their norms, each token's Jacobian
+    /// included (`norm_row_hessians`); None where the block has no such norm or the run asks for diag.
+    pub h_row_q: Option<Mat>,
+    pub h_row_k: Option<Mat>,
+}
+
+/// The position average of BoA's Q/K row Hessians in layer `layer`: over the offsets between a query and
+/// the keys it sees, fewer than the window where the layer slides.
+pub fn rope_average(cfg: &Config, layer: usize, seqlen: usize) -> RopeAverage {
+    let offsets = cfg.block.window_at(layer).map_or(seqlen, |w| w.min(seqlen));
+    RopeAverage::new(&cfg.inv_freq_for(layer), offsets)
+}
+
+/// W_Q's and W_K's row Hessians behind their per-head norms with each token's norm Jacobian J
+/// (`QuantOps::stat_norm_jacobian`): E[Jᵀ diag(g) M diag(g) J], M from the finished covariances of the
+/// other side. Why a second pass over the block's input X: J weighs M, which exists only after the first
+/// pass; only the q and k projections are recomputed (the same calls as the forward's), nothing is kept.
+#[allow(clippy::too_many_arguments)]
+fn norm_row_hessians(
+    be: &dyn Backend,
+    w: &BlockWeights,
+    resident: Option<&ResidentWeights>,
+    cfg: &Config,
+    t: usize,
+    x: &[Tensor],
+    c_k: &Mat,
+    c_q: &Mat,
+) -> Result<(Option<Mat>, Option<Mat>)> {
+    let (gq, gk) = (w.norm(NormRole::Q), w.norm(NormRole::K));
+    if gq.is_none() && gk.is_none() {
+        return Ok((None, None));
+    }
+    let rope = rope_average(cfg, w.layer, t);
+    let side = |g: Option<&[f32]>, c: &Mat, heads: usize| -> Result<Option<(Mat, Accumulator)>> {
+        g.map(|g| {
+            Ok((
+                be.rope_row_hessians(c, heads, &rope, Some(g))?,
+                Accumulator::heads(be, heads, cfg.d_h)?,
+            ))
+        })
+        .transpose()
+    };
+    let mut q_side = side(gq, c_k, cfg.n_heads)?;
+    let mut k_side = side(gk, c_q, cfg.n_kv_heads)?;
+    let mut next = stage_if_parked(be, x, 0)?;
+    for (i, chunk) in x.iter().enumerate() {
+        let staged = next.take();
+        next = stage_if_parked(be, x, i + 1)?;
+        let xc = staged.as_ref().unwrap_or(chunk);
+        let m = chunk.len() / cfg.d;
+        let (q, k) = qk_projections(be, w, resident, cfg, xc, m)?;
+        if let Some((a, acc)) = &mut q_side {
+            acc.add_norm_jacobian(be, &q, m, a, cfg.eps)?;
+        }
+        if let Some((a, acc)) = &mut k_side {
+            acc.add_norm_jacobian(be, &k, m, a, cfg.eps)?;
+        }
+    }
+    let finish = |s: Option<(Mat, Accumulator)>| s.map(|(_, acc)| acc.finish(be)).transpose();
+    Ok((finish(q_side)?, finish(k_side)?))
 }
 
 /// Chunk i of X staged on the device when it is parked in pinned host memory, else None. The forward loops
@@ -112,8 +174,9 @@ struct Sums {
 }
 
 /// Forwards the FP block over the chunks of `x` (each [n·t × d] for its n sequences; not modified) and
-/// accumulates the statistics. `attention_aware` adds the per-head statistics BoA needs; `resident` holds
-/// the block's weights in the backend's memory.
+/// accumulates the statistics. `attention_aware` adds the per-head statistics BoA needs, and `exact_qk_norm`
+/// its exact Q/K row Hessians where the block has q/k norms; `resident` holds the block's weights in the
+/// backend's memory.
 #[allow(clippy::too_many_arguments)]
 pub fn collect(
     be: &dyn Backend,
@@ -123,6 +186,7 @@ pub fn collect(
     rope: &RopeTable,
     x: &[Tensor],
     attention_aware: bool,
+    exact_qk_norm: bool,
     moe: MoeStats,
 ) -> Result<BlockStats> {
     let (d, t) = (cfg.d, rope.t);
@@ -274,11 +338,22 @@ pub fn collect(
             .collect::<Result<_>>()
             .with_context(of(H_EXPERT))?,
         attn: match s.attn {
-            Some((c_k, c_q, v_col)) => Some(AttnStats {
-                c_k: c_k.finish(be).with_context(of(C_K))?,
-                c_q: c_q.finish(be).with_context(of(C_Q))?,
-                v_col: v_col.finish(be).with_context(of(V_COL))?,
-            }),
+            Some((c_k, c_q, v_col)) => {
+                let c_k = c_k.finish(be).with_context(of(C_K))?;
+                let c_q = c_q.finish(be).with_context(of(C_Q))?;
+                let (h_row_q, h_row_k) = match exact_qk_norm {
+                    true => norm_row_hessians(be, w, resident, cfg, t, x, &c_k, &c_q)
+                        .context("the exact Q/K row Hessians behind the q/k norms")?,
+                    false => (None, None),
+                };
+                Some(AttnStats {
+                    c_k,
+                    c_q,
+                    v_col: v_col.finish(be).with_context(of(V_COL))?,
+                    h_row_q,
+                    h_row_k,
+                })
+            }
             None => None,
         },
         forward_time,

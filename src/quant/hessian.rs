@@ -186,6 +186,99 @@ pub fn scale_by_norm_weight(h: &mut [f64], g: &[f32]) {
     }
 }
 
+/// sum [heads × d_h × d_h] (f64) += Σ_t J_tᵀ A_h J_t per head over the m pre-norm vectors of x
+/// [m × heads·d_h] (W_Q's or W_K's outputs before a per-head RMSNorm), with J_t = (I − q_t q_tᵀ/(d_h r_t²)) / r_t,
+/// r_t² = mean(q_t²) + eps: the exact form of the row Hessian behind a q/k norm, where `scale_by_norm_weight`
+/// keeps only diag(g)/r. A [heads × d_h × d_h] is diag(g) M diag(g) with M the RoPE-averaged covariance of the
+/// other side (`rope_row_hessians` with the norm weight), so J's diag(g) is inside it.
+///
+/// Why not per token: with v = q/(√d_h r), s = 1/r² and P = I − v vᵀ, Σ_t s_t P_t A P_t = S A − C A − A C + F
+/// with S = Σ s_t, C = Σ s_t v_t v_tᵀ and F = Σ s_t (v_tᵀ A v_t) v_t v_tᵀ: two Grams of scaled rows and one
+/// GEMM for the quadratic forms per chunk (d_h² work per token, as the covariance itself), not 4 d_h² of
+/// scalar updates per token.
+pub fn add_norm_jacobian_f64(
+    sum: &mut [f64],
+    x: &[f32],
+    m: usize,
+    heads: usize,
+    d_h: usize,
+    a: &[f64],
+    eps: f32,
+) {
+    let (dd, ld) = (d_h * d_h, heads * d_h);
+    assert_eq!(
+        sum.len(),
+        heads * dd,
+        "the sums are not [{heads} × {d_h} × {d_h}]"
+    );
+    assert_eq!(a.len(), heads * dd, "A is not [{heads} × {d_h} × {d_h}]");
+    assert_eq!(x.len(), m * ld, "X is not [{m} × {heads}·{d_h}]");
+    let mut scratch = Vec::new();
+    for h in 0..heads {
+        let ah = &a[h * dd..(h + 1) * dd];
+        let a32: Vec<f32> = ah.iter().map(|&v| v as f32).collect();
+        let (mut c, mut f, mut s_sum) = (vec![0f64; dd], vec![0f64; dd], 0f64);
+        for t0 in (0..m).step_by(CHUNK_TOKENS) {
+            let n = CHUNK_TOKENS.min(m - t0);
+            // v rows, and √s·v (C's rows)
+            let mut v = vec![0f32; n * d_h];
+            let mut w1 = vec![0f32; n * d_h];
+            let mut s = vec![0f64; n];
+            for t in 0..n {
+                let q = &x[(t0 + t) * ld + h * d_h..][..d_h];
+                let r2 = q.iter().map(|&e| f64::from(e) * f64::from(e)).sum::<f64>() / d_h as f64
+                    + f64::from(eps);
+                s[t] = 1.0 / r2;
+                let (fv, fw) = (
+                    1.0 / (d_h as f64 * r2).sqrt(),
+                    1.0 / (r2 * (d_h as f64).sqrt()),
+                );
+                for j in 0..d_h {
+                    v[t * d_h + j] = (f64::from(q[j]) * fv) as f32;
+                    w1[t * d_h + j] = (f64::from(q[j]) * fw) as f32;
+                }
+            }
+            s_sum += s.iter().sum::<f64>();
+            // v_tᵀ A v_t from one GEMM V·A; F's rows √(s·vᵀAv)·v (≥ 0: A is a covariance)
+            let mut va = vec![0f32; n * d_h];
+            faer::linalg::matmul::matmul(
+                MatMut::from_row_major_slice_mut(&mut va, n, d_h),
+                Accum::Replace,
+                MatRef::from_row_major_slice(&v, n, d_h),
+                MatRef::from_row_major_slice(&a32, d_h, d_h),
+                1.0f32,
+                Par::rayon(0),
+            );
+            let mut w2 = v.clone();
+            for (((w, va), v), &s) in w2
+                .chunks_mut(d_h)
+                .zip(va.chunks(d_h))
+                .zip(v.chunks(d_h))
+                .zip(&s)
+            {
+                let qf: f64 = va
+                    .iter()
+                    .zip(v)
+                    .map(|(&p, &q)| f64::from(p) * f64::from(q))
+                    .sum();
+                let k = (s * qf.max(0.0)).sqrt() as f32;
+                w.iter_mut().for_each(|e| *e *= k);
+            }
+            add_xxt_f64(&mut c, &w1, n, d_h, d_h, &mut scratch);
+            add_xxt_f64(&mut f, &w2, n, d_h, d_h, &mut scratch);
+        }
+        // S A − C A − A C + F, in f64 (C A and A C are transposes of each other: A and C are symmetric)
+        let out = &mut sum[h * dd..(h + 1) * dd];
+        for i in 0..d_h {
+            for j in 0..d_h {
+                let ca: f64 = (0..d_h).map(|k| c[i * d_h + k] * ah[k * d_h + j]).sum();
+                let ac: f64 = (0..d_h).map(|k| ah[i * d_h + k] * c[k * d_h + j]).sum();
+                out[i * d_h + j] += s_sum * ah[i * d_h + j] - ca - ac + f[i * d_h + j];
+            }
+        }
+    }
+}
+
 /// H_row for W_V from the paper's Table 1: W_out,hᵀ W_out,h [d_h × d_h] per KV head, averaged
 /// over the query heads sharing the KV head. `w_o` is o_proj [d_model × n_heads·d_h] (y = W_o x).
 pub fn v_row_hessians_from_wout(
@@ -303,6 +396,20 @@ impl Accumulator {
     /// Adds [m × n_heads·d_h] post-RoPE vectors.
     pub fn add_heads(&mut self, ops: &dyn QuantOps, x: &Tensor, m: usize) -> Result<()> {
         ops.stat_head_cov(&mut self.acc, x, m)?;
+        self.tokens += m;
+        Ok(())
+    }
+
+    /// Adds [m × heads·d_h] pre-norm vectors' Σ J_tᵀ A J_t (`QuantOps::stat_norm_jacobian`).
+    pub fn add_norm_jacobian(
+        &mut self,
+        ops: &dyn QuantOps,
+        x: &Tensor,
+        m: usize,
+        a: &Mat,
+        eps: f32,
+    ) -> Result<()> {
+        ops.stat_norm_jacobian(&mut self.acc, x, m, a, eps)?;
         self.tokens += m;
         Ok(())
     }

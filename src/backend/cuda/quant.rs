@@ -420,6 +420,29 @@ impl CudaBackend {
     }
 }
 
+/// The statistics computed on the host (wide heads, `--qk-norm-hessian exact`).
+impl CudaBackend {
+    /// A host copy of `t`.
+    fn to_host(&self, t: &Tensor) -> Result<Tensor> {
+        Ok(Tensor::Host(
+            crate::backend::Backend::read(self, t)?.into_owned(),
+        ))
+    }
+
+    /// acc (f32 on the device) += the CPU's f64 sums `cpu` of the same shape.
+    fn add_host_sums(&self, acc: &mut Mat, cpu: &Mat, what: &str) -> Result<()> {
+        let mut sum = self.read_f32(acc)?;
+        let cpu_sum = cpu
+            .host_f64()
+            .ok_or_else(|| anyhow!("{what}: the CPU's sums are not f64"))?;
+        sum.iter_mut()
+            .zip(cpu_sum)
+            .for_each(|(x, &y)| *x += y as f32);
+        *dev_mut(acc, "accumulator")? = self.upload(&sum, "upload accumulator")?;
+        Ok(())
+    }
+}
+
 impl QuantOps for CudaBackend {
     fn signed_scales(&self) -> bool {
         false
@@ -444,6 +467,24 @@ impl QuantOps for CudaBackend {
         with_acc(acc, |t| self.try_head_covariance_t(t, x, m, nh, dh))
     }
 
+    /// On the host (a round trip of X and A per call): only `run --qk-norm-hessian exact` asks for it, an
+    /// experiment whose gain is measured on the CPU first (docs/architectures.md, "BoA behind a q/k norm");
+    /// a device version would be one batched GEMM for the quadratic forms and two Grams of scaled rows.
+    fn stat_norm_jacobian(
+        &self,
+        acc: &mut Mat,
+        x: &Tensor,
+        m: usize,
+        a: &Mat,
+        eps: f32,
+    ) -> Result<()> {
+        let x = self.to_host(x)?;
+        let a = Mat::f64(self.read_f64(a)?, a.batch, a.rows, a.cols);
+        let mut cpu = CpuBackend.stat_acc(acc.batch, acc.rows)?;
+        CpuBackend.stat_norm_jacobian(&mut cpu, &x, m, &a, eps)?;
+        self.add_host_sums(acc, &cpu, "stat_norm_jacobian")
+    }
+
     /// On the device for d_h ≤ 256, sliding windows included (the Llama family, Mistral, Gemma 3). Wider heads
     /// (no model we target) do not fit the attention tiles: the CPU's sums of the same sequences are added in
     /// (a host round trip of X, Q and K).
@@ -458,22 +499,10 @@ impl QuantOps for CudaBackend {
     ) -> Result<()> {
         // Wider heads than the kernels take: on the host.
         if s.d_h > ATTN_MAX_DH {
-            let host = |t: &Tensor| -> Result<Tensor> {
-                Ok(Tensor::Host(
-                    crate::backend::Backend::read(self, t)?.into_owned(),
-                ))
-            };
             let mut a = CpuBackend.stat_acc(acc.batch, acc.rows)?;
-            CpuBackend.stat_v_col(&mut a, &host(x)?, &host(q)?, &host(k)?, s, n_seq)?;
-            let mut sum = self.read_f32(acc)?;
-            let cpu_sum = a
-                .host_f64()
-                .ok_or_else(|| anyhow!("stat_v_col: the CPU's sums are not f64"))?;
-            sum.iter_mut()
-                .zip(cpu_sum)
-                .for_each(|(x, &y)| *x += y as f32);
-            *dev_mut(acc, "accumulator")? = self.upload(&sum, "upload accumulator")?;
-            return Ok(());
+            let (x, q, k) = (self.to_host(x)?, self.to_host(q)?, self.to_host(k)?);
+            CpuBackend.stat_v_col(&mut a, &x, &q, &k, s, n_seq)?;
+            return self.add_host_sums(acc, &a, "stat_v_col");
         }
         self.stat_v_col_with(self.attn_x_variant, acc, x, q, k, s, n_seq)
     }

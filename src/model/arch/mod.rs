@@ -159,8 +159,8 @@ pub struct BlockDesc {
     pub layer_rope: Option<Vec<RopeSpec>>,
     /// A mixture-of-experts MLP instead of the dense one (its experts' linears are in `linears`).
     pub moe: Option<MoeDesc>,
-    /// An online Hadamard transform of down_proj's input of this order (`model/online.rs`): set by the
-    /// checkpoint's config.json, not by the architecture.
+    /// An online Hadamard transform of down_proj's input, I ⊗ Q_b with this block order b
+    /// (`model/online.rs`): set by the checkpoint's config.json, not by the architecture.
     pub online_down: Option<usize>,
 }
 
