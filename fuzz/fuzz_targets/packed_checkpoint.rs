@@ -8,7 +8,9 @@ use boa_cuda::backend::{Device, GemmPrecision};
 use boa_cuda::export::gptq_packed::OutFormat;
 use boa_cuda::model::Model;
 use boa_cuda::model::synth::{SynthSpec, write_model};
-use boa_cuda::pipeline::options::{GroupSize, Method, MoeHessian, RunOptions, ScaleSearchArg, VRowHessian};
+use boa_cuda::pipeline::options::{
+    GroupSize, Method, MoeHessian, QkNormHessian, RunOptions, ScaleSearchArg, VRowHessian,
+};
 use libfuzzer_sys::fuzz_target;
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -36,6 +38,7 @@ fn checkpoint() -> &'static PathBuf {
             static_groups: false,
             scale_search: ScaleSearchArg::Minmax,
             v_row_hessian: VRowHessian::Identity,
+            qk_norm_hessian: QkNormHessian::Diag,
             boa_on: None,
             moe_hessian: MoeHessian::Tokens,
             moe_min_tokens: 64,
