@@ -367,6 +367,11 @@ struct RunArgs {
     /// visit the GPU chunk by chunk: slower, same result.
     #[arg(long, value_name = "GIB", allow_negative_numbers = true)]
     gpu_mem: Option<f64>,
+    /// Hold at most N of an MoE block's experts (weights and statistics) in memory at once; the block is then
+    /// quantized in passes over its calibration inputs, one per group, with the same result. Default: as many
+    /// as the memory plan fits on the GPU (all of them on the CPU).
+    #[arg(long, value_name = "N")]
+    expert_group: Option<usize>,
     /// Replace --out if it exists.
     #[arg(long)]
     force: bool,
@@ -466,6 +471,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 device: a.device,
                 gemm: a.gemm,
                 gpu_mem: a.gpu_mem,
+                expert_group: a.expert_group,
                 force: a.force,
                 resume: a.resume,
                 format: a.format,
@@ -818,6 +824,7 @@ fn bench_quant(
                 device: Device::Cpu,
                 gemm: GemmPrecision::F32,
                 gpu_mem: None,
+                expert_group: None,
                 force: true,
                 resume: false,
                 format: OutFormat::Fake,

@@ -50,6 +50,7 @@ fn checkpoint() -> &'static PathBuf {
             device: Device::Cpu,
             gemm: GemmPrecision::F32,
             gpu_mem: None,
+            expert_group: None,
             force: false,
             resume: false,
             format: OutFormat::GptqV2,

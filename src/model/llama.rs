@@ -164,12 +164,42 @@ pub struct ResidentWeights {
 impl ResidentWeights {
     /// For a forward that comes later (a prefetch): the copies may overlap other work.
     pub fn upload(be: &dyn Backend, w: &BlockWeights) -> anyhow::Result<ResidentWeights> {
-        Self::upload_with(w, |x| be.upload_weight(x))
+        Self::upload_with(w, &|_| true, |x| be.upload_weight(x))
+    }
+
+    /// `upload` of the linears `keep` marks (description order) and the online transform; the others'
+    /// forward reads their host values (an MoE block's experts outside the group a pass holds).
+    pub fn upload_some(
+        be: &dyn Backend,
+        w: &BlockWeights,
+        keep: &dyn Fn(usize) -> bool,
+    ) -> anyhow::Result<ResidentWeights> {
+        Self::upload_with(w, keep, |x| be.upload_weight(x))
+    }
+
+    /// Uploads the linears `keep` marks that have no copy yet (the next group of experts), for a forward
+    /// that comes next.
+    pub fn upload_more(
+        &mut self,
+        be: &dyn Backend,
+        w: &BlockWeights,
+        keep: &dyn Fn(usize) -> bool,
+    ) -> anyhow::Result<()> {
+        for (i, l) in w.linears.iter().enumerate() {
+            if keep(i)
+                && l.packed.is_none()
+                && self.get(i).is_none()
+                && let Some(t) = be.upload_weight_now(&l.w)?
+            {
+                self.put(i, t);
+            }
+        }
+        Ok(())
     }
 
     /// For a forward that comes next (`Backend::upload_weight_now`).
     pub fn upload_now(be: &dyn Backend, w: &BlockWeights) -> anyhow::Result<ResidentWeights> {
-        Self::upload_with(w, |x| be.upload_weight_now(x))
+        Self::upload_with(w, &|_| true, |x| be.upload_weight_now(x))
     }
 
     /// For a forward of many chunks of a loaded block (eval): packed linears too.
@@ -193,6 +223,7 @@ impl ResidentWeights {
 
     fn upload_with(
         w: &BlockWeights,
+        keep: &dyn Fn(usize) -> bool,
         up: impl Fn(&[f32]) -> anyhow::Result<Option<Tensor>>,
     ) -> anyhow::Result<ResidentWeights> {
         Ok(ResidentWeights {
@@ -202,9 +233,11 @@ impl ResidentWeights {
             },
             w: w.linears
                 .iter()
-                .map(|l| {
+                .enumerate()
+                .map(|(i, l)| {
                     Ok(match l.packed {
                         Some(_) => None,
+                        None if !keep(i) => None,
                         None => up(&l.w)?.map(Resident::Dense),
                     })
                 })
@@ -273,6 +306,10 @@ pub struct BlockTrace {
     pub act: Tensor,
     /// An MoE block's experts' inputs on the tokens routed to each, by expert.
     pub experts: Vec<super::moe::ExpertTrace>,
+    /// Set before the forward by a statistics pass over one group of an MoE block's experts (the others'
+    /// weights are not in the backend's memory): only these experts run, the others' traces stay empty and
+    /// the block's output misses their share, which no statistic reads.
+    pub experts_only: Option<std::ops::Range<usize>>,
 }
 
 /// Linear `role` of the block on x [m × d_in], its own resident copy when there is one; an error names the
@@ -414,6 +451,7 @@ pub fn block_forward(
                 &xm,
                 m,
                 trace.is_some(),
+                trace.as_ref().and_then(|t| t.experts_only.clone()),
             )
             .with_context(of("the experts (mlp)"))?;
             (Some(out.y), out.shared_act.unwrap_or_default(), out.experts)
@@ -477,6 +515,7 @@ pub fn block_forward(
             x_mlp: xm,
             act,
             experts,
+            experts_only: tr.experts_only.take(),
         };
     }
     Ok(())

@@ -81,7 +81,8 @@ pub struct MoeGates<'a> {
 /// The MLP of an MoE block on its input `xm` [m × d]: Σ_k p_k · down_k(silu(gate_k x) ⊙ up_k x) per token
 /// (+ sigmoid(w_g · x) · shared(x) where the block has a shared expert), and, with `trace`, what the
 /// statistics read. `linears` is the block's description; `lin(i, x, n)` runs its linear i on n rows (the
-/// block forward's own, on the resident copy).
+/// block forward's own, on the resident copy). With `only`, the experts outside it are skipped (a statistics
+/// pass over one group of experts: `BlockTrace::experts_only`), so `y` lacks their share.
 #[allow(clippy::too_many_arguments)]
 pub fn sparse_mlp(
     be: &dyn Backend,
@@ -92,6 +93,7 @@ pub fn sparse_mlp(
     xm: &Tensor,
     m: usize,
     trace: bool,
+    only: Option<std::ops::Range<usize>>,
 ) -> Result<SparseMlp> {
     let router = gates.router;
     let d = router.len() / moe.n_experts;
@@ -149,7 +151,7 @@ pub fn sparse_mlp(
     let mut out = be.zeros(m * d)?;
     let mut traces = Vec::with_capacity(if trace { moe.n_experts } else { 0 });
     for (e, routes) in routed.iter().enumerate() {
-        if routes.is_empty() {
+        if routes.is_empty() || only.as_ref().is_some_and(|r| !r.contains(&e)) {
             if trace {
                 traces.push(ExpertTrace::default());
             }

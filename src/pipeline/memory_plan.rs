@@ -409,6 +409,15 @@ fn fixed_items(
             work,
         ),
         (RESERVE, target.reserve()),
+        // Experts in groups (pipeline/expert_groups.rs): the forward that makes the next block's inputs reads
+        // the experts' Ŵ from the host, one linear uploaded at a time.
+        (
+            "an expert linear uploaded for the forward (experts in groups)",
+            match shape.experts {
+                Some(_) if group < shape.n_mlps() => (shape.mlp_params() / 3 * F32) as u64,
+                _ => 0,
+            },
+        ),
     ]
 }
 

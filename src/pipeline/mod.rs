@@ -5,6 +5,8 @@
 //! (d) forward the quantized block on X_l → X_{l+1}, (e) write its shard. Blocks outside --layers are copied
 //! through unquantized (and forwarded in FP while a later block still needs its inputs).
 
+mod block_pass;
+pub mod expert_groups;
 pub mod memory_plan;
 pub mod model_allocation;
 pub mod options;
@@ -28,7 +30,7 @@ use crate::model::llama::{BlockWeights, ResidentWeights, block_forward};
 use crate::nvtx::ranged;
 use crate::progress::Progress;
 use anyhow::Context;
-use options::{AllocProxy, AllocScope, Method, RunOptions};
+use options::{AllocProxy, AllocScope, RunOptions};
 use report::{LayerReport, RunReport, Timings};
 use std::time::Instant;
 
@@ -44,6 +46,44 @@ struct Placement {
     /// The embedding table goes to the device and X is gathered there (a device backend whose plan has room
     /// for the table before the first block); else X is embedded on the host and uploaded.
     embed_on_device: bool,
+    /// An MoE block's experts held at once when they are taken in groups (pipeline/expert_groups.rs);
+    /// None: all of them.
+    expert_group: Option<usize>,
+}
+
+/// The experts held at once: the plan's (`planned`, None where it holds them all) or `--expert-group`'s,
+/// whichever is fewer; None when that is all of them.
+fn expert_group(
+    planned: Option<usize>,
+    cfg: &crate::model::config::Config,
+    opts: &RunOptions,
+    progress: &Progress,
+) -> anyhow::Result<Option<usize>> {
+    let Some(n) = cfg.block.moe.as_ref().map(|m| m.n_experts) else {
+        if opts.expert_group.is_some() {
+            progress.line("note: --expert-group has no effect: the model has no experts");
+        }
+        return Ok(None);
+    };
+    let g = planned
+        .unwrap_or(n)
+        .min(opts.expert_group.unwrap_or(n))
+        .max(1);
+    if g >= n {
+        return Ok(None);
+    }
+    if opts.bits.is_some() {
+        return Err(crate::input_err!(
+            "--avg-bits measures all {n} experts of a block at once, but only {g} are held at a time \
+             (the memory plan or --expert-group): drop --avg-bits, or give the run more GPU memory"
+        ));
+    }
+    progress.line(&format!(
+        "experts in groups of {g}: {} passes over each block's calibration inputs (the same result; \
+         each further pass repeats the router and the attention's forward)",
+        n.div_ceil(g)
+    ));
+    Ok(Some(g))
 }
 
 /// Prints the memory plan before any long work and returns where X lives. A GPU plan that cannot fit is
@@ -109,20 +149,11 @@ fn state_memory_plan(
                 crate::input_err!("{m}{why}")
             })?;
             progress.line(p.to_string().trim_end());
-            if let (Some(g), Some(m)) = (p.expert_group, &cfg.block.moe)
-                && g < m.n_experts
-            {
-                return Err(crate::input_err!(
-                    "the {} experts of a block do not fit the GPU at once (the plan holds {g}); the \
-                     pipeline does not run experts in groups yet: use a GPU with more memory, fewer \
-                     --nsamples/--seqlen, or --device cpu",
-                    m.n_experts
-                ));
-            }
             Ok(Placement {
                 parked: p.activations == Activations::HostStreamed,
                 chunk_seqs: p.chunk_seqs,
                 embed_on_device: p.fits_before_blocks((cfg.vocab * cfg.d * 4) as u64),
+                expert_group: expert_group(p.expert_group, cfg, opts, progress)?,
             })
         }
         None => {
@@ -140,6 +171,7 @@ fn state_memory_plan(
                 parked: false,
                 chunk_seqs: CHUNK,
                 embed_on_device: false,
+                expert_group: expert_group(None, cfg, opts, progress)?,
             })
         }
     }
@@ -449,6 +481,11 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
         // A block's weights in f32 on the host, and (when X goes through it) copied into the backend's
         // memory: for the prefetch thread, so both the disk read and the upload overlap the previous block.
         let model_ref = &model;
+        // With experts in groups, the block goes up with its first group of experts; each later group when
+        // its pass comes.
+        let passes = expert_groups::passes(&cfg.block, placement.expert_group);
+        let first_pass = passes[0].holds(&cfg.block);
+        let first_pass = &first_pass;
         let load = move |l: usize| -> anyhow::Result<(BlockWeights, ResidentWeights)> {
             let w = model_ref.load_block(l)?;
             // On the prefetch thread, off the block loop's path: a scan of every weight (0.2 s of one core
@@ -456,7 +493,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
             // forward will read (a --rotate model is derived after that scan).
             check_finite(&w, l)?;
             let resident = if needs_calib {
-                ResidentWeights::upload(be, &w)?
+                ResidentWeights::upload_some(be, &w, &|i| first_pass[i])?
             } else {
                 ResidentWeights::default()
             };
@@ -515,109 +552,58 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                 } else {
                     bar.set_message(format!("layer {l}"));
                     let (mut w, mut resident) = w.expect("a selected block's weights are read");
-                    let stats = match needs_calib {
-                        true => Some(
-                            stats::collect(
-                                be,
-                                &w,
-                                Some(&resident),
-                                cfg,
-                                rope,
-                                &x,
-                                opts.method == Method::Boa,
-                                opts.qk_norm_hessian == options::QkNormHessian::Exact,
-                                stats::MoeStats::of(opts),
-                            )
-                            .with_context(|| format!("layer {l}: statistics"))?,
-                        ),
-                        false => None,
-                    };
-                    if let Some(s) = &stats {
-                        timings.forward += s.forward_time.as_secs_f64();
-                        timings.statistics += s.stats_time.as_secs_f64();
-                        timings.v_col += s.v_col_time.as_secs_f64();
-                    }
-                    // Before the quantize timer, whose parts (factor, search, sweep) `take` then restarts.
-                    let measured = match &stats {
-                        _ if chosen.is_some() => chosen.as_ref().and_then(|c| c.errors[l].clone()),
-                        Some(s)
-                            if let Some(alloc) = &opts.bits
-                                && alloc_proxy == Some(AllocProxy::Output) =>
-                        {
-                            let t = Instant::now();
-                            let m = ranged(c"allocation proxy", || {
-                                sensitivity::output_errors(
-                                    be,
-                                    &mut w,
-                                    &mut resident,
-                                    s,
-                                    cfg,
-                                    rope,
-                                    &x,
-                                    opts,
-                                    l,
-                                    &quantize_block::alloc_units(cfg, alloc),
-                                )
-                            })?;
-                            timings.alloc_proxy += t.elapsed().as_secs_f64();
-                            Some(m)
+                    let n = cfg.block.linears.len();
+                    let mut packed: Vec<Option<StoredLinear>> = (0..n).map(|_| None).collect();
+                    let mut linears: Vec<Option<quantize_block::LinearReport>> = vec![None; n];
+                    let mut hats: Vec<Option<Tensor>> = (0..n).map(|_| None).collect();
+                    let grouped = passes.len() > 1;
+                    for pass in &passes {
+                        if grouped {
+                            let holds = pass.holds(&cfg.block);
+                            resident
+                                .upload_more(be, &w, &|i| holds[i])
+                                .with_context(|| format!("layer {l}: uploading {pass}"))?;
                         }
-                        _ => None,
-                    };
-                    crate::quant::profile::fence(be);
-                    let t = Instant::now();
-                    crate::quant::profile::take();
-                    // W is quantized where the FP forward read it (the device copy on a GPU).
-                    let weights = quantize_block::weight_mats(&w, &mut resident);
-                    let quantized = ranged(c"quantize block", || {
-                        let norms = quantize_block::QkNorms::of(&w);
-                        quantize_block::quantize_block(
+                        let done = block_pass::quantize_pass(
                             be,
-                            &weights,
-                            stats.as_ref(),
-                            cfg,
-                            norms,
-                            opts,
-                            l,
-                            measured.as_deref(),
-                            chosen.as_ref().and_then(|c| c.bits[l].as_deref()),
-                        )
-                    })?;
-                    if be.traffic().source.is_empty() {
-                        floor_bytes = 0;
-                    } else {
-                        // The weights went up in f32 (ResidentWeights::upload) for the FP forward.
-                        floor_bytes = weights.iter().map(|m| 4 * m.len() as u64).sum::<u64>()
-                            + resident.online_bytes();
+                            &mut w,
+                            &mut resident,
+                            pass,
+                            grouped,
+                            &mut block_pass::BlockRun {
+                                cfg,
+                                opts,
+                                layer: l,
+                                rope,
+                                x: &x,
+                                needs_calib,
+                                chosen: chosen.as_ref(),
+                                alloc_proxy,
+                                timings: &mut timings,
+                                floor_bytes: &mut floor_bytes,
+                            },
+                        )?;
+                        for (i, (p, r, hat)) in done {
+                            (packed[i], linears[i], hats[i]) = (Some(p), Some(r), hat);
+                        }
                     }
-                    drop(weights);
-                    let types: Vec<_> = cfg
-                        .block
-                        .linears
-                        .iter()
-                        .map(|ld| quantize_block::gguf_type(opts, cfg, l, ld))
-                        .collect();
-                    let packed = store_block(be, &quantized, &types)
-                        .with_context(|| format!("layer {l}: packing"))?;
-                    // qweight words, then scales and zeros as f32 (QuantOps::pack's downloads).
-                    floor_bytes += packed.iter().map(StoredLinear::down_bytes).sum::<u64>();
-                    crate::quant::profile::fence(be);
-                    timings.quantize += t.elapsed().as_secs_f64();
-                    let [factor, search, sweep] = crate::quant::profile::take();
-                    (timings.factor, timings.search, timings.sweep) = (
-                        timings.factor + factor,
-                        timings.search + search,
-                        timings.sweep + sweep,
-                    );
-                    drop(stats);
+                    let missing = || anyhow::anyhow!("layer {l}: a linear no pass quantized");
+                    let packed = packed
+                        .into_iter()
+                        .map(|p| p.ok_or_else(missing))
+                        .collect::<anyhow::Result<Vec<_>>>()?;
                     reports.push(LayerReport {
                         layer: l,
-                        linears: quantized.iter().map(|(_, r)| r.clone()).collect(),
+                        linears: linears
+                            .into_iter()
+                            .map(|r| r.ok_or_else(missing))
+                            .collect::<anyhow::Result<_>>()?,
                     });
                     // The quantized block makes the next block's inputs from the Ŵ the quantizer left in the
-                    // backend's memory.
+                    // backend's memory (an expert of a grouped block: on the host, uploaded as it runs).
                     let online = resident.take_online();
-                    let resident = install_quantized(&mut w, quantized, online)?;
+                    drop(resident);
+                    let resident = ResidentWeights::from_tensors(hats, online);
                     if needs_calib && l < last_needed {
                         let t = Instant::now();
                         ranged(c"forward", || {
@@ -986,33 +972,6 @@ fn stored_entries(model: &Model, l: usize) -> anyhow::Result<Vec<TensorEntry<'_>
         .collect()
 }
 
-/// The quantized block's weights for the forward that makes the next block's inputs: Ŵ of each linear
-/// where the quantizer left it (device memory: resident copies; host values: into `w`).
-fn install_quantized(
-    w: &mut BlockWeights,
-    quantized: Vec<(crate::ops::QuantizedLinear, quantize_block::LinearReport)>,
-    online: Option<Tensor>,
-) -> anyhow::Result<ResidentWeights> {
-    use crate::ops::MatData;
-    let mut resident = Vec::with_capacity(quantized.len());
-    for (((q, _), desc), lin) in quantized
-        .into_iter()
-        .zip(&w.desc.linears)
-        .zip(&mut w.linears)
-    {
-        let name = &desc.name;
-        match q.w_hat.data {
-            MatData::F32(Tensor::Host(v)) => {
-                lin.w = v;
-                resident.push(None);
-            }
-            MatData::F32(t) => resident.push(Some(t)),
-            MatData::F64(_) => anyhow::bail!("{name}: Ŵ came back in f64"),
-        }
-    }
-    Ok(ResidentWeights::from_tensors(resident, online))
-}
-
 /// Block l with each linear's weight replaced by its quantized form (`quantized`, in the description's order):
 /// dequantized in `dtype` for the fake format, packed tensors otherwise (`sym`: compressed-tensors' symmetric
 /// layout, which stores no zero points).
@@ -1054,14 +1013,14 @@ fn quantized_entries<'a>(
 
 /// A quantized linear as the shard holds it: GPTQ's packed tensors, or (a `--gguf-type` codec type whose
 /// grids GPTQ's layout cannot hold) its GGUF blocks.
-enum StoredLinear {
+pub(super) enum StoredLinear {
     Packed(crate::ops::Packed),
     Blocks(crate::export::gguf_model::CodecLinear),
 }
 
 impl StoredLinear {
     /// Bytes the backend handed to the host for it (`run --profile`'s floor).
-    fn down_bytes(&self) -> u64 {
+    pub(super) fn down_bytes(&self) -> u64 {
         match self {
             StoredLinear::Packed(p) => {
                 4 * p.qweight.len() as u64 + 8 * (p.d_out * p.n_groups) as u64
@@ -1075,7 +1034,7 @@ impl StoredLinear {
 /// Packs a block's quantized linears (`types`: each one's GGUF type under --gguf-type), the packed ones read
 /// back together (`QuantOps::pack_all`: one synchronization for the block); a codec type is encoded from its
 /// codes and grids read back to the host (a CPU run: the codec types refuse the GPU before any work).
-fn store_block(
+pub(super) fn store_block(
     be: &dyn Backend,
     quantized: &[(crate::ops::QuantizedLinear, quantize_block::LinearReport)],
     types: &[Option<crate::model::gguf::GgmlType>],

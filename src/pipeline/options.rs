@@ -276,6 +276,10 @@ pub struct RunOptions {
     /// GiB of GPU memory the plan may use at most (None: all that is free).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpu_mem: Option<f64>,
+    /// Hold at most this many of an MoE block's experts on the device at once (None: as many as the memory
+    /// plan fits); more passes over the calibration inputs, the same result.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expert_group: Option<usize>,
     /// Replace --out if it exists.
     pub force: bool,
     /// Continue the partial run of the same --out from its last finished block. Not in report.json: a
@@ -436,6 +440,9 @@ impl RunOptions {
             && !(g.is_finite() && g > 0.0)
         {
             return Err(format!("--gpu-mem {g} is not a positive number of GiB"));
+        }
+        if self.expert_group == Some(0) {
+            return Err("--expert-group 0 holds no expert: give at least 1".into());
         }
         if let GroupSize::Columns(g) = self.group_size
             && (g < 16 || g % 16 != 0)

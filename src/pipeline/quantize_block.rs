@@ -378,6 +378,7 @@ fn expert_batches<'h>(
     desc: &crate::model::arch::BlockDesc,
     stats: Option<&'h BlockStats>,
     opts: &RunOptions,
+    selected: &dyn Fn(usize) -> bool,
 ) -> (Vec<Vec<&'h Mat>>, usize) {
     let gptq = |ld: &LinearDesc| {
         ld.expert.is_some()
@@ -387,15 +388,18 @@ fn expert_batches<'h>(
     batches(
         desc.linears
             .iter()
-            .filter(|ld| gptq(ld))
-            .filter_map(|ld| stats.and_then(|s| s.h_col(ld))),
+            .enumerate()
+            .filter(|&(i, ld)| selected(i) && gptq(ld))
+            .filter_map(|(_, ld)| stats.and_then(|s| s.h_col(ld))),
     )
 }
 
 /// Quantizes every linear of the block. `weights` holds each linear's W (description order) where the backend
 /// keeps it (the copy the FP forward read); the results' Ŵ stay there too, for the next forward. `measured`:
 /// under --avg-bits with the output proxy, each allocation unit's error at each width (pipeline/sensitivity.rs);
-/// `chosen`: the widths the model-wide allocation gave this block (pipeline/model_allocation.rs).
+/// `chosen`: the widths the model-wide allocation gave this block (pipeline/model_allocation.rs). `select`:
+/// only the linears it marks (one pass over a group of experts, pipeline/expert_groups.rs; the others'
+/// `weights` are not read), results in description order; None: all.
 #[allow(clippy::too_many_arguments)]
 pub fn quantize_block(
     ops: &dyn QuantOps,
@@ -407,7 +411,9 @@ pub fn quantize_block(
     layer: usize,
     measured: Option<&[Vec<f64>]>,
     chosen: Option<&[u32]>,
+    select: Option<&[bool]>,
 ) -> Result<Vec<(QuantizedLinear, LinearReport)>> {
+    let selected = |i: usize| select.is_none_or(|s| s[i]);
     let Widths {
         bits,
         known,
@@ -415,7 +421,7 @@ pub fn quantize_block(
     } = linear_bits(ops, weights, stats, cfg, opts, layer, measured, chosen)?;
     // Linears that read the same input share its plan (q/k, and v under GPTQ; gate/up), and the experts'
     // plans are made in batches ahead of their linears.
-    let (batches, held) = expert_batches(&cfg.block, stats, opts);
+    let (batches, held) = expert_batches(&cfg.block, stats, opts, &selected);
     let mut planned = vec![false; batches.len()];
     let factors = FactorCache::holding(1 + held);
     let rope = super::stats::rope_average(cfg, layer, opts.seqlen);
@@ -427,6 +433,9 @@ pub fn quantize_block(
     let mut next = 0;
     let mut forms = Vec::with_capacity(desc.linears.len());
     for (i, ld) in desc.linears.iter().enumerate() {
+        if !selected(i) {
+            continue;
+        }
         let name = ld.name.as_str();
         let start = Instant::now();
         let lspec = linear_spec(ops, opts, cfg, layer, ld, bits[i])?;
@@ -550,8 +559,9 @@ pub fn quantize_block(
         // A device runs ahead of the host, so a kernel fault surfaces at the next synchronization; a fence
         // after each linear's queued work names the linear that faulted. The routed experts share one fence
         // after the last of them, so an MoE block's synchronizations do not grow with its experts.
+        let next = (i + 1..desc.linears.len()).find(|&j| selected(j));
         let last_expert =
-            ld.expert.is_some() && desc.linears.get(i + 1).is_none_or(|n| n.expert.is_none());
+            ld.expert.is_some() && next.is_none_or(|j| desc.linears[j].expert.is_none());
         if ld.expert.is_none() || last_expert {
             let (what, whose) = if last_expert {
                 ("the routed experts", "their")
@@ -589,17 +599,22 @@ pub fn quantize_block(
 }
 
 /// Each linear's W of a block where the backend keeps it: the device copy the FP forward read when there is
-/// one (taken from `resident`), else the host values.
+/// one (taken from `resident`), else the host values. Linears `select` does not mark get an empty matrix
+/// (`quantize_block` reads only the ones it marks).
 pub fn weight_mats(
     w: &BlockWeights,
     resident: &mut crate::model::llama::ResidentWeights,
+    select: &[bool],
 ) -> Vec<Mat> {
     w.linears
         .iter()
         .enumerate()
-        .map(|(i, l)| match resident.take(i) {
-            Some(t) => Mat::tensor(t, 1, l.d_out, l.d_in),
-            None => Mat::f32(l.w.clone(), 1, l.d_out, l.d_in),
+        .map(|(i, l)| match select[i] {
+            false => Mat::f32(Vec::new(), 1, 0, 0),
+            true => match resident.take(i) {
+                Some(t) => Mat::tensor(t, 1, l.d_out, l.d_in),
+                None => Mat::f32(l.w.clone(), 1, l.d_out, l.d_in),
+            },
         })
         .collect()
 }

@@ -72,7 +72,14 @@ pub fn fingerprint(
     let mut options = serde_json::to_value(opts)?;
     if let Value::Object(m) = &mut options {
         for k in [
-            "model", "calib", "out", "force", "resume", "device", "gpu_mem",
+            "model",
+            "calib",
+            "out",
+            "force",
+            "resume",
+            "device",
+            "gpu_mem",
+            "expert_group",
         ] {
             m.remove(k);
         }

@@ -50,6 +50,9 @@ pub struct MoeStats {
     /// Weight each routed token by its router probability squared (the factor its error reaches the block's
     /// output with) instead of counting every routed token once.
     pub router_weighted: bool,
+    /// Experts [start, end) when the block's experts are taken in groups (pipeline/expert_groups.rs): only
+    /// these run and get statistics; the others' `ExpertStats` are empty (0 tokens, no H) and unused.
+    pub group: Option<(usize, usize)>,
 }
 
 impl Default for MoeStats {
@@ -58,6 +61,7 @@ impl Default for MoeStats {
         MoeStats {
             min_tokens: 64,
             router_weighted: false,
+            group: None,
         }
     }
 }
@@ -68,6 +72,7 @@ impl MoeStats {
         MoeStats {
             min_tokens: opts.moe_min_tokens,
             router_weighted: opts.moe_hessian == super::options::MoeHessian::Router,
+            group: None,
         }
     }
 }
@@ -168,8 +173,8 @@ struct Sums {
     h_o: Accumulator,
     h_mlp: Accumulator,
     h_down: Option<Accumulator>,
-    /// Per expert: (gate/up input, down input).
-    experts: Vec<(Accumulator, Accumulator)>,
+    /// Per expert: (gate/up input, down input); None outside the pass's group of experts.
+    experts: Vec<Option<(Accumulator, Accumulator)>>,
     attn: Option<(Accumulator, Accumulator, Accumulator)>,
 }
 
@@ -214,7 +219,15 @@ pub fn collect(
         },
         experts: match &cfg.block.moe {
             Some(m) => (0..m.n_experts)
-                .map(|_| Ok((Accumulator::xxt(be, d)?, Accumulator::xxt(be, m.d_expert)?)))
+                .map(|e| {
+                    if moe.group.is_some_and(|(a, b)| !(a..b).contains(&e)) {
+                        return Ok(None);
+                    }
+                    Ok(Some((
+                        Accumulator::xxt(be, d)?,
+                        Accumulator::xxt(be, m.d_expert)?,
+                    )))
+                })
                 .collect::<Result<_>>()
                 .with_context(of(H_EXPERT))?,
             None => Vec::new(),
@@ -243,7 +256,10 @@ pub fn collect(
             Some(s) => s,
             None => be.duplicate(chunk).with_context(chunk_ctx(i))?,
         };
-        let mut tr = BlockTrace::default();
+        let mut tr = BlockTrace {
+            experts_only: moe.group.map(|(a, b)| a..b),
+            ..Default::default()
+        };
         fence();
         let t0 = Instant::now();
         crate::nvtx::ranged(c"forward", || {
@@ -262,11 +278,11 @@ pub fn collect(
         if let Some(a) = &mut s.h_down {
             a.add_xxt(be, &tr.act, m).with_context(of(H_DOWN))?;
         }
-        for ((h_in, h_act), et) in s.experts.iter_mut().zip(&tr.experts) {
+        for (sums, et) in s.experts.iter_mut().zip(&tr.experts) {
             let n = et.weights.len();
-            if n == 0 {
+            let Some((h_in, h_act)) = sums.as_mut().filter(|_| n > 0) else {
                 continue;
-            }
+            };
             if moe.router_weighted {
                 // Row r times p_r where the rows are (0 + p·x: the same f32 product), so a GPU's X stays there.
                 let rows: Vec<u32> = (0..n as u32).collect();
@@ -320,7 +336,14 @@ pub fn collect(
         experts: s
             .experts
             .into_iter()
-            .map(|(h_in, h_act)| {
+            .map(|sums| {
+                let Some((h_in, h_act)) = sums else {
+                    return Ok(ExpertStats {
+                        tokens: 0,
+                        h_in: None,
+                        h_act: None,
+                    });
+                };
                 let tokens = h_in.n_tokens();
                 Ok(match tokens >= moe.min_tokens.max(1) {
                     true => ExpertStats {
