@@ -250,7 +250,7 @@ fn bad_allocations_are_refused_before_any_work() {
                 "--alloc-scope",
                 "model",
             ],
-            "--alloc-scope model",
+            "drop --alloc-proxy rtn, or pass --alloc-scope block",
         ),
         (
             &["--avg-bits", "3", "--bit-choices", "2,5"],
@@ -271,6 +271,8 @@ fn bad_allocations_are_refused_before_any_work() {
         assert_eq!(code, 2, "{extra:?}: {err}");
         assert!(err.contains(says), "{extra:?}: {err}");
         assert_eq!(err.trim().lines().count(), 1, "{err}");
+        // A message wrapped in the source without its line continuation keeps the indentation.
+        assert!(!err.contains("   "), "a run of spaces: {err}");
         assert!(!out.exists());
     }
 }

@@ -620,6 +620,55 @@ fn moe_experts_in_groups_on_cuda_give_the_same_checkpoint_in_less_memory() {
     }
 }
 
+/// `--qk-norm-hessian exact` where BoA quantizes neither q_proj nor k_proj (`--boa-on v`) says it changes
+/// nothing (its second statistics pass is skipped), and the checkpoint is the default's, byte for byte.
+#[test]
+fn exact_qk_norm_hessian_without_boa_on_q_or_k_changes_nothing() {
+    let dir = references().join("qwen3");
+    let calib = calib_text();
+    let tmp = tempfile::tempdir().unwrap();
+    let mut outs = Vec::new();
+    for exact in [false, true] {
+        let out = tmp.path().join(format!("exact-{exact}"));
+        let mut args = vec![
+            "run",
+            "--model",
+            s(&dir),
+            "--calib",
+            s(&calib),
+            "--method",
+            "boa",
+            "--boa-on",
+            "v",
+            "--wbits",
+            "3",
+            "--nsamples",
+            "8",
+            "--seqlen",
+            "64",
+            "--device",
+            "cpu",
+            "--out",
+            s(&out),
+        ];
+        if exact {
+            args.extend(["--qk-norm-hessian", "exact"]);
+        }
+        let (code, _, err) = run(&args);
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(
+            err.contains("--qk-norm-hessian exact changes nothing here"),
+            exact,
+            "{err}"
+        );
+        // A message wrapped in the source without its line continuation keeps the indentation.
+        let note = err.lines().find(|l| l.contains("--qk-norm-hessian"));
+        assert!(note.is_none_or(|l| !l.contains("   ")), "{note:?}");
+        outs.push(out);
+    }
+    assert_same_run(&outs[0], &outs[1]);
+}
+
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }

@@ -333,8 +333,27 @@ fn linear_of(
         .with_context(|| format!("forward of {}", desc.name))
 }
 
+/// The attention's normed input on X [m × d] and W_Q's and W_K's outputs on it, before the q/k norm and
+/// RoPE: the start of `block_forward`, and all that BoA's exact row Hessians recompute (`qk_projections`).
+fn attn_projections(
+    be: &dyn Backend,
+    w: &BlockWeights,
+    resident: Option<&ResidentWeights>,
+    cfg: &Config,
+    x: &Tensor,
+    m: usize,
+) -> anyhow::Result<(Tensor, Tensor, Tensor)> {
+    use anyhow::Context as _;
+    let xa = be
+        .rms_norm_t(x, w.required_norm(NormRole::Attn)?, cfg.d, cfg.eps)
+        .context("forward of input_layernorm")?;
+    let q = linear_of(be, w, resident, Role::Q, &xa, m)?;
+    let k = linear_of(be, w, resident, Role::K, &xa, m)?;
+    Ok((xa, q, k))
+}
+
 /// W_Q's and W_K's outputs on X [m × d], before the q/k norm and RoPE: the vectors whose norm Jacobian
-/// BoA's exact row Hessians read (pipeline/stats.rs). The same calls as `block_forward`'s, so the same values.
+/// BoA's exact row Hessians read (pipeline/stats.rs), the forward's own values.
 pub fn qk_projections(
     be: &dyn Backend,
     w: &BlockWeights,
@@ -343,14 +362,8 @@ pub fn qk_projections(
     x: &Tensor,
     m: usize,
 ) -> anyhow::Result<(Tensor, Tensor)> {
-    use anyhow::Context as _;
-    let xa = be
-        .rms_norm_t(x, w.required_norm(NormRole::Attn)?, cfg.d, cfg.eps)
-        .context("forward of input_layernorm")?;
-    Ok((
-        linear_of(be, w, resident, Role::Q, &xa, m)?,
-        linear_of(be, w, resident, Role::K, &xa, m)?,
-    ))
+    let (_, q, k) = attn_projections(be, w, resident, cfg, x, m)?;
+    Ok((q, k))
 }
 
 /// One block forward on X [n_seq·t × d], in place, wherever the backend keeps X. `resident` holds copies of
@@ -381,11 +394,7 @@ pub fn block_forward(
     // Each step names the module it runs (an error then says where in the block the device failed).
     use anyhow::Context as _;
     let of = |what: &'static str| move || format!("forward of {what}");
-    let xa = be
-        .rms_norm_t(x, w.required_norm(NormRole::Attn)?, cfg.d, cfg.eps)
-        .with_context(of("input_layernorm"))?;
-    let mut q = lin(Role::Q, &xa)?;
-    let mut k = lin(Role::K, &xa)?;
+    let (xa, mut q, mut k) = attn_projections(be, w, resident, cfg, x, m)?;
     let v = lin(Role::V, &xa)?;
     // Qwen3's per-head norms: rows of d_h, one weight for every head.
     if let Some(g) = w.norm(NormRole::Q) {

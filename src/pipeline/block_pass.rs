@@ -2,7 +2,7 @@
 //! linears the pass selects quantized and packed (every linear in one pass, or an MoE block's experts group
 //! by group: pipeline/expert_groups.rs).
 
-use super::options::{self, AllocProxy, Method, RunOptions};
+use super::options::{AllocProxy, Method, RunOptions};
 use super::report::Timings;
 use super::{
     StoredLinear, expert_groups, model_allocation, quantize_block, sensitivity, stats, store_block,
@@ -60,7 +60,7 @@ pub(super) fn quantize_pass(
                 run.rope,
                 run.x,
                 opts.method == Method::Boa && pass.dense,
-                opts.qk_norm_hessian == options::QkNormHessian::Exact && pass.dense,
+                opts.exact_qk_norm(cfg) && pass.dense,
                 stats::MoeStats {
                     group: pass.experts,
                     ..stats::MoeStats::of(opts)

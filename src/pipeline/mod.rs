@@ -891,10 +891,9 @@ pub(super) fn forward_all(
     x: &mut [Tensor],
 ) -> anyhow::Result<()> {
     let per_seq = rope.t * cfg.d;
-    let mut next = stats::stage_if_parked(be, x, 0)?;
+    let mut staging = stats::Staging::new(be, x)?;
     for i in 0..x.len() {
-        let staged = next.take();
-        next = stats::stage_if_parked(be, x, i + 1)?;
+        let staged = staging.advance(be, x)?;
         let c = &mut x[i];
         let ns = c.len() / per_seq;
         match staged {

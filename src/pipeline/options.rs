@@ -389,6 +389,16 @@ pub const SUPPORTED_WBITS: [u32; 4] = [2, 3, 4, 8];
 
 impl RunOptions {
     /// Whether BoA quantizes the linear of `role` (under --method boa: q/k/v as `--boa-on` lists them).
+    /// Whether BoA's Q/K row Hessians take the q/k norms' exact Jacobian (`--qk-norm-hessian exact`): asked
+    /// for, and the block has such norms, and BoA quantizes q_proj or k_proj (else the second statistics
+    /// pass it costs would feed nothing).
+    pub fn exact_qk_norm(&self, cfg: &crate::model::Config) -> bool {
+        use crate::model::arch::Role;
+        self.qk_norm_hessian == QkNormHessian::Exact
+            && cfg.block.qk_norm()
+            && (self.boa_treats(Role::Q) || self.boa_treats(Role::K))
+    }
+
     pub fn boa_treats(&self, role: crate::model::arch::Role) -> bool {
         use crate::model::arch::Role;
         let p = match role {
@@ -431,7 +441,8 @@ impl RunOptions {
             }
             if b.scope == AllocScope::Model && b.proxy == Some(AllocProxy::Rtn) {
                 return Err(
-                    "--alloc-scope model compares blocks by the output proxy's errors: drop --alloc-proxy                      rtn, or pass --alloc-scope block"
+                    "--alloc-scope model compares blocks by the output proxy's errors: drop --alloc-proxy \
+                     rtn, or pass --alloc-scope block"
                         .into(),
                 );
             }

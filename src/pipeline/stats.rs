@@ -139,10 +139,9 @@ fn norm_row_hessians(
     };
     let mut q_side = side(gq, c_k, cfg.n_heads)?;
     let mut k_side = side(gk, c_q, cfg.n_kv_heads)?;
-    let mut next = stage_if_parked(be, x, 0)?;
-    for (i, chunk) in x.iter().enumerate() {
-        let staged = next.take();
-        next = stage_if_parked(be, x, i + 1)?;
+    let mut staging = Staging::new(be, x)?;
+    for chunk in x {
+        let staged = staging.advance(be, x)?;
         let xc = staged.as_ref().unwrap_or(chunk);
         let m = chunk.len() / cfg.d;
         let (q, k) = qk_projections(be, w, resident, cfg, xc, m)?;
@@ -157,14 +156,37 @@ fn norm_row_hessians(
     Ok((finish(q_side)?, finish(k_side)?))
 }
 
-/// Chunk i of X staged on the device when it is parked in pinned host memory, else None. The forward loops
-/// stage chunk i+1 before computing chunk i, so its upload overlaps the compute (the plan's two chunks of X
-/// on the device).
+/// Chunk i of X staged on the device when it is parked in pinned host memory, else None.
 pub(crate) fn stage_if_parked(be: &dyn Backend, x: &[Tensor], i: usize) -> Result<Option<Tensor>> {
     x.get(i)
         .filter(|c| matches!(c, Tensor::Pinned(_)))
         .map(|c| be.stage(c))
         .transpose()
+}
+
+/// X's chunks staged in order for a loop over them: `advance` hands out chunk i's staged copy after queueing
+/// chunk i+1's, so its upload overlaps chunk i's compute (the plan's two chunks of X on the device).
+pub(crate) struct Staging {
+    next: Option<Tensor>,
+    i: usize,
+}
+
+impl Staging {
+    pub(crate) fn new(be: &dyn Backend, x: &[Tensor]) -> Result<Staging> {
+        Ok(Staging {
+            next: stage_if_parked(be, x, 0).context("staging chunk 0 of the block's input")?,
+            i: 0,
+        })
+    }
+
+    /// The next chunk's staged copy (None where X is not parked).
+    pub(crate) fn advance(&mut self, be: &dyn Backend, x: &[Tensor]) -> Result<Option<Tensor>> {
+        let staged = self.next.take();
+        self.i += 1;
+        self.next = stage_if_parked(be, x, self.i)
+            .with_context(|| format!("staging chunk {} of the block's input", self.i))?;
+        Ok(staged)
+    }
 }
 
 /// The accumulators of one block.
@@ -242,19 +264,18 @@ pub fn collect(
         },
     };
     let d_e = cfg.block.moe.as_ref().map_or(0, |m| m.d_expert);
-    let chunk_ctx = |i: usize| move || format!("staging chunk {i} of the block's input");
     let (mut forward_time, mut stats_time, mut v_col_time) =
         (Duration::ZERO, Duration::ZERO, Duration::ZERO);
     let fence = || crate::quant::profile::fence(be);
     // A chunk already on the device is copied when its turn comes.
-    let mut next = stage_if_parked(be, x, 0).with_context(chunk_ctx(0))?;
+    let mut staging = Staging::new(be, x)?;
     for (i, chunk) in x.iter().enumerate() {
         let ns = chunk.len() / (t * d);
-        let staged = next.take();
-        next = stage_if_parked(be, x, i + 1).with_context(chunk_ctx(i + 1))?;
-        let mut xc = match staged {
+        let mut xc = match staging.advance(be, x)? {
             Some(s) => s,
-            None => be.duplicate(chunk).with_context(chunk_ctx(i))?,
+            None => be
+                .duplicate(chunk)
+                .with_context(|| format!("copying chunk {i} of the block's input"))?,
         };
         let mut tr = BlockTrace {
             experts_only: moe.group.map(|(a, b)| a..b),

@@ -11,7 +11,7 @@
 //!   (the rest is copied through) take minutes each, so the scan costs a few percent of a full run.
 //!   Tensors are scanned in parallel (rayon), each straight from its memory map.
 
-use super::options::{AllocScope, AllocUnit, LayerSet, Method, QkNormHessian, RunOptions};
+use super::options::{AllocScope, AllocUnit, LayerSet, QkNormHessian, RunOptions};
 use crate::data::text;
 use crate::error::file_err;
 use crate::export::gptq_packed::OutFormat;
@@ -109,11 +109,10 @@ pub fn before_work(opts: &RunOptions, model: &Model, progress: &Progress) -> any
              would each order the columns by their own Hessian, and a checkpoint has one g_idx per matrix",
         );
     }
-    if opts.qk_norm_hessian == QkNormHessian::Exact
-        && (opts.method != Method::Boa || !cfg.block.qk_norm())
-    {
+    if opts.qk_norm_hessian == QkNormHessian::Exact && !opts.exact_qk_norm(cfg) {
         progress.line(
-            "note: --qk-norm-hessian exact changes nothing here: it weighs BoA's Q/K row Hessians by a per-head              q/k norm's Jacobian, and this run has no such norm or no BoA",
+            "note: --qk-norm-hessian exact changes nothing here: it weighs BoA's Q/K row Hessians by a per-head \
+             q/k norm's Jacobian, and this run has no such norm, or no BoA on q_proj or k_proj",
         );
     }
     let gptq = matches!(opts.format, OutFormat::Gptq | OutFormat::GptqV2);
