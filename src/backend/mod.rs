@@ -197,6 +197,21 @@ pub trait Backend: QuantOps + Send + Sync {
         self.to_device(Tensor::Host(y))
     }
 
+    /// x · (I ⊗ H_b/√b): each run of b = `h.n` values of x times the normalized Hadamard matrix (QuaRot's
+    /// online R4 before down_proj). `dense` is the same transform as a linear's weight [b × b] (H_b/√b is
+    /// symmetric only for Sylvester orders, so it is stored transposed). The default runs the fast transform
+    /// on the host (b log b per run); a device backend may use the GEMM on `dense` instead.
+    fn block_hadamard_t(
+        &self,
+        x: &Tensor,
+        h: &crate::ops::hadamard::Hadamard,
+        _dense: Weight<'_>,
+    ) -> Result<Tensor> {
+        let mut v = self.read(x)?.into_owned();
+        crate::ops::hadamard::block_transform_f32(h, &mut v).map_err(anyhow::Error::msg)?;
+        self.to_device(Tensor::Host(v))
+    }
+
     /// A copy of a packed linear in this backend's memory, for a forward that reads it many times; None when
     /// the host form serves as it is (host backends).
     fn upload_packed(

@@ -54,7 +54,7 @@ pub struct FusedBlock {
     gate_up: Vec<f32>,
     gate_up_bias: Option<Vec<f32>>,
     /// The online transform of down_proj's input, one block's Q_bᵀ [b × b] (`model/online.rs`).
-    online: Option<std::sync::Arc<Vec<f32>>>,
+    online: Option<std::sync::Arc<crate::model::online::OnlineQ>>,
     down: Linear,
 }
 
@@ -115,7 +115,14 @@ impl FusedBlock {
             mlp_norm: norm(NormRole::Mlp)?,
             gate_up,
             gate_up_bias,
-            online: w.online.clone(),
+            online: match &w.online {
+                Some(q) if !down.d_in.is_multiple_of(q.h.n) => anyhow::bail!(
+                    "down_proj's {} inputs are not blocks of the online transform's {}",
+                    down.d_in,
+                    q.h.n
+                ),
+                q => q.clone(),
+            },
             down: down.clone(),
         }))
     }
@@ -303,10 +310,11 @@ pub fn block_forward_window(
     }
     let act = match &w.online {
         Some(q) => {
-            // Q = I ⊗ Q_b: act read as [t·d_ff/b × b] rows, each times Q_b.
-            let b = q.len().isqrt();
+            // Q = I ⊗ Q_b: each run of b values of act times Q_b, by the fast transform.
             let aq = sized(&mut ws.act_q, t * d_ff);
-            gemm_nt(aq, act, q, t * d_ff / b, b, b, false);
+            aq.copy_from_slice(act);
+            // d_ff is a multiple of the block (`FusedBlock::of` checked), so this cannot fail.
+            let _ = crate::ops::hadamard::block_transform_f32(&q.h, aq);
             aq
         }
         None => act,

@@ -78,7 +78,7 @@ pub struct BlockWeights {
     pub shared_gate: Option<Vec<f32>>,
     /// The online transform of down_proj's input, I ⊗ Q_b: one block's Q_b as a linear's weight [b × b]
     /// (`model/online.rs`), one copy shared by every block.
-    pub online: Option<Arc<Vec<f32>>>,
+    pub online: Option<Arc<super::online::OnlineQ>>,
 }
 
 impl BlockWeights {
@@ -206,7 +206,7 @@ impl ResidentWeights {
     pub fn upload_all(be: &dyn Backend, w: &BlockWeights) -> anyhow::Result<ResidentWeights> {
         Ok(ResidentWeights {
             online: match &w.online {
-                Some(q) => be.upload_weight(q)?,
+                Some(q) => be.upload_weight(&q.dense)?,
                 None => None,
             },
             w: w.linears
@@ -228,7 +228,7 @@ impl ResidentWeights {
     ) -> anyhow::Result<ResidentWeights> {
         Ok(ResidentWeights {
             online: match &w.online {
-                Some(q) => up(q)?,
+                Some(q) => up(&q.dense)?,
                 None => None,
             },
             w: w.linears
@@ -480,22 +480,17 @@ pub fn block_forward(
             // down_proj was folded with the transform's inverse: its input (and so its statistics) must
             // be the transformed one.
             let act = match &w.online {
-                Some(q) => {
-                    // Q = I ⊗ Q_b: act [m × d_ff] read as [m·d_ff/b × b] rows, each times Q_b.
-                    let n = q.len().isqrt();
-                    be.linear_t(
+                // Q = I ⊗ Q_b: act [m × d_ff] read as [m·d_ff/b × b] rows, each times Q_b.
+                Some(q) => be
+                    .block_hadamard_t(
                         &act,
+                        &q.h,
                         Weight {
-                            host: q,
+                            host: &q.dense,
                             resident: resident.and_then(|r| r.online.as_ref()),
                         },
-                        None,
-                        act.len() / n,
-                        n,
-                        n,
                     )
-                    .with_context(of("the online Hadamard before mlp.down_proj"))?
-                }
+                    .with_context(of("the online Hadamard before mlp.down_proj"))?,
                 None => act,
             };
             let down = match trace.is_some() {
@@ -581,7 +576,7 @@ pub struct Model {
     pub compressed: Option<super::compressed::CompressedConfig>,
     /// `BlockWeights::online`, built by the first block that needs it (not by `inspect` or `eval`'s setup:
     /// at d_ff 11008 it is 0.48 GB and a second of work).
-    online: std::sync::OnceLock<Arc<Vec<f32>>>,
+    online: std::sync::OnceLock<Arc<super::online::OnlineQ>>,
 }
 
 impl Model {
@@ -620,7 +615,7 @@ impl Model {
     }
 
     /// The online transform's weight (`BlockWeights::online`), made on first use and shared after.
-    fn online_weight(&self) -> anyhow::Result<Option<Arc<Vec<f32>>>> {
+    fn online_weight(&self) -> anyhow::Result<Option<Arc<super::online::OnlineQ>>> {
         let Some(b) = self.cfg.block.online_down else {
             return Ok(None);
         };
@@ -628,7 +623,8 @@ impl Model {
             return Ok(Some(w.clone()));
         }
         // config.json's parse refused an order with no construction, so this fails only on a bug.
-        let w = super::online::weight(b).map_err(|m| file_err(self.dir.join("config.json"), m))?;
+        let w = super::online::OnlineQ::new(b)
+            .map_err(|m| file_err(self.dir.join("config.json"), m))?;
         Ok(Some(self.online.get_or_init(|| Arc::new(w)).clone()))
     }
 

@@ -5,7 +5,8 @@ pub mod arch;
 pub mod compressed;
 pub mod config;
 pub mod gguf;
-pub mod hadamard;
+/// Hadamard matrices: pure math, in `ops` so a backend's op can apply one.
+pub use crate::ops::hadamard;
 pub mod llama;
 pub mod moe;
 pub mod online;

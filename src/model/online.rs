@@ -144,6 +144,25 @@ pub fn parse(json: &serde_json::Value, d_ff: usize, moe: bool) -> Result<Option<
     Ok(Some(b))
 }
 
+/// One block's transform for the forward: H_b for the host's fast transform (`Backend::block_hadamard_t`)
+/// and Q_bᵀ as a linear's weight for a device's GEMM.
+#[derive(Debug)]
+pub struct OnlineQ {
+    pub h: crate::ops::hadamard::Hadamard,
+    pub dense: Vec<f32>,
+}
+
+impl OnlineQ {
+    pub fn new(b: usize) -> Result<OnlineQ, String> {
+        Ok(OnlineQ {
+            h: crate::ops::hadamard::Hadamard::new(b).map_err(|why| {
+                format!("--rotate-online needs a Hadamard matrix of order {b}: {why}")
+            })?,
+            dense: weight(b)?,
+        })
+    }
+}
+
 /// One block's transform as a linear's weight W = Q_bᵀ [b × b] row-major f32, so that `linear` (a Wᵀ) on
 /// rows of b computes a Q_b.
 pub fn weight(n: usize) -> Result<Vec<f32>, String> {
@@ -250,6 +269,32 @@ mod tests {
             .collect();
         for i in 0..n {
             assert!((back[i] - a[i]).abs() < 1e-12);
+        }
+    }
+
+    #[test]
+    fn the_fast_transform_is_the_dense_weights_linear() {
+        use crate::backend::{Backend, Tensor, Weight, cpu::CpuBackend};
+        // Sylvester alone, Paley II ⊗ Sylvester, Paley I ⊗ Sylvester (the demo's 1536), Paley I alone.
+        for n in [64, 576, 1536, 44] {
+            let q = OnlineQ::new(n).unwrap();
+            let x: Vec<f32> = (0..5 * n)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+                .collect();
+            let fast = CpuBackend
+                .block_hadamard_t(&Tensor::Host(x.clone()), &q.h, Weight::host(&q.dense))
+                .unwrap();
+            let dense = CpuBackend.linear(&x, &q.dense, None, 5, n, n).unwrap();
+            let fast = CpuBackend.read(&fast).unwrap();
+            let scale = dense.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let err = fast
+                .iter()
+                .zip(&dense)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(
+                err <= 1e-5 * scale,
+                "{n}: max |fast − dense| {err} of {scale}"
+            );
         }
     }
 }

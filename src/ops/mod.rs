@@ -15,6 +15,7 @@
 //! of a weight may be split into equal consecutive *parts* (BoA's heads), part p using matrix `h_of_part[p]`
 //! of a batch of Hessians or factors.
 
+pub mod hadamard;
 pub mod mat;
 pub mod rope;
 pub mod spec;

@@ -795,6 +795,24 @@ impl Backend for CudaBackend {
         resident::linear_t(self, x, w, bias, (m, k, n))
     }
 
+    /// The GEMM on the dense transform (its resident copy when there is one): a Hadamard kernel is not written
+    /// yet; at R4's default blocks (≤ 2048) it is at most half of down_proj's own GEMM.
+    fn block_hadamard_t(
+        &self,
+        x: &Tensor,
+        h: &crate::ops::hadamard::Hadamard,
+        dense: Weight<'_>,
+    ) -> crate::ops::Result<Tensor> {
+        let b = h.n;
+        anyhow::ensure!(
+            b > 0 && x.len().is_multiple_of(b) && dense.host.len() == b * b,
+            "block_hadamard: x of {} values, blocks of {b}, a dense transform of {}",
+            x.len(),
+            dense.host.len()
+        );
+        self.linear_t(x, dense, None, x.len() / b, b, b)
+    }
+
     fn upload_packed(
         &self,
         w: &crate::quant::pack::PackedLinear,

@@ -112,6 +112,36 @@ impl Hadamard {
     }
 }
 
+/// x ← x · (I ⊗ H/√n): each run of n values of x (a row of [len/n × n]) times the normalized H, QuaRot's
+/// online R4 in blocks (model/online.rs). In f64 per run (n log n + m·n operations, not n²), runs in parallel;
+/// any thread count gives the same values.
+pub fn block_transform_f32(h: &Hadamard, x: &mut [f32]) -> Result<(), String> {
+    use rayon::prelude::*;
+    let n = h.n;
+    if n == 0 || !x.len().is_multiple_of(n) {
+        return Err(format!(
+            "block_transform: {} values are not runs of {n}",
+            x.len()
+        ));
+    }
+    let scale = 1.0 / (n as f64).sqrt();
+    // Enough runs per task that the scratch and the task overhead amortize.
+    let per_task = (16384 / n).max(1) * n;
+    x.par_chunks_mut(per_task).for_each(|chunk| {
+        let (mut row, mut tmp) = (vec![0.0f64; n], vec![0.0f64; n]);
+        for run in chunk.chunks_exact_mut(n) {
+            for (r, &v) in row.iter_mut().zip(run.iter()) {
+                *r = v as f64;
+            }
+            h.apply_row(&mut row, &mut tmp);
+            for (v, &r) in run.iter_mut().zip(row.iter()) {
+                *v = (r * scale) as f32;
+            }
+        }
+    });
+    Ok(())
+}
+
 /// In-place unnormalized fast Walsh–Hadamard transform (x ← x · H_p, Sylvester order p = x.len(), a
 /// power of two).
 pub fn fwht(x: &mut [f64]) {
