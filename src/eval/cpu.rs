@@ -53,7 +53,7 @@ pub struct FusedBlock {
     /// [gate; up] [2·d_ff × d] by chunks of FF_CHUNK rows of each, and its bias in the same order.
     gate_up: Vec<f32>,
     gate_up_bias: Option<Vec<f32>>,
-    /// The online transform of down_proj's input, one block's Q_bᵀ [b × b] (`model/online.rs`).
+    /// The online transform of down_proj's input (`model/online.rs`), applied by its fast transform.
     online: Option<std::sync::Arc<crate::model::online::OnlineQ>>,
     down: Linear,
 }

@@ -76,8 +76,8 @@ pub struct BlockWeights {
     pub router: Option<Vec<f32>>,
     /// An MoE block's shared-expert gate w_g [1 × d] (never quantized).
     pub shared_gate: Option<Vec<f32>>,
-    /// The online transform of down_proj's input, I ⊗ Q_b: one block's Q_b as a linear's weight [b × b]
-    /// (`model/online.rs`), one copy shared by every block.
+    /// The online transform of down_proj's input, I ⊗ Q_b: one block's H_b and Q_b as a linear's weight
+    /// [b × b] (`model/online.rs`), one copy shared by every block.
     pub online: Option<Arc<super::online::OnlineQ>>,
 }
 

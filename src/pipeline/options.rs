@@ -388,7 +388,6 @@ impl Method {
 pub const SUPPORTED_WBITS: [u32; 4] = [2, 3, 4, 8];
 
 impl RunOptions {
-    /// Whether BoA quantizes the linear of `role` (under --method boa: q/k/v as `--boa-on` lists them).
     /// Whether BoA's Q/K row Hessians take the q/k norms' exact Jacobian (`--qk-norm-hessian exact`): asked
     /// for, and the block has such norms, and BoA quantizes q_proj or k_proj (else the second statistics
     /// pass it costs would feed nothing).
@@ -399,6 +398,7 @@ impl RunOptions {
             && (self.boa_treats(Role::Q) || self.boa_treats(Role::K))
     }
 
+    /// Whether BoA quantizes the linear of `role` (under --method boa: q/k/v as `--boa-on` lists them).
     pub fn boa_treats(&self, role: crate::model::arch::Role) -> bool {
         use crate::model::arch::Role;
         let p = match role {

@@ -559,9 +559,9 @@ pub fn quantize_block(
         // A device runs ahead of the host, so a kernel fault surfaces at the next synchronization; a fence
         // after each linear's queued work names the linear that faulted. The routed experts share one fence
         // after the last of them, so an MoE block's synchronizations do not grow with its experts.
-        let next = (i + 1..desc.linears.len()).find(|&j| selected(j));
+        let following = (i + 1..desc.linears.len()).find(|&j| selected(j));
         let last_expert =
-            ld.expert.is_some() && next.is_none_or(|j| desc.linears[j].expert.is_none());
+            ld.expert.is_some() && following.is_none_or(|j| desc.linears[j].expert.is_none());
         if ld.expert.is_none() || last_expert {
             let (what, whose) = if last_expert {
                 ("the routed experts", "their")
