@@ -334,8 +334,9 @@ fn linear_of(
 }
 
 /// The attention's normed input on X [m × d] and W_Q's and W_K's outputs on it, before the q/k norm and
-/// RoPE: the start of `block_forward`, and all that BoA's exact row Hessians recompute (`qk_projections`).
-fn attn_projections(
+/// RoPE: the start of `block_forward`, and all that BoA's exact row Hessians recompute (pipeline/stats.rs:
+/// q and k are the vectors whose norm Jacobian they read).
+pub fn attn_projections(
     be: &dyn Backend,
     w: &BlockWeights,
     resident: Option<&ResidentWeights>,
@@ -350,20 +351,6 @@ fn attn_projections(
     let q = linear_of(be, w, resident, Role::Q, &xa, m)?;
     let k = linear_of(be, w, resident, Role::K, &xa, m)?;
     Ok((xa, q, k))
-}
-
-/// W_Q's and W_K's outputs on X [m × d], before the q/k norm and RoPE: the vectors whose norm Jacobian
-/// BoA's exact row Hessians read (pipeline/stats.rs), the forward's own values.
-pub fn qk_projections(
-    be: &dyn Backend,
-    w: &BlockWeights,
-    resident: Option<&ResidentWeights>,
-    cfg: &Config,
-    x: &Tensor,
-    m: usize,
-) -> anyhow::Result<(Tensor, Tensor)> {
-    let (_, q, k) = attn_projections(be, w, resident, cfg, x, m)?;
-    Ok((q, k))
 }
 
 /// One block forward on X [n_seq·t × d], in place, wherever the backend keeps X. `resident` holds copies of

@@ -22,7 +22,6 @@ pub(super) struct BlockRun<'a> {
     pub(super) x: &'a [Tensor],
     pub(super) needs_calib: bool,
     pub(super) chosen: Option<&'a model_allocation::ModelAllocation>,
-    pub(super) alloc_proxy: Option<AllocProxy>,
     pub(super) timings: &'a mut Timings,
     /// The block's floor traffic (`run --profile`): its weights up, its packed linears down.
     pub(super) floor_bytes: &'a mut u64,
@@ -45,7 +44,6 @@ pub(super) fn quantize_pass(
     w: &mut BlockWeights,
     resident: &mut ResidentWeights,
     pass: &expert_groups::Pass,
-    grouped: bool,
     run: &mut BlockRun<'_>,
 ) -> anyhow::Result<Vec<Done>> {
     let (cfg, opts, l) = (run.cfg, run.opts, run.layer);
@@ -82,7 +80,7 @@ pub(super) fn quantize_pass(
         _ if run.chosen.is_some() => run.chosen.and_then(|c| c.errors[l].clone()),
         Some(s)
             if let Some(alloc) = &opts.bits
-                && run.alloc_proxy == Some(AllocProxy::Output) =>
+                && alloc.proxy() == AllocProxy::Output =>
         {
             let t = Instant::now();
             let m = ranged(c"allocation proxy", || {
@@ -120,7 +118,7 @@ pub(super) fn quantize_pass(
             l,
             measured.as_deref(),
             run.chosen.and_then(|c| c.bits[l].as_deref()),
-            grouped.then_some(&select[..]),
+            &select,
         )
     })?;
     if !be.traffic().source.is_empty() {
@@ -166,7 +164,7 @@ pub(super) fn quantize_pass(
                 lin.w = v;
                 None
             }
-            MatData::F32(t) if grouped && cfg.block.linears[i].expert.is_some() => {
+            MatData::F32(t) if pass.experts.is_some() && cfg.block.linears[i].expert.is_some() => {
                 lin.w = be
                     .read(&t)
                     .with_context(|| format!("layer {l}: reading back Ŵ of {}", r.name))?

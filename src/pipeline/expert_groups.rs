@@ -5,7 +5,7 @@
 //! everything outside the routed experts (attention, the shared expert), so every pass's forward reads
 //! their FP weights, as the one pass over all experts does. Each expert's statistics read only its routed
 //! rows, which the router decides before any expert runs, so the passes compute the same values as one pass:
-//! the output is the same, byte for byte (tests/expert_groups.rs).
+//! the output is the same, byte for byte (tests/transformers_parity.rs, `moe_experts_in_groups`).
 
 use crate::model::arch::{BlockDesc, LinearDesc};
 

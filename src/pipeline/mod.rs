@@ -237,7 +237,6 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
             be.name()
         ));
     }
-    let alloc_proxy = opts.bits.as_ref().map(|a| a.proxy());
     if opts.refit_scales && be.device_memory().is_some() {
         return Err(crate::input_err!(
             "--refit-scales runs on the CPU only, not on {}: pass --device cpu",
@@ -556,9 +555,8 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                     let mut packed: Vec<Option<StoredLinear>> = (0..n).map(|_| None).collect();
                     let mut linears: Vec<Option<quantize_block::LinearReport>> = vec![None; n];
                     let mut hats: Vec<Option<Tensor>> = (0..n).map(|_| None).collect();
-                    let grouped = passes.len() > 1;
                     for pass in &passes {
-                        if grouped {
+                        if pass.experts.is_some() {
                             let holds = pass.holds(&cfg.block);
                             resident
                                 .upload_more(be, &w, &|i| holds[i])
@@ -569,7 +567,6 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                             &mut w,
                             &mut resident,
                             pass,
-                            grouped,
                             &mut block_pass::BlockRun {
                                 cfg,
                                 opts,
@@ -578,7 +575,6 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                                 x: &x,
                                 needs_calib,
                                 chosen: chosen.as_ref(),
-                                alloc_proxy,
                                 timings: &mut timings,
                                 floor_bytes: &mut floor_bytes,
                             },

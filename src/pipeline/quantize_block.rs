@@ -398,8 +398,8 @@ fn expert_batches<'h>(
 /// keeps it (the copy the FP forward read); the results' Ŵ stay there too, for the next forward. `measured`:
 /// under --avg-bits with the output proxy, each allocation unit's error at each width (pipeline/sensitivity.rs);
 /// `chosen`: the widths the model-wide allocation gave this block (pipeline/model_allocation.rs). `select`:
-/// only the linears it marks (one pass over a group of experts, pipeline/expert_groups.rs; the others'
-/// `weights` are not read), results in description order; None: all.
+/// the linears to quantize (all, or one pass over a group of experts, pipeline/expert_groups.rs; the others'
+/// `weights` are not read), results in description order.
 #[allow(clippy::too_many_arguments)]
 pub fn quantize_block(
     ops: &dyn QuantOps,
@@ -411,9 +411,9 @@ pub fn quantize_block(
     layer: usize,
     measured: Option<&[Vec<f64>]>,
     chosen: Option<&[u32]>,
-    select: Option<&[bool]>,
+    select: &[bool],
 ) -> Result<Vec<(QuantizedLinear, LinearReport)>> {
-    let selected = |i: usize| select.is_none_or(|s| s[i]);
+    let selected = |i: usize| select[i];
     let Widths {
         bits,
         known,

@@ -6,7 +6,7 @@ use crate::backend::{AttnShape, Backend, Tensor};
 use crate::model::Config;
 use crate::model::arch::{Input, LinearDesc, NormRole};
 use crate::model::llama::{
-    BlockTrace, BlockWeights, ResidentWeights, RopeTable, block_forward, qk_projections,
+    BlockTrace, BlockWeights, ResidentWeights, RopeTable, attn_projections, block_forward,
 };
 use crate::ops::{Mat, Result};
 use crate::quant::hessian::{Accumulator, RopeAverage};
@@ -144,7 +144,7 @@ fn norm_row_hessians(
         let staged = staging.advance(be, x)?;
         let xc = staged.as_ref().unwrap_or(chunk);
         let m = chunk.len() / cfg.d;
-        let (q, k) = qk_projections(be, w, resident, cfg, xc, m)?;
+        let (_, q, k) = attn_projections(be, w, resident, cfg, xc, m)?;
         if let Some((a, acc)) = &mut q_side {
             acc.add_norm_jacobian(be, &q, m, a, cfg.eps)?;
         }
