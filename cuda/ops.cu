@@ -1,8 +1,9 @@
 // ops.cu — model ops of the Llama block forward (design.md §6 "ops"): token embedding (scaled for Gemma),
 // RMSNorm, RoPE, SwiGLU, GeGLU (Gemma), causal GQA attention (flash-style, sliding windows, d_h ≤ 256), the
-// causal softmax probabilities of one sequence, and the two small
+// causal softmax probabilities of one sequence, the two small
 // helpers of the cuBLAS linear (bias add, f32 → bf16 operand conversion; the GEMM itself is cuBLAS,
-// src/backend/cuda/gemm.rs).
+// src/backend/cuda/gemm.rs), the padded bf16 operands of many Grams at once (pad_rows_bf16), and R4's online
+// block Hadamard transform (block_hadamard).
 // Kernels other than rms_norm take their sizes as plain scalar arguments (no params struct: nothing to mirror).
 //
 // ---------------------------------------------------------------------------------------------------------
@@ -62,6 +63,8 @@ __device__ __forceinline__ float warp_max(float v) {
 
 constexpr int kElementwiseThreads = 256;  // rope, swiglu, geglu, bias_add, f32_to_bf16, embed: threads per block
 constexpr int kAttnProbsWarps = 4;        // attention_probs: warps (= query rows) per block
+constexpr uint32_t kHadamardMaxB = 8192;  // block_hadamard: the longest run (4·b bytes of shared memory, 32 KB)
+static_assert(kHadamardMaxB * sizeof(float) <= 48 * 1024, "block_hadamard's run must fit without an opt-in");
 constexpr int kAttnThreads = 256;         // causal_attention (flash): threads per CTA, every head dim
 constexpr int kAttnTpqNarrow = 4;         // flash, kD ≤ 128: threads sharing one query row (consecutive lanes)
 constexpr int kAttnKeysNarrow = 32;       // flash, kD ≤ 128: keys per shared-memory tile
@@ -249,6 +252,89 @@ f32_to_bf16_kernel(__nv_bfloat16* __restrict__ out,  // [n] out
     const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
     for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
         out[i] = __float2bfloat16_rn(in[i]);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// pad_rows_bf16: the bf16 operands of many Grams at once. For item i of a table (6 u64 each: X_i's address,
+//   its row scales s_i's address or 0, n_i, k_i, off_i, d), out[off_i + r·d + c] = bf16(s_i[r] · X_i[r, c]) for
+//   r < n_i (the product rounded once to f32, as scatter_add_rows computes it, then to bf16 as f32_to_bf16
+//   does; X_i itself without scales) and 0 for n_i ≤ r < k_i. Zero rows add nothing to XᵀX, so one
+//   cublasGemmBatchedEx per common k takes every item padded to it (gemm.rs gram_bf16_many): an MoE block's
+//   experts, each on its routed rows, in a few library calls per chunk instead of two launches per expert.
+//   CPU twin: the default QuantOps::stat_xxt_rows (host scaling, then stat_xxt); launcher:
+//   launch_pad_rows_bf16; parity test: parity_statistics (tests/parity_quant.rs, "many Grams").
+// Launch shape: grid (min(ceil(max_i k_i·d_i / 256), 4096), items), block 256, no smem: blockIdx.y is the
+//   item, its blocks grid-stride over k_i·d_i elements, adjacent threads on adjacent columns of one row (coalesced).
+// Roofline: memory-bound, 6 bytes per element (f32 read, bf16 written; padding rows 2): Qwen3-30B-A3B
+//   (d 2048, top-8, 128 experts), a chunk of 8192 tokens: 65536 routed rows · (2048 + 768) ≈ 185 M elements
+//   ≈ 1.1 GB ≈ 0.25 ms at 4.8 TB/s, against the 2 × 128 launches and allocations it replaces.
+// Variants measured: none yet on a GPU (emulator parity only, 2026-12-06).
+// ---------------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(kElementwiseThreads)
+pad_rows_bf16_kernel(__nv_bfloat16* __restrict__ out,       // Σ_i k_i·d_i out
+                     const uint64_t* __restrict__ table) {  // [items × 6]: x, s (0: none), n, k, off, d
+    const uint64_t* e = table + 6 * (uint64_t)blockIdx.y;
+    const float* x = reinterpret_cast<const float*>(e[0]);
+    const float* s = reinterpret_cast<const float*>(e[1]);
+    const uint64_t d = e[5], live = e[2] * d, total = e[3] * d;
+    __nv_bfloat16* o = out + e[4];
+    const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+    for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        float v = 0.0f;
+        if (i < live) v = s == nullptr ? x[i] : __fmul_rn(x[i], s[i / d]);
+        o[i] = __float2bfloat16_rn(v);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// block_hadamard: Y = X · (I ⊗ H_b/√b) for X [runs × b] (each run of b = m·p values times the normalized
+//   Hadamard matrix H_b = H_m ⊗ H_p, H_p Sylvester's): QuaRot's online R4 before down_proj (model/online.rs).
+//   Row-major, a run as an m × p matrix R: R · (H_m ⊗ H_p) = H_mᵀ (R H_p), so each of R's m rows gets an
+//   in-place fast Walsh–Hadamard transform in shared memory (log₂ p butterfly stages), then row a2 of the
+//   output is Σ_a H_m[a, a2] · (R H_p)[a, :], times 1/√b. f32 throughout (the CPU twin sums in f64: the
+//   butterflies add log₂ p roundings, the dense factor m). CPU twin: ops::hadamard::block_transform_f32 (the
+//   default Backend::block_hadamard_t); launcher: launch_block_hadamard; parity test: parity_block_hadamard
+//   (tests/parity_ops.rs). b ≤ kHadamardMaxB (shared memory); a larger block runs the GEMM on the dense
+//   transform instead (CudaBackend::block_hadamard_t).
+// Launch shape: grid runs, block 256, dynamic smem 4·b bytes: one CTA per run; each stage's butterflies are
+//   spread over the threads (b/2 pairs), a barrier between stages; the dense step reads the shared run
+//   (H_m from global memory, L1/L2-resident) and writes Y once, coalesced.
+// Roofline: memory-bound at small m: 8 bytes per element (X read, Y written) and b·(log₂ p + m) flop per run:
+//   Llama-2-7B's R4 (11008 = 43 · 256, m = 1 per block of 256) over 2048 tokens: 90 MB ≈ 20 µs at 4.8 TB/s,
+//   against the dense GEMM's 2·2048·11008·256 = 11.5 GFLOP (≈ 0.2 ms in f32). With m in the hundreds
+//   (Qwen2.5-7B's 1184 = 148 ⊗ 8) the dense step dominates: m flop per element, from shared memory.
+// Variants measured: none yet on a GPU (emulator parity only, 2026-12-06).
+// ---------------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(kElementwiseThreads)
+block_hadamard_kernel(float* __restrict__ y,         // [runs × m·p] out
+                      const float* __restrict__ x,   // [runs × m·p]
+                      const float* __restrict__ hm,  // [m × m] H_m, row-major, entries ±1
+                      const uint32_t m,
+                      const uint32_t p,              // a power of two
+                      const float scale) {           // 1/√(m·p)
+    extern __shared__ float bh_smem[];               // [m·p]
+    const uint32_t b = m * p;
+    const uint64_t base = (uint64_t)blockIdx.x * b;
+    for (uint32_t i = threadIdx.x; i < b; i += blockDim.x) bh_smem[i] = x[base + i];
+    __syncthreads();
+    const uint32_t half = b / 2;
+    for (uint32_t h = 1; h < p; h *= 2) {
+        for (uint32_t i = threadIdx.x; i < half; i += blockDim.x) {
+            // Pair i: row a = i / (p/2), and within it butterfly group j / h, offset j % h.
+            const uint32_t a = i / (p / 2), j = i % (p / 2);
+            const uint32_t at = a * p + (j / h) * 2 * h + j % h;
+            const float u = bh_smem[at], v = bh_smem[at + h];
+            bh_smem[at] = u + v;
+            bh_smem[at + h] = u - v;
+        }
+        __syncthreads();
+    }
+    for (uint32_t i = threadIdx.x; i < b; i += blockDim.x) {
+        const uint32_t a2 = i / p, c = i % p;
+        float acc = 0.0f;
+        for (uint32_t a = 0; a < m; ++a) acc = fmaf(hm[a * m + a2], bh_smem[a * p + c], acc);
+        y[base + i] = acc * scale;
+    }
 }
 
 // ---------------------------------------------------------------------------------------------------------

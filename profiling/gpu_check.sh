@@ -12,7 +12,8 @@
 #                                          on the GPU machine (the `run` tool's command), most valuable first:
 #                                          the CUDA halves of the staged tests (or only the named ones); a
 #                                          2-block 7B-shaped BoA run with its phase and transfer tables;
-#                                          `bench --device cuda --shapes 7b` (attn_x and the packed GEMM
+#                                          `bench --device cuda --shapes 7b` (attn_x, the packed GEMM, the
+#                                          batched expert Grams and R4's transform beside what they replaced
 #                                          first); the end-to-end and packed-eval checks; compute-sanitizer.
 #                                          Five files under $OUT (summary.md, tests.log, run7b.md, bench.md,
 #                                          more.log; scratch elsewhere), the summary printed last.
@@ -278,8 +279,9 @@ device_half() {
     # 2. The product's main job on a 7B-shaped model, 2 blocks: the per-phase table and the transfer counts.
     chmod +x "$carry/bin/boa-cuda"
     if wanted 7b; then e2e_7b "$out" "$scratch" || status=1; fi
-    # 3. Kernel speed on 7B shapes (src/bench/gpu.rs states the method): attn_x and the packed GEMM first, then
-    #    the quantization core; rows are written as measured, so a cut-off bench keeps what it finished.
+    # 3. Kernel speed on 7B shapes (src/bench/gpu.rs states the method): attn_x, the packed GEMM and the batched
+    #    rows (src/bench/gpu_batched.rs) first, then the quantization core; rows are written as measured, so a
+    #    cut-off bench keeps what it finished.
     local bench_rc=0
     if wanted bench; then
         set +e

@@ -723,6 +723,66 @@ fn parity_geglu_cuda() {
 /// (m, d, rows scattered): a whole expert of a 4-token chunk, a few rows of a 7B-wide chunk, a wide row.
 const SCATTER_SHAPES: [(usize, usize, usize); 3] = [(4, 576, 4), (700, 4096, 90), (3, 7001, 1)];
 
+// --- block_hadamard (R4's online transform) ----------------------------------------------------------------
+
+/// x · (I ⊗ H_b/√b) vs the f64 product with the dense matrix, normwise. The CPU runs the fast transform in f64
+/// and rounds once (~u); the CUDA kernel sums in f32: log₂ p butterfly additions and an m-term dense sum per
+/// element, ≲ (log₂ p + m)·u ≈ 1e-6 at these orders (m ≤ 44). 1e-5 leaves 10× headroom; a wrong butterfly,
+/// row or sign is O(1).
+const HADAMARD_TOL: f64 = 1e-5;
+
+/// Orders: pure dense (12 Paley I, 44), pure Sylvester (64, 2048), and Kronecker products (576 = 36 ⊗ 16,
+/// 1536 = 12 ⊗ 128), each over a few runs.
+fn parity_block_hadamard(b: &dyn Backend) {
+    use boa_cuda::backend::{Tensor, Weight};
+    use boa_cuda::model::online::OnlineQ;
+    let mut rng = rng();
+    let mut worst = 0f64;
+    for (n, runs) in [(12, 5), (44, 3), (64, 7), (576, 3), (1536, 2), (2048, 2)] {
+        let q = OnlineQ::new(n).unwrap();
+        let dense = q.h.dense();
+        let x: Vec<f32> = (0..runs * n)
+            .map(|_| rng.random_range(-2.0f32..2.0))
+            .collect();
+        let scale = 1.0 / (n as f64).sqrt();
+        let mut reference = vec![0f64; runs * n];
+        for r in 0..runs {
+            for i in 0..n {
+                let xi = x[r * n + i] as f64;
+                for j in 0..n {
+                    reference[r * n + j] += xi * dense[i * n + j] * scale;
+                }
+            }
+        }
+        let x_t = b.to_device(Tensor::Host(x)).unwrap();
+        let y = b
+            .block_hadamard_t(&x_t, &q.h, Weight::host(&q.dense))
+            .unwrap();
+        let err = rel_err(&b.read(&y).unwrap(), &reference);
+        assert!(
+            err <= HADAMARD_TOL,
+            "{}: block_hadamard {}: rel. error {err:.3e} > {HADAMARD_TOL:.0e} (NaN = unwritten output)",
+            b.name(),
+            q.h.describe()
+        );
+        worst = worst.max(err);
+    }
+    println!(
+        "{}: block_hadamard max rel. error {worst:.3e} (bound {HADAMARD_TOL:.0e})",
+        b.name()
+    );
+}
+
+#[test]
+fn parity_block_hadamard_cpu() {
+    parity_block_hadamard(&CpuBackend);
+}
+
+#[test]
+fn parity_block_hadamard_cuda() {
+    with_cuda(|b| parity_block_hadamard(b));
+}
+
 /// `scatter_add_rows_t` against a plain loop, bit for bit, on a device accumulator and on a host one (the
 /// CUDA backend uploads it); and its refusals of a repeated or out-of-range row.
 fn parity_scatter_add_rows(b: &dyn Backend) {

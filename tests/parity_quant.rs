@@ -39,7 +39,7 @@ use boa_cuda::backend::cuda::{
 };
 use boa_cuda::ops::{
     AttnShape, Codes, Grid, GridMode, Grids, Lattice, Mat, MatData, QuadSums, QuantOps, QuantSpec,
-    QuantizedLinear, ScaleSearch, SweepError, Swept, Tensor, Traffic,
+    QuantizedLinear, RowGram, ScaleSearch, SweepError, Swept, Tensor, Traffic,
 };
 use boa_cuda::quant::boa::{BoaOptions, ColHessian, boa_quantize};
 use boa_cuda::quant::gptq::{GptqOptions, gptq_quantize, static_col_group, to_host};
@@ -482,6 +482,96 @@ fn parity_statistics(ops: &dyn QuantOps, at: &Place, xxt_tol: f64, attn_tol: f64
             "{who}: stat_head_cov m={m} heads={nh} d_h={dh}: rel. error {err:.3e}"
         );
         worst[1] = worst[1].max(err);
+    }
+
+    // Many Grams at once (stat_xxt_rows: an MoE block's experts on their routed rows, router-weighted or not),
+    // in two chunks: two widths, row counts that share a padded size or not (none, 1, 16, 17, 129, 300), row
+    // scales on some items; against the f64 sums of the f32-scaled rows, and against one stat_xxt per item on
+    // the same scaled rows (the same bf16 operands where the Grams take bf16: only the sums' order differs).
+    {
+        let items: [(usize, usize, bool); 8] = [
+            (64, 17, true),
+            (100, 0, true),
+            (64, 1, false),
+            (100, 129, true),
+            (64, 300, false),
+            (100, 16, false),
+            (64, 16, true),
+            (100, 17, true),
+        ];
+        let mut accs: Vec<Mat> = items
+            .iter()
+            .map(|&(d, ..)| ops.stat_acc(1, d).unwrap())
+            .collect();
+        let mut each: Vec<Mat> = items
+            .iter()
+            .map(|&(d, ..)| ops.stat_acc(1, d).unwrap())
+            .collect();
+        let mut reference: Vec<Vec<f64>> = items.iter().map(|&(d, ..)| vec![0f64; d * d]).collect();
+        for chunk in 0..2 {
+            let drawn: Vec<(Vec<f32>, Option<Vec<f32>>)> = items
+                .iter()
+                .map(|&(d, m, scaled)| {
+                    let m = m + chunk;
+                    let x = randn(&mut rng, m * d, 1.0);
+                    let s =
+                        scaled.then(|| (0..m).map(|_| rng.random_range(0.05f32..1.0)).collect());
+                    (x, s)
+                })
+                .collect();
+            // An item without rows stays on the host (a device buffer of none is not made).
+            let xs: Vec<Tensor> = drawn
+                .iter()
+                .map(|(x, _)| match x.is_empty() {
+                    true => Tensor::Host(Vec::new()),
+                    false => at.tensor(x.clone()),
+                })
+                .collect();
+            let mut grams: Vec<RowGram> = accs
+                .iter_mut()
+                .zip(&xs)
+                .zip(&drawn)
+                .zip(&items)
+                .map(|(((acc, x), (_, s)), &(_, m, _))| RowGram {
+                    acc,
+                    x,
+                    m: m + chunk,
+                    scales: s.as_deref(),
+                })
+                .collect();
+            ops.stat_xxt_rows(&mut grams).expect("stat_xxt_rows");
+            for (i, ((x, s), &(d, m, _))) in drawn.iter().zip(&items).enumerate() {
+                let m = m + chunk;
+                let scaled: Vec<f32> = match s {
+                    Some(s) => x
+                        .chunks_exact(d)
+                        .zip(s)
+                        .flat_map(|(r, &p)| r.iter().map(move |&v| v * p))
+                        .collect(),
+                    None => x.clone(),
+                };
+                xxt_add(&mut reference[i], &scaled, m, d, d, 0);
+                if m > 0 {
+                    ops.stat_xxt(&mut each[i], &at.tensor(scaled), m)
+                        .expect("stat_xxt");
+                }
+            }
+        }
+        for (i, &(d, m, scaled)) in items.iter().enumerate() {
+            let got = ops.read_f64(&accs[i]).unwrap();
+            let err = rel_err(&got, &reference[i]);
+            assert!(
+                err <= xxt_tol,
+                "{who}: stat_xxt_rows item {i} (d={d}, m={m}, scaled {scaled}): rel. error {err:.3e}"
+            );
+            worst[0] = worst[0].max(err);
+            let one: Vec<f64> = ops.read_f64(&each[i]).unwrap();
+            let apart = rel_err(&got, &one);
+            assert!(
+                apart <= 1e-5,
+                "{who}: stat_xxt_rows item {i} (d={d}, m={m}) differs from stat_xxt by {apart:.3e}"
+            );
+        }
     }
 
     // V's column statistics, through the algorithms' Accumulator (stat_v_col, then stat_finish with the query
@@ -2831,6 +2921,70 @@ fn traffic_counts_transfers_cuda() {
             moved.htod_bytes > 0 && moved.dtoh_bytes > 0 && moved.syncs > 0 && launches_ok,
             "{}: traffic {moved:?}",
             b.name()
+        );
+    });
+}
+
+/// stat_xxt_rows with cuBLAS's Grams: one launch and one library call per (width, padded rows) on the
+/// emulator's counters, where one stat_xxt per item takes a conversion and a GEMM each (a GPU's host layer
+/// counts no launches: there only the results are compared, in parity_statistics_cuda).
+#[test]
+fn stat_xxt_rows_batches_its_grams_cuda() {
+    with_cuda_alone(|b| {
+        b.set_xxt_variant(XxtVariant::Cublas);
+        let at = Place::cuda(b);
+        let mut rng = rng();
+        // Row counts padded to 16 (5, 16) or 32 (17, 30, 32): two padded sizes per width, four calls.
+        let items: Vec<(usize, usize)> = [64, 96]
+            .iter()
+            .flat_map(|&d| [5, 16, 17, 30, 32].map(|m| (d, m)))
+            .collect();
+        let xs: Vec<Tensor> = items
+            .iter()
+            .map(|&(d, m)| at.tensor(randn(&mut rng, m * d, 1.0)))
+            .collect();
+        let scales: Vec<Vec<f32>> = items.iter().map(|&(_, m)| vec![0.5; m]).collect();
+        let fresh = |b: &CudaBackend| -> Vec<Mat> {
+            items
+                .iter()
+                .map(|&(d, _)| b.stat_acc(1, d).unwrap())
+                .collect()
+        };
+        let (mut accs, mut each) = (fresh(b), fresh(b));
+        let before = QuantOps::traffic(b);
+        let mut grams: Vec<RowGram> = accs
+            .iter_mut()
+            .zip(&xs)
+            .zip(&scales)
+            .zip(&items)
+            .map(|(((acc, x), s), &(_, m))| RowGram {
+                acc,
+                x,
+                m,
+                scales: Some(s),
+            })
+            .collect();
+        b.stat_xxt_rows(&mut grams).expect("stat_xxt_rows");
+        let batched = QuantOps::traffic(b) - before;
+        let before = QuantOps::traffic(b);
+        for ((acc, x), &(_, m)) in each.iter_mut().zip(&xs).zip(&items) {
+            b.stat_xxt(acc, x, m).expect("stat_xxt");
+        }
+        let one_by_one = QuantOps::traffic(b) - before;
+        println!(
+            "{}: batched {batched:?}; one stat_xxt per item {one_by_one:?}",
+            b.name()
+        );
+        if batched.source != "emulator" {
+            return;
+        }
+        assert_eq!(
+            batched.launches, 5,
+            "one pad_rows_bf16 launch and one GEMM per (width, padded rows): {batched:?}"
+        );
+        assert!(
+            one_by_one.launches >= 2 * items.len() as u64,
+            "{one_by_one:?}"
         );
     });
 }

@@ -20,7 +20,8 @@
 //   info:    cublasGetVersion_v2, cublasGetVersion (the legacy cublas.h form: no handle), cublasGetProperty,
 //            cublasGetCudartVersion, cublasGetStatusName, cublasGetStatusString
 //   GEMM:    cublasSgemm_v2*, cublasDgemm_v2, cublasSgemmStridedBatched*, cublasDgemmStridedBatched,
-//            cublasGemmEx*, cublasGemmStridedBatchedEx, cublasSgemmEx, and the _64 (64-bit integer) form of
+//            cublasGemmEx*, cublasGemmStridedBatchedEx, cublasGemmBatchedEx (pointer arrays; no _64 form),
+//            cublasSgemmEx, and the _64 (64-bit integer) form of
 //            each: cublasSgemm_v2_64, cublasDgemm_v2_64, cublasSgemmStridedBatched_64,
 //            cublasDgemmStridedBatched_64, cublasGemmEx_64, cublasGemmStridedBatchedEx_64, cublasSgemmEx_64
 //   TRSM:    cublasStrsm_v2*, cublasStrsm_v2_64 (side LEFT, fill UPPER, op N only: the one case called)
@@ -309,9 +310,11 @@ size_t extent(int64_t rows, int64_t cols, int64_t ld, int64_t stride, int64_t ba
 // A touch of `bytes` at p; none when bytes is 0 (to the driver, 0 bytes means "to the end of the allocation").
 Touch span(const void* p, size_t bytes, int write) { return {bytes ? p : nullptr, bytes, write}; }
 
-// Checks shared by every GEMM entry point (cuBLAS's documented CUBLAS_STATUS_INVALID_VALUE cases), then runs.
+// Checks shared by every GEMM entry point (cuBLAS's documented CUBLAS_STATUS_INVALID_VALUE cases), then runs:
+// queued on the handle's stream, or at once with `now` (a member of cublasGemmBatchedEx, already running as
+// one operation on the stream).
 template <class TAB, class TC>
-int gemm_checked(const char* fn, cublasHandle_t h, GemmCall g) {
+int gemm_checked(const char* fn, cublasHandle_t h, GemmCall g, bool now = false) {
     if (!live(h)) {
         complain(fn, "handle is null or not a live cuBLAS handle");
         return ST_NOT_INITIALIZED;
@@ -345,6 +348,10 @@ int gemm_checked(const char* fn, cublasHandle_t h, GemmCall g) {
     const Touch a = span(g.a, extent(rows_a, g.opa == OP_N ? g.k : g.m, g.lda, g.stride_a, g.batch) * ab, 0),
                 b = span(g.b, extent(rows_b, g.opb == OP_N ? g.n : g.k, g.ldb, g.stride_b, g.batch) * ab, 0),
                 c = span(g.c, extent(g.m, g.n, g.ldc, g.stride_c, g.batch) * cb, 1);
+    if (now) {
+        gemm_run<TAB, TC>(g);
+        return ST_SUCCESS;
+    }
     return on_stream(h->stream, fn, {a, b, c}, [g] {
         gemm_run<TAB, TC>(g);
         return ST_SUCCESS;
@@ -383,7 +390,8 @@ const char* type_name(int t) {
 // (real floating types); anything else is refused by name.
 int gemm_ex(const char* fn, cublasHandle_t h, int opa, int opb, int64_t m, int64_t n, int64_t k, const void* alpha,
             const void* a, int atype, int64_t lda, int64_t sa, const void* b, int btype, int64_t ldb, int64_t sb,
-            const void* beta, void* c, int ctype, int64_t ldc, int64_t sc, int64_t batch, int compute) {
+            const void* beta, void* c, int ctype, int64_t ldc, int64_t sc, int64_t batch, int compute,
+            bool now = false) {
     if (!live(h)) {
         complain(fn, "handle is null or not a live cuBLAS handle");
         return ST_NOT_INITIALIZED;
@@ -414,17 +422,17 @@ int gemm_ex(const char* fn, cublasHandle_t h, int opa, int opb, int64_t m, int64
         if (atype != R_64F || ctype != R_64F) return refuse();
         const GemmCall g{opa, opb, m, n, k, *static_cast<const double*>(alpha), *static_cast<const double*>(beta),
                          a, lda, sa, b, ldb, sb, c, ldc, sc, batch};
-        return gemm_checked<F64, F64>(fn, h, g);
+        return gemm_checked<F64, F64>(fn, h, g, now);
     }
     // 32F compute types take float alpha and beta.
     const GemmCall g{opa, opb, m, n, k, *static_cast<const float*>(alpha), *static_cast<const float*>(beta),
                      a, lda, sa, b, ldb, sb, c, ldc, sc, batch};
-    if (atype == R_32F && ctype == R_32F) return gemm_checked<F32, F32>(fn, h, g);
+    if (atype == R_32F && ctype == R_32F) return gemm_checked<F32, F32>(fn, h, g, now);
     if (c32_fast) return refuse();  // the FAST/EMULATED types are for f32 operands only
-    if (atype == R_16BF && ctype == R_32F) return gemm_checked<BF16, F32>(fn, h, g);
-    if (atype == R_16BF && ctype == R_16BF) return gemm_checked<BF16, BF16>(fn, h, g);
-    if (atype == R_16F && ctype == R_32F) return gemm_checked<F16, F32>(fn, h, g);
-    if (atype == R_16F && ctype == R_16F) return gemm_checked<F16, F16>(fn, h, g);
+    if (atype == R_16BF && ctype == R_32F) return gemm_checked<BF16, F32>(fn, h, g, now);
+    if (atype == R_16BF && ctype == R_16BF) return gemm_checked<BF16, BF16>(fn, h, g, now);
+    if (atype == R_16F && ctype == R_32F) return gemm_checked<F16, F32>(fn, h, g, now);
+    if (atype == R_16F && ctype == R_16F) return gemm_checked<F16, F16>(fn, h, g, now);
     return refuse();
 }
 
@@ -674,6 +682,49 @@ EXPORT int cublasGemmStridedBatchedEx(cublasHandle_t handle, int transa, int tra
                                       int computeType, int algo) {
     return cublasGemmStridedBatchedEx_64(handle, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Btype,
                                          ldb, strideB, beta, C, Ctype, ldc, strideC, batchCount, computeType, algo);
+}
+
+// cublasGemmBatchedEx: batchCount GEMMs of one shape whose A, B and C addresses are read from device arrays of
+// pointers, as cublasGemmEx computes each (the same type combinations). The arrays may be written by an earlier
+// operation still queued on the stream (an upload), so they are read when the call runs, and the stream-order
+// check is told of them only: where the matrices they point to lie is not known when the call is issued.
+EXPORT int cublasGemmBatchedEx(cublasHandle_t handle, int transa, int transb, int m, int n, int k, const void* alpha,
+                               const void* const Aarray[], int Atype, int lda, const void* const Barray[], int Btype,
+                               int ldb, const void* beta, void* const Carray[], int Ctype, int ldc, int batchCount,
+                               int computeType, int /*algo*/) {
+    const char* fn = "cublasGemmBatchedEx";
+    if (!live(handle)) {
+        complain(fn, "handle is null or not a live cuBLAS handle");
+        return ST_NOT_INITIALIZED;
+    }
+    if (alpha == nullptr || beta == nullptr || batchCount < 0 || m < 0 || n < 0 || k < 0) {
+        complain(fn, "alpha or beta is null, or a negative size (m=%d n=%d k=%d batchCount=%d)", m, n, k,
+                 batchCount);
+        return ST_INVALID_VALUE;
+    }
+    if (batchCount == 0 || m == 0 || n == 0) return ST_SUCCESS;
+    if (Aarray == nullptr || Barray == nullptr || Carray == nullptr) {
+        complain(fn, "null pointer array (Aarray=%p Barray=%p Carray=%p)", (const void*)Aarray,
+                 (const void*)Barray, (const void*)Carray);
+        return ST_INVALID_VALUE;
+    }
+    // The scalars are read now (host pointer mode): 64F compute types take doubles, the others floats.
+    const bool c64 = computeType == COMPUTE_64F || computeType == COMPUTE_64F_PEDANTIC ||
+                     computeType == COMPUTE_64F_EMULATED_FIXEDPOINT;
+    double scalars[2] = {0, 0};
+    std::memcpy(&scalars[0], alpha, c64 ? 8 : 4);
+    std::memcpy(&scalars[1], beta, c64 ? 8 : 4);
+    const size_t bytes = sizeof(void*) * (size_t)batchCount;
+    return on_stream(handle->stream, fn, {span(Aarray, bytes, 0), span(Barray, bytes, 0), span(Carray, bytes, 0)},
+                     [=] {
+                         for (int z = 0; z < batchCount; ++z) {
+                             const int st = gemm_ex(fn, handle, transa, transb, m, n, k, &scalars[0], Aarray[z],
+                                                    Atype, lda, 0, Barray[z], Btype, ldb, 0, &scalars[1], Carray[z],
+                                                    Ctype, ldc, 0, 1, computeType, true);
+                             if (st != ST_SUCCESS) return st;
+                         }
+                         return ST_SUCCESS;
+                     });
 }
 
 // cublasSgemmEx: f32 scalars and f32 computation over the operand types of cublasGemmEx's 32F rows.

@@ -61,6 +61,9 @@ int (*cublasGemmEx)(H, int, int, int, int, int, const void*, const void*, int, i
 int (*cublasGemmStridedBatchedEx)(H, int, int, int, int, int, const void*, const void*, int, int, ll, const void*, int,
                                   int, ll, const void*, void*, int, int, ll, int, int, int);
 
+int (*cublasGemmBatchedEx)(H, int, int, int, int, int, const void*, const void* const*, int, int, const void* const*,
+                           int, int, const void*, void* const*, int, int, int, int, int);
+
 int (*cublasStrsm_v2)(H, int, int, int, int, int, int, const float*, const float*, int, float*, int);
 
 int (*cusolverDnCreate)(H*);
@@ -406,6 +409,34 @@ void test_gemm_ex(H h) {
             st |= cublasGemmEx(h, OP_N, OP_N, m, n, k, &alpha, a.data() + z * sa, R_16BF, m, b.data() + z * sb, R_16BF,
                                k, &beta, c1.data() + z * sc, R_32F, m, COMPUTE_32F, GEMM_DEFAULT);
         check(st == 0 && c == c1, "gemmStridedBatchedEx bf16 equals per-member gemmEx");
+    }
+
+    // GemmBatchedEx (pointer arrays; members scattered, not strided), bf16 → f32 accumulated with beta = 1,
+    // against per-member GemmEx; then a null pointer array and a negative size are refused.
+    {
+        const int m = 13, n = 13, k = 21, batch = 3;
+        std::vector<std::vector<uint16_t>> a(batch, std::vector<uint16_t>(m * k));
+        std::vector<std::vector<float>> c(batch, std::vector<float>(m * n)), c1 = c;
+        for (int z = 0; z < batch; ++z) {
+            for (auto& v : a[z]) v = to_bf16(uni());
+            for (size_t i = 0; i < c[z].size(); ++i) c[z][i] = c1[z][i] = uni();
+        }
+        const void* ap[batch];
+        void* cp[batch];
+        for (int z = 0; z < batch; ++z) ap[z] = a[z].data(), cp[z] = c[z].data();
+        const float alpha = 1, beta = 1;
+        int st = cublasGemmBatchedEx(h, OP_N, OP_T, m, n, k, &alpha, ap, R_16BF, m, ap, R_16BF, n, &beta, cp, R_32F, m,
+                                     batch, COMPUTE_32F, GEMM_DEFAULT);
+        for (int z = 0; z < batch; ++z)
+            st |= cublasGemmEx(h, OP_N, OP_T, m, n, k, &alpha, a[z].data(), R_16BF, m, a[z].data(), R_16BF, n, &beta,
+                               c1[z].data(), R_32F, m, COMPUTE_32F, GEMM_DEFAULT);
+        check(st == 0 && c == c1, "gemmBatchedEx bf16 (A·Aᵀ, beta 1) equals per-member gemmEx");
+        check(cublasGemmBatchedEx(h, OP_N, OP_T, m, n, k, &alpha, nullptr, R_16BF, m, ap, R_16BF, n, &beta, cp, R_32F,
+                                  m, batch, COMPUTE_32F, GEMM_DEFAULT) == BLAS_INVALID_VALUE,
+              "gemmBatchedEx with a null pointer array is INVALID_VALUE");
+        check(cublasGemmBatchedEx(h, OP_N, OP_T, m, n, -1, &alpha, ap, R_16BF, m, ap, R_16BF, n, &beta, cp, R_32F, m,
+                                  batch, COMPUTE_32F, GEMM_DEFAULT) == BLAS_INVALID_VALUE,
+              "gemmBatchedEx with k < 0 is INVALID_VALUE");
     }
 
     // FAST_TF32 on f32 operands computes (exactly) here.
@@ -839,6 +870,7 @@ int main(int argc, char** argv) {
     load(blas, cublasSgemmStridedBatched, "cublasSgemmStridedBatched");
     load(blas, cublasGemmEx, "cublasGemmEx");
     load(blas, cublasGemmStridedBatchedEx, "cublasGemmStridedBatchedEx");
+    load(blas, cublasGemmBatchedEx, "cublasGemmBatchedEx");
     load(blas, cublasStrsm_v2, "cublasStrsm_v2");
     load(solver, cusolverDnCreate, "cusolverDnCreate");
     load(solver, cusolverDnDestroy, "cusolverDnDestroy");

@@ -200,7 +200,8 @@ pub trait Backend: QuantOps + Send + Sync {
     /// x · (I ⊗ H_b/√b): each run of b = `h.n` values of x times the normalized Hadamard matrix (QuaRot's
     /// online R4 before down_proj). `dense` is the same transform as a linear's weight [b × b] (H_b/√b is
     /// symmetric only for Sylvester orders, so it is stored transposed). The default runs the fast transform
-    /// on the host (b log b per run); a device backend may use the GEMM on `dense` instead.
+    /// on the host (b log b per run); a device backend may use the GEMM on `dense` instead where it has no
+    /// fast transform (`block_hadamard_reads_dense`).
     fn block_hadamard_t(
         &self,
         x: &Tensor,
@@ -210,6 +211,11 @@ pub trait Backend: QuantOps + Send + Sync {
         let mut v = self.read(x)?.into_owned();
         crate::ops::hadamard::block_transform_f32(h, &mut v).map_err(anyhow::Error::msg)?;
         self.to_device(Tensor::Host(v))
+    }
+
+    /// Whether `block_hadamard_t` with blocks of b reads its `dense` weight (so a resident copy of it pays).
+    fn block_hadamard_reads_dense(&self, _b: usize) -> bool {
+        false
     }
 
     /// A copy of a packed linear in this backend's memory, for a forward that reads it many times; None when

@@ -449,6 +449,13 @@ pub fn bench_quant_ops(
         for r in packed_gemm_rows(cb, reps)? {
             sink.push(r)?;
         }
+        // Two batched launches beside what they replaced (an MoE chunk's expert Grams, R4's transform).
+        let batched = super::gpu_batched::expert_gram_rows(cb, tokens, reps)?
+            .into_iter()
+            .chain(super::gpu_batched::hadamard_rows(cb, tokens, reps)?);
+        for r in batched {
+            sink.push(r)?;
+        }
     }
     let mut rng = ChaCha8Rng::seed_from_u64(0x5eed);
     let m = tokens;

@@ -2,5 +2,6 @@
 //! numbers; main.rs prints them.
 
 pub mod gpu;
+mod gpu_batched;
 pub mod qgemm;
 pub mod quant;

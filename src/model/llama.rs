@@ -164,7 +164,7 @@ pub struct ResidentWeights {
 impl ResidentWeights {
     /// For a forward that comes later (a prefetch): the copies may overlap other work.
     pub fn upload(be: &dyn Backend, w: &BlockWeights) -> anyhow::Result<ResidentWeights> {
-        Self::upload_with(w, &|_| true, |x| be.upload_weight(x))
+        Self::upload_with(be, w, &|_| true, |x| be.upload_weight(x))
     }
 
     /// `upload` of the linears `keep` marks (description order) and the online transform; the others'
@@ -174,7 +174,7 @@ impl ResidentWeights {
         w: &BlockWeights,
         keep: &dyn Fn(usize) -> bool,
     ) -> anyhow::Result<ResidentWeights> {
-        Self::upload_with(w, keep, |x| be.upload_weight(x))
+        Self::upload_with(be, w, keep, |x| be.upload_weight(x))
     }
 
     /// Uploads the linears `keep` marks that have no copy yet (the next group of experts), for a forward
@@ -199,15 +199,15 @@ impl ResidentWeights {
 
     /// For a forward that comes next (`Backend::upload_weight_now`).
     pub fn upload_now(be: &dyn Backend, w: &BlockWeights) -> anyhow::Result<ResidentWeights> {
-        Self::upload_with(w, &|_| true, |x| be.upload_weight_now(x))
+        Self::upload_with(be, w, &|_| true, |x| be.upload_weight_now(x))
     }
 
     /// For a forward of many chunks of a loaded block (eval): packed linears too.
     pub fn upload_all(be: &dyn Backend, w: &BlockWeights) -> anyhow::Result<ResidentWeights> {
         Ok(ResidentWeights {
             online: match &w.online {
-                Some(q) => be.upload_weight(&q.dense)?,
-                None => None,
+                Some(q) if be.block_hadamard_reads_dense(q.h.n) => be.upload_weight(&q.dense)?,
+                _ => None,
             },
             w: w.linears
                 .iter()
@@ -222,14 +222,15 @@ impl ResidentWeights {
     }
 
     fn upload_with(
+        be: &dyn Backend,
         w: &BlockWeights,
         keep: &dyn Fn(usize) -> bool,
         up: impl Fn(&[f32]) -> anyhow::Result<Option<Tensor>>,
     ) -> anyhow::Result<ResidentWeights> {
         Ok(ResidentWeights {
             online: match &w.online {
-                Some(q) => up(&q.dense)?,
-                None => None,
+                Some(q) if be.block_hadamard_reads_dense(q.h.n) => up(&q.dense)?,
+                _ => None,
             },
             w: w.linears
                 .iter()

@@ -5,11 +5,13 @@
 //! transform spreads the outliers of the MLP's activations over the columns of each block of b before
 //! down_proj reads them, as R1 does for the residual stream.
 //!
-//! Why blocks: the forward applies Q as a dense product (no fast Hadamard kernel here), d_ff · b per token
-//! against down_proj's d_ff · d. With b = n (the whole width, QuaRot's choice) that is 2.7× down_proj at
-//! Llama-2-7B's 11008, and 11008 needs a 5504-order Paley matrix; with b ≤ `MAX_BLOCK` every d_ff with a
-//! power of two in it has a transform (11008 = 43 · 256, Qwen2.5-7B's 18944 = 16 · 1184, Llama-3's
-//! 14336 = 7 · 2048) and it costs at most half of down_proj at d = 4096. Its matrix is b² instead of n².
+//! Why blocks: b = m · 2^k is applied by the fast transform (Walsh–Hadamard on the Sylvester factor, a
+//! dense product on H_m: `Backend::block_hadamard_t`, on the CPU and on a GPU, ops.cu block_hadamard), d_ff ·
+//! (k + m) per token, so the dense factor m must stay small. With b = n (the whole width, QuaRot's choice)
+//! 11008 needs a 5504-order Paley matrix (m = 5504: a dense product 1.3× down_proj's); with b ≤ `MAX_BLOCK`
+//! every d_ff with a power of two in it has a transform (11008 = 43 · 256, m = 1; Qwen2.5-7B's 18944 =
+//! 16 · 1184, m = 148; Llama-3's 14336 = 7 · 2048, m = 1), and even the dense GEMM a longer block falls
+//! back to costs at most half of down_proj at d = 4096. Its matrix is b² instead of n².
 //!
 //! Such a checkpoint computes the original function only in a forward that applies Q: boa-cuda's (`eval`,
 //! and `run` on it). So that no other loader runs it as a plain model of its architecture, config.json's

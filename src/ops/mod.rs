@@ -178,6 +178,15 @@ impl std::ops::Add for Traffic {
     }
 }
 
+/// One Gram of `QuantOps::stat_xxt_rows`: acc [n × n] += Σ_r (s_r x_r)(s_r x_r)ᵀ over the m rows x_r of
+/// X [m × n], s the row scales (None: every s_r = 1).
+pub struct RowGram<'a> {
+    pub acc: &'a mut Mat,
+    pub x: &'a Tensor,
+    pub m: usize,
+    pub scales: Option<&'a [f32]>,
+}
+
 pub trait QuantOps: Send + Sync {
     /// Whether the searches take `QuantSpec::signed` (a symmetric grid's scale of either sign). A backend
     /// without them is given the same spec with positive scales (a valid grid of every format).
@@ -192,6 +201,37 @@ pub trait QuantOps: Send + Sync {
 
     /// acc [n × n] += Xᵀ X over the m tokens of X [m × n].
     fn stat_xxt(&self, acc: &mut Mat, x: &Tensor, m: usize) -> Result<()>;
+
+    /// `stat_xxt` of each item, its rows scaled first where it has scales (each product rounded once to f32):
+    /// the Grams of many small inputs at once, an MoE block's experts on their routed rows. The default runs
+    /// them one at a time, scaling on the host (a scaled item must be in host memory); a GPU batches them.
+    fn stat_xxt_rows(&self, items: &mut [RowGram<'_>]) -> Result<()> {
+        for it in items.iter_mut() {
+            match it.scales {
+                None => self.stat_xxt(it.acc, it.x, it.m)?,
+                Some(s) => {
+                    let n = it.acc.rows;
+                    let Tensor::Host(x) = it.x else {
+                        anyhow::bail!("stat_xxt_rows: scaled rows must be in host memory here");
+                    };
+                    anyhow::ensure!(
+                        x.len() == it.m * n && s.len() == it.m,
+                        "stat_xxt_rows: X of {} values and {} scales for {} rows of {n}",
+                        x.len(),
+                        s.len(),
+                        it.m
+                    );
+                    let scaled = x
+                        .chunks_exact(n.max(1))
+                        .zip(s)
+                        .flat_map(|(row, &p)| row.iter().map(move |&v| v * p))
+                        .collect();
+                    self.stat_xxt(it.acc, &Tensor::Host(scaled), it.m)?
+                }
+            }
+        }
+        Ok(())
+    }
 
     /// acc [heads × d_h × d_h] += Σ_t x_{t,h} x_{t,h}ᵀ per head of X [m × heads·d_h] (post-RoPE queries or
     /// keys; heads = acc.batch, d_h = acc.rows).

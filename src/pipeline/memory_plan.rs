@@ -32,8 +32,9 @@ pub struct ModelShape {
     pub d_h: usize,
     /// A mixture-of-experts MLP (then `d_ff` is unused).
     pub experts: Option<ExpertShape>,
-    /// The block order b of an online Hadamard before down_proj (R4, I ⊗ H_b: one dense f32 [b × b] held
-    /// with each resident block, model/online.rs); 0 without one.
+    /// The block order b of an online Hadamard before down_proj (R4, I ⊗ H_b, model/online.rs); 0 without
+    /// one. Counted as one dense f32 [b × b] held with each resident block: what a GPU holds for a block
+    /// longer than its fast transform takes (cuda ops::HADAMARD_MAX_B), an upper bound below it.
     pub online: usize,
 }
 
@@ -426,7 +427,10 @@ fn fixed_items(
 /// and, with an online Hadamard, act's transform (d_ff).
 /// Attention probabilities are formed tile by tile (flash style) and need no t×t buffer per head.
 /// An MoE block has, per token, its router logits and, for each of its top-k experts, the gathered input,
-/// gate, up, act and output rows instead, and a shared expert's gate, up, act, output and sigmoid gate.
+/// gate, up, act and output rows instead, and a shared expert's gate, up, act, output and sigmoid gate. The
+/// statistics then take a bf16 copy of each routed row's input and act, padded by at most 1/8 and 15 rows
+/// per expert (cuda/row_grams.rs): about 2.25 · (d + d_expert) bytes beside the 4 · (d + d_expert) kept, under
+/// the 4 · (2·d + 3·d_expert) counted here.
 fn forward_workspace(shape: &ModelShape, tokens: usize) -> u64 {
     let mlp = match shape.experts {
         // R4's transformed act beside act itself

@@ -263,7 +263,6 @@ pub fn collect(
             false => None,
         },
     };
-    let d_e = cfg.block.moe.as_ref().map_or(0, |m| m.d_expert);
     let (mut forward_time, mut stats_time, mut v_col_time) =
         (Duration::ZERO, Duration::ZERO, Duration::ZERO);
     let fence = || crate::quant::profile::fence(be);
@@ -299,29 +298,19 @@ pub fn collect(
         if let Some(a) = &mut s.h_down {
             a.add_xxt(be, &tr.act, m).with_context(of(H_DOWN))?;
         }
+        // Every expert's two Grams in one batch (one or a few library calls on a GPU), router-weighted rows
+        // times p_r (the product rounded once to f32).
+        let mut grams = Vec::with_capacity(2 * tr.experts.len());
         for (sums, et) in s.experts.iter_mut().zip(&tr.experts) {
             let n = et.weights.len();
             let Some((h_in, h_act)) = sums.as_mut().filter(|_| n > 0) else {
                 continue;
             };
-            if moe.router_weighted {
-                // Row r times p_r where the rows are (0 + p·x: the same f32 product), so a GPU's X stays there.
-                let rows: Vec<u32> = (0..n as u32).collect();
-                let scaled = |x: &Tensor, d: usize| -> Result<Tensor> {
-                    let mut v = be.zeros(n * d)?;
-                    be.scatter_add_rows_t(&mut v, x, d, &rows, &et.weights)?;
-                    Ok(v)
-                };
-                h_in.add_xxt(be, &scaled(&et.x, d)?, n)
-                    .with_context(of(H_EXPERT))?;
-                h_act
-                    .add_xxt(be, &scaled(&et.act, d_e)?, n)
-                    .with_context(of(H_EXPERT))?;
-            } else {
-                h_in.add_xxt(be, &et.x, n).with_context(of(H_EXPERT))?;
-                h_act.add_xxt(be, &et.act, n).with_context(of(H_EXPERT))?;
-            }
+            let scales = moe.router_weighted.then_some(et.weights.as_slice());
+            grams.push((h_in, &et.x, n, scales));
+            grams.push((h_act, &et.act, n, scales));
         }
+        Accumulator::add_xxt_rows(be, grams).with_context(of(H_EXPERT))?;
         if let Some((c_k, c_q, v_col)) = &mut s.attn {
             c_k.add_heads(be, &tr.k, m).with_context(of(C_K))?;
             c_q.add_heads(be, &tr.q, m).with_context(of(C_Q))?;

@@ -7,7 +7,7 @@
 //! Token batches are row-major [m × width] (one token per row), as the forward produces them.
 
 pub use crate::ops::RopeAverage;
-use crate::ops::{AttnShape, Mat, QuantOps, Result, Tensor};
+use crate::ops::{AttnShape, Mat, QuantOps, Result, RowGram, Tensor};
 use faer::linalg::matmul::triangular;
 use faer::{Accum, MatMut, MatRef, Par};
 
@@ -390,6 +390,24 @@ impl Accumulator {
     pub fn add_xxt(&mut self, ops: &dyn QuantOps, x: &Tensor, m: usize) -> Result<()> {
         ops.stat_xxt(&mut self.acc, x, m)?;
         self.tokens += m;
+        Ok(())
+    }
+
+    /// Adds each item's X [m × d] (row r times s_r where it has scales) to its accumulator, all in one
+    /// `QuantOps::stat_xxt_rows` call (a GPU batches them: an MoE block's experts).
+    pub fn add_xxt_rows(
+        ops: &dyn QuantOps,
+        items: Vec<(&mut Accumulator, &Tensor, usize, Option<&[f32]>)>,
+    ) -> Result<()> {
+        let mut counts = Vec::with_capacity(items.len());
+        let mut grams = Vec::with_capacity(items.len());
+        for (a, x, m, scales) in items {
+            let Accumulator { acc, tokens, .. } = a;
+            counts.push((tokens, m));
+            grams.push(RowGram { acc, x, m, scales });
+        }
+        ops.stat_xxt_rows(&mut grams)?;
+        counts.into_iter().for_each(|(t, m)| *t += m);
         Ok(())
     }
 

@@ -387,6 +387,81 @@ impl Blas {
         .map_err(blas_err("gemm_strided_batched_ex bf16 (gram)"))
     }
 
+    /// H_z [d × d] += X_zᵀ X_z for z < count: X_z [k × d] row-major bf16 at the device address `a[z]`, H_z the
+    /// f32 [d × d] at `c[z]` (`a`, `c`: device arrays of device addresses): one cublasGemmBatchedEx, so many
+    /// Grams of one shape (an MoE block's experts, their rows padded with zeros to a common k by
+    /// ops::launch_pad_rows_bf16) cost one library call. The same column-major reading as `gram_bf16`.
+    ///
+    /// # Safety
+    /// Every `a[z]` must address k·d bf16 values and every `c[z]` d² f32 values of live device memory that
+    /// stays allocated until the stream has run the call, and no two `c[z]` may overlap.
+    pub(super) unsafe fn gram_bf16_ptrs(
+        &self,
+        a: &CudaView<u64>,
+        c: &CudaView<u64>,
+        d: usize,
+        k: usize,
+    ) -> Result<(), CudaError> {
+        let count = a.len();
+        if count == 0 || d == 0 || k == 0 {
+            return Ok(());
+        }
+        let (Ok(d_i), Ok(k_i), Ok(n_i)) = (
+            c_int::try_from(d),
+            c_int::try_from(k),
+            c_int::try_from(count),
+        ) else {
+            return Err(CudaError::Shape {
+                op: "gram (cuBLAS bf16, batched)",
+                msg: format!("d={d}, k={k}, count={count} overflow a C int"),
+            });
+        };
+        if c.len() != count {
+            return Err(CudaError::Shape {
+                op: "gram (cuBLAS bf16, batched)",
+                msg: format!("{count} operands for {} accumulators", c.len()),
+            });
+        }
+        let stream = &self.stream;
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(driver("bind context"))?;
+        let (pa, _sa) = a.device_ptr(stream);
+        let (pc, _sc) = c.device_ptr(stream);
+        let (alpha, beta) = (1.0f32, 1.0f32);
+        let bf16 = sys::cudaDataType_t::CUDA_R_16BF;
+        let _r = range(c"gram_bf16_ptrs");
+        // SAFETY: the caller's contract covers the addresses the arrays hold; the arrays themselves hold
+        // `count` addresses each (checked above); lda = ldb = ldc = d ≥ M; compute type 32F takes f32 scalars.
+        unsafe {
+            sys::cublasGemmBatchedEx(
+                *self.blas.handle(),
+                sys::cublasOperation_t::CUBLAS_OP_N,
+                sys::cublasOperation_t::CUBLAS_OP_T,
+                d_i,
+                d_i,
+                k_i,
+                &alpha as *const f32 as *const c_void,
+                pa as *const *const c_void,
+                bf16,
+                d_i,
+                pa as *const *const c_void,
+                bf16,
+                d_i,
+                &beta as *const f32 as *const c_void,
+                pc as *const *mut c_void,
+                sys::cudaDataType_t::CUDA_R_32F,
+                d_i,
+                n_i,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .result()
+        .map_err(blas_err("gemm_batched_ex bf16 (gram)"))
+    }
+
     /// V's statistics, v3 (hessian.cu attn_probs_bf16): the unscaled scores S_z [t × t] = Q_z K_zᵀ of one head
     /// for z < batch sequences, f32. Q_z is rows z·q_bs/ldq.. of the view `q` (which starts at the head's
     /// first column), t rows of d_h with row stride ldq; K_z likewise with k_bs and ldk; S_z at z·t².

@@ -26,6 +26,7 @@ pub mod ops;
 pub mod qgemm;
 mod quant;
 mod resident;
+mod row_grams;
 pub mod search;
 mod solver;
 pub mod sweep;
@@ -795,8 +796,9 @@ impl Backend for CudaBackend {
         resident::linear_t(self, x, w, bias, (m, k, n))
     }
 
-    /// The GEMM on the dense transform (its resident copy when there is one): a Hadamard kernel is not written
-    /// yet; at R4's default blocks (≤ 2048) it is at most half of down_proj's own GEMM.
+    /// The fast transform on the device (ops.cu block_hadamard) for blocks up to ops::HADAMARD_MAX_B; a longer
+    /// block (only by `--rotate-online-block`) runs the GEMM on the dense transform (its resident copy when
+    /// there is one).
     fn block_hadamard_t(
         &self,
         x: &Tensor,
@@ -810,7 +812,16 @@ impl Backend for CudaBackend {
             x.len(),
             dense.host.len()
         );
+        if b <= ops::HADAMARD_MAX_B {
+            return self
+                .try_block_hadamard_t(x, h)
+                .map_err(|e| anyhow::anyhow!("{} block_hadamard (blocks of {b}): {e}", self.name));
+        }
         self.linear_t(x, dense, None, x.len() / b, b, b)
+    }
+
+    fn block_hadamard_reads_dense(&self, b: usize) -> bool {
+        b > ops::HADAMARD_MAX_B
     }
 
     fn upload_packed(

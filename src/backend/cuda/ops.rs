@@ -81,6 +81,8 @@ pub struct OpsKernels {
     geglu: CudaFunction,
     bias_add: CudaFunction,
     f32_to_bf16: CudaFunction,
+    pad_rows_bf16: CudaFunction,
+    block_hadamard: CudaFunction,
     embed: CudaFunction,
     scatter_add_rows: CudaFunction,
     attention_probs: CudaFunction,
@@ -102,6 +104,8 @@ impl OpsKernels {
             geglu: get_named("geglu_kernel")?,
             bias_add: get_named("bias_add_kernel")?,
             f32_to_bf16: get_named("f32_to_bf16_kernel")?,
+            pad_rows_bf16: get_named("pad_rows_bf16_kernel")?,
+            block_hadamard: get_named("block_hadamard_kernel")?,
             embed: get_named("embed_kernel")?,
             scatter_add_rows: get_named("scatter_add_rows_kernel")?,
             attention_probs: get_named("attention_probs_kernel")?,
@@ -474,6 +478,105 @@ pub fn launch_f32_to_bf16_view(
     // SAFETY: matches f32_to_bf16_kernel(__nv_bfloat16* out, const float* in, uint64 n); u16 has the size and
     // alignment of __nv_bfloat16; both buffers hold n elements (checked above).
     unsafe { b.launch(elementwise_cfg(n)) }.map_err(launch_err("launch f32_to_bf16"))?;
+    Ok(())
+}
+
+/// The longest run `launch_block_hadamard` takes (its shared memory). Must match kHadamardMaxB in cuda/ops.cu.
+pub const HADAMARD_MAX_B: usize = 8192;
+
+/// Y = X · (I ⊗ (H_m ⊗ H_p)/√(m·p)) on every run of b = m·p values of X (cuda/ops.cu block_hadamard_kernel):
+/// `hm` is H_m [m × m] (±1, row-major), p a power of two, b ≤ HADAMARD_MAX_B.
+pub fn launch_block_hadamard(
+    stream: &Arc<CudaStream>,
+    k: &OpsKernels,
+    y: &mut CudaSlice<f32>,
+    x: &CudaSlice<f32>,
+    hm: &CudaSlice<f32>,
+    m: usize,
+    p: usize,
+) -> Result<(), CudaError> {
+    let b = m * p;
+    let bad = |msg: String| CudaError::Shape {
+        op: "block_hadamard",
+        msg,
+    };
+    if b == 0 || b > HADAMARD_MAX_B || !p.is_power_of_two() || hm.len() != m * m {
+        return Err(bad(format!(
+            "blocks of {m} · {p} (at most {HADAMARD_MAX_B}, p a power of two), H_m of {} values",
+            hm.len()
+        )));
+    }
+    if x.len() != y.len() || !x.len().is_multiple_of(b) {
+        return Err(bad(format!(
+            "x.len={} y.len={} for runs of {b}",
+            x.len(),
+            y.len()
+        )));
+    }
+    let runs = x.len() / b;
+    if runs == 0 {
+        return Ok(());
+    }
+    let Ok(runs) = u32::try_from(runs) else {
+        return Err(bad(format!("{runs} runs overflow the grid")));
+    };
+    let _r = range(c"block_hadamard");
+    let cfg = LaunchConfig {
+        grid_dim: (runs, 1, 1),
+        block_dim: (ELEMENTWISE_THREADS, 1, 1),
+        shared_mem_bytes: (4 * b) as u32,
+    };
+    let (m32, p32, scale) = (m as u32, p as u32, 1.0 / (b as f32).sqrt());
+    let mut l = stream.launch_builder(&k.block_hadamard);
+    l.arg(y).arg(x).arg(hm).arg(&m32).arg(&p32).arg(&scale);
+    // SAFETY: matches block_hadamard_kernel(float* y, const float* x, const float* hm, uint32 m, uint32 p,
+    // float scale); x and y hold runs·b values, hm m² (checked above); 4·b ≤ 32 KB of shared memory.
+    unsafe { l.launch(cfg) }.map_err(launch_err("launch block_hadamard"))?;
+    Ok(())
+}
+
+/// Blocks per item of a `launch_pad_rows_bf16` grid at most; they grid-stride over the rest of the item.
+const PAD_ROWS_MAX_BLOCKS: u64 = 4096;
+
+/// The padded bf16 operands of many Grams (cuda/ops.cu pad_rows_bf16_kernel): item i of `table` (6 u64 each:
+/// X_i's address, its row scales' address or 0, n_i, k_i, the offset of its block in `out` in elements, d_i)
+/// becomes bf16(s_i[r] · X_i[r, c]) for r < n_i and zeros up to k_i rows. `widest` is the largest k_i·d_i.
+///
+/// # Safety
+/// Every X_i must address n_i·d_i f32 values and every s_i n_i f32 values of live device memory, and the
+/// blocks [off_i, off_i + k_i·d_i) must lie inside `out` and not overlap.
+pub unsafe fn launch_pad_rows_bf16(
+    stream: &Arc<CudaStream>,
+    k: &OpsKernels,
+    out: &mut CudaSlice<u16>,
+    table: &CudaView<u64>,
+    widest: u64,
+) -> Result<(), CudaError> {
+    const FIELDS: usize = 6;
+    let items = table.len() / FIELDS;
+    if items == 0 || widest == 0 {
+        return Ok(());
+    }
+    let Ok(items_u32) = u32::try_from(items) else {
+        return Err(CudaError::Shape {
+            op: "pad_rows_bf16",
+            msg: format!("{items} items overflow the grid"),
+        });
+    };
+    let _r = range(c"pad_rows_bf16");
+    let blocks = widest
+        .div_ceil(ELEMENTWISE_THREADS as u64)
+        .clamp(1, PAD_ROWS_MAX_BLOCKS) as u32;
+    let cfg = LaunchConfig {
+        grid_dim: (blocks, items_u32, 1),
+        block_dim: (ELEMENTWISE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = stream.launch_builder(&k.pad_rows_bf16);
+    b.arg(out).arg(table);
+    // SAFETY: matches pad_rows_bf16_kernel(__nv_bfloat16* out, const uint64* table); u16 has the size and
+    // alignment of __nv_bfloat16; the addresses and blocks the table holds are the caller's contract.
+    unsafe { b.launch(cfg) }.map_err(launch_err("launch pad_rows_bf16"))?;
     Ok(())
 }
 

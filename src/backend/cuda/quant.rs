@@ -30,7 +30,7 @@ use super::{CudaBackend, CudaError, driver};
 use crate::backend::cpu::CpuBackend;
 use crate::ops::{
     AttnShape, Codes, GridMode, Grids, Mat, MatData, Packed, QuadSums, QuantOps, QuantSpec,
-    QuantizedLinear, Result, RopeAverage, Swept, Tensor, check_rope_row_hessians,
+    QuantizedLinear, Result, RopeAverage, RowGram, Swept, Tensor, check_rope_row_hessians,
 };
 use anyhow::{anyhow, bail};
 use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, ValidAsZeroBits};
@@ -460,6 +460,11 @@ impl QuantOps for CudaBackend {
     fn stat_xxt(&self, acc: &mut Mat, x: &Tensor, m: usize) -> Result<()> {
         let d = acc.rows;
         with_acc(acc, |t| self.try_xxt_accumulate_t(t, x, m, d))
+    }
+
+    /// Batched: row_grams.rs.
+    fn stat_xxt_rows(&self, items: &mut [RowGram<'_>]) -> Result<()> {
+        self.try_xxt_rows(items)
     }
 
     fn stat_head_cov(&self, acc: &mut Mat, x: &Tensor, m: usize) -> Result<()> {

@@ -642,6 +642,24 @@ impl CudaBackend {
         Ok(Tensor::Device(x))
     }
 
+    /// x · (I ⊗ H_b/√b) by the fast transform (ops.cu block_hadamard), b = h.n ≤ ops::HADAMARD_MAX_B; H_m
+    /// (m² values, ±1) goes up per call.
+    pub fn try_block_hadamard_t(
+        &self,
+        x: &Tensor,
+        h: &crate::ops::hadamard::Hadamard,
+    ) -> Result<Tensor, CudaError> {
+        if x.is_empty() {
+            return Ok(Tensor::Host(Vec::new()));
+        }
+        let x_d = self.dev(x)?;
+        let small: Vec<f32> = h.small.iter().map(|&v| v as f32).collect();
+        let hm = self.upload(&small, "upload H_m")?;
+        let mut y = self.output(x.len())?;
+        ops::launch_block_hadamard(&self.stream, &self.ops, &mut y, &x_d, &hm, h.m, h.p)?;
+        Ok(Tensor::Device(y))
+    }
+
     pub fn try_scatter_add_rows_t(
         &self,
         out: &mut Tensor,
