@@ -138,7 +138,7 @@ fn rotated_boa_3bit_beats_unrotated() {
 fn rotate_refuses_blocks_it_cannot_fold() {
     let tmp = tempfile::tempdir().unwrap();
     let m = tiny_model_edited(tmp.path(), |cfg| {
-        cfg["architectures"] = serde_json::json!(["Qwen3ForCausalLM"])
+        cfg["architectures"] = serde_json::json!(["Gemma3ForCausalLM"])
     });
     let out = tmp.path().join("out");
     for args in [
@@ -154,7 +154,7 @@ fn rotate_refuses_blocks_it_cannot_fold() {
             s(&out),
         ],
     ] {
-        assert_user_error(&args, &["--rotate", "Qwen3ForCausalLM"]);
+        assert_user_error(&args, &["--rotate", "Gemma3ForCausalLM"]);
         assert!(!out.exists(), "{args:?} wrote {}", out.display());
     }
 }

@@ -35,6 +35,9 @@ const CUDA_LOGITS_TOL: f64 = 1e-5;
 /// |Δppl| / ppl of the CPU eval path (f32 activations, f64 log-sum-exp) against transformers' (f32 logits,
 /// f64 log-softmax here).
 const PPL_TOL: f64 = 1e-6;
+/// A rotated model against transformers' original: the f32 rounding of the folded weights (each an f64
+/// product of d terms, rounded once) on top of the forward's own orders.
+const ROTATED_LOGITS_TOL: f64 = 1e-5;
 
 fn python() -> PathBuf {
     common::pyref_python("torch, transformers, safetensors")
@@ -179,6 +182,63 @@ fn forward_matches_transformers() {
     assert!(
         failures.is_empty(),
         "{failures:?} differ from transformers beyond logits {LOGITS_TOL:e} / ppl {PPL_TOL:e}:\n{}",
+        table.join("\n")
+    );
+}
+
+/// `rotate` (R1 on the residual stream, R2 per KV head, every norm folded: src/model/rotate.rs) on each
+/// architecture it folds gives a model whose logits are transformers' of the original to the rotation's
+/// rounding (R1 and R2 are seeded random Hadamard-based orthogonal matrices, applied in f64 and written in
+/// f32); every other architecture is refused with exit 2 before any output.
+#[test]
+fn rotated_models_compute_what_transformers_computes_on_the_originals() {
+    use boa_cuda::model::rotate::FOLDABLE_ARCHITECTURES;
+    let root = references();
+    let tmp = tempfile::tempdir().unwrap();
+    let mut table = Vec::new();
+    let mut failures = Vec::new();
+    for name in ARCHS {
+        let dir = root.join(name);
+        let arch = Model::open(&dir).unwrap().cfg.architecture.clone();
+        let out = tmp.path().join(name);
+        let (code, _, err) = run(&["rotate", "--model", s(&dir), "--out", s(&out)]);
+        if !FOLDABLE_ARCHITECTURES.contains(&arch.as_str()) {
+            assert_eq!(code, 2, "{name} ({arch}): {err}");
+            assert!(
+                err.contains("--rotate does not know how to fold"),
+                "{name}: {err}"
+            );
+            assert!(
+                !out.exists(),
+                "{name}: a refused rotation wrote {}",
+                out.display()
+            );
+            continue;
+        }
+        assert_eq!(code, 0, "{name}: {err}");
+        let model = Model::open(&out).unwrap_or_else(|e| panic!("{name} rotated: {e:#}"));
+        let r = reference(&dir);
+        let rel = logits_max_rel(&CpuBackend, &model, &r);
+        let wins: Vec<&[u32]> = r.ids.iter().map(Vec::as_slice).collect();
+        let (our_nll, count) =
+            boa_cuda::eval::window_nll(&CpuBackend, &model, &wins, 2, &Progress::auto(true))
+                .unwrap();
+        let hf_nll: f64 = (r.ids.iter().enumerate())
+            .map(|(w, ids)| nll(r.window(w), ids, r.vocab))
+            .sum();
+        let ppl_rel = ((our_nll - hf_nll) / count as f64).exp() - 1.0;
+        table.push(format!(
+            "{name:<11} {arch:<20} logits max rel {rel:.2e}, ppl rel {ppl_rel:+.2e}"
+        ));
+        if !(rel <= ROTATED_LOGITS_TOL && ppl_rel.abs() <= 1e-4) {
+            failures.push(name);
+        }
+    }
+    println!("{}", table.join("\n"));
+    assert!(table.len() >= 4, "too few architectures folded: {table:?}");
+    assert!(
+        failures.is_empty(),
+        "{failures:?}: rotated logits beyond {ROTATED_LOGITS_TOL:e} or ppl beyond 1e-4:\n{}",
         table.join("\n")
     );
 }

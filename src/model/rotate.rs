@@ -42,8 +42,12 @@ const ALREADY_R4: &str =
 /// Architectures whose block this module knows how to fold (pre-norm RMSNorm with a plain weight, RoPE,
 /// GQA attention, SwiGLU): every architecture the engine runs today. A new block (Gemma's 1 + γ norms,
 /// q/k norms, post-norms) must be added here deliberately, with its own fold.
-pub const FOLDABLE_ARCHITECTURES: &[&str] =
-    &["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"];
+pub const FOLDABLE_ARCHITECTURES: &[&str] = &[
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+];
 
 /// What `--rotate` asks for.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -425,6 +429,16 @@ fn block_entries(
         vec![d],
         &ones,
     ));
+    // Qwen3's per-head q/k norms act on W_Q's and W_K's outputs, which R1 (on their inputs) and R2 (on V and
+    // O only) leave as they were: copied through.
+    for (nd, g) in w.desc.norms.iter().zip(&w.norms) {
+        if matches!(nd.role, NormRole::Q | NormRole::K) {
+            let name = format!("{p}{}.weight", nd.name);
+            check_norm(g, &name)?;
+            let g: Vec<f64> = g.iter().map(|&v| v as f64).collect();
+            out.push(entry(name, vec![g.len()], &g));
+        }
+    }
     for (name, lin) in w.named() {
         let full = format!("{p}{name}");
         let gamma = match name {
