@@ -47,31 +47,49 @@ fn calib_text() -> PathBuf {
     texts_dir().join("moby-dick.txt")
 }
 
+/// scripts/`script` with the reference python on `args`; its standard output, or a panic with its stderr.
+fn python_script<I: AsRef<std::ffi::OsStr>>(
+    script: &str,
+    args: impl IntoIterator<Item = I>,
+) -> String {
+    let out = std::process::Command::new(python())
+        .arg(
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("scripts")
+                .join(script),
+        )
+        .args(args)
+        .output()
+        .expect("spawn the reference python");
+    assert!(
+        out.status.success(),
+        "scripts/{script} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
 /// The random models and transformers' logits, made once per test binary.
 fn references() -> &'static Path {
     static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
     DIR.get_or_init(|| {
         let dir = tempfile::tempdir().unwrap();
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/hf_reference.py");
-        let out = std::process::Command::new(python())
-            .arg(&script)
-            .arg("--out")
-            .arg(dir.path())
-            .arg("--tokenizer")
-            .arg(demo_model().join("tokenizer.json"))
-            .arg("--text")
-            .arg(calib_text())
-            .args(["--seqlen", &SEQLEN.to_string()])
-            .args(["--windows", &WINDOWS.to_string()])
-            .arg("--only")
-            .args(ARCHS)
-            .output()
-            .expect("spawn the reference python");
-        assert!(
-            out.status.success(),
-            "scripts/hf_reference.py failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let (seqlen, windows) = (SEQLEN.to_string(), WINDOWS.to_string());
+        let mut args = vec![
+            "--out".into(),
+            dir.path().as_os_str().to_owned(),
+            "--tokenizer".into(),
+            demo_model().join("tokenizer.json").into_os_string(),
+            "--text".into(),
+            calib_text().into_os_string(),
+            "--seqlen".into(),
+            seqlen.into(),
+            "--windows".into(),
+            windows.into(),
+            "--only".into(),
+        ];
+        args.extend(ARCHS.map(std::ffi::OsString::from));
+        python_script("hf_reference.py", args);
         dir
     })
     .path()
@@ -187,16 +205,17 @@ fn forward_matches_transformers() {
 }
 
 /// `rotate` (R1 on the residual stream, R2 per KV head, every norm folded: src/model/rotate.rs) on each
-/// architecture it folds gives a model whose logits are transformers' of the original to the rotation's
-/// rounding (R1 and R2 are seeded random Hadamard-based orthogonal matrices, applied in f64 and written in
-/// f32); every other architecture is refused with exit 2 before any output.
+/// architecture it folds, the mixtures of experts included (every expert, the router, Qwen2-MoE's shared
+/// expert and its gate), gives a model whose logits, in our forward and in transformers' own loading of the
+/// folder, are transformers' of the original to the rotation's rounding (R1 and R2 are seeded randomized
+/// Hadamard matrices, applied in f64 and written in f32); every other architecture (Gemma 3) is refused with
+/// exit 2 before any output.
 #[test]
 fn rotated_models_compute_what_transformers_computes_on_the_originals() {
     use boa_cuda::model::rotate::FOLDABLE_ARCHITECTURES;
     let root = references();
     let tmp = tempfile::tempdir().unwrap();
-    let mut table = Vec::new();
-    let mut failures = Vec::new();
+    let (mut table, mut failures, mut pairs) = (Vec::new(), Vec::new(), Vec::new());
     for name in ARCHS {
         let dir = root.join(name);
         let arch = Model::open(&dir).unwrap().cfg.architecture.clone();
@@ -233,9 +252,37 @@ fn rotated_models_compute_what_transformers_computes_on_the_originals() {
         if !(rel <= ROTATED_LOGITS_TOL && ppl_rel.abs() <= 1e-4) {
             failures.push(name);
         }
+        pairs.push((name, out, dir.join("reference.safetensors")));
+    }
+    // R4 would need an online transform before every expert's down_proj: refused before any output.
+    let out = tmp.path().join("r4-moe");
+    let moe = root.join("qwen3_moe");
+    let (code, _, err) = run(&["rotate", "--model", s(&moe), "--out", s(&out), "--online"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("not supported on a mixture of experts"),
+        "{err}"
+    );
+    assert!(!out.exists());
+    // transformers itself on the rotated folders: an ordinary checkpoint of each architecture.
+    let args = pairs
+        .iter()
+        .flat_map(|(_, o, r)| [o.as_os_str(), r.as_os_str()]);
+    let lines = python_script("hf_logits.py", args);
+    assert_eq!(lines.lines().count(), pairs.len(), "{lines}");
+    for ((name, ..), line) in pairs.iter().zip(lines.lines()) {
+        let rel = serde_json::from_str::<serde_json::Value>(line).unwrap()["max_rel"]
+            .as_f64()
+            .unwrap();
+        table.push(format!(
+            "{name:<11} transformers on the rotated folder: logits max rel {rel:.2e}"
+        ));
+        if rel.is_nan() || rel > ROTATED_LOGITS_TOL {
+            failures.push(name);
+        }
     }
     println!("{}", table.join("\n"));
-    assert!(table.len() >= 4, "too few architectures folded: {table:?}");
+    assert!(pairs.len() >= 8, "too few architectures folded: {table:?}");
     assert!(
         failures.is_empty(),
         "{failures:?}: rotated logits beyond {ROTATED_LOGITS_TOL:e} or ppl beyond 1e-4:\n{}",
@@ -550,6 +597,18 @@ fn moe_run(name: &str, dev: &str, out: &Path, extra: &[&str], env: &[(&str, &Pat
 }
 
 /// Asserts two `run` outputs hold the same shards byte for byte and the same per-linear report.
+/// Every linear's entry of a run's report.json, layer by layer.
+fn report_linears(d: &Path) -> Vec<serde_json::Value> {
+    let r: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(d.join("report.json")).unwrap()).unwrap();
+    r["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|l| l["linears"].as_array().unwrap().clone())
+        .collect()
+}
+
 fn assert_same_run(a: &Path, b: &Path) {
     let shards = |d: &Path| -> Vec<PathBuf> {
         let mut v: Vec<PathBuf> = std::fs::read_dir(d)
@@ -572,13 +631,8 @@ fn assert_same_run(a: &Path, b: &Path) {
         );
     }
     let linears = |d: &Path| -> Vec<String> {
-        let r: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(d.join("report.json")).unwrap()).unwrap();
-        r["layers"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .flat_map(|l| l["linears"].as_array().unwrap().clone())
+        report_linears(d)
+            .into_iter()
             .map(|x| {
                 format!(
                     "{} {} {} {}",
@@ -638,8 +692,11 @@ fn moe_experts_in_groups_give_the_same_checkpoint() {
 }
 
 /// The same on CUDA (the emulator in CI): qwen2_moe's experts one at a time give the checkpoint and report
-/// of all at once, byte for byte, and hold less device memory at the peak (the emulator's counters; on a
-/// real GPU the byte comparison alone runs).
+/// of all at once, byte for byte, and hold less device memory at the peak (the emulator's counters). On a
+/// real GPU the experts' Grams of a chunk are one cublasGemmBatchedEx per size class
+/// (backend/cuda/row_grams.rs), whose algorithm cuBLAS may pick by the batch's size, so a pass over fewer
+/// experts may sum in another order and flip near-tie codes: there the per-linear errors of the reports are
+/// compared, within 5% (the emulator's GEMM rounds once, whatever the batch, so there the bytes are).
 #[test]
 fn moe_experts_in_groups_on_cuda_give_the_same_checkpoint_in_less_memory() {
     if let Err(why) = boa_cuda::backend::cuda::CudaBackend::new(0) {
@@ -667,7 +724,27 @@ fn moe_experts_in_groups_on_cuda_give_the_same_checkpoint_in_less_memory() {
             peaks.push(c["counters"]["device_bytes_peak"].as_u64().unwrap());
         }
     }
-    assert_same_run(&tmp.path().join("all"), &tmp.path().join("1"));
+    let (all, one) = (tmp.path().join("all"), tmp.path().join("1"));
+    match peaks.is_empty() {
+        false => assert_same_run(&all, &one),
+        true => {
+            let errors = |d: &Path| -> Vec<(String, f64)> {
+                report_linears(d)
+                    .into_iter()
+                    .filter_map(|x| Some((x["name"].to_string(), x["error"].as_f64()?)))
+                    .collect()
+            };
+            let (ea, eo) = (errors(&all), errors(&one));
+            assert_eq!(ea.len(), eo.len());
+            for ((name, a), (name_o, o)) in ea.iter().zip(&eo) {
+                assert_eq!(name, name_o);
+                assert!(
+                    (a - o).abs() <= 5e-2 * a.abs().max(1e-12),
+                    "{name}: error {a} all at once, {o} one expert at a time"
+                );
+            }
+        }
+    }
     match peaks[..] {
         [all, one] => {
             println!("device peak: all experts {all} B, one at a time {one} B");

@@ -453,8 +453,19 @@ pub fn bench_quant_ops(
         let batched = super::gpu_batched::expert_gram_rows(cb, tokens, reps)?
             .into_iter()
             .chain(super::gpu_batched::hadamard_rows(cb, tokens, reps)?);
-        for r in batched {
-            sink.push(r)?;
+        for m in batched {
+            sink.push(BenchRow {
+                method: m.method,
+                shape: m.shape,
+                wall_ms: m.wall_ms,
+                kernel_ms: None,
+                work: m.work,
+                ceiling: match m.bandwidth_bound {
+                    true => Ceiling::Bandwidth,
+                    false => Ceiling::Compute,
+                },
+                layer_scale: 1.0,
+            })?;
         }
     }
     let mut rng = ChaCha8Rng::seed_from_u64(0x5eed);

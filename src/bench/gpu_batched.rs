@@ -4,7 +4,6 @@
 //! the fast transform, against the b × b GEMM on its dense matrix). Wall time of the call and a
 //! synchronization, median of `reps`; the inputs are on the device, as the pipeline holds them.
 
-use super::gpu::{BenchRow, Ceiling};
 use crate::backend::cuda::CudaBackend;
 use crate::backend::{Backend, Tensor, Weight};
 use crate::model::online::OnlineQ;
@@ -12,6 +11,16 @@ use crate::ops::{Mat, QuantOps, RowGram};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::time::Instant;
+
+/// One timed case; bench/gpu.rs makes it a table row against the device's ceilings.
+pub(super) struct Measured {
+    pub method: &'static str,
+    pub shape: String,
+    pub wall_ms: f64,
+    /// Useful flops, or bytes where `bandwidth_bound`.
+    pub work: f64,
+    pub bandwidth_bound: bool,
+}
 
 /// Qwen3-30B-A3B's experts: 128 of width 768 on d 2048, top-8 per token.
 const EXPERTS: usize = 128;
@@ -48,7 +57,7 @@ pub(super) fn expert_gram_rows(
     cb: &CudaBackend,
     tokens: usize,
     reps: usize,
-) -> anyhow::Result<Vec<BenchRow>> {
+) -> anyhow::Result<Vec<Measured>> {
     let mut rng = ChaCha8Rng::seed_from_u64(0xe4e);
     let mean = (tokens * TOP_K / EXPERTS).max(1) as f64;
     let counts: Vec<usize> = (0..EXPERTS)
@@ -87,14 +96,12 @@ pub(super) fn expert_gram_rows(
         }
         Ok(())
     })?;
-    let row = |method, wall_ms| BenchRow {
+    let row = |method, wall_ms| Measured {
         method,
         shape: shape.clone(),
         wall_ms,
-        kernel_ms: None,
         work,
-        ceiling: Ceiling::Compute,
-        layer_scale: 1.0,
+        bandwidth_bound: false,
     };
     Ok(vec![
         row("stat_xxt_rows (one batch)", batched),
@@ -108,7 +115,7 @@ pub(super) fn hadamard_rows(
     cb: &CudaBackend,
     tokens: usize,
     reps: usize,
-) -> anyhow::Result<Vec<BenchRow>> {
+) -> anyhow::Result<Vec<Measured>> {
     let mut rng = ChaCha8Rng::seed_from_u64(0x4ada);
     let mut rows = Vec::new();
     for (d_ff, b) in [(11008usize, 256usize), (18944, 1184)] {
@@ -129,23 +136,19 @@ pub(super) fn hadamard_rows(
             };
             cb.linear_t(&x, w, None, tokens * d_ff / b, b, b).map(drop)
         })?;
-        rows.push(BenchRow {
+        rows.push(Measured {
             method: "block_hadamard (fast)",
             shape: shape.clone(),
             wall_ms: fast,
-            kernel_ms: None,
             work: 8.0 * (tokens * d_ff) as f64,
-            ceiling: Ceiling::Bandwidth,
-            layer_scale: 1.0,
+            bandwidth_bound: true,
         });
-        rows.push(BenchRow {
+        rows.push(Measured {
             method: "block_hadamard (dense GEMM)",
             shape,
             wall_ms: gemm,
-            kernel_ms: None,
             work: 2.0 * (tokens * d_ff * b) as f64,
-            ceiling: Ceiling::Compute,
-            layer_scale: 1.0,
+            bandwidth_bound: false,
         });
     }
     Ok(rows)

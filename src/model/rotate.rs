@@ -14,6 +14,10 @@
 //!    bias) ← R2ᵀ · rows, and o_proj's column slice of every query head that reads g ← slice · R2. The
 //!    attention output of each query head is a convex mix of its KV head's values, so it is rotated by the
 //!    same R2, which o_proj's slice undoes (GQA: one R2 per KV head, shared by its query heads).
+//! 4. Qwen3's per-head q/k norms act on W_Q's and W_K's outputs, untouched by R1 (their inputs) and R2 (V
+//!    and O only): copied through. A mixture of experts reads the MLP norm's output in every expert's
+//!    gate/up, the router and Qwen2-MoE's shared-expert gate (all W ← W diag(γ) R1) and writes the stream
+//!    from every expert's down_proj (R1ᵀ W); routing sees the same logits.
 //!
 //! When the embedding was tied to lm_head and the final norm's weight is not all ones, the two differ after
 //! step 1: lm_head is written separately and config.json says `tie_word_embeddings: false`.
@@ -22,7 +26,7 @@
 //! bf16 model is twice its size. Tensors the Llama block does not use are not copied.
 
 use super::Model;
-use super::arch::NormRole;
+use super::arch::{NormRole, Role};
 use super::config::Config;
 use super::orthogonal::{Orthogonal, RotationKind};
 use crate::error::file_err;
@@ -47,6 +51,17 @@ pub const FOLDABLE_ARCHITECTURES: &[&str] = &[
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+];
+
+/// The foldable architectures whose MLP is a mixture of experts: R1 and R2 fold into every expert and the
+/// router, R4 (one online transform before a dense down_proj) is refused.
+const MOE_ARCHITECTURES: &[&str] = &[
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
 ];
 
 /// What `--rotate` asks for.
@@ -179,6 +194,12 @@ pub fn check_foldable(model_dir: &Path, spec: &RotateSpec) -> anyhow::Result<()>
     if json["model_type"].as_str() == Some(super::online::MODEL_TYPE) {
         return Err(file_err(&path, ALREADY_R4));
     }
+    if spec.online && MOE_ARCHITECTURES.contains(&arch) {
+        return Err(crate::input_err!(
+            "--rotate-online (R4) is not supported on a mixture of experts ({arch}): its experts' down_proj \
+             would each need the online transform; rotate without it"
+        ));
+    }
     spec.r4_block(json["intermediate_size"].as_u64().unwrap_or(0) as usize)?;
     Ok(())
 }
@@ -249,6 +270,12 @@ pub fn rotate_model(
         return Err(file_err(&src.dir, ALREADY_R4));
     }
     let rot = Rotations::new(cfg, spec)?;
+    if rot.r4.is_some() && cfg.block.moe.is_some() {
+        return Err(crate::input_err!(
+            "--rotate-online (R4) is not supported on a mixture of experts ({})",
+            cfg.architecture
+        ));
+    }
     let (mut folder, _) = OutFolder::prepare(out, force, false, cfg.n_layers + 1)?;
     let result = (|| -> anyhow::Result<bool> {
         let mut bar = progress.bar("rotate", cfg.n_layers as u64, "blocks");
@@ -439,25 +466,22 @@ fn block_entries(
             out.push(entry(name, vec![g.len()], &g));
         }
     }
-    for (name, lin) in w.named() {
+    for ((name, lin), ld) in w.named().zip(&w.desc.linears) {
         let full = format!("{p}{name}");
-        let gamma = match name {
-            "self_attn.q_proj" | "self_attn.k_proj" | "self_attn.v_proj" => Some(attn_norm),
-            "mlp.gate_proj" | "mlp.up_proj" => Some(mlp_norm),
-            "self_attn.o_proj" | "mlp.down_proj" => None,
-            other => {
-                return Err(anyhow::anyhow!(
-                    "--rotate: block {l} has a linear {other} this fold does not know"
-                ));
-            }
+        // Every expert's and the shared expert's gate/up read the MLP's normed input as a dense MLP's do,
+        // and their down_proj write the residual stream.
+        let gamma = match ld.role {
+            Role::Q | Role::K | Role::V => Some(attn_norm),
+            Role::Gate | Role::Up => Some(mlp_norm),
+            Role::O | Role::Down => None,
         };
         let mut m = to_f64_folded(&lin.w, lin.d_in, gamma, &format!("{full}.weight"))?;
         let mut b = match &lin.b {
             Some(b) => Some(to_f64_folded(b, b.len(), None, &format!("{full}.bias"))?),
             None => None,
         };
-        match name {
-            "self_attn.o_proj" => {
+        match ld.role {
+            Role::O => {
                 // Input side first: each query head's column slice · R2 of the KV head it reads.
                 let qd = lin.d_in;
                 let mut slice = vec![0.0; d * d_h];
@@ -477,20 +501,21 @@ fn block_entries(
                     rot.r1.left_t(b, 1);
                 }
             }
-            "mlp.down_proj" => {
+            Role::Down => {
                 rot.r1.left_t(&mut m, lin.d_in);
                 if let Some(b) = &mut b {
                     rot.r1.left_t(b, 1);
                 }
                 // R4: the input arrives as a · Q, so W ← W · Q undoes it (a Q (W Q)ᵀ = a Wᵀ). Q = I ⊗ Q_b:
-                // W's rows read as rows of b are its column blocks, each times Q_b.
+                // W's rows read as rows of b are its column blocks, each times Q_b. Only a dense MLP has
+                // it (`check_foldable` refuses R4 on a mixture of experts).
                 if let Some(q) = &rot.r4 {
                     q.right(&mut m);
                 }
             }
             _ => {
                 rot.r1.right(&mut m);
-                if name == "self_attn.v_proj" {
+                if ld.role == Role::V {
                     // Output side: KV head g's rows (and bias) ← R2ᵀ · rows.
                     for g in 0..cfg.n_kv_heads {
                         let r2 = rot.r2(cfg, l, g);
@@ -509,6 +534,24 @@ fn block_entries(
         ));
         if let Some(b) = b {
             out.push(entry(format!("{full}.bias"), vec![lin.d_out], &b));
+        }
+    }
+    // An MoE block's router and Qwen2-MoE's shared-expert gate are linear maps of the MLP's normed input,
+    // like gate_proj: γ and R1 fold into them the same way (they stay in full precision).
+    if let Some(moe) = &w.desc.moe {
+        let gates = [
+            (moe.router, w.router.as_deref()),
+            (
+                moe.shared_expert.as_ref().map_or("", |s| s.gate),
+                w.shared_gate.as_deref(),
+            ),
+        ];
+        for (name, g) in gates {
+            let Some(g) = g else { continue };
+            let full = format!("{p}{name}.weight");
+            let mut m = to_f64_folded(g, d, Some(mlp_norm), &full)?;
+            rot.r1.right(&mut m);
+            out.push(entry(full, vec![g.len() / d, d], &m));
         }
     }
     Ok(out)
