@@ -44,8 +44,9 @@ const ALREADY_R4: &str =
     "already carries an online Hadamard (R4); rotate the original model instead";
 
 /// Architectures whose block this module knows how to fold (pre-norm RMSNorm with a plain weight, RoPE,
-/// GQA attention, SwiGLU): every architecture the engine runs today. A new block (Gemma's 1 + γ norms,
-/// q/k norms, post-norms) must be added here deliberately, with its own fold.
+/// GQA attention, SwiGLU MLPs or experts): every architecture the engine runs but Gemma 3, whose 1 + γ norms
+/// and norms on the residual branches no linear absorbs. A new block must be added here deliberately, with
+/// its own fold and a row in transformers_parity's rotation test.
 pub const FOLDABLE_ARCHITECTURES: &[&str] = &[
     "LlamaForCausalLM",
     "MistralForCausalLM",
