@@ -52,13 +52,15 @@ enum Cmd {
         #[arg(long, default_value_t = 0)]
         seed: u64,
         /// Also QuaRot's R4: an online Hadamard transform of down_proj's input (in blocks: I ⊗ H_b), its
-        /// inverse folded into down_proj. Only boa-cuda runs the result: config.json's model_type becomes
-        /// boa_cuda_online_hadamard, so other loaders refuse it instead of computing another function.
+        /// inverse folded into down_proj (every expert's in a mixture of experts). Only boa-cuda runs the
+        /// result: config.json's model_type becomes boa_cuda_online_hadamard, so other loaders refuse it
+        /// instead of computing another function.
         #[arg(long)]
         online: bool,
-        /// R4's block order b (a divisor of intermediate_size with a Hadamard matrix); default: the largest
-        /// such divisor up to 2048 (the whole width on the demo model; 256 at Llama-2-7B's 11008). Larger
-        /// blocks mix more columns and cost more in the forward (d_ff · b per token).
+        /// R4's block order b (a divisor of intermediate_size with a Hadamard matrix; of every expert's and
+        /// the shared expert's width in a mixture of experts); default: the largest such divisor up to 2048
+        /// (the whole width on the demo model; 256 at Llama-2-7B's 11008), refused below 64 unless asked
+        /// for here. Larger blocks mix more columns and cost more in the forward (d_ff · b per token).
         #[arg(long, requires = "online")]
         online_block: Option<usize>,
         /// Replace --out if it exists.

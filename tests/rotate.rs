@@ -331,11 +331,7 @@ fn online_rotation_refuses_what_it_cannot_build() {
     let out = tmp.path().join("out");
     assert_user_error(
         &["rotate", "--model", s(&m), "--out", s(&out), "--online"],
-        &[
-            "--rotate-online",
-            "intermediate_size 52",
-            "the largest is 4",
-        ],
+        &["--rotate-online", "the MLP width 52", "the largest is 4"],
     );
     assert_user_error(
         &[
@@ -349,11 +345,7 @@ fn online_rotation_refuses_what_it_cannot_build() {
             "--out",
             s(&out),
         ],
-        &[
-            "--rotate-online",
-            "intermediate_size 52",
-            "the largest is 4",
-        ],
+        &["--rotate-online", "the MLP width 52", "the largest is 4"],
     );
     assert_user_error(
         &[
@@ -368,7 +360,7 @@ fn online_rotation_refuses_what_it_cannot_build() {
         ],
         &[
             "--rotate-online-block 8",
-            "does not divide intermediate_size 52",
+            "does not divide the MLP width 52",
         ],
     );
     assert!(!out.exists());

@@ -209,7 +209,8 @@ fn forward_matches_transformers() {
 /// expert and its gate), gives a model whose logits, in our forward and in transformers' own loading of the
 /// folder, are transformers' of the original to the rotation's rounding (R1 and R2 are seeded randomized
 /// Hadamard matrices, applied in f64 and written in f32); every other architecture (Gemma 3) is refused with
-/// exit 2 before any output.
+/// exit 2 before any output. With R4 (`--online`) the mixtures of experts still give those logits in our
+/// forward, which applies the transform before every expert's down_proj.
 #[test]
 fn rotated_models_compute_what_transformers_computes_on_the_originals() {
     use boa_cuda::model::rotate::FOLDABLE_ARCHITECTURES;
@@ -254,16 +255,29 @@ fn rotated_models_compute_what_transformers_computes_on_the_originals() {
         }
         pairs.push((name, out, dir.join("reference.safetensors")));
     }
-    // R4 would need an online transform before every expert's down_proj: refused before any output.
-    let out = tmp.path().join("r4-moe");
-    let moe = root.join("qwen3_moe");
+    // R4 on the mixtures of experts: the online transform before every expert's down_proj (and Qwen2-MoE's
+    // shared expert's), in blocks of the widths' common divisor (these experts are narrower than the
+    // smallest block picked unasked). transformers refuses such a folder, so only our forward is compared
+    // with its logits of the original. Unasked, Qwen2-MoE's widths (32 and 96) have no common block of 64 or
+    // more: refused before any output.
+    let out = tmp.path().join("r4-unasked");
+    let moe = root.join("qwen2_moe");
     let (code, _, err) = run(&["rotate", "--model", s(&moe), "--out", s(&out), "--online"]);
     assert_eq!(code, 2, "{err}");
-    assert!(
-        err.contains("not supported on a mixture of experts"),
-        "{err}"
-    );
+    assert!(err.contains("have no common divisor"), "{err}");
     assert!(!out.exists());
+    for (name, out) in r4_moe_folders(root, tmp.path()) {
+        let model = Model::open(&out).unwrap_or_else(|e| panic!("{name} R4: {e:#}"));
+        let r = reference(&root.join(name));
+        let rel = logits_max_rel(&CpuBackend, &model, &r);
+        table.push(format!(
+            "{name:<11} rotated + R4 (blocks of {}): logits max rel {rel:.2e}",
+            model.cfg.block.online_down.unwrap_or(0)
+        ));
+        if rel > ROTATED_LOGITS_TOL {
+            failures.push(name);
+        }
+    }
     // transformers itself on the rotated folders: an ordinary checkpoint of each architecture.
     let args = pairs
         .iter()
@@ -290,6 +304,37 @@ fn rotated_models_compute_what_transformers_computes_on_the_originals() {
     );
 }
 
+/// `rotate --online --online-block g` of each mixture-of-experts reference model into `tmp` (g: the gcd of its
+/// down_projs' widths), asserting the folder carries R4 in blocks of g.
+fn r4_moe_folders(root: &Path, tmp: &Path) -> Vec<(&'static str, PathBuf)> {
+    let mut out = Vec::new();
+    for name in ["qwen3_moe", "mixtral", "qwen2_moe"] {
+        let dir = root.join(name);
+        let widths = Model::open(&dir).unwrap().cfg.down_widths();
+        let g = widths.iter().fold(0, |g, &w| gcd(g, w));
+        let folder = tmp.join(format!("{name}-r4"));
+        let (code, _, err) = run(&[
+            "rotate",
+            "--model",
+            s(&dir),
+            "--out",
+            s(&folder),
+            "--online",
+            "--online-block",
+            &g.to_string(),
+        ]);
+        assert_eq!(code, 0, "{name} --online: {err}");
+        let cfg = Model::open(&folder).unwrap().cfg;
+        assert_eq!(cfg.block.online_down, Some(g), "{name} {widths:?}");
+        out.push((name, folder));
+    }
+    out
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 { a } else { gcd(b, a % b) }
+}
+
 /// The same logits through the CUDA backend (on the CPU emulator in CI: profiling/emu/check.sh), with its
 /// default forward GEMM precision; skipped with the reason where there is no device.
 #[test]
@@ -314,6 +359,16 @@ fn forward_matches_transformers_on_cuda() {
             failures.push(name);
         }
     }
+    // R4 before every expert's down_proj (the device's block_hadamard on each expert's rows).
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, folder) in r4_moe_folders(root, tmp.path()) {
+        let model = Model::open(&folder).unwrap();
+        let rel = logits_max_rel(&be, &model, &reference(&root.join(name)));
+        table.push(format!("{name:<11} rotated + R4: logits max rel {rel:.2e}"));
+        if rel.is_nan() || rel > CUDA_LOGITS_TOL {
+            failures.push(name);
+        }
+    }
     println!("{}", table.join("\n"));
     assert!(
         failures.is_empty(),
@@ -331,6 +386,7 @@ fn forward_matches_transformers_on_cuda() {
 /// d 256). Before the rows stayed on the device, block 1 moved 5.5× (qwen2_moe) and 2.8× (qwen3_moe) its
 /// floor on the emulator; after, 1.08× and 0.88×. Before a block's packs and error report were read back
 /// together, block 1 synchronized 102 (qwen2_moe, 19 linears) and 145 times (qwen3_moe, 28); after, 48 and 65.
+/// The last case runs them rotated with R4 before every down_proj.
 #[test]
 fn moe_run_on_cuda_matches_the_cpu_and_keeps_its_rows_on_the_device() {
     if let Err(why) = boa_cuda::backend::cuda::CudaBackend::new(0) {
@@ -340,11 +396,16 @@ fn moe_run_on_cuda_matches_the_cpu_and_keeps_its_rows_on_the_device() {
     let root = references();
     let tmp = tempfile::tempdir().unwrap();
     let calib = calib_text();
-    // The router-weighted statistics scale each expert's rows by p on the device too.
-    let configs: [(&str, &[&str]); 3] = [
+    // The router-weighted statistics scale each expert's rows by p on the device too; with R4 every
+    // expert's and the shared expert's down_proj read their input through the device's transform.
+    let configs: [(&str, &[&str]); 4] = [
         ("qwen3_moe", &[]),
         ("qwen2_moe", &[]),
         ("qwen3_moe", &["--moe-hessian", "router"]),
+        (
+            "qwen2_moe",
+            &["--rotate", "--rotate-online", "--rotate-online-block", "32"],
+        ),
     ];
     for (i, (name, extra)) in configs.into_iter().enumerate() {
         let dir = root.join(name);

@@ -165,8 +165,7 @@ impl Config {
             d_h,
         };
         let mut block = arch::describe(&architecture, &raw, dims, stored)?;
-        block.online_down =
-            super::online::parse(&json, raw.intermediate_size, block.moe.is_some())?;
+        block.online_down = super::online::parse(&json, &block.down_widths(raw.intermediate_size))?;
         // A per-layer RoPE (`BlockDesc::layer_rope`) was checked by the description.
         if block.layer_rope.is_none()
             && let Some(s) = &rope_scaling
@@ -226,6 +225,11 @@ impl Config {
             )),
             None => Ok(()),
         }
+    }
+
+    /// The input widths of the block's down_projs (`BlockDesc::down_widths`).
+    pub fn down_widths(&self) -> Vec<usize> {
+        self.block.down_widths(self.d_ff)
     }
 
     /// Layer l's RoPE inverse frequencies: its own (`BlockDesc::layer_rope`) or the config's one RoPE.

@@ -426,6 +426,24 @@ pub fn block_forward(
     let xm = be
         .rms_norm_t(x, w.required_norm(NormRole::Mlp)?, cfg.d, cfg.eps)
         .with_context(of("the MLP's input norm"))?;
+    // down_proj was folded with the online transform's inverse: its input (and so its statistics) must be
+    // the transformed one, in a dense MLP and in every expert.
+    let before_down = |act: Tensor| -> anyhow::Result<Tensor> {
+        match &w.online {
+            // Q = I ⊗ Q_b: act [n × width] read as [n·width/b × b] rows, each times Q_b.
+            Some(q) => be
+                .block_hadamard_t(
+                    &act,
+                    &q.h,
+                    Weight {
+                        host: &q.dense,
+                        resident: resident.and_then(|r| r.online.as_ref()),
+                    },
+                )
+                .with_context(of("the online Hadamard before mlp.down_proj")),
+            None => Ok(act),
+        }
+    };
     let (down, act, experts) = match &w.desc.moe {
         Some(moe) => {
             let router = w
@@ -438,6 +456,7 @@ pub fn block_forward(
             let gates = super::moe::MoeGates {
                 router,
                 shared: w.shared_gate.as_deref(),
+                before_down: &before_down,
             };
             let out = super::moe::sparse_mlp(
                 be,
@@ -465,22 +484,7 @@ pub fn block_forward(
                     .with_context(of("GeGLU (mlp.down_proj's input)"))?,
             };
             drop((gate, up));
-            // down_proj was folded with the transform's inverse: its input (and so its statistics) must
-            // be the transformed one.
-            let act = match &w.online {
-                // Q = I ⊗ Q_b: act [m × d_ff] read as [m·d_ff/b × b] rows, each times Q_b.
-                Some(q) => be
-                    .block_hadamard_t(
-                        &act,
-                        &q.h,
-                        Weight {
-                            host: &q.dense,
-                            resident: resident.and_then(|r| r.online.as_ref()),
-                        },
-                    )
-                    .with_context(of("the online Hadamard before mlp.down_proj"))?,
-                None => act,
-            };
+            let act = before_down(act)?;
             let down = match trace.is_some() {
                 true => None,
                 false => Some(lin(Role::Down, &act)?),

@@ -70,12 +70,14 @@ pub struct SparseMlp {
     pub shared_act: Option<Tensor>,
 }
 
-/// The high-precision weights of an MoE MLP: the router [n_experts × d] and the shared expert's gate w_g
-/// [1 × d] where the block has one.
+/// What an MoE MLP runs besides its linears: the router [n_experts × d] and the shared expert's gate w_g
+/// [1 × d] where the block has one (high-precision weights), and what every down_proj's input goes through
+/// first (R4's online transform, model/online.rs; the identity without).
 #[derive(Clone, Copy)]
 pub struct MoeGates<'a> {
     pub router: &'a [f32],
     pub shared: Option<&'a [f32]>,
+    pub before_down: &'a dyn Fn(Tensor) -> Result<Tensor>,
 }
 
 /// The MLP of an MoE block on its input `xm` [m × d]: Σ_k p_k · down_k(silu(gate_k x) ⊙ up_k x) per token
@@ -128,7 +130,7 @@ pub fn sparse_mlp(
             };
             let gate = lin(0, xm)?;
             let up = lin(1, xm)?;
-            let act = be.swiglu_t(&gate, &up)?;
+            let act = (gates.before_down)(be.swiglu_t(&gate, &up)?)?;
             drop((gate, up));
             let y = lin(2, &act)?;
             let z = be.linear_t(xm, Weight::host(w_g), None, m, d, 1)?;
@@ -172,7 +174,7 @@ pub fn sparse_mlp(
         };
         let gate = lin(0, &xe)?;
         let up = lin(1, &xe)?;
-        let act = be.swiglu_t(&gate, &up)?;
+        let act = (gates.before_down)(be.swiglu_t(&gate, &up)?)?;
         drop((gate, up));
         let y = lin(2, &act)?;
         be.scatter_add_rows_t(&mut out, &y, d, &rows, &weights)?;

@@ -3,7 +3,8 @@
 //! `rotate --online` folds into down_proj's columns (W_down ← W_down · Q, so a Q · (W_down Q)ᵀ = a W_downᵀ).
 //! Unlike R1 and R2 it cannot be folded away: SwiGLU's product sits between up_proj and down_proj. The
 //! transform spreads the outliers of the MLP's activations over the columns of each block of b before
-//! down_proj reads them, as R1 does for the residual stream.
+//! down_proj reads them, as R1 does for the residual stream. In a mixture of experts every expert's
+//! down_proj (and the shared expert's) gets the same I ⊗ Q_b, so b divides all their widths.
 //!
 //! Why blocks: b = m · 2^k is applied by the fast transform (Walsh–Hadamard on the Sylvester factor, a
 //! dense product on H_m: `Backend::block_hadamard_t`, on the CPU and on a GPU, ops.cu block_hadamard), d_ff ·
@@ -25,7 +26,8 @@ use serde::{Deserialize, Serialize};
 /// config.json's `model_type` for a checkpoint that needs the online transform.
 pub const MODEL_TYPE: &str = "boa_cuda_online_hadamard";
 
-/// The only place the transform is applied.
+/// The only place the transform is applied: the MLP's down_proj (in a mixture of experts every expert's and
+/// the shared expert's).
 pub const BEFORE: &str = "mlp.down_proj";
 
 /// `boa_cuda.online_hadamard` in config.json.
@@ -33,7 +35,8 @@ pub const BEFORE: &str = "mlp.down_proj";
 pub struct Marker {
     /// The linear whose input is transformed (always `BEFORE`).
     pub before: String,
-    /// n: the transform is n × n (d_ff).
+    /// n: the transform is n × n (d_ff; in a mixture of experts each expert's width, and b divides the
+    /// shared expert's too).
     pub size: usize,
     /// b: the transform is I_{n/b} ⊗ H_b / √b; absent when b = n (checkpoints made before blocks existed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -57,34 +60,65 @@ pub fn transform(b: usize) -> Result<Orthogonal, String> {
         .map_err(|why| format!("--rotate-online needs a Hadamard matrix of order {b}: {why}"))
 }
 
-/// The block order for an MLP of width `d_ff`: `asked` (`--rotate-online-block`) when it divides d_ff and has
-/// a Hadamard matrix, else the largest divisor of d_ff up to `MAX_BLOCK` that has one, if not below
-/// `MIN_BLOCK`.
-pub fn block(d_ff: usize, asked: Option<usize>) -> Result<usize, String> {
+/// How `widths` (every down_proj's input width in a block) are named in a message.
+fn widths_text(widths: &[usize]) -> String {
+    match widths {
+        [w] => format!("the MLP width {w}"),
+        _ => format!(
+            "the MLP widths {}",
+            widths
+                .iter()
+                .map(|w| w.to_string())
+                .collect::<Vec<_>>()
+                .join(" and ")
+        ),
+    }
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    match b {
+        0 => a,
+        _ => gcd(b, a % b),
+    }
+}
+
+/// The block order for a block whose down_projs read `widths` (a dense MLP's d_ff; an MoE block's expert
+/// width and its shared expert's): one block order serves them all, so it must divide every width.
+/// `asked` (`--rotate-online-block`) when it does and has a Hadamard matrix, else the largest common divisor
+/// up to `MAX_BLOCK` that has one, if not below `MIN_BLOCK`.
+pub fn block(widths: &[usize], asked: Option<usize>) -> Result<usize, String> {
+    let g = widths.iter().fold(0, |g, &w| gcd(g, w));
     if let Some(b) = asked {
-        if b == 0 || !d_ff.is_multiple_of(b) {
+        if b == 0 || g == 0 || !g.is_multiple_of(b) {
             return Err(format!(
-                "--rotate-online-block {b} does not divide intermediate_size {d_ff}"
+                "--rotate-online-block {b} does not divide {}",
+                widths_text(widths)
             ));
         }
         transform(b)?;
         return Ok(b);
     }
-    let b = (1..=MAX_BLOCK.min(d_ff))
+    let b = (1..=MAX_BLOCK.min(g))
         .rev()
-        .find(|&b| d_ff.is_multiple_of(b) && Orthogonal::plain_hadamard(b).is_ok())
+        .find(|&b| g.is_multiple_of(b) && Orthogonal::plain_hadamard(b).is_ok())
         .unwrap_or(1);
     match b >= MIN_BLOCK {
         true => Ok(b),
         false => Err(format!(
-            "--rotate-online: intermediate_size {d_ff} has no divisor from {MIN_BLOCK} to {MAX_BLOCK} with a \
-             Hadamard matrix here (the largest is {b}); ask for a smaller block with --online-block \
-             (rotate) or --rotate-online-block (run)"
+            "--rotate-online: {} {} from {MIN_BLOCK} to {MAX_BLOCK} with a Hadamard matrix \
+             here (the largest is {b}); ask for a smaller block with --online-block (rotate) or \
+             --rotate-online-block (run)",
+            widths_text(widths),
+            match widths.len() {
+                1 => "has no divisor",
+                _ => "have no common divisor",
+            }
         )),
     }
 }
 
-/// Marks `config` (a model's config.json) as needing the transform I_{size/b} ⊗ Q_b, Q_b = `q`.
+/// Marks `config` (a model's config.json) as needing the transform I_{size/b} ⊗ Q_b, Q_b = `q`, before
+/// every down_proj (`size`: the first of `down_widths`, an MoE block's expert width).
 pub fn mark(config: &mut serde_json::Value, size: usize, q: &Orthogonal) {
     let marker = Marker {
         before: BEFORE.into(),
@@ -99,8 +133,9 @@ pub fn mark(config: &mut serde_json::Value, size: usize, q: &Orthogonal) {
 }
 
 /// The transform's block order b when `json` (a config.json) asks for one, checked against the block it
-/// applies to: a dense MLP of width `d_ff`.
-pub fn parse(json: &serde_json::Value, d_ff: usize, moe: bool) -> Result<Option<usize>, String> {
+/// applies to: down_projs reading `widths` (`BlockDesc::down_widths`: a dense MLP's d_ff, or an MoE
+/// block's expert width and its shared expert's).
+pub fn parse(json: &serde_json::Value, widths: &[usize]) -> Result<Option<usize>, String> {
     let typed = json["model_type"].as_str() == Some(MODEL_TYPE);
     let marker = &json["boa_cuda"]["online_hadamard"];
     match (typed, marker.is_null()) {
@@ -126,20 +161,18 @@ pub fn parse(json: &serde_json::Value, d_ff: usize, moe: bool) -> Result<Option<
             m.before
         ));
     }
-    if moe {
-        return Err("an online Hadamard in a mixture-of-experts block is not supported".into());
-    }
-    if m.size != d_ff {
+    if widths.first() != Some(&m.size) {
         return Err(format!(
-            "boa_cuda.online_hadamard.size {} is not intermediate_size {d_ff}",
-            m.size
+            "boa_cuda.online_hadamard.size {} is not {}",
+            m.size,
+            widths_text(&widths[..widths.len().min(1)])
         ));
     }
     let b = m.block.unwrap_or(m.size);
-    if b == 0 || !m.size.is_multiple_of(b) {
+    if b == 0 || !widths.iter().all(|w| w.is_multiple_of(b)) {
         return Err(format!(
-            "boa_cuda.online_hadamard.block {b} does not divide its size {}",
-            m.size
+            "boa_cuda.online_hadamard.block {b} does not divide {}",
+            widths_text(widths)
         ));
     }
     transform(b)?;
@@ -189,22 +222,27 @@ mod tests {
     #[test]
     fn a_marked_config_parses_back_and_an_edited_one_is_refused() {
         let mut c = config(48);
-        assert_eq!(parse(&c, 48, false), Ok(None));
+        assert_eq!(parse(&c, &[48]), Ok(None));
         mark(&mut c, 48, &transform(48).unwrap());
         assert_eq!(c["model_type"], MODEL_TYPE);
         assert_eq!(c["boa_cuda"]["online_hadamard"]["model_type"], "llama");
-        assert_eq!(parse(&c, 48, false), Ok(Some(48)));
-        let e = parse(&c, 64, false).unwrap_err();
-        assert!(e.contains("not intermediate_size 64"), "{e}");
-        let e = parse(&c, 48, true).unwrap_err();
-        assert!(e.contains("mixture-of-experts"), "{e}");
+        assert_eq!(parse(&c, &[48]), Ok(Some(48)));
+        let e = parse(&c, &[64]).unwrap_err();
+        assert!(e.contains("not the MLP width 64"), "{e}");
+        // An MoE block: the experts' width first, the shared expert's after; the block divides both.
+        assert_eq!(parse(&c, &[48, 96]), Ok(Some(48)));
+        let e = parse(&c, &[48, 72]).unwrap_err();
+        assert!(
+            e.contains("does not divide the MLP widths 48 and 72"),
+            "{e}"
+        );
         let mut edited = c.clone();
         edited["model_type"] = "llama".into();
-        let e = parse(&edited, 48, false).unwrap_err();
+        let e = parse(&edited, &[48]).unwrap_err();
         assert!(e.contains("other loaders would run"), "{e}");
         let mut bare = config(48);
         bare["model_type"] = MODEL_TYPE.into();
-        assert!(parse(&bare, 48, false).is_err());
+        assert!(parse(&bare, &[48]).is_err());
     }
 
     #[test]
@@ -227,27 +265,35 @@ mod tests {
             (14336, 2048),
             (640, 640),
         ] {
-            assert_eq!(block(d_ff, None), Ok(b), "{d_ff}");
+            assert_eq!(block(&[d_ff], None), Ok(b), "{d_ff}");
         }
-        assert_eq!(block(1536, Some(512)), Ok(512));
-        let e = block(1536, Some(500)).unwrap_err();
+        assert_eq!(block(&[1536], Some(512)), Ok(512));
+        let e = block(&[1536], Some(500)).unwrap_err();
         assert!(e.contains("does not divide"), "{e}");
-        let e = block(1536, Some(6)).unwrap_err();
+        let e = block(&[1536], Some(6)).unwrap_err();
         assert!(e.contains("order 6"), "{e}");
-        let e = block(52, None).unwrap_err();
+        let e = block(&[52], None).unwrap_err();
         assert!(e.contains("the largest is 4"), "{e}");
-        assert_eq!(block(52, Some(4)), Ok(4));
+        assert_eq!(block(&[52], Some(4)), Ok(4));
+        // Mixtures of experts: one block for every down_proj. Qwen3-30B-A3B's experts (768); Qwen2-MoE-A2.7B's
+        // experts and shared expert (1408 = 44 · 32, 5632 = 4 · 1408); Mixtral's (14336).
+        assert_eq!(block(&[768], None), Ok(768));
+        assert_eq!(block(&[1408, 5632], None), Ok(1408));
+        assert_eq!(block(&[14336], None), Ok(2048));
+        let e = block(&[1408, 5632], Some(5632)).unwrap_err();
+        assert!(
+            e.contains("does not divide the MLP widths 1408 and 5632"),
+            "{e}"
+        );
+        let e = block(&[52, 104], None).unwrap_err();
+        assert!(e.contains("have no common divisor"), "{e}");
         // A block marker parses back to its block; a block that does not divide is refused.
         let mut c = config(1536);
         mark(&mut c, 1536, &transform(512).unwrap());
         assert_eq!(c["boa_cuda"]["online_hadamard"]["block"], 512);
-        assert_eq!(parse(&c, 1536, false), Ok(Some(512)));
+        assert_eq!(parse(&c, &[1536]), Ok(Some(512)));
         c["boa_cuda"]["online_hadamard"]["block"] = 500.into();
-        assert!(
-            parse(&c, 1536, false)
-                .unwrap_err()
-                .contains("does not divide")
-        );
+        assert!(parse(&c, &[1536]).unwrap_err().contains("does not divide"));
     }
 
     #[test]

@@ -17,7 +17,8 @@
 //! 4. Qwen3's per-head q/k norms act on W_Q's and W_K's outputs, untouched by R1 (their inputs) and R2 (V
 //!    and O only): copied through. A mixture of experts reads the MLP norm's output in every expert's
 //!    gate/up, the router and Qwen2-MoE's shared-expert gate (all W ← W diag(γ) R1) and writes the stream
-//!    from every expert's down_proj (R1ᵀ W); routing sees the same logits.
+//!    from every expert's down_proj (R1ᵀ W); routing sees the same logits. R4 (`--rotate-online`) folds
+//!    into every down_proj, each expert's and the shared expert's, with one block order for all.
 //!
 //! When the embedding was tied to lm_head and the final norm's weight is not all ones, the two differ after
 //! step 1: lm_head is written separately and config.json says `tie_word_embeddings: false`.
@@ -57,14 +58,6 @@ pub const FOLDABLE_ARCHITECTURES: &[&str] = &[
     "Qwen2MoeForCausalLM",
 ];
 
-/// The foldable architectures whose MLP is a mixture of experts: R1 and R2 fold into every expert and the
-/// router, R4 (one online transform before a dense down_proj) is refused.
-const MOE_ARCHITECTURES: &[&str] = &[
-    "Qwen3MoeForCausalLM",
-    "MixtralForCausalLM",
-    "Qwen2MoeForCausalLM",
-];
-
 /// What `--rotate` asks for.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct RotateSpec {
@@ -82,11 +75,12 @@ pub struct RotateSpec {
 }
 
 impl RotateSpec {
-    /// R4's block order for an MLP of width `d_ff`, or why there is none; None without R4.
-    pub fn r4_block(&self, d_ff: usize) -> anyhow::Result<Option<usize>> {
+    /// R4's block order for down_projs reading `widths` (`Config::down_widths`), or why there is none;
+    /// None without R4.
+    pub fn r4_block(&self, widths: &[usize]) -> anyhow::Result<Option<usize>> {
         match self.online {
             true => Ok(Some(
-                super::online::block(d_ff, self.online_block)
+                super::online::block(widths, self.online_block)
                     .map_err(|m| crate::input_err!("{m}"))?,
             )),
             false => Ok(None),
@@ -178,9 +172,9 @@ impl RotationInfo {
     }
 }
 
-/// Refuses, before any work, a model whose architecture this module cannot fold, or with R4 one whose d_ff
-/// has no block order with a Hadamard matrix here (read from config.json alone, so the message is about the
-/// rotation whatever else the engine thinks of the model).
+/// Refuses, before any work, a model whose architecture this module cannot fold, or with R4 one whose
+/// down_projs' widths have no common block order with a Hadamard matrix here (read from config.json before
+/// the model is opened, so the message is about the rotation).
 pub fn check_foldable(model_dir: &Path, spec: &RotateSpec) -> anyhow::Result<()> {
     let path = model_dir.join("config.json");
     let text =
@@ -195,13 +189,12 @@ pub fn check_foldable(model_dir: &Path, spec: &RotateSpec) -> anyhow::Result<()>
     if json["model_type"].as_str() == Some(super::online::MODEL_TYPE) {
         return Err(file_err(&path, ALREADY_R4));
     }
-    if spec.online && MOE_ARCHITECTURES.contains(&arch) {
-        return Err(crate::input_err!(
-            "--rotate-online (R4) is not supported on a mixture of experts ({arch}): its experts' down_proj \
-             would each need the online transform; rotate without it"
-        ));
+    // A config the engine cannot read is refused with its own message when the model is opened.
+    if spec.online
+        && let Ok(cfg) = Config::parse(&text)
+    {
+        spec.r4_block(&cfg.down_widths())?;
     }
-    spec.r4_block(json["intermediate_size"].as_u64().unwrap_or(0) as usize)?;
     Ok(())
 }
 
@@ -237,7 +230,7 @@ impl Rotations {
         let r2 = (0..cfg.n_layers * cfg.n_kv_heads)
             .map(|i| Orthogonal::new(cfg.d_h, spec.kind, &mut rng(1 + i as u64)))
             .collect();
-        let r4 = match spec.r4_block(cfg.d_ff)? {
+        let r4 = match spec.r4_block(&cfg.down_widths())? {
             Some(b) => Some(super::online::transform(b).map_err(|m| crate::input_err!("{m}"))?),
             None => None,
         };
@@ -271,12 +264,6 @@ pub fn rotate_model(
         return Err(file_err(&src.dir, ALREADY_R4));
     }
     let rot = Rotations::new(cfg, spec)?;
-    if rot.r4.is_some() && cfg.block.moe.is_some() {
-        return Err(crate::input_err!(
-            "--rotate-online (R4) is not supported on a mixture of experts ({})",
-            cfg.architecture
-        ));
-    }
     let (mut folder, _) = OutFolder::prepare(out, force, false, cfg.n_layers + 1)?;
     let result = (|| -> anyhow::Result<bool> {
         let mut bar = progress.bar("rotate", cfg.n_layers as u64, "blocks");
@@ -313,7 +300,7 @@ pub fn rotate_model(
         },
         r4: rot.r4.as_ref().map(|q| MatrixInfo {
             size: q.n,
-            count: cfg.d_ff / q.n,
+            count: cfg.down_widths()[0] / q.n,
             construction: q.construction.clone(),
             fallback: None,
         }),
@@ -334,7 +321,7 @@ pub fn rotate_model(
     }
     config["boa_cuda"] = serde_json::json!({ "rotation": info.config_json() });
     if let Some(q) = &rot.r4 {
-        super::online::mark(&mut config, cfg.d_ff, q);
+        super::online::mark(&mut config, cfg.down_widths()[0], q);
     }
     folder.write_json("config.json", &config)?;
     folder.copy_model_files(&src.dir)?;
@@ -508,8 +495,8 @@ fn block_entries(
                     rot.r1.left_t(b, 1);
                 }
                 // R4: the input arrives as a · Q, so W ← W · Q undoes it (a Q (W Q)ᵀ = a Wᵀ). Q = I ⊗ Q_b:
-                // W's rows read as rows of b are its column blocks, each times Q_b. Only a dense MLP has
-                // it (`check_foldable` refuses R4 on a mixture of experts).
+                // W's rows read as rows of b are its column blocks, each times Q_b. Every expert's
+                // down_proj and the shared expert's alike (b divides all their widths).
                 if let Some(q) = &rot.r4 {
                     q.right(&mut m);
                 }

@@ -33,9 +33,12 @@ pub struct ModelShape {
     /// A mixture-of-experts MLP (then `d_ff` is unused).
     pub experts: Option<ExpertShape>,
     /// The block order b of an online Hadamard before down_proj (R4, I ⊗ H_b, model/online.rs); 0 without
-    /// one. Counted as one dense f32 [b × b] held with each resident block: what a GPU holds for a block
-    /// longer than its fast transform takes (cuda ops::HADAMARD_MAX_B), an upper bound below it.
+    /// one.
     pub online: usize,
+    /// Whether each resident block holds R4's dense f32 [b × b] (`Backend::block_hadamard_reads_dense`: a
+    /// GPU does for a block longer than its fast transform takes, cuda ops::HADAMARD_MAX_B). `of` assumes
+    /// it does, an upper bound; `run` asks the backend.
+    pub online_dense: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -64,6 +67,7 @@ impl ModelShape {
                 d_shared: m.shared_expert.as_ref().map_or(0, |s| s.d_ff),
             }),
             online: cfg.block.online_down.unwrap_or(0),
+            online_dense: true,
         }
     }
 
@@ -110,7 +114,11 @@ impl ModelShape {
             + 2 * self.d
             + router
             + shared
-            + self.online * self.online
+            + if self.online_dense {
+                self.online * self.online
+            } else {
+                0
+            }
     }
 
     /// One MLP's weights (one expert's in an MoE block).
@@ -424,7 +432,7 @@ fn fixed_items(
 
 /// f32 intermediates of one forward chunk at the statistics forward's peak: the chunk's copy, the normed
 /// inputs, q, k, v, the attention output and the MLP's down output (6·d + 2·d_kv), gate, up and act (3·d_ff)
-/// and, with an online Hadamard, act's transform (d_ff).
+/// and, with an online Hadamard, act's transform (d_ff; an expert's d_expert).
 /// Attention probabilities are formed tile by tile (flash style) and need no t×t buffer per head.
 /// An MoE block has, per token, its router logits and, for each of its top-k experts, the gathered input,
 /// gate, up, act and output rows instead, and a shared expert's gate, up, act, output and sigmoid gate. The
@@ -432,16 +440,16 @@ fn fixed_items(
 /// per expert (cuda/row_grams.rs): about 2.25 · (d + d_expert) bytes beside the 4 · (d + d_expert) kept, under
 /// the 4 · (2·d + 3·d_expert) counted here.
 fn forward_workspace(shape: &ModelShape, tokens: usize) -> u64 {
+    // gate, up and act; R4's transformed act beside act itself
+    let act = if shape.online > 0 { 4 } else { 3 };
     let mlp = match shape.experts {
-        // R4's transformed act beside act itself
-        None if shape.online > 0 => 4 * shape.d_ff,
-        None => 3 * shape.d_ff,
+        None => act * shape.d_ff,
         Some(e) => {
             let shared = match e.d_shared {
                 0 => 0,
-                s => 3 * s + shape.d + 1,
+                s => act * s + shape.d + 1,
             };
-            e.n_experts + e.top_k * (3 * e.d_expert + 2 * shape.d) + shared
+            e.n_experts + e.top_k * (act * e.d_expert + 2 * shape.d) + shared
         }
     };
     let per_token = 6 * shape.d + 2 * shape.d_kv() + mlp;
@@ -499,6 +507,7 @@ mod tests {
             d_h: d / n_heads,
             experts: None,
             online: 0,
+            online_dense: true,
         }
     }
 
@@ -518,6 +527,7 @@ mod tests {
                 d_shared: 0,
             }),
             online: 0,
+            online_dense: true,
         };
         // Qwen2-MoE: the same with a shared expert of `d_shared`.
         let shared = |s: ModelShape, d_shared| ModelShape {
@@ -704,9 +714,15 @@ mod tests {
         // more d_ff-wide row per forward token.
         let (_, s7) = shapes()[0];
         let r4 = ModelShape { online: 256, ..s7 };
-        let (a, b) = (
+        // A backend with the fast transform holds no matrix; the act row stays.
+        let fast = ModelShape {
+            online_dense: false,
+            ..r4
+        };
+        let (a, b, c) = (
             plan(&s7, CALIB, Target::Gpu, 141 * GB, 8).unwrap(),
             plan(&r4, CALIB, Target::Gpu, 141 * GB, 8).unwrap(),
+            plan(&fast, CALIB, Target::Gpu, 141 * GB, 8).unwrap(),
         );
         let item = |p: &MemoryPlan, prefix: &str| {
             p.items
@@ -723,6 +739,8 @@ mod tests {
             item(&b, "forward chunk") - item(&a, "forward chunk"),
             (8 * CALIB.seqlen * 11008 * 4) as u64
         );
+        assert_eq!(item(&c, "block weights"), item(&a, "block weights"));
+        assert_eq!(item(&c, "forward chunk"), item(&b, "forward chunk"));
     }
 
     #[test]

@@ -128,11 +128,13 @@ fn state_memory_plan(
         },
     };
     // `--rotate-online` makes the R4 transform after this plan, from the source's config.
+    let online = match &opts.rotate {
+        Some(r) => r.r4_block(&cfg.down_widths())?.unwrap_or(0),
+        None => cfg.block.online_down.unwrap_or(0),
+    };
     let shape = ModelShape {
-        online: match &opts.rotate {
-            Some(r) => r.r4_block(cfg.d_ff)?.unwrap_or(0),
-            None => cfg.block.online_down.unwrap_or(0),
-        },
+        online,
+        online_dense: online > 0 && be.block_hadamard_reads_dense(online),
         ..ModelShape::of(cfg)
     };
     match be.device_memory() {

@@ -158,6 +158,8 @@ pub struct CudaBackend {
     counters: traffic::HostCounters,
     /// RoPE cos/sin tables already uploaded (resident.rs `rope_tables`): a run's layers share one or two.
     rope_tables: std::sync::Mutex<Vec<resident::RopeTablesOnDevice>>,
+    /// R4's H_m already uploaded (resident.rs `try_block_hadamard_t`).
+    hadamard_small: std::sync::Mutex<Vec<resident::HadamardSmallOnDevice>>,
 }
 
 /// Loads the embedded fatbin of cuda/`stem`.cu, or says why it cannot.
@@ -305,6 +307,7 @@ impl CudaBackend {
             qgemm: std::sync::OnceLock::new(),
             counters: Default::default(),
             rope_tables: Default::default(),
+            hadamard_small: Default::default(),
         })
     }
 

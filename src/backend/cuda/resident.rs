@@ -40,6 +40,16 @@ pub(super) struct RopeTablesOnDevice {
 /// Most table pairs kept: a run has one (Llama) or two (Gemma 3's local and global layers) per length.
 const ROPE_TABLES_KEPT: usize = 4;
 
+/// R4's small dense Hadamard factor H_m on the device with the host values it was uploaded from (the cache
+/// key, compared in full).
+pub(super) struct HadamardSmallOnDevice {
+    small: Vec<f64>,
+    small_d: CudaSlice<f32>,
+}
+
+/// Most H_m kept: a run has one block order (an MoE block's experts and shared expert share it).
+const HADAMARD_SMALL_KEPT: usize = 2;
+
 /// Page-locked buffers that weights pass through on their way to the device, two per weight length, used in
 /// turn: the host fills one while the DMA engine reads the other, so weights of one length uploaded one after
 /// another (a block's gate/up/down, an MoE block's hundreds of experts) overlap their host copy with the
@@ -643,7 +653,8 @@ impl CudaBackend {
     }
 
     /// x · (I ⊗ H_b/√b) by the fast transform (ops.cu block_hadamard), b = h.n ≤ ops::HADAMARD_MAX_B; H_m
-    /// (m² values, ±1) goes up per call.
+    /// (m² values, ±1) goes up once per run: the forward calls this once per block and chunk, and in a
+    /// mixture of experts once per expert too.
     pub fn try_block_hadamard_t(
         &self,
         x: &Tensor,
@@ -653,10 +664,35 @@ impl CudaBackend {
             return Ok(Tensor::Host(Vec::new()));
         }
         let x_d = self.dev(x)?;
-        let small: Vec<f32> = h.small.iter().map(|&v| v as f32).collect();
-        let hm = self.upload(&small, "upload H_m")?;
+        let mut cache = self
+            .hadamard_small
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let i = match cache.iter().position(|e| e.small == h.small) {
+            Some(i) => i,
+            None => {
+                let small: Vec<f32> = h.small.iter().map(|&v| v as f32).collect();
+                let entry = HadamardSmallOnDevice {
+                    small_d: self.upload(&small, "upload H_m")?,
+                    small: h.small.clone(),
+                };
+                if cache.len() == HADAMARD_SMALL_KEPT {
+                    cache.remove(0);
+                }
+                cache.push(entry);
+                cache.len() - 1
+            }
+        };
         let mut y = self.output(x.len())?;
-        ops::launch_block_hadamard(&self.stream, &self.ops, &mut y, &x_d, &hm, h.m, h.p)?;
+        ops::launch_block_hadamard(
+            &self.stream,
+            &self.ops,
+            &mut y,
+            &x_d,
+            &cache[i].small_d,
+            h.m,
+            h.p,
+        )?;
         Ok(Tensor::Device(y))
     }
 

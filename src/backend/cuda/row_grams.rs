@@ -88,9 +88,9 @@ impl CudaBackend {
         }
         let mut offsets = Vec::with_capacity(n);
         let mut total = 0usize;
-        for &i in &order {
+        for &(d, k) in &keys {
             offsets.push(total);
-            total += padded_rows(items[i].m) * items[i].acc.rows;
+            total += k * d;
         }
         // Every scale vector in one upload.
         let mut scales = Vec::new();

@@ -192,6 +192,17 @@ impl BlockDesc {
         self.linears.iter().position(|l| l.name == name)
     }
 
+    /// The input widths of the block's down_projs, the widths an online transform before them must divide:
+    /// a dense MLP's `d_ff`; in a mixture of experts each expert's and then the shared expert's.
+    pub fn down_widths(&self, d_ff: usize) -> Vec<usize> {
+        match &self.moe {
+            None => vec![d_ff],
+            Some(m) => std::iter::once(m.d_expert)
+                .chain(m.shared_expert.as_ref().map(|s| s.d_ff))
+                .collect(),
+        }
+    }
+
     /// The gate, up and down of the MLP every token goes through: the dense MLP, or an MoE block's shared
     /// expert; None in an MoE block without one.
     pub fn dense_mlp(&self) -> Option<[usize; 3]> {
