@@ -20,5 +20,10 @@ export BOA_LOADERS_PYTHON
 # llama.cpp through llama-cpp-python, built from source once (tests/gguf_export.rs; a third cached venv).
 BOA_LLAMACPP_PYTHON="${BOA_LLAMACPP_PYTHON:-$(scripts/install_llamacpp.sh | tail -n1)}"
 export BOA_LLAMACPP_PYTHON
-echo "[test.sh] data and venvs ready after ${SECONDS} s" >&2
+phase() {  # also into .ci/run's summary of step times when it runs us
+    echo "[test.sh] $1 after ${SECONDS} s" | tee -a "${BOA_CI_TIMES:-/dev/null}" >&2
+}
+phase "data and venvs ready"
+cargo test --release --no-run "$@"
+phase "tests built"
 cargo test --release "$@"

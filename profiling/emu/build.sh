@@ -66,18 +66,30 @@ for f in "$out"/gen/*.emu.cpp "$emu/probe.cpp" "$emu/runtime.cpp" "$emu/streams.
     objs+=("$o") pids+=($!)
 done
 for p in "${pids[@]}"; do wait "$p" || { echo "build.sh: a compile failed (messages above)" >&2; exit 1; }; done
-"$cxx" -shared "${link[@]}" -o "$out/libcuda.so" "${objs[@]}" -lpthread
-"$cxx" -std=c++20 -O2 -fPIC -shared "${link[@]}" -o "$out/libcublas.so" "$emu/cublas.cpp" -lpthread
-"$cxx" -std=c++20 -O2 -fPIC -shared "${link[@]}" -o "$out/libcusolver.so" "$emu/cusolver.cpp" -lpthread
+"$cxx" -shared "${link[@]}" -o "$out/libcuda.so" "${objs[@]}" -lpthread &
+pids=($!)
+"$cxx" -std=c++20 -O2 -fPIC -shared "${link[@]}" -o "$out/libcublas.so" "$emu/cublas.cpp" -lpthread &
+pids+=($!)
+"$cxx" -std=c++20 -O2 -fPIC -shared "${link[@]}" -o "$out/libcusolver.so" "$emu/cusolver.cpp" -lpthread &
+pids+=($!)
 # The emulator's own tests (check.sh runs them): device semantics on toy kernels, the lazy stream schedule,
 # the stream-order check, the launch limits with a ptxas report, the two libraries, and (test_null, through
-# dlopen of the built libraries as cudarc loads them) the null mode and the counters.
-"$cxx" "${flags[@]}" "${tsan[@]}" -c "$emu/test_emu.cpp" -o "$out/gen/test_emu.o"  # its kernels, as the real ones
-"$cxx" "${flags[@]}" "${link[@]}" -o "$out/test_emu" "$out/gen/test_emu.o" "$emu/runtime.cpp" "${race_src[@]}"
+# dlopen of the built libraries as cudarc loads them) the null mode and the counters. They link the objects
+# compiled above with the same flags (compiling the driver again for each took ~40 s a program).
+o="$out/gen"
+race_obj=()
+[[ ${#race_src[@]} -gt 0 ]] && race_obj=("$o/racecheck.o")
+( "$cxx" "${flags[@]}" "${tsan[@]}" -c "$emu/test_emu.cpp" -o "$o/test_emu.o" &&  # its kernels, as the real ones
+  "$cxx" "${flags[@]}" "${link[@]}" -o "$out/test_emu" "$o/test_emu.o" "$o/runtime.o" "${race_obj[@]}" ) &
+pids+=($!)
 for t in test_streams test_order test_launch; do
-    "$cxx" "${flags[@]}" -I "$inc" "${link[@]}" -o "$out/$t" "$emu/$t.cpp" "$emu/driver.cpp" "$emu/streams.cpp" \
-        "$emu/streamorder.cpp" "$emu/resources.cpp" "$emu/counters.cpp" "$emu/runtime.cpp" "${race_src[@]}" -lpthread
+    "$cxx" "${flags[@]}" -I "$inc" "${link[@]}" -o "$out/$t" "$emu/$t.cpp" "$o/driver.o" "$o/streams.o" \
+        "$o/streamorder.o" "$o/resources.o" "$o/counters.o" "$o/runtime.o" "${race_obj[@]}" -lpthread &
+    pids+=($!)
 done
-"$cxx" -std=c++20 -O2 "${link[@]}" -o "$out/test_blas" "$emu/test_blas.cpp" -ldl
-"$cxx" -std=c++20 -O2 -Wall -I "$emu" -I "$inc" "${link[@]}" -o "$out/test_null" "$emu/test_null.cpp" -ldl
+"$cxx" -std=c++20 -O2 "${link[@]}" -o "$out/test_blas" "$emu/test_blas.cpp" -ldl &
+pids+=($!)
+"$cxx" -std=c++20 -O2 -Wall -I "$emu" -I "$inc" "${link[@]}" -o "$out/test_null" "$emu/test_null.cpp" -ldl &
+pids+=($!)
+for p in "${pids[@]}"; do wait "$p" || { echo "build.sh: a link or test program failed (messages above)" >&2; exit 1; }; done
 echo "$out"

@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# Runs the GPU halves of the tests on the CPU emulator (README.md here), four times: with threads in order
-# between barriers and every stream operation run when issued; with threads in reverse (EMU_SCHEDULE=reverse)
-# and stream operations queued until something forces them (EMU_STREAMS=lazy); and, without device_run and
-# device_errors, under the race check of shared and device memory (EMU_RACECHECK=1, its own build;
-# racecheck.h) in each order of threads. A missing barrier, fence, stream wait or host synchronization shows
-# as a failure in one of them; the stream-order check (streamorder.h), on in all four, refuses any two
+# Runs the GPU halves of the tests on the CPU emulator (README.md here): with threads in reverse
+# (EMU_SCHEDULE=reverse) and stream operations queued until something forces them (EMU_STREAMS=lazy); under the
+# race check of shared and device memory (EMU_RACECHECK=1, its own build; racecheck.h) with threads in order
+# between barriers and every stream operation run when issued; and every architecture's forward against
+# transformers. EMU_CHECK_ALL=1 adds the plain forward pass with eager streams and the race check with threads
+# in reverse (why CI leaves them out: below). A missing barrier, fence, stream wait or host synchronization
+# shows as a failure in one of them; the stream-order check (streamorder.h), on in all, refuses any two
 # operations on different streams that share bytes with nothing ordering them. All count each kernel's
 # registers and static shared memory from the build's ptxas report (resources.h). Builds the emulator first.
 # Extra arguments go to cargo (the same as scripts/test.sh's, so nothing is rebuilt: the test binaries must
 # have the kernels embedded, BOA_REQUIRE_KERNELS=1).
 #
-#   profiling/emu/check.sh              # 12 to 18 min on 2 cores (2026-12-01)
+#   profiling/emu/check.sh                    # CI's passes
+#   EMU_CHECK_ALL=1 profiling/emu/check.sh    # all five
+#
+# Time on 2 cores: see profiling/emu/README.md's speed table.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 # The tests compare results: never in the null mode (EMU_KERNELS=skip, which computes nothing), whatever the
@@ -28,16 +32,13 @@ EMU_STREAMS=lazy "$out/test_order"
 "$out/test_null" "$out"  # the null mode and the counters, through dlopen; its children's stderr is checked by it
 EMU_STREAMS=lazy "$out/test_null" "$out"
 tests=(--test parity_ops --test parity_quant --test parity_search --test parity_boa_dynamic --test parity_qgemm
-       --test resident_forward --test device_run --test device_errors)
-# Every architecture's CUDA forward against transformers, and the MoE runs' errors and traffic against the CPU's
-# (tests/transformers_parity.rs `on_cuda`; needs the reference venv, as scripts/test.sh does).
-
+       --test resident_forward --test device_errors)
 # One pass of the CUDA tests on the emulator: $1 names it, $2 is what its device name must show (the
 # emulator says there which checks it ran with), the rest are the test targets. The environment picks the
 # emulator's mode. Fails on a failed test, on a skipped CUDA test (no device, no kernels, no cuBLAS: none may
 # skip here), and when the device name lacks $2.
 pass() {
-    local label="$1" shows="$2" log status
+    local label="$1" shows="$2" log status t0=$SECONDS
     shift 2
     echo "== CUDA tests on the CPU emulator, $label"
     log="$(mktemp)"
@@ -59,24 +60,72 @@ pass() {
         exit 1
     }
     rm -f "$log"
+    echo "[emu] $label: $((SECONDS - t0)) s" | tee -a "${BOA_CI_TIMES:-/dev/null}"
 }
 cargo_args=("$@")
-EMU_SCHEDULE=forward EMU_STREAMS=eager pass "threads in forward order, eager streams" "stream order, ptxas limits" \
-    "${tests[@]}"
-EMU_SCHEDULE=reverse EMU_STREAMS=lazy pass "threads in reverse order, lazy streams" \
-    "stream order, lazy streams, ptxas limits" "${tests[@]}"
-BOA_PYREF_PYTHON="${BOA_PYREF_PYTHON:-$(scripts/install_pyref.sh | tail -n1)}" EMU_SCHEDULE=forward \
-    EMU_STREAMS=eager pass "architectures against transformers" "stream order" \
-    --test transformers_parity on_cuda
-# The race check (racecheck.h): its own build of the emulator; device_run adds only host code
-# and cuBLAS calls to what the others run, so it is left out (its launches are the parity tests' kernels), and
-# so is device_errors (the same runs, with injected faults).
-# Both orders: device memory keeps no reads, so a race seen as a write after a read in one order is a read
-# after a write in the other.
+BOA_PYREF_PYTHON="${BOA_PYREF_PYTHON:-$(scripts/install_pyref.sh | tail -n1)}"
+export BOA_PYREF_PYTHON
+# The race check (racecheck.h) has its own build of the emulator. device_run and device_errors stay out of it:
+# their launches are the parity tests' kernels, and what they add is host code, cuBLAS calls and injected faults.
 race_out="$(EMU_RACECHECK=1 profiling/emu/build.sh | tail -n1)"
 "$race_out/test_emu"
 EMU_SCHEDULE=reverse "$race_out/test_emu"
 race_tests=(--test parity_ops --test parity_quant --test parity_search --test parity_boa_dynamic --test parity_qgemm
             --test resident_forward)
-EMU_RACECHECK=1 EMU_SCHEDULE=forward pass "race check, threads in forward order" "racecheck" "${race_tests[@]}"
-EMU_RACECHECK=1 EMU_SCHEDULE=reverse pass "race check, threads in reverse order" "racecheck" "${race_tests[@]}"
+
+# Passes run two at a time: the emulator runs one launch at a time in a process (runtime.cpp's `serial`), so a
+# pass fills about one core. Each pass's output is printed whole when it ends; the first failure fails the script.
+logs="$(mktemp -d)"
+trap 'rm -rf "$logs"' EXIT
+pids=() names=()
+start() {  # start NAME COMMAND...: in the background, output to $logs/NAME
+    local name="$1"
+    shift
+    ("$@") >"$logs/$name" 2>&1 &
+    pids+=($!) names+=("$name")
+}
+finish() {  # waits for every started pass, prints each, fails if one failed
+    local i failed=0
+    for i in "${!pids[@]}"; do
+        if ! wait "${pids[$i]}"; then failed=1; fi
+        cat "$logs/${names[$i]}"
+    done
+    pids=() names=()
+    [[ "$failed" == 0 ]] || { echo "check.sh: a pass failed (above)" >&2; exit 1; }
+}
+lazy_reverse() {
+    EMU_SCHEDULE=reverse EMU_STREAMS=lazy pass "threads in reverse order, lazy streams" \
+        "stream order, lazy streams, ptxas limits" "${tests[@]}" --test device_run
+}
+# The second pass ends with every architecture's CUDA forward against transformers, and the MoE runs' errors
+# and traffic against the CPU's (tests/transformers_parity.rs `on_cuda`; needs the reference venv, as
+# scripts/test.sh does).
+race_forward_then_architectures() {
+    EMU_RACECHECK=1 EMU_SCHEDULE=forward pass "race check, threads in forward order" "racecheck" "${race_tests[@]}"
+    EMU_SCHEDULE=forward EMU_STREAMS=eager pass "architectures against transformers" "stream order" \
+        --test transformers_parity on_cuda
+}
+# CI runs two passes (about 700 s each on 2 cores, side by side). They leave out two that cost 490 s and 700 s:
+# - the plain pass with threads in forward order and eager streams: the race check's forward pass runs the
+#   same tests in the same schedule (its checks added), and device_run and device_errors run in the lazy one;
+# - the race check with threads in reverse order. Device memory keeps no reads, so the check sees a read that
+#   comes before another thread's unordered write only in that order. The lazy pass runs that order without
+#   the check: such a read gets the new value there, where the forward passes give it the old one, so one of
+#   the two parity results is wrong; only a write of the value already there goes unseen.
+# EMU_CHECK_ALL=1 runs those two as well (run it after a change to cuda/ or profiling/emu/).
+start lazy lazy_reverse
+start race race_forward_then_architectures
+finish
+if [[ "${EMU_CHECK_ALL:-0}" == 1 ]]; then
+    eager_forward() {
+        EMU_SCHEDULE=forward EMU_STREAMS=eager pass "threads in forward order, eager streams" \
+            "stream order, ptxas limits" "${tests[@]}" --test device_run
+    }
+    race_reverse() {
+        EMU_RACECHECK=1 EMU_SCHEDULE=reverse pass "race check, threads in reverse order" "racecheck" \
+            "${race_tests[@]}"
+    }
+    start eager eager_forward
+    start race_reverse race_reverse
+    finish
+fi
