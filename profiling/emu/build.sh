@@ -91,5 +91,7 @@ done
 pids+=($!)
 "$cxx" -std=c++20 -O2 -Wall -I "$emu" -I "$inc" "${link[@]}" -o "$out/test_null" "$emu/test_null.cpp" -ldl &
 pids+=($!)
-for p in "${pids[@]}"; do wait "$p" || { echo "build.sh: a link or test program failed (messages above)" >&2; exit 1; }; done
+for p in "${pids[@]}"; do
+    wait "$p" || { echo "build.sh: a link or test program failed (messages above)" >&2; exit 1; }
+done
 echo "$out"
