@@ -302,6 +302,15 @@ struct RunArgs {
     /// zero points kept; a row whose error would not fall keeps its scales). CPU only; not with --gguf-type.
     #[arg(long)]
     refit_scales: bool,
+    /// Asymmetric calibration (GPTAQ): fit each linear to the FP model's output on the FP model's input, not
+    /// to its own output on the partly quantized model's input, so each block also undoes part of the error
+    /// the blocks before it left. The value α (0 < α ≤ 1; 0.25 without one, GPTAQ's) scales the correction of
+    /// the target, W + α·W·D·(H + μI)⁻¹ with D = Σ(a − ã)ãᵀ (quant/asym.rs): α = 1 overfits the calibration
+    /// set. Costs one more forward of each block on the FP activations and keeps them (twice the calibration
+    /// activations' memory). CPU only; dense models (on a mixture of experts it is refused); BoA's V keeps its
+    /// own target (its attention-weighted H_col has no asymmetric form here)
+    #[arg(long, value_name = "ALPHA", num_args = 0..=1, default_missing_value = "0.25")]
+    asym_calib: Option<f64>,
     /// BoA's row Hessian for V: identity (the reference code's; lower perplexity in 5 of 8 comparisons of the
     /// README's 128 × 512 table, and the only one with BoA < GPTQ at 2 bits) or wout (the paper's Table 1).
     #[arg(long, value_enum, default_value_t = VRowHessian::Identity)]
@@ -483,6 +492,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                         || a.format == OutFormat::Gguf
                         || (a.format == OutFormat::Fake && a.gguf_type.is_some())),
                 refit_scales: a.refit_scales,
+                asym_calib: a.asym_calib,
                 profile: a.profile,
                 rotate: a.rotate.map(|kind| RotateSpec {
                     kind,
@@ -833,6 +843,7 @@ fn bench_quant(
                 gguf_type: None,
                 signed_scales: false,
                 refit_scales: false,
+                asym_calib: None,
                 profile: false,
                 rotate: None,
             };

@@ -320,6 +320,7 @@ fn output_proxy_with_small_forward_chunks_matches_the_cpu() {
             .unwrap(),
         // The plan cache holds one plan on a dense block: the largest, down_proj's.
         proxy_plans: 2 * cfg.d_ff * cfg.d_ff,
+        asym: false,
     };
     // The least budget whose plan forwards 2 sequences at a time with X on the device, and a little more.
     let chunk2 = |b: u64| {
@@ -457,6 +458,7 @@ fn run_with_parked_activations_matches_the_cpu() {
         proxy_sequences: 0,
         proxy_weights: 0,
         proxy_plans: 0,
+        asym: false,
     };
     let gib = format!("{:.6}", parking_budget_gib(&model, calib));
     let cfg: &[&str] = &["--method", "gptq", "--wbits", "4", "--gpu-mem", &gib];

@@ -842,6 +842,45 @@ fn hostile_config_fields_are_refused() {
         run_err(case, &m, &calib, &needles);
         restore();
     }
+    // --asym-calib's two streams would route tokens to different experts: a whole Mixtral (the tiny model's
+    // MLP replaced by a router and two experts) is refused before any work.
+    let dense_w = fs::read(m.join("model.safetensors")).unwrap();
+    edit_config(&m, |v| {
+        v["architectures"] = arch("MixtralForCausalLM");
+        v["num_local_experts"] = serde_json::json!(2);
+        v["num_experts_per_tok"] = serde_json::json!(1);
+    });
+    let (d, d_ff) = (64, 160);
+    let zeros = |shape: Vec<usize>| {
+        let n: usize = shape.iter().product();
+        (Dtype::F32, shape, vec![0u8; 4 * n])
+    };
+    let mut moe = Vec::new();
+    for l in 0..2 {
+        let p = format!("model.layers.{l}.block_sparse_moe");
+        let (dt, sh, b) = zeros(vec![2, d]);
+        moe.push((format!("{p}.gate.weight"), dt, sh, b));
+        for e in 0..2 {
+            for (w, shape) in [("w1", [d_ff, d]), ("w2", [d, d_ff]), ("w3", [d_ff, d])] {
+                let (dt, sh, b) = zeros(shape.to_vec());
+                moe.push((format!("{p}.experts.{e}.{w}.weight"), dt, sh, b));
+            }
+        }
+    }
+    rewrite(
+        &m,
+        |n, dt, sh, b| (!n.contains(".mlp.")).then(|| (dt, sh.to_vec(), b.to_vec())),
+        moe,
+    );
+    run_err_with(
+        "--asym-calib on a mixture of experts",
+        &m,
+        &calib,
+        &["--asym-calib"],
+        &["--asym-calib", "dense models"],
+    );
+    restore();
+    fs::write(m.join("model.safetensors"), &dense_w).unwrap();
 
     // A bias in the weights that the architecture does not declare: the forward used it, the output
     // dropped it.

@@ -433,6 +433,9 @@ fn error_after_a_block_keeps_the_partial_folder_for_resume() {
     error_then_resume("gptq_v2", true, &[]);
     // The model-wide bit allocation: the resumed run makes its FP pass again and gets the same widths.
     error_then_resume("gptq_v2", false, &["--avg-bits", "2.5"]);
+    // --asym-calib saves the FP stream after X; the resumed block 1 reads both back.
+    error_then_resume("gptq_v2", false, &["--asym-calib"]);
+    error_then_resume("gptq_v2", true, &["--asym-calib"]);
 }
 
 /// `extra`: more `run` arguments (with --avg-bits, in place of --wbits).

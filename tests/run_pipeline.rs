@@ -33,6 +33,44 @@ fn tensors(dir: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
     out
 }
 
+/// A BoA 3-bit gptq_v2 run of `m` (4 × 64 calibration tokens) into `out` with `extra` arguments: its tensors
+/// and report.json.
+fn boa3(
+    m: &Path,
+    calib: &Path,
+    out: &Path,
+    extra: &[&str],
+) -> (
+    std::collections::BTreeMap<String, Vec<u8>>,
+    serde_json::Value,
+) {
+    let mut a = vec![
+        "run",
+        "--model",
+        s(m),
+        "--calib",
+        s(calib),
+        "--method",
+        "boa",
+        "--wbits",
+        "3",
+        "--nsamples",
+        "4",
+        "--seqlen",
+        "64",
+        "--format",
+        "gptq_v2",
+        "--out",
+        s(out),
+        "--quiet",
+    ];
+    a.extend_from_slice(extra);
+    let (code, _, err) = run(&a);
+    assert_eq!(code, 0, "{}: {err}", out.display());
+    let report = serde_json::from_slice(&fs::read(out.join("report.json")).unwrap()).unwrap();
+    (tensors(out), report)
+}
+
 #[test]
 fn every_method_writes_a_loadable_folder_with_report() {
     let tmp = tempfile::tempdir().unwrap();
@@ -297,37 +335,9 @@ fn refit_scales_keeps_the_codes_and_lowers_the_gptq_linears_errors() {
     let m = tiny_model(tmp.path());
     let calib = calib_text(tmp.path());
     let quantize = |name: &str, extra: &[&str]| {
-        let out = tmp.path().join(name);
-        let mut a = vec![
-            "run",
-            "--model",
-            s(&m),
-            "--calib",
-            s(&calib),
-            "--method",
-            "boa",
-            "--wbits",
-            "3",
-            "--group-size",
-            "32",
-            "--nsamples",
-            "4",
-            "--seqlen",
-            "64",
-            "--format",
-            "gptq_v2",
-            "--layers",
-            "0",
-            "--out",
-            s(&out),
-            "--quiet",
-        ];
+        let mut a = vec!["--group-size", "32", "--layers", "0"];
         a.extend_from_slice(extra);
-        let (code, _, err) = run(&a);
-        assert_eq!(code, 0, "{name}: {err}");
-        let report: serde_json::Value =
-            serde_json::from_slice(&fs::read(out.join("report.json")).unwrap()).unwrap();
-        (tensors(&out), report)
+        boa3(&m, &calib, &tmp.path().join(name), &a)
     };
     let (plain, plain_report) = quantize("plain", &[]);
     let (refit, refit_report) = quantize("refit", &["--refit-scales"]);
@@ -372,19 +382,66 @@ fn refit_scales_keeps_the_codes_and_lowers_the_gptq_linears_errors() {
         (&["--method", "rtn"][..], "--method gptq or boa"),
         (&["--device", "cuda"][..], "CPU only"),
     ] {
-        let out = tmp.path().join("refused");
-        let mut a = vec![
-            "run",
-            "--model",
-            s(&m),
-            "--calib",
-            s(&calib),
-            "--out",
-            s(&out),
-            "--refit-scales",
-        ];
-        a.extend_from_slice(extra);
-        assert_user_error(&a, &["--refit-scales", needle]);
-        assert!(!out.exists());
+        let args = [&["--refit-scales"][..], extra].concat();
+        assert_refused(
+            &m,
+            &calib,
+            &tmp.path().join("refused"),
+            &args,
+            &["--refit-scales", needle],
+        );
     }
+}
+
+/// `--asym-calib`: block 0 reads the same input in both streams, so its target is W and its tensors are the
+/// plain run's byte for byte; block 1's FP stream differs from its quantized one, so its target moves and its
+/// tensors differ. Refused where it cannot run (exit 2, nothing written).
+#[test]
+fn asym_calib_leaves_block_0_and_moves_later_blocks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tiny_model(tmp.path());
+    let calib = calib_text(tmp.path());
+    let quantize = |name: &str, extra: &[&str]| boa3(&m, &calib, &tmp.path().join(name), extra).0;
+    let plain = quantize("plain", &[]);
+    let asym = quantize("asym", &["--asym-calib"]);
+    let (mut block0, mut moved) = (0, 0);
+    for (name, bytes) in &plain {
+        if name.starts_with("model.layers.0.") {
+            assert!(asym[name] == *bytes, "{name} changed in block 0");
+            block0 += 1;
+        } else if name.starts_with("model.layers.1.") && name.ends_with(".qweight") {
+            // BoA's V keeps W as its target; every other linear of block 1 gets a moved one.
+            if !name.contains("v_proj") {
+                assert!(asym[name] != *bytes, "{name} did not move");
+                moved += 1;
+            }
+        }
+    }
+    assert!(
+        block0 > 0 && moved == 6,
+        "block 0: {block0} tensors, moved: {moved}"
+    );
+    for (extra, needle) in [
+        (&["--method", "rtn"][..], "--method gptq or boa"),
+        (&["--device", "cuda"][..], "CPU only"),
+        (&["0"][..], "(0, 1]"),
+        (&["1.5"][..], "(0, 1]"),
+    ] {
+        let args = [&["--asym-calib"][..], extra].concat();
+        assert_refused(
+            &m,
+            &calib,
+            &tmp.path().join("refused"),
+            &args,
+            &["--asym-calib", needle],
+        );
+    }
+}
+
+/// `run` of `m` into `out` with `args` exits 2 naming `needles`, and writes nothing.
+fn assert_refused(m: &Path, calib: &Path, out: &Path, args: &[&str], needles: &[&str]) {
+    let mut a = vec!["run", "--model", s(m), "--calib", s(calib), "--out", s(out)];
+    a.extend_from_slice(args);
+    assert_user_error(&a, needles);
+    assert!(!out.exists());
 }

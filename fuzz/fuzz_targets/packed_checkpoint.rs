@@ -58,6 +58,7 @@ fn checkpoint() -> &'static PathBuf {
             gguf_type: None,
             signed_scales: false,
             refit_scales: false,
+            asym_calib: None,
             profile: false,
         };
         boa_cuda::pipeline::run(&opts, &boa_cuda::progress::Progress::Quiet).unwrap();

@@ -311,6 +311,9 @@ pub struct BlockTrace {
     /// weights are not in the backend's memory): only these experts run, the others' traces stay empty and
     /// the block's output misses their share, which no statistic reads.
     pub experts_only: Option<std::ops::Range<usize>>,
+    /// Compute the block's output too, which a statistics pass otherwise skips (no statistic reads it): the
+    /// FP stream of `--asym-calib` goes on to the next block.
+    pub full: bool,
 }
 
 /// Linear `role` of the block on x [m × d_in], its own resident copy when there is one; an error names the
@@ -485,7 +488,7 @@ pub fn block_forward(
             };
             drop((gate, up));
             let act = before_down(act)?;
-            let down = match trace.is_some() {
+            let down = match trace.as_ref().is_some_and(|t| !t.full) {
                 true => None,
                 false => Some(lin(Role::Down, &act)?),
             };
@@ -512,6 +515,7 @@ pub fn block_forward(
             act,
             experts,
             experts_only: tr.experts_only.take(),
+            full: tr.full,
         };
     }
     Ok(())

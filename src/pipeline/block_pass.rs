@@ -25,6 +25,9 @@ pub(super) struct BlockRun<'a> {
     pub(super) timings: &'a mut Timings,
     /// The block's floor traffic (`run --profile`): its weights up, its packed linears down.
     pub(super) floor_bytes: &'a mut u64,
+    /// `--asym-calib`: the FP model's activations at this block, chunked as `x`; the dense pass's statistics
+    /// forward them through the FP block.
+    pub(super) x_fp: Option<&'a mut [Tensor]>,
 }
 
 /// A quantized linear of a pass: its index, packed form, report, and Ŵ where the backend keeps it (None:
@@ -50,7 +53,7 @@ pub(super) fn quantize_pass(
     let select = pass.selection(&cfg.block);
     let stats = match run.needs_calib {
         true => Some(
-            stats::collect(
+            stats::collect_asym(
                 be,
                 w,
                 Some(resident),
@@ -63,6 +66,7 @@ pub(super) fn quantize_pass(
                     group: pass.experts,
                     ..stats::MoeStats::of(opts)
                 },
+                run.x_fp.as_deref_mut().filter(|_| pass.dense),
             )
             .with_context(|| format!("layer {l}: statistics ({pass})"))?,
         ),
@@ -106,7 +110,10 @@ pub(super) fn quantize_pass(
     let t = Instant::now();
     crate::quant::profile::take();
     // W is quantized where the FP forward read it (the device copy on a GPU).
-    let weights = quantize_block::weight_mats(w, resident, &select);
+    let mut weights = quantize_block::weight_mats(w, resident, &select);
+    if let (Some(s), Some(alpha)) = (&stats, opts.asym_calib) {
+        asym_targets(&mut weights, s, cfg, opts, alpha, &select, l)?;
+    }
     let quantized = ranged(c"quantize block", || {
         quantize_block::quantize_block(
             be,
@@ -177,4 +184,38 @@ pub(super) fn quantize_pass(
         done.push((i, (p, r, hat)));
     }
     Ok(done)
+}
+
+/// `--asym-calib`: each selected dense linear's W replaced by its asymmetric target (quant/asym.rs), the one
+/// the sweep then fits. BoA's V keeps W: its H_col is attention-weighted per head, and D is not.
+fn asym_targets(
+    weights: &mut [crate::ops::Mat],
+    s: &stats::BlockStats,
+    cfg: &crate::model::config::Config,
+    opts: &RunOptions,
+    alpha: f64,
+    select: &[bool],
+    l: usize,
+) -> anyhow::Result<()> {
+    use crate::model::arch::Role;
+    let Some(dxx) = &s.dxx else {
+        return Ok(());
+    };
+    for (i, ld) in cfg.block.linears.iter().enumerate() {
+        let boa_v = opts.method == Method::Boa && ld.role == Role::V && opts.boa_treats(ld.role);
+        let Some(k) = stats::asym_slot(ld.input()).filter(|_| select[i] && !boa_v) else {
+            continue;
+        };
+        let name = &ld.name;
+        let h = s.h_col(ld).and_then(|h| h.host_f64());
+        let (Some(h), Some(w)) = (h, weights[i].host_f32()) else {
+            anyhow::bail!("layer {l} {name}: asymmetric calibration needs W and H on the host");
+        };
+        let t = crate::quant::asym::target(w, ld.d_out, ld.d_in, &dxx[k], h, opts.damp, alpha)
+            .with_context(|| {
+                format!("layer {l} {name}: the asymmetric target (H + μI does not factor, or it is not finite)")
+            })?;
+        weights[i] = crate::ops::Mat::f32(t, 1, ld.d_out, ld.d_in);
+    }
+    Ok(())
 }

@@ -227,6 +227,8 @@ pub struct Calibration {
     /// The elements of the plans (damped H and factor) the output proxy keeps while it measures a unit: one
     /// per expert in a unit of experts (sensitivity::plan_cache_elems); 0 without the proxy.
     pub proxy_plans: usize,
+    /// `--asym-calib` (a CPU run): the FP model's stream beside X, and one block's D sums (quant/asym.rs).
+    pub asym: bool,
 }
 
 /// Plans a run of `shape` on `target` with `budget` bytes free. `max_chunk_seqs` bounds the forward chunk
@@ -283,6 +285,19 @@ pub fn plan(
         items.push((
             "--avg-bits output proxy (the plans of its largest unit)",
             (calib.proxy_plans * target.stat_bytes()) as u64,
+        ));
+        items.push((
+            "--asym-calib: the FP model's activations",
+            if calib.asym { x_bytes } else { 0 },
+        ));
+        items.push((
+            "--asym-calib: D of the block's four inputs (f64)",
+            if calib.asym && calib.nsamples > 0 {
+                let attn = shape.n_heads * shape.d_h;
+                ((2 * shape.d * shape.d + attn * attn + shape.d_ff * shape.d_ff) * 8) as u64
+            } else {
+                0
+            },
         ));
         items
     };
@@ -679,6 +694,7 @@ mod tests {
         proxy_sequences: 0,
         proxy_weights: 0,
         proxy_plans: 0,
+        asym: false,
     };
 
     #[test]
@@ -806,6 +822,21 @@ mod tests {
         );
     }
 
+    /// `--asym-calib` holds the FP model's stream (X's size again) and one block's four D sums in f64.
+    #[test]
+    fn asym_calibration_holds_the_fp_stream_and_its_d_sums() {
+        let (_, s7) = shapes()[0];
+        let asym = Calibration {
+            asym: true,
+            ..CALIB
+        };
+        let a = plan(&s7, CALIB, Target::Cpu, 1 << 40, 8).unwrap();
+        let b = plan(&s7, asym, Target::Cpu, 1 << 40, 8).unwrap();
+        let x = 128 * 2048 * 4096 * 4;
+        let d = (3 * 4096 * 4096 + 11008 * 11008) * 8;
+        assert_eq!(b.device_bytes() - a.device_bytes(), x + d, "{b}");
+    }
+
     #[test]
     fn the_output_proxy_holds_its_sequences_inputs_and_outputs_and_one_units_w_hat_and_plans() {
         let (_, s7) = shapes()[0];
@@ -866,6 +897,7 @@ mod tests {
             proxy_sequences: 0,
             proxy_weights: 0,
             proxy_plans: 0,
+            asym: false,
         };
         let p = plan(&s7, calib, Target::Cpu, 16 * GB, 8).unwrap();
         assert_eq!(p.items[0].1, 0);

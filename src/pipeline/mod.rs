@@ -126,6 +126,7 @@ fn state_memory_plan(
             }
             _ => 0,
         },
+        asym: opts.asym_calib.is_some(),
     };
     // `--rotate-online` makes the R4 transform after this plan, from the source's config.
     let online = match &opts.rotate {
@@ -239,6 +240,12 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
             be.name()
         ));
     }
+    if opts.asym_calib.is_some() && be.device_memory().is_some() {
+        return Err(crate::input_err!(
+            "--asym-calib runs on the CPU only, not on {}: pass --device cpu",
+            be.name()
+        ));
+    }
     if opts.refit_scales && be.device_memory().is_some() {
         return Err(crate::input_err!(
             "--refit-scales runs on the CPU only, not on {}: pass --device cpu",
@@ -247,6 +254,12 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
     }
     let traffic_start = be.traffic();
     let model = Model::open(&opts.model)?;
+    if opts.asym_calib.is_some() && model.cfg.block.moe.is_some() {
+        return Err(crate::input_err!(
+            "--asym-calib is for dense models: in a mixture of experts the FP and the quantized stream \
+             route tokens to different experts"
+        ));
+    }
     if model.is_quantized() {
         return Err(file_err(
             &opts.model,
@@ -313,6 +326,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
     let had_state = opts.resume && resume::exists(&folder.tmp);
     let mut progressed = false;
     let result = (|| -> anyhow::Result<RunReport> {
+        let streams: usize = if opts.asym_calib.is_some() { 2 } else { 1 };
         let x_bytes = if needs_calib {
             (opts.nsamples * opts.seqlen * cfg.d * 4) as u64
         } else {
@@ -324,7 +338,8 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
         };
         resume::check_free_space(
             &folder.tmp,
-            model.store.total_bytes() + 2 * x_bytes + rotated_bytes,
+            // --asym-calib saves the FP stream beside X.
+            model.store.total_bytes() + streams as u64 * 2 * x_bytes + rotated_bytes,
         )?;
         // --rotate: the rotated model (written inside the partial folder, removed before the publish) is the
         // one calibrated, quantized and exported; the fingerprint is the source's plus the rotation options.
@@ -420,7 +435,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
         } else {
             None
         };
-        let (start, mut x, mut reports) = match saved {
+        let (start, mut x, mut x_fp, mut reports) = match saved {
             Some(s) => {
                 progress.line(&format!(
                     "resuming from block {} of {} ({})",
@@ -432,9 +447,9 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                     folder.adopt_shard(i)?;
                 }
                 timings = s.timings;
-                let x = s.x.unwrap_or_default();
+                let mut x = s.x.unwrap_or_default();
                 let want = if needs_calib && s.next_block <= last_needed {
-                    n_seq * opts.seqlen * cfg.d
+                    streams * n_seq * opts.seqlen * cfg.d
                 } else {
                     0
                 };
@@ -446,8 +461,11 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                         x.len()
                     ));
                 }
+                // --asym-calib: the FP stream was saved after X.
+                let fp = x.split_off(want / streams);
                 let x = place_activations(be.as_ref(), x, opts.seqlen * cfg.d, &placement)?;
-                (s.next_block, x, s.reports)
+                let fp = place_activations(be.as_ref(), fp, opts.seqlen * cfg.d, &placement)?;
+                (s.next_block, x, fp, s.reports)
             }
             None => {
                 if opts.resume {
@@ -460,7 +478,15 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                     Some(flat) => embed(flat)?,
                     None => Vec::new(),
                 };
-                (0, x, Vec::new())
+                // --asym-calib: the FP model's stream starts as X (the embedding is not quantized).
+                let fp = match opts.asym_calib {
+                    Some(_) => x
+                        .iter()
+                        .map(|c| be.duplicate(c))
+                        .collect::<anyhow::Result<_>>()?,
+                    None => Vec::new(),
+                };
+                (0, x, fp, Vec::new())
             }
         };
         drop(calib_ids);
@@ -540,7 +566,9 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                     if let Some((w, resident)) = &w {
                         let t = Instant::now();
                         ranged(c"forward", || {
-                            forward_all(be, w, resident, &model.cfg, rope, &mut x)
+                            forward_all(be, w, resident, &model.cfg, rope, &mut x)?;
+                            // An unselected block is FP in both streams.
+                            forward_all(be, w, resident, &model.cfg, rope, &mut x_fp)
                         })
                         .with_context(|| format!("layer {l}: forward"))?;
                         timings.forward += t.elapsed().as_secs_f64();
@@ -579,6 +607,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                                 chosen: chosen.as_ref(),
                                 timings: &mut timings,
                                 floor_bytes: &mut floor_bytes,
+                                x_fp: opts.asym_calib.map(|_| &mut x_fp[..]),
                             },
                         )?;
                         for (i, (p, r, hat)) in done {
@@ -630,6 +659,7 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                 // X_{l+1} is kept only while a later block still needs it.
                 if !(needs_calib && l < last_needed) {
                     x.clear();
+                    x_fp.clear();
                 }
                 if selected {
                     timings
@@ -658,8 +688,12 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                     let room = x_bytes == 0
                         || memory_plan::host_available_bytes()
                             .is_none_or(|free| free >= 2 * x_bytes as u64);
-                    let copy = room && !resume::test_streamed_saves();
-                    let snap = resume::snapshot(l + 1, x_next, &reports, &timings, copy)?;
+                    // --asym-calib's FP stream is appended to X's copy (a CPU run: X is host memory anyway).
+                    let copy = opts.asym_calib.is_some() || room && !resume::test_streamed_saves();
+                    let mut snap = resume::snapshot(l + 1, x_next, &reports, &timings, copy)?;
+                    if x_next.is_some() && opts.asym_calib.is_some() {
+                        snap.append_owned(be, &x_fp)?;
+                    }
                     match snap.detach() {
                         resume::Detached::Free(snap) => {
                             let (tmp, fingerprint) = (folder.tmp.clone(), &fingerprint);

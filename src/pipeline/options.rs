@@ -301,6 +301,11 @@ pub struct RunOptions {
     /// fingerprint when off, so fingerprints of other runs are unchanged.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub refit_scales: bool,
+    /// `--asym-calib α`: each linear's target moves toward the FP model's output on the FP model's input
+    /// (quant/asym.rs); None: off. Absent from the fingerprint when off, so fingerprints of other runs are
+    /// unchanged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub asym_calib: Option<f64>,
     /// Rotate the model (norms folded, R1 and R2 fused into the weights) before calibration
     /// (model/rotate.rs). In the fingerprint, so a resumed run never mixes rotated and unrotated blocks;
     /// absent from it when off, so fingerprints of unrotated runs are unchanged.
@@ -510,6 +515,23 @@ impl RunOptions {
                  pack-quantized layout has no g_idx: drop --act-order, or use --format gptq_v2"
                     .into(),
             );
+        }
+        if let Some(a) = self.asym_calib {
+            let why = if !(a > 0.0 && a <= 1.0) {
+                Some(format!("α {a} must be in (0, 1] (GPTAQ's is 0.25)"))
+            } else if self.method == Method::Rtn {
+                Some(
+                    "it moves the target of GPTQ's and BoA's sweeps: use --method gptq or boa"
+                        .into(),
+                )
+            } else if self.device == Device::Cuda {
+                Some("it runs on the CPU only: pass --device cpu".into())
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                return Err(format!("--asym-calib: {why}"));
+            }
         }
         if self.refit_scales {
             let why = if self.method == Method::Rtn {

@@ -303,6 +303,22 @@ pub fn snapshot<'a>(
     })
 }
 
+impl Snapshot<'_> {
+    /// Appends more chunks (`--asym-calib`'s FP stream) to an owned copy of X; the file then holds both, one
+    /// after the other, and `load` returns them as one vector.
+    pub fn append_owned(&mut self, be: &dyn Backend, chunks: &[Tensor]) -> anyhow::Result<()> {
+        match &mut self.x {
+            Some(Activations::Owned(v)) => {
+                for c in chunks {
+                    v.push(be.read(c)?.into_owned());
+                }
+                Ok(())
+            }
+            _ => anyhow::bail!("the resume snapshot holds no copy of X to append to"),
+        }
+    }
+}
+
 /// A snapshot split by whether another thread may write it.
 pub enum Detached<'a> {
     /// Borrows nothing (X copied out, or none).

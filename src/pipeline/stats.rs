@@ -31,6 +31,21 @@ pub struct BlockStats {
     pub forward_time: Duration,
     pub stats_time: Duration,
     pub v_col_time: Duration,
+    /// `--asym-calib`: (2/N) Σ (a − ã) ãᵀ of each dense input (`asym_slot`) of the FP model's a and the
+    /// quantized model's ã (quant/asym.rs); None without an FP stream.
+    pub dxx: Option<[Vec<f64>; 4]>,
+}
+
+/// Where an input's D of `BlockStats::dxx` is: the dense inputs only (an expert's tokens differ between the
+/// two streams' routings).
+pub fn asym_slot(input: Input) -> Option<usize> {
+    match input {
+        Input::Attn => Some(0),
+        Input::AttnOut => Some(1),
+        Input::Mlp => Some(2),
+        Input::MlpAct => Some(3),
+        Input::Expert(_) | Input::ExpertAct(_) => None,
+    }
 }
 
 /// One expert's H_col on the tokens routed to it. With fewer than `MoeStats::min_tokens` of them both are
@@ -216,6 +231,35 @@ pub fn collect(
     exact_qk_norm: bool,
     moe: MoeStats,
 ) -> Result<BlockStats> {
+    collect_asym(
+        be,
+        w,
+        resident,
+        cfg,
+        rope,
+        x,
+        attention_aware,
+        exact_qk_norm,
+        moe,
+        None,
+    )
+}
+
+/// `collect`, and with `x_fp` (`--asym-calib`'s FP stream, chunked as `x`, on the host) also each dense
+/// input's D = Σ (a − ã) ãᵀ; `x_fp` leaves as the FP block's output, the next block's FP stream.
+#[allow(clippy::too_many_arguments)]
+pub fn collect_asym(
+    be: &dyn Backend,
+    w: &BlockWeights,
+    resident: Option<&ResidentWeights>,
+    cfg: &Config,
+    rope: &RopeTable,
+    x: &[Tensor],
+    attention_aware: bool,
+    exact_qk_norm: bool,
+    moe: MoeStats,
+    mut x_fp: Option<&mut [Tensor]>,
+) -> Result<BlockStats> {
     let (d, t) = (cfg.d, rope.t);
     let (h, h_kv, d_h) = (cfg.n_heads, cfg.n_kv_heads, cfg.d_h);
     // What each statistic is for, in errors: the linears that read it.
@@ -263,6 +307,23 @@ pub fn collect(
             false => None,
         },
     };
+    let widths = [
+        d,
+        h * d_h,
+        d,
+        cfg.block
+            .dense_mlp()
+            .map_or(0, |[.., down]| cfg.block.linears[down].d_in),
+    ];
+    if let Some(xf) = &x_fp {
+        anyhow::ensure!(
+            xf.len() == x.len() && cfg.block.moe.is_none(),
+            "asymmetric calibration: {} chunks of the FP stream for {} of X (dense blocks only)",
+            xf.len(),
+            x.len()
+        );
+    }
+    let mut dxx = x_fp.as_ref().map(|_| widths.map(|n| vec![0.0; n * n]));
     let (mut forward_time, mut stats_time, mut v_col_time) =
         (Duration::ZERO, Duration::ZERO, Duration::ZERO);
     let fence = || crate::quant::profile::fence(be);
@@ -286,6 +347,21 @@ pub fn collect(
             block_forward(be, w, resident, cfg, rope, &mut xc, ns, Some(&mut tr))
         })?;
         drop(xc);
+        // The FP stream's block forward, its inputs traced beside X's.
+        let fp = match x_fp.as_deref_mut() {
+            Some(xf) => {
+                let mut fp = BlockTrace {
+                    full: true,
+                    ..Default::default()
+                };
+                block_forward(be, w, resident, cfg, rope, &mut xf[i], ns, Some(&mut fp))
+                    .with_context(|| {
+                        format!("asymmetric calibration: the FP stream's chunk {i}")
+                    })?;
+                Some(fp)
+            }
+            None => None,
+        };
         fence();
         let t1 = Instant::now();
         let _r = crate::nvtx::range(c"statistics");
@@ -311,6 +387,23 @@ pub fn collect(
             grams.push((h_act, &et.act, n, scales));
         }
         Accumulator::add_xxt_rows(be, grams).with_context(of(H_EXPERT))?;
+        if let (Some(fp), Some(dxx)) = (fp, dxx.as_mut()) {
+            let pairs = [
+                (&fp.x_attn, &tr.x_attn),
+                (&fp.attn_out, &tr.attn_out),
+                (&fp.x_mlp, &tr.x_mlp),
+                (&fp.act, &tr.act),
+            ];
+            fn host(t: &Tensor) -> Result<&[f32]> {
+                t.host()
+                    .context("asymmetric calibration runs on the host only")
+            }
+            for ((acc, &n), (a, a_q)) in dxx.iter_mut().zip(&widths).zip(pairs) {
+                if n > 0 {
+                    crate::quant::asym::add_diff_cross(acc, host(a)?, host(a_q)?, m, n);
+                }
+            }
+        }
         if let Some((c_k, c_q, v_col)) = &mut s.attn {
             c_k.add_heads(be, &tr.k, m).with_context(of(C_K))?;
             c_q.add_heads(be, &tr.q, m).with_context(of(C_Q))?;
@@ -392,6 +485,11 @@ pub fn collect(
         forward_time,
         stats_time: stats_time + t1.elapsed(),
         v_col_time,
+        // Scaled as every H (hessian::finish: 2/N).
+        dxx: dxx.map(|m| {
+            let f = 2.0 / (x.iter().map(|c| c.len() / d).sum::<usize>().max(1)) as f64;
+            m.map(|v| v.into_iter().map(|e| e * f).collect())
+        }),
     };
     Ok(stats)
 }

@@ -12,6 +12,7 @@
 //! the bit-exactness tests of §4.4).
 
 pub mod allocate;
+pub mod asym;
 pub mod boa;
 pub mod boa_reference;
 pub mod gptq;
