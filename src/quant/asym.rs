@@ -7,8 +7,8 @@
 //! minimised by Ŵ = W + W D (H + μI)⁻¹ (a ridge toward W, μ = λ·mean(diag H) as GPTQ's damping). GPTQ or BoA
 //! on that target with the usual H minimises the same objective, since it equals tr((Ŵ − W*) H (Ŵ − W*)ᵀ) +
 //! const; BoA's row Hessian sits on the output side, so it carries over. The full correction overfits the
-//! calibration set: on the demo model at 3 bits it multiplied perplexity by 7–29 (the target moved 20–90% of
-//! ‖W‖ by the middle layers). GPTAQ scales its correction by α = 0.25 and keeps only a triangular part of it
+//! calibration set: on the rotated demo model at 3 bits it multiplied perplexity by 7–29 (README,
+//! "Asymmetric calibration"). GPTAQ scales its correction by α = 0.25 and keeps only a triangular part of it
 //! inside the sweep; here the target moves by α·W D (H + μI)⁻¹, the same correction in every sweep order.
 
 use faer::linalg::solvers::Solve;
