@@ -678,22 +678,21 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                     let t = Instant::now();
                     finish_write(&mut writing, &mut folder)?;
                     finish_save(&mut saving)?;
-                    let x_next = (needs_calib && l < last_needed).then_some((be, &x[..]));
+                    // X, then --asym-calib's FP stream (empty without it).
+                    let x_next = (needs_calib && l < last_needed)
+                        .then(|| (be, x.iter().chain(&x_fp).collect::<Vec<_>>()));
                     timings.total = base_total + t_start.elapsed().as_secs_f64();
                     let before_save = be.traffic();
                     // A copy of X on the host lets the disk write overlap the next blocks; without room for
                     // it (twice X free), the write streams X from the backend while the run waits.
-                    let x_bytes =
-                        x_next.map_or(0, |(_, c)| 4 * c.iter().map(Tensor::len).sum::<usize>());
+                    let x_bytes = x_next
+                        .as_ref()
+                        .map_or(0, |(_, c)| 4 * c.iter().map(|t| t.len()).sum::<usize>());
                     let room = x_bytes == 0
                         || memory_plan::host_available_bytes()
                             .is_none_or(|free| free >= 2 * x_bytes as u64);
-                    // --asym-calib's FP stream is appended to X's copy (a CPU run: X is host memory anyway).
-                    let copy = opts.asym_calib.is_some() || room && !resume::test_streamed_saves();
-                    let mut snap = resume::snapshot(l + 1, x_next, &reports, &timings, copy)?;
-                    if x_next.is_some() && opts.asym_calib.is_some() {
-                        snap.append_owned(be, &x_fp)?;
-                    }
+                    let copy = room && !resume::test_streamed_saves();
+                    let snap = resume::snapshot(l + 1, x_next, &reports, &timings, copy)?;
                     match snap.detach() {
                         resume::Detached::Free(snap) => {
                             let (tmp, fingerprint) = (folder.tmp.clone(), &fingerprint);

@@ -270,17 +270,19 @@ pub struct Snapshot<'a> {
 }
 
 /// X as a snapshot holds it: copied out, or still the backend's chunks (read one at a time while written, so
-/// all of X is never on the host at once: for a host too short of memory to hold a copy).
+/// all of X is never on the host at once: for a host too short of memory to hold a copy). The chunks are
+/// written one after another; `--asym-calib` gives X's and then the FP stream's, and `load` returns them as
+/// one vector.
 pub enum Activations<'a> {
     Owned(Vec<Vec<f32>>),
-    Backend(&'a dyn Backend, &'a [Tensor]),
+    Backend(&'a dyn Backend, Vec<&'a Tensor>),
 }
 
 /// Takes the snapshot of a checkpoint that records blocks < `next_block` as done (`x`: X_{next_block} in the
 /// backend's chunks), X copied out when `copy`.
 pub fn snapshot<'a>(
     next_block: usize,
-    x: Option<(&'a dyn Backend, &'a [Tensor])>,
+    x: Option<(&'a dyn Backend, Vec<&'a Tensor>)>,
     reports: &[LayerReport],
     timings: &Timings,
     copy: bool,
@@ -301,22 +303,6 @@ pub fn snapshot<'a>(
         layers: reports.iter().map(to_record).collect(),
         seconds: timings.clone(),
     })
-}
-
-impl Snapshot<'_> {
-    /// Appends more chunks (`--asym-calib`'s FP stream) to an owned copy of X; the file then holds both, one
-    /// after the other, and `load` returns them as one vector.
-    pub fn append_owned(&mut self, be: &dyn Backend, chunks: &[Tensor]) -> anyhow::Result<()> {
-        match &mut self.x {
-            Some(Activations::Owned(v)) => {
-                for c in chunks {
-                    v.push(be.read(c)?.into_owned());
-                }
-                Ok(())
-            }
-            _ => anyhow::bail!("the resume snapshot holds no copy of X to append to"),
-        }
-    }
 }
 
 /// A snapshot split by whether another thread may write it.

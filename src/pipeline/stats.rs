@@ -428,6 +428,8 @@ pub fn collect_asym(
         stats_time += t1.elapsed();
     }
     let t1 = Instant::now();
+    // N of every H here (its tokens), for D's scale.
+    let n_tokens = s.h_attn.n_tokens();
     let stats = BlockStats {
         h_attn: s.h_attn.finish(be).with_context(of(H_ATTN))?,
         h_o: s.h_o.finish(be).with_context(of(H_O))?,
@@ -487,7 +489,7 @@ pub fn collect_asym(
         v_col_time,
         // Scaled as every H (hessian::finish: 2/N).
         dxx: dxx.map(|m| {
-            let f = 2.0 / (x.iter().map(|c| c.len() / d).sum::<usize>().max(1)) as f64;
+            let f = 2.0 / n_tokens.max(1) as f64;
             m.map(|v| v.into_iter().map(|e| e * f).collect())
         }),
     };
