@@ -68,21 +68,21 @@ fn compare_devices(tmp: &Path, model: &Path, calib: (usize, usize), cfg: &[&str]
     compare_devices_as(tmp, model, calib, cfg, "fake").0
 }
 
-/// `compare_devices` writing `format`; also returns the cuda run's report.json.
+/// `compare_devices` writing `format`; also returns the cuda run's report.json, then the cpu run's.
 fn compare_devices_as(
     tmp: &Path,
     model: &Path,
     calib: (usize, usize),
     cfg: &[&str],
     format: &str,
-) -> (String, serde_json::Value) {
+) -> (String, serde_json::Value, serde_json::Value) {
     // The calibration text travels inside the test executable (gpu_check.sh runs it away from the source).
     let readme = tmp.join("calib.txt");
     std::fs::write(&readme, include_str!("../README.md")).unwrap();
     let (nsamples, seqlen) = (calib.0.to_string(), calib.1.to_string());
     let mut errors = Vec::new();
     let mut cuda_stderr = String::new();
-    let mut cuda_report = serde_json::Value::Null;
+    let mut reports = Vec::new();
     for dev in ["cuda", "cpu"] {
         let out = tmp.join(format!("q-{dev}"));
         let mut args = vec![
@@ -107,9 +107,10 @@ fn compare_devices_as(
         assert_eq!(code, 0, "run {cfg:?} --device {dev} failed: {err}");
         if dev == "cuda" {
             cuda_stderr = err;
-            cuda_report =
-                serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
         }
+        reports.push(
+            serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap(),
+        );
         errors.push(mean_errors(&out.join("report.json")));
         std::fs::remove_dir_all(&out).unwrap();
     }
@@ -130,7 +131,8 @@ fn compare_devices_as(
             "{cfg:?} {method}: CUDA's mean output error is {ratio:.3}× the CPU's (bound [0.9, 1.1])"
         );
     }
-    (cuda_stderr, cuda_report)
+    let cpu_report = reports.pop().unwrap();
+    (cuda_stderr, reports.pop().unwrap(), cpu_report)
 }
 
 /// A Gemma 3 of the 270M–12B head shape, small: d 256, 2 query heads over 1 KV head of 256 dims, block 0 local
@@ -256,7 +258,7 @@ fn run_with_online_rotation_on_cuda_matches_the_cpu() {
         "--rotate-online",
         "--quiet",
     ];
-    let (_, report) = compare_devices_as(tmp.path(), &model, (8, 128), &cfg, "gptq_v2");
+    let (_, report, _) = compare_devices_as(tmp.path(), &model, (8, 128), &cfg, "gptq_v2");
     assert_traffic_bounds(&cfg, &report);
 }
 
@@ -469,6 +471,90 @@ fn run_with_parked_activations_matches_the_cpu() {
     );
 }
 
+/// `--asym-calib` (quant/asym.rs) on the device: the FP stream beside X, D's sums (cuBLAS, bf16 operands) and
+/// each target (the factor and three SGEMMs) agree with the CPU's f64 within compare_devices' 10%, within the
+/// residency bounds; then again with both streams parked in pinned host memory (the FP stream's chunks staged
+/// and written back like X's).
+#[test]
+fn asym_calib_on_cuda_matches_the_cpu() {
+    let Some((tmp, model)) = cuda_and_model() else {
+        return;
+    };
+    let cfg = [
+        "--method",
+        "boa",
+        "--wbits",
+        "3",
+        "--scale-search",
+        "minmax",
+        "--asym-calib",
+        "--quiet",
+    ];
+    let (_, cuda, cpu) = compare_devices_as(tmp.path(), &model, (8, 128), &cfg, "fake");
+    assert_traffic_bounds(&cfg, &cuda);
+    // The errors above are measured from each linear's target, so they would not see a target left at W:
+    // the targets' moves (report.json `target_move`) must agree too. Block 0's streams are equal, so D = 0
+    // and nothing moves there; in block 1 each non-V linear moves by what block 0's quantization left in
+    // its input, which differs between the devices only as their block 0 codes do.
+    let (m_cuda, m_cpu) = (target_moves(&cuda), target_moves(&cpu));
+    assert_eq!(
+        m_cuda.keys().collect::<Vec<_>>(),
+        m_cpu.keys().collect::<Vec<_>>()
+    );
+    assert_eq!(m_cpu.len(), 12, "{m_cpu:?}");
+    for (name, &c) in &m_cpu {
+        let g = m_cuda[name];
+        println!("{name}: target move cuda {g:.3e}, cpu {c:.3e}");
+        if name.starts_with("0.") {
+            assert!(g == 0.0 && c == 0.0, "{name}: block 0 moved ({g:e}, {c:e})");
+        } else {
+            assert!(c > 0.0, "{name}: the CPU's target did not move");
+            assert!(
+                (0.7..=1.4).contains(&(g / c)),
+                "{name}: CUDA's target moved {g:.3e}, the CPU's {c:.3e}"
+            );
+        }
+    }
+    let calib = Calibration {
+        nsamples: 16,
+        seqlen: 128,
+        proxy_sequences: 0,
+        proxy_weights: 0,
+        proxy_plans: 0,
+        asym: true,
+    };
+    let gib = format!("{:.6}", parking_budget_gib(&model, calib));
+    let parked: &[&str] = &[
+        "--method",
+        "gptq",
+        "--wbits",
+        "4",
+        "--asym-calib",
+        "--gpu-mem",
+        &gib,
+    ];
+    let err = compare_devices(tmp.path(), &model, (calib.nsamples, calib.seqlen), parked);
+    assert!(
+        err.contains("stays in pinned host memory"),
+        "--gpu-mem {gib} did not park X: {err}"
+    );
+}
+
+/// report.json's `target_move` of every linear that has one, by "layer.name".
+fn target_moves(report: &serde_json::Value) -> BTreeMap<String, f64> {
+    let mut out = BTreeMap::new();
+    for layer in report["layers"].as_array().expect("layers") {
+        let l = layer["layer"].as_u64().expect("layer");
+        for lin in layer["linears"].as_array().expect("linears") {
+            if let Some(m) = lin.get("target_move") {
+                let name = lin["name"].as_str().expect("name");
+                out.insert(format!("{l}.{name}"), m.as_f64().expect("a number"));
+            }
+        }
+    }
+    out
+}
+
 /// Issue 19's residency bounds on a cuda run's report.json: over its 2 blocks, ≤ 1.2× the floor bytes, and
 /// ≤ 64 host syncs per block.
 fn assert_traffic_bounds(cfg: &[&str], r: &serde_json::Value) {
@@ -591,7 +677,7 @@ fn run_gemma3_on_cuda_matches_the_cpu_and_is_resident() {
         ],
     ];
     for cfg in configs {
-        let (_, report) = compare_devices_as(tmp.path(), &model, (4, 128), cfg, "gptq_v2");
+        let (_, report, _) = compare_devices_as(tmp.path(), &model, (4, 128), cfg, "gptq_v2");
         assert_traffic_bounds(cfg, &report);
     }
 }

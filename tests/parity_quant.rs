@@ -2573,6 +2573,140 @@ fn parity_refusals(ops: &dyn QuantOps, at: &Place) {
     assert!(wrong.is_empty(), "{who}: {}", wrong.join("; "));
 }
 
+/// `run --asym-calib`'s two ops (quant/asym.rs). stat_diff_cross: two chunks of (A − B)ᵀ B into one
+/// accumulator against the f64 sum (the statistics' tolerances: `cross_tol`). ridge_shift: W + α·W·(s·D)·
+/// (H + μI)⁻¹ against an f64 reference through the test's own three-step factor, at n = 40 (the kernel
+/// factor on CUDA) and n = 150 (cuSOLVER), with a dead input, compared on the correction T − W (what the op
+/// computes), plus T's own rounding to f32 (u·‖T‖ relative to the correction). On the CPU it is f64 until
+/// then: 1e-10. On CUDA the factor and the three products are f32 on SPD matrices with κ ≲ 10: ~n·u·κ ≈ 5e-5
+/// at n = 150; 1e-3 is 20× that, and a transposed factor or a wrong scale is O(1). An H that damping cannot make positive definite gives None on every backend.
+fn parity_ridge(ops: &dyn QuantOps, at: &Place, cross_tol: f64, ridge_tol: f64) {
+    let mut rng = rng();
+    let who = &at.name;
+    let (n, chunks) = (70, [200usize, 101]);
+    let mut acc = ops.stat_acc(1, n).expect("stat_acc");
+    let mut want = vec![0f64; n * n];
+    for m in chunks {
+        let b = randn(&mut rng, m * n, 1.0);
+        let a: Vec<f32> = b
+            .iter()
+            .zip(randn(&mut rng, m * n, 0.2))
+            .map(|(x, e)| x + e)
+            .collect();
+        for t in 0..m {
+            for i in 0..n {
+                let di = a[t * n + i] as f64 - b[t * n + i] as f64;
+                for j in 0..n {
+                    want[i * n + j] += di * b[t * n + j] as f64;
+                }
+            }
+        }
+        ops.stat_diff_cross(&mut acc, &at.tensor(a), &at.tensor(b), m)
+            .expect("stat_diff_cross");
+    }
+    let got = ops.read_f64(&acc).expect("read D");
+    let e = rel_err(&got, &want);
+    println!("{who} stat_diff_cross: rel. error {e:.2e}");
+    assert!(
+        e <= cross_tol,
+        "{who} stat_diff_cross: {e:.2e} > {cross_tol:.0e}"
+    );
+
+    let (damp, alpha, s) = (0.01, 0.25, 0.5);
+    for n in [40usize, 150] {
+        let rows = 37;
+        let dead = n / 3;
+        let mut h = spd(&mut rng, n);
+        for k in 0..n {
+            h[dead * n + k] = 0.0;
+            h[k * n + dead] = 0.0;
+        }
+        let w = randn(&mut rng, rows * n, 1.0);
+        let d = f32_exact(&to64(&randn(&mut rng, n * n, 0.5 / (n as f32).sqrt())));
+        // The reference: H + μI with the dead input's diagonal, its inverse UᵀU, then the products in f64.
+        let mean = (0..n).map(|i| h[i * n + i]).sum::<f64>() / n as f64;
+        let mu = damp * mean;
+        let mut hd = h.clone();
+        for i in 0..n {
+            hd[i * n + i] = match h[i * n + i] {
+                0.0 => mean.max(1.0) + mu,
+                v => v + mu,
+            };
+        }
+        let u = cholesky_upper_inverse_reference(&hd, n).expect("SPD");
+        let mut hinv = vec![0f64; n * n];
+        for i in 0..n {
+            for j in 0..n {
+                hinv[i * n + j] = (0..n).map(|k| u[k * n + i] * u[k * n + j]).sum();
+            }
+        }
+        let mut wd = vec![0f64; rows * n];
+        for r in 0..rows {
+            for j in 0..n {
+                wd[r * n + j] = (0..n).map(|k| w[r * n + k] as f64 * d[k * n + j]).sum();
+            }
+        }
+        let corr_ref: Vec<f64> = (0..rows * n)
+            .map(|x| {
+                let (r, j) = (x / n, x % n);
+                alpha * s * (0..n).map(|k| wd[r * n + k] * hinv[k * n + j]).sum::<f64>()
+            })
+            .collect();
+        let t = ops
+            .ridge_shift(
+                &at.f32(w.clone(), 1, rows, n),
+                &at.f64(d.clone(), 1, n, n),
+                s,
+                &at.f64(h.clone(), 1, n, n),
+                damp,
+                alpha,
+            )
+            .expect("ridge_shift")
+            .expect("an SPD H factors");
+        assert_eq!((t.batch, t.rows, t.cols), (1, rows, n), "{who}");
+        let t = ops.read_f32(&t).expect("read T");
+        let corr: Vec<f64> = t
+            .iter()
+            .zip(&w)
+            .map(|(&a, &b)| a as f64 - b as f64)
+            .collect();
+        let e = rel_err(&corr, &corr_ref);
+        // T is f32: its rounding moves the correction by up to u·‖T‖ (2u here, for the margin).
+        let norm = |v: &mut dyn Iterator<Item = f64>| v.map(|x| x * x).sum::<f64>().sqrt();
+        let tol = ridge_tol
+            + f32::EPSILON as f64 * norm(&mut t.iter().map(|&x| x as f64))
+                / norm(&mut corr_ref.iter().copied());
+        println!(
+            "{who} ridge_shift n = {n}: rel. error of the correction {e:.2e} (bound {tol:.1e})"
+        );
+        assert!(e <= tol, "{who} ridge_shift n = {n}: {e:.2e} > {tol:.1e}");
+        // Negative definite: μ = damp·mean(diag) < 0 cannot lift it.
+        let neg: Vec<f64> = h.iter().map(|v| -v).collect();
+        let none = ops
+            .ridge_shift(
+                &at.f32(w, 1, rows, n),
+                &at.f64(d, 1, n, n),
+                s,
+                &at.f64(neg, 1, n, n),
+                damp,
+                alpha,
+            )
+            .expect("ridge_shift");
+        assert!(none.is_none(), "{who} ridge_shift n = {n}: −H factored");
+    }
+}
+
+#[test]
+fn parity_ridge_cpu() {
+    parity_ridge(&CpuBackend, &Place::cpu(), XXT_F32_TOL, 1e-10);
+}
+
+#[test]
+fn parity_ridge_cuda() {
+    // D's sums take bf16 operands, as the Grams' (cuBLAS) variant.
+    with_cuda(|b| parity_ridge(b, &Place::cuda(b), XXT_BF16_TOL, 1e-3));
+}
+
 #[test]
 fn parity_refusals_cpu() {
     parity_refusals(&CpuBackend, &Place::cpu());

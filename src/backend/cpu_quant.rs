@@ -662,6 +662,57 @@ impl QuantOps for CpuBackend {
         Ok(Mat::f64(v, batch, n, n))
     }
 
+    fn stat_diff_cross(&self, acc: &mut Mat, a: &Tensor, b: &Tensor, m: usize) -> Result<()> {
+        let n = acc.rows;
+        let (a, b) = (host(a, "A")?, host(b, "B")?);
+        if acc.batch != 1 || acc.cols != n || a.len() != m * n || b.len() != m * n {
+            bail!(
+                "stat_diff_cross: A of {} and B of {} values for {m} tokens into {}",
+                a.len(),
+                b.len(),
+                acc.describe()
+            );
+        }
+        crate::quant::asym::add_diff_cross(f64_mut(acc, "stat_diff_cross")?, a, b, m, n);
+        Ok(())
+    }
+
+    /// In f64 (quant/asym.rs `target`); W's f32 values, D scaled entry by entry first.
+    fn ridge_shift(
+        &self,
+        w: &Mat,
+        d: &Mat,
+        s: f64,
+        h: &Mat,
+        damp: f64,
+        alpha: f64,
+    ) -> Result<Option<Mat>> {
+        let n = w.cols;
+        for (m, what) in [(d, "D"), (h, "H")] {
+            if (m.batch, m.rows, m.cols) != (1, n, n) {
+                bail!(
+                    "ridge_shift: {what} {} for W {}",
+                    m.describe(),
+                    w.describe()
+                );
+            }
+        }
+        if w.batch != 1 {
+            bail!("ridge_shift: W {} is a batch", w.describe());
+        }
+        let ds: Vec<f64> = as_f64(d, "D")?.iter().map(|e| e * s).collect();
+        let t = crate::quant::asym::target(
+            &conv::<f32>(w, "W")?,
+            w.rows,
+            n,
+            &ds,
+            &as_f64(h, "H")?,
+            damp,
+            alpha,
+        );
+        Ok(t.map(|t| Mat::f32(t, 1, w.rows, n)))
+    }
+
     fn wout_row_hessians(&self, w_o: &Mat, n_heads: usize, n_kv: usize, d_h: usize) -> Result<Mat> {
         let w = conv::<f32>(w_o, "W_o")?;
         if w_o.cols != n_heads * d_h || n_kv == 0 || !n_heads.is_multiple_of(n_kv) {

@@ -266,6 +266,25 @@ pub trait QuantOps: Send + Sync {
     /// The Hessians of an accumulator of `tokens` tokens: (2 / (tokens · div)) Σ, exactly symmetric.
     fn stat_finish(&self, acc: Mat, tokens: usize, div: f64) -> Result<Mat>;
 
+    /// `acc` [n × n] (from `stat_acc(1, n)`) += (A − B)ᵀ B for A and B [m × n], one token per row: a cross
+    /// Gram formed from the difference, so that two large sums never cancel. Not symmetric; read it raw
+    /// (no `stat_finish`).
+    fn stat_diff_cross(&self, acc: &mut Mat, a: &Tensor, b: &Tensor, m: usize) -> Result<()>;
+
+    /// W + α·W·(s·D)·(H + μI)⁻¹ for W [rows × n] and D, H [n × n] (one matrix each), μ = `damp`·mean(diag H);
+    /// an input with H_ii = 0 gets max(mean, 1) + μ on its diagonal instead. D is `stat_diff_cross`'s raw
+    /// sum and s its scale. None when H + μI does not factor (or, on the host, the result is not
+    /// finite).
+    fn ridge_shift(
+        &self,
+        w: &Mat,
+        d: &Mat,
+        s: f64,
+        h: &Mat,
+        damp: f64,
+        alpha: f64,
+    ) -> Result<Option<Mat>>;
+
     /// W_V's row Hessians from the paper's Table 1: per KV head, W_out,hᵀ W_out,h [d_h × d_h] averaged over the
     /// query heads h sharing it; `w_o` is o_proj [d × n_heads·d_h].
     fn wout_row_hessians(&self, w_o: &Mat, n_heads: usize, n_kv: usize, d_h: usize) -> Result<Mat>;

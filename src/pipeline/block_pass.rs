@@ -111,9 +111,10 @@ pub(super) fn quantize_pass(
     crate::quant::profile::take();
     // W is quantized where the FP forward read it (the device copy on a GPU).
     let mut weights = quantize_block::weight_mats(w, resident, &select);
-    if let (Some(s), Some(alpha)) = (&stats, opts.asym_calib) {
-        asym_targets(&mut weights, s, cfg, opts, alpha, &select, l)?;
-    }
+    let moves = match (&stats, opts.asym_calib) {
+        (Some(s), Some(alpha)) => asym_targets(be, &mut weights, s, cfg, opts, alpha, &select, l)?,
+        _ => vec![None; select.len()],
+    };
     let quantized = ranged(c"quantize block", || {
         quantize_block::quantize_block(
             be,
@@ -163,8 +164,9 @@ pub(super) fn quantize_pass(
         index.len()
     );
     let mut done = Vec::with_capacity(index.len());
-    for ((i, (q, r)), p) in index.into_iter().zip(quantized).zip(packed) {
+    for ((i, (q, mut r)), p) in index.into_iter().zip(quantized).zip(packed) {
         use crate::ops::MatData;
+        r.target_move = moves[i];
         let lin = &mut w.linears[i];
         let hat = match q.w_hat.data {
             MatData::F32(Tensor::Host(v)) => {
@@ -187,8 +189,11 @@ pub(super) fn quantize_pass(
 }
 
 /// `--asym-calib`: each selected dense linear's W replaced by its asymmetric target (quant/asym.rs), the one
-/// the sweep then fits. BoA's V keeps W: its H_col is attention-weighted per head, and D is not.
+/// the sweep then fits; returns each linear's move (`LinearReport::target_move`; one read of the block's
+/// sums). BoA's V keeps W: its H_col is attention-weighted per head, and D is not.
+#[allow(clippy::too_many_arguments)]
 fn asym_targets(
+    be: &dyn Backend,
     weights: &mut [crate::ops::Mat],
     s: &stats::BlockStats,
     cfg: &crate::model::config::Config,
@@ -196,26 +201,43 @@ fn asym_targets(
     alpha: f64,
     select: &[bool],
     l: usize,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Vec<Option<f64>>> {
     use crate::model::arch::Role;
+    let mut moves = vec![None; select.len()];
     let Some(dxx) = &s.dxx else {
-        return Ok(());
+        return Ok(moves);
     };
+    // tr(ΔT H ΔTᵀ) and tr(W H Wᵀ) of linear i, in slots 2i and 2i + 1.
+    let mut sums = be.quad_sums(2 * select.len())?;
+    let mut moved = Vec::new();
     for (i, ld) in cfg.block.linears.iter().enumerate() {
         let boa_v = opts.method == Method::Boa && ld.role == Role::V && opts.boa_treats(ld.role);
         let Some(k) = stats::asym_slot(ld.input()).filter(|_| select[i] && !boa_v) else {
             continue;
         };
         let name = &ld.name;
-        let h = s.h_col(ld).and_then(|h| h.host_f64());
-        let (Some(h), Some(w)) = (h, weights[i].host_f32()) else {
-            anyhow::bail!("layer {l} {name}: asymmetric calibration needs W and H on the host");
+        let (Some(h), Some(d)) = (s.h_col(ld), dxx.sums[k].as_ref()) else {
+            anyhow::bail!("layer {l} {name}: asymmetric calibration has no H or D for its input");
         };
-        let t = crate::quant::asym::target(w, ld.d_out, ld.d_in, &dxx[k], h, opts.damp, alpha)
+        let t = be
+            .ridge_shift(&weights[i], d, dxx.scale, h, opts.damp, alpha)
+            .with_context(|| format!("layer {l} {name}: the asymmetric target"))?
             .with_context(|| {
                 format!("layer {l} {name}: the asymmetric target (H + μI does not factor, or it is not finite)")
             })?;
-        weights[i] = crate::ops::Mat::f32(t, 1, ld.d_out, ld.d_in);
+        let delta = be.sub(&t, &weights[i])?;
+        be.quad_forms_into(&mut sums, 2 * i, h, &[&delta, &weights[i]])
+            .with_context(|| format!("layer {l} {name}: the asymmetric target's move"))?;
+        moved.push(i);
+        weights[i] = t;
     }
-    Ok(())
+    if !moved.is_empty() {
+        let v = be
+            .read_quad_sums(&sums)
+            .with_context(|| format!("layer {l}: the asymmetric targets' moves"))?;
+        for i in moved {
+            moves[i] = Some(v[2 * i] / v[2 * i + 1]);
+        }
+    }
+    Ok(moves)
 }

@@ -227,7 +227,8 @@ pub struct Calibration {
     /// The elements of the plans (damped H and factor) the output proxy keeps while it measures a unit: one
     /// per expert in a unit of experts (sensitivity::plan_cache_elems); 0 without the proxy.
     pub proxy_plans: usize,
-    /// `--asym-calib` (a CPU run): the FP model's stream beside X, and one block's D sums (quant/asym.rs).
+    /// `--asym-calib`: the FP model's stream beside X (where X is: a parked one staged a chunk at a time), its
+    /// chunk's block forward beside X's, and one block's D sums (quant/asym.rs).
     pub asym: bool,
 }
 
@@ -286,15 +287,34 @@ pub fn plan(
             "--avg-bits output proxy (the plans of its largest unit)",
             (calib.proxy_plans * target.stat_bytes()) as u64,
         ));
+        let asym = calib.asym && calib.nsamples > 0;
+        let streamed = first.0 == X_STREAMED;
         items.push((
             "--asym-calib: the FP model's activations",
-            if calib.asym { x_bytes } else { 0 },
+            match (asym, streamed) {
+                (false, _) => 0,
+                (true, false) => x_bytes,
+                (true, true) => (chunk_tokens(seqs) * shape.d * F32) as u64,
+            },
+        ));
+        // The FP chunk's intermediates, and D's operands of the widest input (A − B in f32, both in bf16
+        // on a GPU; in f32 with an n × n product on the host).
+        let widest = shape.d.max(shape.d_ff);
+        items.push((
+            "--asym-calib: the FP chunk's forward and D's operands",
+            if asym {
+                forward_workspace(shape, chunk_tokens(seqs))
+                    + (chunk_tokens(seqs) * widest * 8) as u64
+            } else {
+                0
+            },
         ));
         items.push((
-            "--asym-calib: D of the block's four inputs (f64)",
-            if calib.asym && calib.nsamples > 0 {
+            "--asym-calib: D of the block's four inputs",
+            if asym {
                 let attn = shape.n_heads * shape.d_h;
-                ((2 * shape.d * shape.d + attn * attn + shape.d_ff * shape.d_ff) * 8) as u64
+                ((2 * shape.d * shape.d + attn * attn + shape.d_ff * shape.d_ff)
+                    * target.stat_bytes()) as u64
             } else {
                 0
             },
@@ -330,7 +350,9 @@ pub fn plan(
                 let chunk_x = (chunk_tokens(seqs) * shape.d * F32) as u64;
                 let items = with(seqs, group, (X_STREAMED, 2 * chunk_x));
                 if fits(&items) {
-                    return Ok(made(items, Activations::HostStreamed, seqs, group, x_bytes));
+                    // --asym-calib parks the FP stream beside X.
+                    let host = if calib.asym { 2 * x_bytes } else { x_bytes };
+                    return Ok(made(items, Activations::HostStreamed, seqs, group, host));
                 }
                 tightest = items;
             }
@@ -822,7 +844,9 @@ mod tests {
         );
     }
 
-    /// `--asym-calib` holds the FP model's stream (X's size again) and one block's four D sums in f64.
+    /// `--asym-calib` holds the FP model's stream (X's size again), its chunk's forward and D's operands, and
+    /// one block's four D sums (f64 on the host, f32 on a GPU); with X parked, one staged chunk of the FP
+    /// stream on the GPU and the whole stream beside X in pinned memory.
     #[test]
     fn asym_calibration_holds_the_fp_stream_and_its_d_sums() {
         let (_, s7) = shapes()[0];
@@ -830,11 +854,38 @@ mod tests {
             asym: true,
             ..CALIB
         };
+        let x = 128 * 2048 * 4096 * 4;
+        let chunk = |seqs: u64| -> u64 {
+            let tokens = seqs as usize * 2048;
+            forward_workspace(&s7, tokens) + (tokens * 11008 * 8) as u64
+        };
+        let sums = 3 * 4096 * 4096 + 11008 * 11008;
         let a = plan(&s7, CALIB, Target::Cpu, 1 << 40, 8).unwrap();
         let b = plan(&s7, asym, Target::Cpu, 1 << 40, 8).unwrap();
-        let x = 128 * 2048 * 4096 * 4;
-        let d = (3 * 4096 * 4096 + 11008 * 11008) * 8;
-        assert_eq!(b.device_bytes() - a.device_bytes(), x + d, "{b}");
+        assert_eq!(b.chunk_seqs, 8);
+        assert_eq!(
+            b.device_bytes() - a.device_bytes(),
+            x + chunk(8) + sums * 8,
+            "{b}"
+        );
+        let a = plan(&s7, CALIB, Target::Gpu, 1 << 40, 8).unwrap();
+        let b = plan(&s7, asym, Target::Gpu, 1 << 40, 8).unwrap();
+        assert_eq!(b.activations, Activations::Device);
+        assert_eq!(
+            b.device_bytes() - a.device_bytes(),
+            x + chunk(8) + sums * 4,
+            "{b}"
+        );
+        // 80 GB: X (4 GiB) and the FP stream fit beside a 7B block's statistics; 20 GB parks both.
+        let b = plan(&s7, asym, Target::Gpu, 20 * GB, 8).unwrap();
+        assert_eq!(b.activations, Activations::HostStreamed, "{b}");
+        assert_eq!(b.host_bytes, 2 * x, "{b}");
+        let fp = b
+            .items
+            .iter()
+            .find(|(n, _)| n.contains("FP model's activations"))
+            .map(|(_, v)| *v);
+        assert_eq!(fp, Some(b.chunk_seqs as u64 * 2048 * 4096 * 4), "{b}");
     }
 
     #[test]

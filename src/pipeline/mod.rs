@@ -240,12 +240,6 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
             be.name()
         ));
     }
-    if opts.asym_calib.is_some() && be.device_memory().is_some() {
-        return Err(crate::input_err!(
-            "--asym-calib runs on the CPU only, not on {}: pass --device cpu",
-            be.name()
-        ));
-    }
     if opts.refit_scales && be.device_memory().is_some() {
         return Err(crate::input_err!(
             "--refit-scales runs on the CPU only, not on {}: pass --device cpu",
@@ -478,11 +472,17 @@ pub fn run(opts: &RunOptions, progress: &Progress) -> anyhow::Result<RunReport> 
                     Some(flat) => embed(flat)?,
                     None => Vec::new(),
                 };
-                // --asym-calib: the FP model's stream starts as X (the embedding is not quantized).
+                // --asym-calib: the FP model's stream starts as X (the embedding is not quantized), placed
+                // as X is (a parked chunk's copy parked too).
                 let fp = match opts.asym_calib {
                     Some(_) => x
                         .iter()
-                        .map(|c| be.duplicate(c))
+                        .map(|c| match c {
+                            Tensor::Pinned(_) => {
+                                place(be.as_ref(), be.read(c)?.into_owned(), &placement)
+                            }
+                            _ => be.duplicate(c),
+                        })
                         .collect::<anyhow::Result<_>>()?,
                     None => Vec::new(),
                 };

@@ -524,8 +524,6 @@ impl RunOptions {
                     "it moves the target of GPTQ's and BoA's sweeps: use --method gptq or boa"
                         .into(),
                 )
-            } else if self.device == Device::Cuda {
-                Some("it runs on the CPU only: pass --device cpu".into())
             } else {
                 None
             };

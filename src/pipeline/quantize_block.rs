@@ -41,6 +41,10 @@ pub struct LinearReport {
     /// (--alloc-proxy: the block's output error, or min-max RTN's tr(ΔW H ΔWᵀ)).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub predicted: Option<Vec<f64>>,
+    /// Under --asym-calib: how far its target T moved from W, tr(ΔT H ΔTᵀ) / tr(W H Wᵀ) with ΔT = T − W, in
+    /// the units of `error` (which is measured from T).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub target_move: Option<f64>,
 }
 
 fn search(opts: &RunOptions) -> ScaleSearch {
@@ -584,6 +588,7 @@ pub fn quantize_block(
                 seconds,
                 tokens,
                 predicted: predicted[i].take(),
+                target_move: None,
             },
         ));
     }

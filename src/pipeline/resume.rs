@@ -130,6 +130,9 @@ struct LinearRecord {
     /// The allocation's predicted errors (f64 bits), under --avg-bits.
     #[serde(default)]
     predicted: Option<Vec<u64>>,
+    /// --asym-calib's target move (f64 bits).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    target_move: Option<u64>,
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -192,6 +195,7 @@ fn to_record(r: &LayerReport) -> LayerRecord {
                     .predicted
                     .as_ref()
                     .map(|p| p.iter().map(|x| x.to_bits()).collect()),
+                target_move: l.target_move.map(f64::to_bits),
             })
             .collect(),
     }
@@ -224,6 +228,7 @@ fn from_record(r: LayerRecord, path: &Path, wbits: u32) -> anyhow::Result<LayerR
                 predicted: l
                     .predicted
                     .map(|p| p.into_iter().map(f64::from_bits).collect()),
+                target_move: l.target_move.map(f64::from_bits),
             })
         })
         .collect::<anyhow::Result<_>>()?;

@@ -31,9 +31,16 @@ pub struct BlockStats {
     pub forward_time: Duration,
     pub stats_time: Duration,
     pub v_col_time: Duration,
-    /// `--asym-calib`: (2/N) Σ (a − ã) ãᵀ of each dense input (`asym_slot`) of the FP model's a and the
-    /// quantized model's ã (quant/asym.rs); None without an FP stream.
-    pub dxx: Option<[Vec<f64>; 4]>,
+    /// `--asym-calib`: Σ (a − ã) ãᵀ of each dense input (`asym_slot`) of the FP model's a and the quantized
+    /// model's ã (quant/asym.rs); None without an FP stream.
+    pub dxx: Option<DiffCross>,
+}
+
+/// `BlockStats::dxx`: the raw sums where the backend computes (`QuantOps::stat_diff_cross`), by
+/// `asym_slot` (None for an input the block lacks), and the scale that makes them D (2/N, as every H).
+pub struct DiffCross {
+    pub sums: [Option<Mat>; 4],
+    pub scale: f64,
 }
 
 /// Where an input's D of `BlockStats::dxx` is: the dense inputs only (an expert's tokens differ between the
@@ -323,7 +330,16 @@ pub fn collect_asym(
             x.len()
         );
     }
-    let mut dxx = x_fp.as_ref().map(|_| widths.map(|n| vec![0.0; n * n]));
+    let mut dxx = match &x_fp {
+        Some(_) => Some(
+            widths
+                .iter()
+                .map(|&n| (n > 0).then(|| be.stat_acc(1, n)).transpose())
+                .collect::<Result<Vec<_>>>()
+                .context("asymmetric calibration: D's accumulators")?,
+        ),
+        None => None,
+    };
     let (mut forward_time, mut stats_time, mut v_col_time) =
         (Duration::ZERO, Duration::ZERO, Duration::ZERO);
     let fence = || crate::quant::profile::fence(be);
@@ -347,17 +363,26 @@ pub fn collect_asym(
             block_forward(be, w, resident, cfg, rope, &mut xc, ns, Some(&mut tr))
         })?;
         drop(xc);
-        // The FP stream's block forward, its inputs traced beside X's.
+        // The FP stream's block forward, its inputs traced beside X's (a parked chunk staged and written
+        // back: it leaves as the next block's FP input).
         let fp = match x_fp.as_deref_mut() {
             Some(xf) => {
                 let mut fp = BlockTrace {
                     full: true,
                     ..Default::default()
                 };
-                block_forward(be, w, resident, cfg, rope, &mut xf[i], ns, Some(&mut fp))
-                    .with_context(|| {
-                        format!("asymmetric calibration: the FP stream's chunk {i}")
-                    })?;
+                let at = || format!("asymmetric calibration: the FP stream's chunk {i}");
+                match stage_if_parked(be, xf, i).with_context(at)? {
+                    Some(mut staged) => {
+                        block_forward(be, w, resident, cfg, rope, &mut staged, ns, Some(&mut fp))
+                            .with_context(at)?;
+                        be.write_back(&staged, &mut xf[i]).with_context(at)?;
+                    }
+                    None => {
+                        block_forward(be, w, resident, cfg, rope, &mut xf[i], ns, Some(&mut fp))
+                            .with_context(at)?
+                    }
+                }
                 Some(fp)
             }
             None => None,
@@ -394,13 +419,10 @@ pub fn collect_asym(
                 (&fp.x_mlp, &tr.x_mlp),
                 (&fp.act, &tr.act),
             ];
-            fn host(t: &Tensor) -> Result<&[f32]> {
-                t.host()
-                    .context("asymmetric calibration runs on the host only")
-            }
-            for ((acc, &n), (a, a_q)) in dxx.iter_mut().zip(&widths).zip(pairs) {
-                if n > 0 {
-                    crate::quant::asym::add_diff_cross(acc, host(a)?, host(a_q)?, m, n);
+            for (acc, (a, a_q)) in dxx.iter_mut().zip(pairs) {
+                if let Some(acc) = acc {
+                    be.stat_diff_cross(acc, a, a_q, m)
+                        .context("asymmetric calibration: D's sums")?;
                 }
             }
         }
@@ -487,11 +509,16 @@ pub fn collect_asym(
         forward_time,
         stats_time: stats_time + t1.elapsed(),
         v_col_time,
-        // Scaled as every H (hessian::finish: 2/N).
-        dxx: dxx.map(|m| {
-            let f = 2.0 / n_tokens.max(1) as f64;
-            m.map(|v| v.into_iter().map(|e| e * f).collect())
-        }),
+        // D's scale, as every H's (hessian::finish: 2/N).
+        dxx: match dxx {
+            Some(sums) => Some(DiffCross {
+                sums: sums
+                    .try_into()
+                    .map_err(|_| anyhow::anyhow!("D of four inputs"))?,
+                scale: 2.0 / n_tokens.max(1) as f64,
+            }),
+            None => None,
+        },
     };
     Ok(stats)
 }

@@ -387,6 +387,81 @@ impl Blas {
         .map_err(blas_err("gemm_strided_batched_ex bf16 (gram)"))
     }
 
+    /// C [d × d] += Pᵀ Q for P and Q [m × d] row-major bf16 (u16 bit patterns), C f32 and not symmetric:
+    /// `run --asym-calib`'s D = Σ (a − ã) ãᵀ (ridge.rs). `gram_bf16`'s reading with two operands: column-major
+    /// cuBLAS sees C as Cᵀ, and Cᵀ (i, j) = Σ_t Q[t, i] P[t, j], so gemm(N, T, d, d, m, A = Q, ld d, B = P, ld
+    /// d, β = 1, C, d).
+    pub(super) fn cross_bf16(
+        &self,
+        c: &mut CudaSlice<f32>,
+        p: &CudaSlice<u16>,
+        q: &CudaSlice<u16>,
+        m: usize,
+        d: usize,
+    ) -> Result<(), CudaError> {
+        if m == 0 || d == 0 {
+            return Ok(());
+        }
+        let (Ok(d_i), Ok(m_i)) = (c_int::try_from(d), c_int::try_from(m)) else {
+            return Err(CudaError::Shape {
+                op: "cross (cuBLAS bf16)",
+                msg: format!("d={d}, m={m} overflow a C int"),
+            });
+        };
+        if p.len() < m * d || q.len() < m * d || c.len() < d * d {
+            return Err(CudaError::Shape {
+                op: "cross (cuBLAS bf16)",
+                msg: format!(
+                    "p.len={} q.len={} c.len={} for m={m}, d={d}",
+                    p.len(),
+                    q.len(),
+                    c.len()
+                ),
+            });
+        }
+        let stream = &self.stream;
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(driver("bind context"))?;
+        let (pp, _sp) = p.device_ptr(stream);
+        let (pq, _sq) = q.device_ptr(stream);
+        let (pc, _sc) = c.device_ptr_mut(stream);
+        let (alpha, beta) = (1.0f32, 1.0f32);
+        let bf16 = sys::cudaDataType_t::CUDA_R_16BF;
+        let _r = range(c"cross_bf16");
+        // SAFETY: P and Q hold at least m·d bf16 and C d² f32 (checked); lda = ldb = ldc = d ≥ M; compute type
+        // 32F takes the f32 alpha and beta; one matrix (batch 1, strides unused).
+        unsafe {
+            br::gemm_strided_batched_ex(
+                *self.blas.handle(),
+                sys::cublasOperation_t::CUBLAS_OP_N,
+                sys::cublasOperation_t::CUBLAS_OP_T,
+                d_i,
+                d_i,
+                m_i,
+                &alpha as *const f32 as *const c_void,
+                pq as *const c_void,
+                bf16,
+                d_i,
+                0,
+                pp as *const c_void,
+                bf16,
+                d_i,
+                0,
+                &beta as *const f32 as *const c_void,
+                pc as *mut c_void,
+                sys::cudaDataType_t::CUDA_R_32F,
+                d_i,
+                0,
+                1,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(blas_err("gemm_strided_batched_ex bf16 (cross)"))
+    }
+
     /// H_z [d × d] += X_zᵀ X_z for z < count: X_z [k × d] row-major bf16 at the device address `a[z]`, H_z the
     /// f32 [d × d] at `c[z]` (`a`, `c`: device arrays of device addresses): one cublasGemmBatchedEx, so many
     /// Grams of one shape (an MoE block's experts, their rows padded with zeros to a common k by

@@ -26,6 +26,7 @@ pub mod ops;
 pub mod qgemm;
 mod quant;
 mod resident;
+mod ridge;
 mod row_grams;
 pub mod search;
 mod solver;

@@ -526,6 +526,86 @@ impl QuantOps for CudaBackend {
 
     /// W_outᵀ W_out per query head on the device (the head-covariance kernel over o_proj's rows), folded into
     /// the KV heads on the host: [n_heads × d_h × d_h] is small.
+    /// cuBLAS in bf16 (ridge.rs); without cuBLAS, the CPU's sums of host copies.
+    fn stat_diff_cross(&self, acc: &mut Mat, a: &Tensor, b: &Tensor, m: usize) -> Result<()> {
+        let n = acc.rows;
+        if acc.batch != 1 || acc.cols != n {
+            bail!("stat_diff_cross: into {}", acc.describe());
+        }
+        match self.blas() {
+            Ok(blas) => Ok(self.try_diff_cross(blas, dev_mut(acc, "accumulator")?, a, b, m, n)?),
+            Err(_) => {
+                let mut cpu = CpuBackend.stat_acc(1, n)?;
+                CpuBackend.stat_diff_cross(&mut cpu, &self.to_host(a)?, &self.to_host(b)?, m)?;
+                self.add_host_sums(acc, &cpu, "stat_diff_cross")
+            }
+        }
+    }
+
+    /// μ and the dead inputs from H's diagonal (one download), H + μI's factor U (`factor`: (H + μI)⁻¹ = UᵀU),
+    /// then ridge.rs's three products; a failed factor is None. Only the factor's status is checked for
+    /// non-finite values, not the product. Without cuBLAS, the CPU's f64 target of host copies.
+    fn ridge_shift(
+        &self,
+        w: &Mat,
+        d: &Mat,
+        s: f64,
+        h: &Mat,
+        damp: f64,
+        alpha: f64,
+    ) -> Result<Option<Mat>> {
+        let (rows, n) = (w.rows, w.cols);
+        for (m, what) in [(d, "D"), (h, "H")] {
+            if (m.batch, m.rows, m.cols) != (1, n, n) {
+                bail!(
+                    "ridge_shift: {what} {} for W {}",
+                    m.describe(),
+                    w.describe()
+                );
+            }
+        }
+        if w.batch != 1 {
+            bail!("ridge_shift: W {} is a batch", w.describe());
+        }
+        let Ok(blas) = self.blas() else {
+            let host = |m: &Mat| -> Result<Mat> {
+                Ok(Mat::f32(self.read_f32(m)?, m.batch, m.rows, m.cols))
+            };
+            return CpuBackend
+                .ridge_shift(&host(w)?, &host(d)?, s, &host(h)?, damp, alpha)?
+                .map(|t| self.upload_mat(t))
+                .transpose();
+        };
+        let diag = self.diag(h)?;
+        let mean = diag.iter().sum::<f64>() / n.max(1) as f64;
+        let mu = damp * mean;
+        let entries: Vec<_> = diag
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| match v {
+                0.0 => (0, i, mean.max(1.0) + mu),
+                v => (0, i, v + mu),
+            })
+            .collect();
+        let mut hd = dmat(self.copy_of(dev(h, "H")?)?, 1, n, n);
+        self.set_diag(&mut hd, &entries)?;
+        let (u, ok) = self.factor(&hd, None, &[0])?;
+        drop(hd);
+        if ok.first() != Some(&true) {
+            return Ok(None);
+        }
+        let t = self.try_ridge_products(
+            blas,
+            dev(w, "W")?,
+            dev(d, "D")?,
+            dev(&u, "U")?,
+            rows,
+            n,
+            (alpha * s) as f32,
+        )?;
+        Ok(Some(dmat(t, 1, rows, n)))
+    }
+
     fn wout_row_hessians(&self, w_o: &Mat, n_heads: usize, n_kv: usize, d_h: usize) -> Result<Mat> {
         if w_o.cols != n_heads * d_h || n_kv == 0 || !n_heads.is_multiple_of(n_kv) {
             bail!(
