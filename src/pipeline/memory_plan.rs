@@ -876,7 +876,7 @@ mod tests {
             x + chunk(8) + sums * 4,
             "{b}"
         );
-        // 80 GB: X (4 GiB) and the FP stream fit beside a 7B block's statistics; 20 GB parks both.
+        // At 20 GB the two streams (4 GiB each) do not fit beside a 7B block's statistics: both are parked.
         let b = plan(&s7, asym, Target::Gpu, 20 * GB, 8).unwrap();
         assert_eq!(b.activations, Activations::HostStreamed, "{b}");
         assert_eq!(b.host_bytes, 2 * x, "{b}");
