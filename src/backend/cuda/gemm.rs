@@ -69,6 +69,25 @@ pub(super) enum BatchedOperands<'a, 'b> {
     },
 }
 
+/// What a bf16 cross product is called in shape errors, in cuBLAS errors, and in the profile.
+struct Names {
+    op: &'static str,
+    call: &'static str,
+    range: &'static std::ffi::CStr,
+}
+
+const GRAM: Names = Names {
+    op: "gram (cuBLAS bf16)",
+    call: "gemm_strided_batched_ex bf16 (gram)",
+    range: c"gram_bf16",
+};
+
+const CROSS: Names = Names {
+    op: "cross (cuBLAS bf16)",
+    call: "gemm_strided_batched_ex bf16 (cross)",
+    range: c"cross_bf16",
+};
+
 fn blas_err(what: &'static str) -> impl FnOnce(br::CublasError) -> CudaError {
     move |source| CudaError::Blas { what, source }
 }
@@ -307,9 +326,8 @@ impl Blas {
     /// H_z [d × d] += X_zᵀ X_z for z < batch: X [m × ld] row-major bf16 (u16 bit patterns), X_z its columns
     /// x_bs·z .. x_bs·z + d, H_z the f32 [d × d] at h_bs·z of `h` — the Grams of the statistics (XᵀX of a
     /// linear's input, the per-head covariances with x_bs = d_h, V's (A_h X)ᵀ(A_h X)) on the tensor cores, f32
-    /// accumulation. Column-major cuBLAS sees X as Xᵀ [ld × m] (ld ld), so X_zᵀ X_z is A_z A_zᵀ with A_z the
-    /// d × m block of rows x_bs·z of it: gemm(N, T, d, d, m, A_z, ld, A_z, ld, β = 1, H_z, d), strided over z.
-    /// H is symmetric, so its row- and column-major forms are the same buffer; cuBLAS writes both triangles.
+    /// accumulation: `cross_strided_bf16` with both operands X. H is symmetric, so its row- and column-major
+    /// forms are the same buffer; cuBLAS writes both triangles.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn gram_bf16(
         &self,
@@ -322,23 +340,60 @@ impl Blas {
         x_bs: usize,
         h_bs: usize,
     ) -> Result<(), CudaError> {
-        let bad = |msg: String| CudaError::Shape {
-            op: "gram (cuBLAS bf16)",
-            msg,
-        };
+        self.cross_strided_bf16(h, x, x, m, d, ld, batch, x_bs, h_bs, &GRAM)
+    }
+
+    /// C [d × d] += Pᵀ Q for P and Q [m × d] row-major bf16 (u16 bit patterns), C f32 and not symmetric:
+    /// `run --asym-calib`'s D = Σ (a − ã) ãᵀ (ridge.rs), one matrix of `cross_strided_bf16`.
+    pub(super) fn cross_bf16(
+        &self,
+        c: &mut CudaSlice<f32>,
+        p: &CudaSlice<u16>,
+        q: &CudaSlice<u16>,
+        m: usize,
+        d: usize,
+    ) -> Result<(), CudaError> {
+        let (mut c, p, q) = (c.slice_mut(..), p.slice(..), q.slice(..));
+        self.cross_strided_bf16(&mut c, &p, &q, m, d, d, 1, 0, 0, &CROSS)
+    }
+
+    /// H_z [d × d] += P_zᵀ Q_z for z < batch: P and Q [m × ld] row-major bf16, P_z and Q_z their columns
+    /// x_bs·z .. x_bs·z + d, H_z the f32 [d × d] at h_bs·z of `h`; f32 accumulation on the tensor cores.
+    /// Column-major cuBLAS sees H_z as H_zᵀ, and H_zᵀ (i, j) = Σ_t Q_z[t, i] P_z[t, j]; it sees P and Q as their
+    /// transposes [ld × m] (ld ld), so H_zᵀ = Q′_z P′_zᵀ with P′_z, Q′_z the d × m blocks of rows x_bs·z of
+    /// those: gemm(N, T, d, d, m, Q′_z, ld, P′_z, ld, β = 1, H_z, d), strided over z.
+    #[allow(clippy::too_many_arguments)]
+    fn cross_strided_bf16(
+        &self,
+        h: &mut CudaViewMut<f32>,
+        p: &CudaView<u16>,
+        q: &CudaView<u16>,
+        m: usize,
+        d: usize,
+        ld: usize,
+        batch: usize,
+        x_bs: usize,
+        h_bs: usize,
+        names: &Names,
+    ) -> Result<(), CudaError> {
+        let bad = |msg: String| CudaError::Shape { op: names.op, msg };
         let fits = |v: usize| c_int::try_from(v).is_ok();
         if batch == 0 || m == 0 || d == 0 {
             return Ok(());
         }
+        let x_len = (m - 1) * ld + (batch - 1) * x_bs + d;
         if !(fits(m) && fits(d) && fits(ld))
             || d > ld
-            || x.len() < (m - 1) * ld + (batch - 1) * x_bs + d
+            || p.len() < x_len
+            || q.len() < x_len
             || h.len() < (batch - 1) * h_bs + d * d
             || (batch > 1 && h_bs < d * d)
         {
             return Err(bad(format!(
-                "x.len={}, h.len={} for m={m}, d={d}, ld={ld}, batch={batch}, x_bs={x_bs}, h_bs={h_bs}",
-                x.len(),
+                "p.len={}, q.len={}, h.len={} for m={m}, d={d}, ld={ld}, batch={batch}, x_bs={x_bs}, \
+                 h_bs={h_bs}",
+                p.len(),
+                q.len(),
                 h.len()
             )));
         }
@@ -348,15 +403,17 @@ impl Blas {
             .context()
             .bind_to_thread()
             .map_err(driver("bind context"))?;
-        let (px, _sx) = x.device_ptr(stream);
+        let (pp, _sp) = p.device_ptr(stream);
+        let (pq, _sq) = q.device_ptr(stream);
         let (ph, _sh) = h.device_ptr_mut(stream);
         let (alpha, beta) = (1.0f32, 1.0f32);
         let bf16 = sys::cudaDataType_t::CUDA_R_16BF;
         let (d_i, m_i, ld_i) = (d as c_int, m as c_int, ld as c_int);
-        let _r = range(c"gram_bf16");
-        // SAFETY: every A_z element read, (r + x_bs·z) + ld·t for r < d, t < m, z < batch, is inside x, and every
-        // H_z element written, h_bs·z + i + d·j, inside h (both checked above); ldc = d ≥ M; lda = ldb = ld ≥ d;
-        // compute type 32F takes the f32 alpha and beta; distinct z write disjoint H_z (h_bs ≥ d², checked).
+        let _r = range(names.range);
+        // SAFETY: every operand element read, (r + x_bs·z) + ld·t for r < d, t < m, z < batch, is inside p and
+        // q, and every H_z element written, h_bs·z + i + d·j, inside h (all checked above); ldc = d ≥ M; lda =
+        // ldb = ld ≥ d; compute type 32F takes the f32 alpha and beta; distinct z write disjoint H_z (h_bs ≥
+        // d² when batch > 1, checked).
         unsafe {
             br::gemm_strided_batched_ex(
                 *self.blas.handle(),
@@ -366,11 +423,11 @@ impl Blas {
                 d_i,
                 m_i,
                 &alpha as *const f32 as *const c_void,
-                px as *const c_void,
+                pq as *const c_void,
                 bf16,
                 ld_i,
                 x_bs as i64,
-                px as *const c_void,
+                pp as *const c_void,
                 bf16,
                 ld_i,
                 x_bs as i64,
@@ -384,82 +441,7 @@ impl Blas {
                 sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         }
-        .map_err(blas_err("gemm_strided_batched_ex bf16 (gram)"))
-    }
-
-    /// C [d × d] += Pᵀ Q for P and Q [m × d] row-major bf16 (u16 bit patterns), C f32 and not symmetric:
-    /// `run --asym-calib`'s D = Σ (a − ã) ãᵀ (ridge.rs). `gram_bf16`'s reading with two operands: column-major
-    /// cuBLAS sees C as Cᵀ, and Cᵀ (i, j) = Σ_t Q[t, i] P[t, j], so gemm(N, T, d, d, m, A = Q, ld d, B = P, ld
-    /// d, β = 1, C, d).
-    pub(super) fn cross_bf16(
-        &self,
-        c: &mut CudaSlice<f32>,
-        p: &CudaSlice<u16>,
-        q: &CudaSlice<u16>,
-        m: usize,
-        d: usize,
-    ) -> Result<(), CudaError> {
-        if m == 0 || d == 0 {
-            return Ok(());
-        }
-        let (Ok(d_i), Ok(m_i)) = (c_int::try_from(d), c_int::try_from(m)) else {
-            return Err(CudaError::Shape {
-                op: "cross (cuBLAS bf16)",
-                msg: format!("d={d}, m={m} overflow a C int"),
-            });
-        };
-        if p.len() < m * d || q.len() < m * d || c.len() < d * d {
-            return Err(CudaError::Shape {
-                op: "cross (cuBLAS bf16)",
-                msg: format!(
-                    "p.len={} q.len={} c.len={} for m={m}, d={d}",
-                    p.len(),
-                    q.len(),
-                    c.len()
-                ),
-            });
-        }
-        let stream = &self.stream;
-        stream
-            .context()
-            .bind_to_thread()
-            .map_err(driver("bind context"))?;
-        let (pp, _sp) = p.device_ptr(stream);
-        let (pq, _sq) = q.device_ptr(stream);
-        let (pc, _sc) = c.device_ptr_mut(stream);
-        let (alpha, beta) = (1.0f32, 1.0f32);
-        let bf16 = sys::cudaDataType_t::CUDA_R_16BF;
-        let _r = range(c"cross_bf16");
-        // SAFETY: P and Q hold at least m·d bf16 and C d² f32 (checked); lda = ldb = ldc = d ≥ M; compute type
-        // 32F takes the f32 alpha and beta; one matrix (batch 1, strides unused).
-        unsafe {
-            br::gemm_strided_batched_ex(
-                *self.blas.handle(),
-                sys::cublasOperation_t::CUBLAS_OP_N,
-                sys::cublasOperation_t::CUBLAS_OP_T,
-                d_i,
-                d_i,
-                m_i,
-                &alpha as *const f32 as *const c_void,
-                pq as *const c_void,
-                bf16,
-                d_i,
-                0,
-                pp as *const c_void,
-                bf16,
-                d_i,
-                0,
-                &beta as *const f32 as *const c_void,
-                pc as *mut c_void,
-                sys::cudaDataType_t::CUDA_R_32F,
-                d_i,
-                0,
-                1,
-                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        }
-        .map_err(blas_err("gemm_strided_batched_ex bf16 (cross)"))
+        .map_err(blas_err(names.call))
     }
 
     /// H_z [d × d] += X_zᵀ X_z for z < count: X_z [k × d] row-major bf16 at the device address `a[z]`, H_z the
