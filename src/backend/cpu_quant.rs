@@ -7,7 +7,7 @@
 use super::cpu::{self, CpuBackend};
 use crate::ops::{
     AttnShape, Codes, Grid, GridMode, Grids, Lattice, Mat, MatData, Packed, QuadSums, QuantOps,
-    QuantSpec, QuantizedLinear, Result, RopeAverage, ScaleSearch, Swept, Tensor,
+    QuantSpec, QuantizedLinear, Result, RopeAverage, ScaleSearch, Swept, Tensor, check_ridge_shift,
     check_rope_row_hessians,
 };
 use crate::quant::Real;
@@ -688,18 +688,7 @@ impl QuantOps for CpuBackend {
         alpha: f64,
     ) -> Result<Option<Mat>> {
         let n = w.cols;
-        for (m, what) in [(d, "D"), (h, "H")] {
-            if (m.batch, m.rows, m.cols) != (1, n, n) {
-                bail!(
-                    "ridge_shift: {what} {} for W {}",
-                    m.describe(),
-                    w.describe()
-                );
-            }
-        }
-        if w.batch != 1 {
-            bail!("ridge_shift: W {} is a batch", w.describe());
-        }
+        check_ridge_shift(w, d, h)?;
         let ds: Vec<f64> = as_f64(d, "D")?.iter().map(|e| e * s).collect();
         let t = crate::quant::asym::target(
             &conv::<f32>(w, "W")?,

@@ -96,6 +96,24 @@ pub fn check_rope_row_hessians(
     Ok(())
 }
 
+/// `QuantOps::ridge_shift`'s operands: one W [rows × n], and D and H [n × n].
+pub fn check_ridge_shift(w: &Mat, d: &Mat, h: &Mat) -> Result<()> {
+    let n = w.cols;
+    for (m, what) in [(d, "D"), (h, "H")] {
+        if (m.batch, m.rows, m.cols) != (1, n, n) {
+            anyhow::bail!(
+                "ridge_shift: {what} {} for W {}",
+                m.describe(),
+                w.describe()
+            );
+        }
+    }
+    if w.batch != 1 {
+        anyhow::bail!("ridge_shift: W {} is a batch", w.describe());
+    }
+    Ok(())
+}
+
 /// Matrices `stack` can join: at least one, all of one shape.
 pub fn check_stack(mats: &[&Mat]) -> Result<()> {
     let Some(first) = mats.first() else {

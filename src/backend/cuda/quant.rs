@@ -30,7 +30,8 @@ use super::{CudaBackend, CudaError, driver};
 use crate::backend::cpu::CpuBackend;
 use crate::ops::{
     AttnShape, Codes, GridMode, Grids, Mat, MatData, Packed, QuadSums, QuantOps, QuantSpec,
-    QuantizedLinear, Result, RopeAverage, RowGram, Swept, Tensor, check_rope_row_hessians,
+    QuantizedLinear, Result, RopeAverage, RowGram, Swept, Tensor, check_ridge_shift,
+    check_rope_row_hessians,
 };
 use anyhow::{anyhow, bail};
 use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, ValidAsZeroBits};
@@ -555,18 +556,7 @@ impl QuantOps for CudaBackend {
         alpha: f64,
     ) -> Result<Option<Mat>> {
         let (rows, n) = (w.rows, w.cols);
-        for (m, what) in [(d, "D"), (h, "H")] {
-            if (m.batch, m.rows, m.cols) != (1, n, n) {
-                bail!(
-                    "ridge_shift: {what} {} for W {}",
-                    m.describe(),
-                    w.describe()
-                );
-            }
-        }
-        if w.batch != 1 {
-            bail!("ridge_shift: W {} is a batch", w.describe());
-        }
+        check_ridge_shift(w, d, h)?;
         let Ok(blas) = self.blas() else {
             let host = |m: &Mat| -> Result<Mat> {
                 Ok(Mat::f32(self.read_f32(m)?, m.batch, m.rows, m.cols))
