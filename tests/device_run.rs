@@ -454,17 +454,27 @@ fn run_with_parked_activations_matches_the_cpu() {
     let Some((tmp, model)) = cuda_and_model() else {
         return;
     };
+    compare_parked(tmp.path(), &model, &[]);
+}
+
+/// GPTQ 4-bit (plus `extra`) on 16 × 128 tokens with `--gpu-mem` just too small for the activations, compared
+/// with the CPU (`compare_devices`); the run must say it parked X.
+fn compare_parked(tmp: &Path, model: &Path, extra: &[&str]) {
     let calib = Calibration {
         nsamples: 16,
         seqlen: 128,
         proxy_sequences: 0,
         proxy_weights: 0,
         proxy_plans: 0,
-        asym: false,
+        asym: extra.contains(&"--asym-calib"),
     };
-    let gib = format!("{:.6}", parking_budget_gib(&model, calib));
-    let cfg: &[&str] = &["--method", "gptq", "--wbits", "4", "--gpu-mem", &gib];
-    let err = compare_devices(tmp.path(), &model, (calib.nsamples, calib.seqlen), cfg);
+    let gib = format!("{:.6}", parking_budget_gib(model, calib));
+    let cfg = [
+        &["--method", "gptq", "--wbits", "4", "--gpu-mem", &gib],
+        extra,
+    ]
+    .concat();
+    let err = compare_devices(tmp, model, (calib.nsamples, calib.seqlen), &cfg);
     assert!(
         err.contains("stays in pinned host memory"),
         "--gpu-mem {gib} did not park X: {err}"
@@ -515,29 +525,7 @@ fn asym_calib_on_cuda_matches_the_cpu() {
             );
         }
     }
-    let calib = Calibration {
-        nsamples: 16,
-        seqlen: 128,
-        proxy_sequences: 0,
-        proxy_weights: 0,
-        proxy_plans: 0,
-        asym: true,
-    };
-    let gib = format!("{:.6}", parking_budget_gib(&model, calib));
-    let parked: &[&str] = &[
-        "--method",
-        "gptq",
-        "--wbits",
-        "4",
-        "--asym-calib",
-        "--gpu-mem",
-        &gib,
-    ];
-    let err = compare_devices(tmp.path(), &model, (calib.nsamples, calib.seqlen), parked);
-    assert!(
-        err.contains("stays in pinned host memory"),
-        "--gpu-mem {gib} did not park X: {err}"
-    );
+    compare_parked(tmp.path(), &model, &["--asym-calib"]);
 }
 
 /// report.json's `target_move` of every linear that has one, by "layer.name".
