@@ -525,8 +525,6 @@ impl QuantOps for CudaBackend {
         Ok(dmat(d, b, n, n))
     }
 
-    /// W_outᵀ W_out per query head on the device (the head-covariance kernel over o_proj's rows), folded into
-    /// the KV heads on the host: [n_heads × d_h × d_h] is small.
     /// cuBLAS in bf16 (ridge.rs); without cuBLAS, the CPU's sums of host copies.
     fn stat_diff_cross(&self, acc: &mut Mat, a: &Tensor, b: &Tensor, m: usize) -> Result<()> {
         let n = acc.rows;
@@ -596,6 +594,8 @@ impl QuantOps for CudaBackend {
         Ok(Some(dmat(t, 1, rows, n)))
     }
 
+    /// W_outᵀ W_out per query head on the device (the head-covariance kernel over o_proj's rows), folded into
+    /// the KV heads on the host: [n_heads × d_h × d_h] is small.
     fn wout_row_hessians(&self, w_o: &Mat, n_heads: usize, n_kv: usize, d_h: usize) -> Result<Mat> {
         if w_o.cols != n_heads * d_h || n_kv == 0 || !n_heads.is_multiple_of(n_kv) {
             bail!(
