@@ -308,7 +308,7 @@ struct RunArgs {
     /// the target, W + α·W·D·(H + μI)⁻¹ with D = Σ(a − ã)ãᵀ (quant/asym.rs): α = 1 overfits the calibration
     /// set. Costs one more forward of each block on the FP activations and keeps them (twice the calibration
     /// activations' memory, on the GPU where they fit). Dense models only (on a mixture of experts it is
-    /// refused); BoA's V keeps its own target (its attention-weighted H_col has no asymmetric form here)
+    /// refused); BoA's V gets the target of its own output before attention (the input's plain H and D)
     #[arg(long, value_name = "ALPHA", num_args = 0..=1, default_missing_value = "0.25")]
     asym_calib: Option<f64>,
     /// BoA's row Hessian for V: identity (the reference code's; lower perplexity in 5 of 8 comparisons of the

@@ -190,7 +190,8 @@ pub(super) fn quantize_pass(
 
 /// `--asym-calib`: each selected dense linear's W replaced by its asymmetric target (quant/asym.rs), the one
 /// the sweep then fits; returns each linear's move (`LinearReport::target_move`; one read of the block's
-/// sums). BoA's V keeps W: its H_col is attention-weighted per head, and D is not.
+/// sums). BoA's V too: its target fits V's own output (before attention mixes the tokens) on the FP input,
+/// with the plain input's H and D, and the sweep then fits that target in BoA's attention-weighted metric.
 #[allow(clippy::too_many_arguments)]
 fn asym_targets(
     be: &dyn Backend,
@@ -202,7 +203,6 @@ fn asym_targets(
     select: &[bool],
     l: usize,
 ) -> anyhow::Result<Vec<Option<f64>>> {
-    use crate::model::arch::Role;
     let mut moves = vec![None; select.len()];
     let Some(dxx) = &s.dxx else {
         return Ok(moves);
@@ -211,8 +211,7 @@ fn asym_targets(
     let mut sums = be.quad_sums(2 * select.len())?;
     let mut moved = Vec::new();
     for (i, ld) in cfg.block.linears.iter().enumerate() {
-        let boa_v = opts.method == Method::Boa && ld.role == Role::V && opts.boa_treats(ld.role);
-        let Some(k) = stats::asym_slot(ld.input()).filter(|_| select[i] && !boa_v) else {
+        let Some(k) = stats::asym_slot(ld.input()).filter(|_| select[i]) else {
             continue;
         };
         let name = &ld.name;
