@@ -2575,11 +2575,12 @@ fn parity_refusals(ops: &dyn QuantOps, at: &Place) {
 
 /// `run --asym-calib`'s two ops (quant/asym.rs). stat_diff_cross: two chunks of (A − B)ᵀ B into one
 /// accumulator against the f64 sum (the statistics' tolerances: `cross_tol`). ridge_shift: W + α·W·(s·D)·
-/// (H + μI)⁻¹ against an f64 reference through the test's own three-step factor, at n = 40 (the kernel
-/// factor on CUDA) and n = 150 (cuSOLVER), with a dead input, compared on the correction T − W (what the op
-/// computes), plus T's own rounding to f32 (u·‖T‖ relative to the correction). On the CPU it is f64 until
-/// then: 1e-10. On CUDA the factor and the three products are f32 on SPD matrices with κ ≲ 10: ~n·u·κ ≈ 5e-5
-/// at n = 150; 1e-3 is 20× that, and a transposed factor or a wrong scale is O(1). An H that damping cannot make positive definite gives None on every backend.
+/// (H + μI)⁻¹ for two W of one input (one factor serves both) against an f64 reference through the test's
+/// own three-step factor, at n = 40 (the kernel factor on CUDA) and n = 150 (cuSOLVER), with a dead input,
+/// compared on the correction T − W (what the op computes), plus T's own rounding to f32 (u·‖T‖ relative to
+/// the correction). On the CPU it is f64 until then: 1e-10. On CUDA the factor and the three products are
+/// f32 on SPD matrices with κ ≲ 10: ~n·u·κ ≈ 5e-5 at n = 150; 1e-3 is 20× that, and a transposed factor or
+/// a wrong scale is O(1). An H that damping cannot make positive definite gives None on every backend.
 fn parity_ridge(ops: &dyn QuantOps, at: &Place, cross_tol: f64, ridge_tol: f64) {
     let mut rng = rng();
     let who = &at.name;
@@ -2640,21 +2641,26 @@ fn parity_ridge(ops: &dyn QuantOps, at: &Place, cross_tol: f64, ridge_tol: f64) 
                 hinv[i * n + j] = (0..n).map(|k| u[k * n + i] * u[k * n + j]).sum();
             }
         }
-        let mut wd = vec![0f64; rows * n];
-        for r in 0..rows {
-            for j in 0..n {
-                wd[r * n + j] = (0..n).map(|k| w[r * n + k] as f64 * d[k * n + j]).sum();
+        let corr_ref = |w: &[f32], rows: usize| -> Vec<f64> {
+            let mut wd = vec![0f64; rows * n];
+            for r in 0..rows {
+                for j in 0..n {
+                    wd[r * n + j] = (0..n).map(|k| w[r * n + k] as f64 * d[k * n + j]).sum();
+                }
             }
-        }
-        let corr_ref: Vec<f64> = (0..rows * n)
-            .map(|x| {
-                let (r, j) = (x / n, x % n);
-                alpha * s * (0..n).map(|k| wd[r * n + k] * hinv[k * n + j]).sum::<f64>()
-            })
-            .collect();
-        let t = ops
+            (0..rows * n)
+                .map(|x| {
+                    let (r, j) = (x / n, x % n);
+                    alpha * s * (0..n).map(|k| wd[r * n + k] * hinv[k * n + j]).sum::<f64>()
+                })
+                .collect()
+        };
+        // Two linears on the one input (as q/k/v or gate/up): one factor serves both.
+        let w2 = randn(&mut rng, 5 * n, 1.0);
+        let (wm, wm2) = (at.f32(w.clone(), 1, rows, n), at.f32(w2.clone(), 1, 5, n));
+        let ts = ops
             .ridge_shift(
-                &at.f32(w.clone(), 1, rows, n),
+                &[&wm, &wm2],
                 &at.f64(d.clone(), 1, n, n),
                 s,
                 &at.f64(h.clone(), 1, n, n),
@@ -2663,28 +2669,35 @@ fn parity_ridge(ops: &dyn QuantOps, at: &Place, cross_tol: f64, ridge_tol: f64) 
             )
             .expect("ridge_shift")
             .expect("an SPD H factors");
-        assert_eq!((t.batch, t.rows, t.cols), (1, rows, n), "{who}");
-        let t = ops.read_f32(&t).expect("read T");
-        let corr: Vec<f64> = t
-            .iter()
-            .zip(&w)
-            .map(|(&a, &b)| a as f64 - b as f64)
-            .collect();
-        let e = rel_err(&corr, &corr_ref);
-        // T is f32: its rounding moves the correction by up to u·‖T‖ (2u here, for the margin).
-        let norm = |v: &mut dyn Iterator<Item = f64>| v.map(|x| x * x).sum::<f64>().sqrt();
-        let tol = ridge_tol
-            + f32::EPSILON as f64 * norm(&mut t.iter().map(|&x| x as f64))
-                / norm(&mut corr_ref.iter().copied());
-        println!(
-            "{who} ridge_shift n = {n}: rel. error of the correction {e:.2e} (bound {tol:.1e})"
-        );
-        assert!(e <= tol, "{who} ridge_shift n = {n}: {e:.2e} > {tol:.1e}");
+        assert_eq!(ts.len(), 2, "{who}");
+        for (t, (w, rows)) in ts.iter().zip([(&w, rows), (&w2, 5)]) {
+            assert_eq!((t.batch, t.rows, t.cols), (1, rows, n), "{who}");
+            let t = ops.read_f32(t).expect("read T");
+            let corr: Vec<f64> = t
+                .iter()
+                .zip(w)
+                .map(|(&a, &b)| a as f64 - b as f64)
+                .collect();
+            let want = corr_ref(w, rows);
+            let e = rel_err(&corr, &want);
+            // T is f32: its rounding moves the correction by up to u·‖T‖ (2u here, for the margin).
+            let norm = |v: &mut dyn Iterator<Item = f64>| v.map(|x| x * x).sum::<f64>().sqrt();
+            let tol = ridge_tol
+                + f32::EPSILON as f64 * norm(&mut t.iter().map(|&x| x as f64))
+                    / norm(&mut want.iter().copied());
+            println!(
+                "{who} ridge_shift n = {n}, {rows} rows: rel. error of the correction {e:.2e} (bound {tol:.1e})"
+            );
+            assert!(
+                e <= tol,
+                "{who} ridge_shift n = {n}, {rows} rows: {e:.2e} > {tol:.1e}"
+            );
+        }
         // Negative definite: μ = damp·mean(diag) < 0 cannot lift it.
         let neg: Vec<f64> = h.iter().map(|v| -v).collect();
         let none = ops
             .ridge_shift(
-                &at.f32(w, 1, rows, n),
+                &[&at.f32(w, 1, rows, n)],
                 &at.f64(d, 1, n, n),
                 s,
                 &at.f64(neg, 1, n, n),

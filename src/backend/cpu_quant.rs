@@ -678,28 +678,29 @@ impl QuantOps for CpuBackend {
     }
 
     /// In f64 (quant/asym.rs `target`); W's f32 values, D scaled entry by entry first.
+    /// Each W's target on its own (quant/asym.rs factors H + μI per call: the f64 factor is cheap beside
+    /// the products, and this keeps the bits of one call per linear).
     fn ridge_shift(
         &self,
-        w: &Mat,
+        ws: &[&Mat],
         d: &Mat,
         s: f64,
         h: &Mat,
         damp: f64,
         alpha: f64,
-    ) -> Result<Option<Mat>> {
-        let n = w.cols;
-        check_ridge_shift(w, d, h)?;
+    ) -> Result<Option<Vec<Mat>>> {
+        check_ridge_shift(ws, d, h)?;
         let ds: Vec<f64> = as_f64(d, "D")?.iter().map(|e| e * s).collect();
-        let t = crate::quant::asym::target(
-            &conv::<f32>(w, "W")?,
-            w.rows,
-            n,
-            &ds,
-            &as_f64(h, "H")?,
-            damp,
-            alpha,
-        );
-        Ok(t.map(|t| Mat::f32(t, 1, w.rows, n)))
+        let h = as_f64(h, "H")?;
+        let mut out = Vec::with_capacity(ws.len());
+        for w in ws {
+            let n = w.cols;
+            let t =
+                crate::quant::asym::target(&conv::<f32>(w, "W")?, w.rows, n, &ds, &h, damp, alpha);
+            let Some(t) = t else { return Ok(None) };
+            out.push(Mat::f32(t, 1, w.rows, n));
+        }
+        Ok(Some(out))
     }
 
     fn wout_row_hessians(&self, w_o: &Mat, n_heads: usize, n_kv: usize, d_h: usize) -> Result<Mat> {

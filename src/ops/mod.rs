@@ -96,20 +96,29 @@ pub fn check_rope_row_hessians(
     Ok(())
 }
 
-/// `QuantOps::ridge_shift`'s operands: one W [rows × n], and D and H [n × n].
-pub fn check_ridge_shift(w: &Mat, d: &Mat, h: &Mat) -> Result<()> {
-    let n = w.cols;
+/// `QuantOps::ridge_shift`'s operands: at least one W, each one matrix [rows_i × n], and D and H [n × n].
+pub fn check_ridge_shift(ws: &[&Mat], d: &Mat, h: &Mat) -> Result<()> {
+    let Some(first) = ws.first() else {
+        anyhow::bail!("ridge_shift: no W");
+    };
+    let n = first.cols;
+    for w in ws {
+        if w.batch != 1 || w.cols != n {
+            anyhow::bail!(
+                "ridge_shift: W {} beside W {}",
+                w.describe(),
+                first.describe()
+            );
+        }
+    }
     for (m, what) in [(d, "D"), (h, "H")] {
         if (m.batch, m.rows, m.cols) != (1, n, n) {
             anyhow::bail!(
                 "ridge_shift: {what} {} for W {}",
                 m.describe(),
-                w.describe()
+                first.describe()
             );
         }
-    }
-    if w.batch != 1 {
-        anyhow::bail!("ridge_shift: W {} is a batch", w.describe());
     }
     Ok(())
 }
@@ -289,19 +298,19 @@ pub trait QuantOps: Send + Sync {
     /// (no `stat_finish`).
     fn stat_diff_cross(&self, acc: &mut Mat, a: &Tensor, b: &Tensor, m: usize) -> Result<()>;
 
-    /// W + α·W·(s·D)·(H + μI)⁻¹ for W [rows × n] and D, H [n × n] (one matrix each), μ = `damp`·mean(diag H);
-    /// an input with H_ii = 0 gets max(mean, 1) + μ on its diagonal instead. D is `stat_diff_cross`'s raw
-    /// sum and s its scale. None when H + μI does not factor (or, on the host, the result is not
-    /// finite).
+    /// W + α·W·(s·D)·(H + μI)⁻¹ for each W [rows_i × n] of `ws` (linears that read one input, so one factor
+    /// of H + μI serves them all) and D, H [n × n] (one matrix each), μ = `damp`·mean(diag H); an input with
+    /// H_ii = 0 gets max(mean, 1) + μ on its diagonal instead. D is `stat_diff_cross`'s raw sum and s its
+    /// scale. None when H + μI does not factor (or, on the host, a result is not finite).
     fn ridge_shift(
         &self,
-        w: &Mat,
+        ws: &[&Mat],
         d: &Mat,
         s: f64,
         h: &Mat,
         damp: f64,
         alpha: f64,
-    ) -> Result<Option<Mat>>;
+    ) -> Result<Option<Vec<Mat>>>;
 
     /// W_V's row Hessians from the paper's Table 1: per KV head, W_out,hᵀ W_out,h [d_h × d_h] averaged over the
     /// query heads h sharing it; `w_o` is o_proj [d × n_heads·d_h].

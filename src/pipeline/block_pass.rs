@@ -189,9 +189,10 @@ pub(super) fn quantize_pass(
 }
 
 /// `--asym-calib`: each selected dense linear's W replaced by its asymmetric target (quant/asym.rs), the one
-/// the sweep then fits; returns each linear's move (`LinearReport::target_move`; one read of the block's
-/// sums). BoA's V too: its target fits V's own output (before attention mixes the tokens) on the FP input,
-/// with the plain input's H and D, and the sweep then fits that target in BoA's attention-weighted metric.
+/// the sweep then fits; the linears that read one input share its factor (one `ridge_shift` per input).
+/// Returns each linear's move (`LinearReport::target_move`; one read of the block's sums). BoA's V too: its
+/// target fits V's own output (before attention mixes the tokens) on the FP input, with the plain input's H
+/// and D, and the sweep then fits that target in BoA's attention-weighted metric.
 #[allow(clippy::too_many_arguments)]
 fn asym_targets(
     be: &dyn Backend,
@@ -210,25 +211,38 @@ fn asym_targets(
     // tr(ΔT H ΔTᵀ) and tr(W H Wᵀ) of linear i, in slots 2i and 2i + 1.
     let mut sums = be.quad_sums(2 * select.len())?;
     let mut moved = Vec::new();
-    for (i, ld) in cfg.block.linears.iter().enumerate() {
-        let Some(k) = stats::asym_slot(ld.input()).filter(|_| select[i]) else {
+    for k in 0..dxx.sums.len() {
+        let group: Vec<usize> = (0..select.len())
+            .filter(|&i| select[i] && stats::asym_slot(cfg.block.linears[i].input()) == Some(k))
+            .collect();
+        let Some(&first) = group.first() else {
             continue;
         };
-        let name = &ld.name;
-        let (Some(h), Some(d)) = (s.h_col(ld), dxx.sums[k].as_ref()) else {
-            anyhow::bail!("layer {l} {name}: asymmetric calibration has no H or D for its input");
+        let names = group
+            .iter()
+            .map(|&i| cfg.block.linears[i].name.as_str())
+            .collect::<Vec<_>>()
+            .join(", ");
+        let (Some(h), Some(d)) = (s.h_col(&cfg.block.linears[first]), dxx.sums[k].as_ref()) else {
+            anyhow::bail!(
+                "layer {l} {names}: asymmetric calibration has no H or D for their input"
+            );
         };
-        let t = be
-            .ridge_shift(&weights[i], d, dxx.scale, h, opts.damp, alpha)
-            .with_context(|| format!("layer {l} {name}: the asymmetric target"))?
+        let ws: Vec<&crate::ops::Mat> = group.iter().map(|&i| &weights[i]).collect();
+        let targets = be
+            .ridge_shift(&ws, d, dxx.scale, h, opts.damp, alpha)
+            .with_context(|| format!("layer {l} {names}: the asymmetric target"))?
             .with_context(|| {
-                format!("layer {l} {name}: the asymmetric target (H + μI does not factor, or it is not finite)")
+                format!("layer {l} {names}: the asymmetric target (H + μI does not factor, or it is not finite)")
             })?;
-        let delta = be.sub(&t, &weights[i])?;
-        be.quad_forms_into(&mut sums, 2 * i, h, &[&delta, &weights[i]])
-            .with_context(|| format!("layer {l} {name}: the asymmetric target's move"))?;
-        moved.push(i);
-        weights[i] = t;
+        for (&i, t) in group.iter().zip(targets) {
+            let name = &cfg.block.linears[i].name;
+            let delta = be.sub(&t, &weights[i])?;
+            be.quad_forms_into(&mut sums, 2 * i, h, &[&delta, &weights[i]])
+                .with_context(|| format!("layer {l} {name}: the asymmetric target's move"))?;
+            moved.push(i);
+            weights[i] = t;
+        }
     }
     if !moved.is_empty() {
         let v = be

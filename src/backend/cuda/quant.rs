@@ -541,27 +541,30 @@ impl QuantOps for CudaBackend {
         }
     }
 
-    /// μ and the dead inputs from H's diagonal (one download), H + μI's factor U (`factor`: (H + μI)⁻¹ = UᵀU),
-    /// then ridge.rs's three products; a failed factor is None. Only the factor's status is checked for
-    /// non-finite values, not the product. Without cuBLAS, the CPU's f64 target of host copies.
+    /// μ and the dead inputs from H's diagonal (one download), H + μI's factor U (`factor`: (H + μI)⁻¹ = UᵀU)
+    /// once for every W, then ridge.rs's three products per W; a failed factor is None. Only the factor's
+    /// status is checked for non-finite values, not the products. Without cuBLAS, the CPU's f64 targets of
+    /// host copies.
     fn ridge_shift(
         &self,
-        w: &Mat,
+        ws: &[&Mat],
         d: &Mat,
         s: f64,
         h: &Mat,
         damp: f64,
         alpha: f64,
-    ) -> Result<Option<Mat>> {
-        let (rows, n) = (w.rows, w.cols);
-        check_ridge_shift(w, d, h)?;
+    ) -> Result<Option<Vec<Mat>>> {
+        check_ridge_shift(ws, d, h)?;
+        let n = h.rows;
         let Ok(blas) = self.blas() else {
             let host = |m: &Mat| -> Result<Mat> {
                 Ok(Mat::f32(self.read_f32(m)?, m.batch, m.rows, m.cols))
             };
+            let hosted = ws.iter().map(|w| host(w)).collect::<Result<Vec<_>>>()?;
+            let refs: Vec<&Mat> = hosted.iter().collect();
             return CpuBackend
-                .ridge_shift(&host(w)?, &host(d)?, s, &host(h)?, damp, alpha)?
-                .map(|t| self.upload_mat(t))
+                .ridge_shift(&refs, &host(d)?, s, &host(h)?, damp, alpha)?
+                .map(|ts| ts.into_iter().map(|t| self.upload_mat(t)).collect())
                 .transpose();
         };
         let diag = self.diag(h)?;
@@ -582,16 +585,20 @@ impl QuantOps for CudaBackend {
         if ok.first() != Some(&true) {
             return Ok(None);
         }
-        let t = self.try_ridge_products(
-            blas,
-            dev(w, "W")?,
-            dev(d, "D")?,
-            dev(&u, "U")?,
-            rows,
-            n,
-            (alpha * s) as f32,
-        )?;
-        Ok(Some(dmat(t, 1, rows, n)))
+        let mut out = Vec::with_capacity(ws.len());
+        for w in ws {
+            let t = self.try_ridge_products(
+                blas,
+                dev(w, "W")?,
+                dev(d, "D")?,
+                dev(&u, "U")?,
+                w.rows,
+                n,
+                (alpha * s) as f32,
+            )?;
+            out.push(dmat(t, 1, w.rows, n));
+        }
+        Ok(Some(out))
     }
 
     /// W_outᵀ W_out per query head on the device (the head-covariance kernel over o_proj's rows), folded into

@@ -5,8 +5,9 @@
 //!
 //! Projected cost for a 7B block with 128 × 2048 calibration tokens (not yet measured on a GPU): D's four
 //! crosses, 2·m·n² each, ≈ 90 TFLOP in bf16 (≈ 0.2 s at gram_bf16's measured 430–570 TFLOP/s); per linear
-//! three f32 GEMMs of 2·rows·n² (≈ 7 TFLOP a block, ≈ 0.12 s at ≈ 60 TFLOP/s) and one factor (≈ 0.15 s a
-//! block: solver.rs's measured potrf + trtri).
+//! three f32 GEMMs of 2·rows·n² (≈ 7 TFLOP a block, ≈ 0.12 s at ≈ 60 TFLOP/s); per input one factor and one
+//! read of H's diagonal, shared by the linears that read it (four a block: q/k/v, o, gate/up, down; ≈ 0.13 s,
+//! most of it down_proj's n = 11008, by solver.rs's measured potrf + trtri).
 
 use super::core::launch_sub;
 use super::gemm::Blas;
