@@ -677,9 +677,8 @@ impl QuantOps for CpuBackend {
         Ok(())
     }
 
-    /// In f64 (quant/asym.rs `target`); W's f32 values, D scaled entry by entry first.
-    /// Each W's target on its own (quant/asym.rs factors H + μI per call: the f64 factor is cheap beside
-    /// the products, and this keeps the bits of one call per linear).
+    /// In f64 (quant/asym.rs `target`); W's f32 values, D scaled entry by entry first. H + μI is factored
+    /// and solved once for all of `ws` (`ridge_solve`), then each W gets its product (`shift`).
     fn ridge_shift(
         &self,
         ws: &[&Mat],
@@ -691,13 +690,16 @@ impl QuantOps for CpuBackend {
     ) -> Result<Option<Vec<Mat>>> {
         check_ridge_shift(ws, d, h)?;
         let ds: Vec<f64> = as_f64(d, "D")?.iter().map(|e| e * s).collect();
-        let h = as_f64(h, "H")?;
+        let n = h.rows;
+        let Some(z) = crate::quant::asym::ridge_solve(n, &ds, &as_f64(h, "H")?, damp) else {
+            return Ok(None);
+        };
         let mut out = Vec::with_capacity(ws.len());
         for w in ws {
-            let n = w.cols;
-            let t =
-                crate::quant::asym::target(&conv::<f32>(w, "W")?, w.rows, n, &ds, &h, damp, alpha);
-            let Some(t) = t else { return Ok(None) };
+            let Some(t) = crate::quant::asym::shift(&conv::<f32>(w, "W")?, w.rows, &z, alpha)
+            else {
+                return Ok(None);
+            };
             out.push(Mat::f32(t, 1, w.rows, n));
         }
         Ok(Some(out))

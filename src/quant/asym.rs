@@ -50,7 +50,13 @@ pub fn target(
     damp: f64,
     alpha: f64,
 ) -> Option<Vec<f32>> {
-    debug_assert!(w.len() == d_out * n && d.len() == n * n && h.len() == n * n);
+    shift(w, d_out, &ridge_solve(n, d, h, damp)?, alpha)
+}
+
+/// Z = (H + μI)⁻¹ Dᵀ [n × n], the part of `target` that does not depend on W: the linears that read one input
+/// share it. None when the damped H does not factor.
+pub fn ridge_solve(n: usize, d: &[f64], h: &[f64], damp: f64) -> Option<Mat<f64>> {
+    debug_assert!(d.len() == n * n && h.len() == n * n);
     let mean = (0..n).map(|i| h[i * n + i]).sum::<f64>() / n.max(1) as f64;
     let mu = damp * mean;
     let hd = Mat::<f64>::from_fn(n, n, |i, j| match (i == j, h[i * n + j]) {
@@ -61,7 +67,13 @@ pub fn target(
     let llt = hd.llt(Side::Lower).ok()?;
     // (H + μI)⁻¹ Dᵀ, whose transpose is D (H + μI)⁻¹.
     let dt = Mat::<f64>::from_fn(n, n, |i, j| d[j * n + i]);
-    let z = llt.solve(dt.as_ref());
+    Some(llt.solve(dt.as_ref()))
+}
+
+/// W + α·W Zᵀ for W [d_out × n] and `ridge_solve`'s Z; None when it is not finite.
+pub fn shift(w: &[f32], d_out: usize, z: &Mat<f64>, alpha: f64) -> Option<Vec<f32>> {
+    let n = z.nrows();
+    debug_assert!(w.len() == d_out * n);
     let fw = Mat::<f64>::from_fn(d_out, n, |r, i| w[r * n + i] as f64);
     let mut corr = Mat::<f64>::zeros(d_out, n);
     let par = if d_out * n >= 1 << 16 {
