@@ -276,13 +276,16 @@ fn mse_search<T: Real>(w: &[T], spec: &QuantSpec) -> Grid<T> {
     for i in 0..SHRINK_STEPS {
         let (scale, zs, nz) = candidates(lo, hi, T::from_f64(shrink(i)), maxq, spec.sym);
         for &zero in &zs[..nz] {
-            let err: f64 = w
-                .iter()
-                .map(|&x| {
-                    let d = dequantize(quantize(x, scale, zero, maxq), scale, zero) - x;
-                    d.to_f64().abs().powf(MSE_NORM)
-                })
-                .sum();
+            let mut err = 0f64;
+            for &x in w {
+                let d = dequantize(quantize(x, scale, zero, maxq), scale, zero) - x;
+                err += d.to_f64().abs().powf(MSE_NORM);
+                // A sum of non-negative terms only grows (rounding is monotone), so a candidate whose
+                // partial sum reaches the best cannot win: the same grid, without the rest of its powers.
+                if err >= best.0 {
+                    break;
+                }
+            }
             if err < best.0 {
                 best = (err, Grid { scale, zero });
             }
@@ -1308,6 +1311,56 @@ mod tests {
             }
         }
         h
+    }
+
+    /// The Mse search with every candidate's sum taken in full: the first grid of the smallest Σ|Δ|^2.4.
+    fn mse_full<T: Real>(w: &[T], spec: &QuantSpec) -> Grid<T> {
+        let maxq = T::from_f64(spec.maxq() as f64);
+        let (lo, hi) = range(w, spec.sym);
+        let mut best = (f64::INFINITY, Grid::default());
+        for i in 0..SHRINK_STEPS {
+            let (scale, zs, nz) = candidates(lo, hi, T::from_f64(shrink(i)), maxq, spec.sym);
+            for &zero in &zs[..nz] {
+                let err: f64 = w
+                    .iter()
+                    .map(|&x| {
+                        let d = dequantize(quantize(x, scale, zero, maxq), scale, zero) - x;
+                        d.to_f64().abs().powf(MSE_NORM)
+                    })
+                    .sum();
+                if err < best.0 {
+                    best = (err, Grid { scale, zero });
+                }
+            }
+        }
+        best.1
+    }
+
+    #[test]
+    fn mse_search_stopping_early_keeps_the_full_sums_grid() {
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        for case in 0..240 {
+            let g = [1, 7, 64, 300][case % 4];
+            let (bits, sym) = ([2, 3, 4, 8][case / 4 % 4], case / 16 % 2 == 1);
+            // Heavy tails, exact zeros and repeated values: the shapes where candidates tie or prune late.
+            let w: Vec<f64> = (0..g)
+                .map(|j| match case % 5 {
+                    0 => (rng.random::<f64>() - 0.5).powi(3),
+                    1 if j % 3 == 0 => 0.0,
+                    2 => ((rng.random::<f64>() * 4.0).floor() - 2.0) * 0.25,
+                    _ => rng.random::<f64>() - 0.3,
+                })
+                .collect();
+            let spec = QuantSpec::new(bits, None, sym, ScaleSearch::Mse);
+            let (a, b) = (mse_search(&w, &spec), mse_full(&w, &spec));
+            assert!(
+                a.scale.to_bits() == b.scale.to_bits() && a.zero.to_bits() == b.zero.to_bits(),
+                "case {case}: {a:?} against the full sums' {b:?}"
+            );
+            let w32: Vec<f32> = w.iter().map(|&x| x as f32).collect();
+            let (a, b) = (mse_search(&w32, &spec), mse_full(&w32, &spec));
+            assert!(a.scale.to_bits() == b.scale.to_bits() && a.zero.to_bits() == b.zero.to_bits());
+        }
     }
 
     #[test]
