@@ -1313,24 +1313,21 @@ mod tests {
         h
     }
 
-    /// The Mse search with every candidate's sum taken in full: the first grid of the smallest Σ|Δ|^2.4.
+    /// The Mse search with every candidate's sum taken in full (`search_candidates`' order): the first grid
+    /// of the smallest Σ|Δ|^2.4.
     fn mse_full<T: Real>(w: &[T], spec: &QuantSpec) -> Grid<T> {
         let maxq = T::from_f64(spec.maxq() as f64);
-        let (lo, hi) = range(w, spec.sym);
         let mut best = (f64::INFINITY, Grid::default());
-        for i in 0..SHRINK_STEPS {
-            let (scale, zs, nz) = candidates(lo, hi, T::from_f64(shrink(i)), maxq, spec.sym);
-            for &zero in &zs[..nz] {
-                let err: f64 = w
-                    .iter()
-                    .map(|&x| {
-                        let d = dequantize(quantize(x, scale, zero, maxq), scale, zero) - x;
-                        d.to_f64().abs().powf(MSE_NORM)
-                    })
-                    .sum();
-                if err < best.0 {
-                    best = (err, Grid { scale, zero });
-                }
+        for gr in search_candidates(w, spec).into_iter().flatten() {
+            let err: f64 = w
+                .iter()
+                .map(|&x| {
+                    let d = dequantize(quantize(x, gr.scale, gr.zero, maxq), gr.scale, gr.zero) - x;
+                    d.to_f64().abs().powf(MSE_NORM)
+                })
+                .sum();
+            if err < best.0 {
+                best = (err, gr);
             }
         }
         best.1
