@@ -211,11 +211,14 @@ struct RunArgs {
     /// gptq_v2 (default): packed GPTQ checkpoint with the true zero points (loads in GPTQModel and
     /// transformers). gptq: zeros stored as zero − 1 (AutoGPTQ v1), which cannot store an asymmetric
     /// grid's zero point 0: needs --sym. fake: dequantized weights in the input dtype. compressed-tensors:
-    /// compressed-tensors' pack-quantized (transformers with compressed-tensors, vLLM; no --act-order;
+    /// compressed-tensors' pack-quantized (transformers with compressed-tensors, vLLM; --act-order only with
+    /// --static-groups;
     /// on a mixture of experts no --avg-bits: transformers decodes its fused experts at one width).
     /// gguf: one llama.cpp file, --out/model.gguf (Llama architecture; 4-bit Q4_0 or 8-bit Q8_0, so
-    /// symmetric 32-column groups, no --act-order), the GPTQ/BoA codes stored exactly.
-    /// Scales are f16-rounded in every format (compressed-tensors stores them in the model's dtype).
+    /// symmetric 32-column groups, --act-order only with --static-groups), the GPTQ/BoA codes stored
+    /// exactly. Scales are f16-rounded in every format (compressed-tensors stores them in the model's
+    /// dtype). For vLLM 0.32: gptq with --sym at 4 or 8 bits (it refuses asymmetric GPTQ and reads qzeros
+    /// as gptq's), or compressed-tensors; act-order only with --static-groups (README "vLLM").
     #[arg(long, value_enum, default_value_t = OutFormat::GptqV2)]
     format: OutFormat,
     /// With --format gguf (or fake: the same weights dequantized): each linear's GGUF block type, whose own
@@ -284,7 +287,9 @@ struct RunArgs {
     #[arg(long)]
     sym: bool,
     /// Quantize columns in descending diag(H) order (records g_idx). With BoA and groups, v_proj keeps its
-    /// natural order: its heads would each want their own, and a checkpoint has one g_idx per matrix.
+    /// natural order: its heads would each want their own, and a checkpoint has one g_idx per matrix. With
+    /// --static-groups (or per-channel) the groups stay contiguous columns: g_idx is the plain one and
+    /// desc_act false, which vLLM, compressed-tensors and GGUF need.
     #[arg(long)]
     act_order: bool,
     /// BoA: quantize the rows of each head in descending diag(H_row) order.

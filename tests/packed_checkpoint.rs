@@ -163,6 +163,77 @@ fn packed_demo_gptq_act_order_v2_perplexity_matches_fake() {
     );
 }
 
+/// --act-order with --static-groups: the groups are cut in natural column order before the sweep, so g_idx
+/// is the plain c / g and the checkpoint says desc_act false ("static activation ordering", which vLLM 0.32
+/// loads while it refuses desc_act true); the formats without g_idx (compressed-tensors, GGUF) take it too.
+/// Each folder's perplexity equals the fake-quant one's.
+#[test]
+fn packed_demo_static_act_order_is_plain_groups() {
+    let tmp = tempfile::tempdir().unwrap();
+    let calib = texts_dir().join("sotu");
+    // Positive scales: GGUF's default mirrors a symmetric grid where it helps (--signed-scales), the other
+    // formats do not, and the gguf folder's fake twin must hold the same codes.
+    let run_with = |group: &str, formats: &[&str]| {
+        let sub = tmp.path().join(format!("g{group}"));
+        run_formats(
+            &demo_model(),
+            &sub,
+            &[
+                "--no-signed-scales",
+                "--method",
+                "gptq",
+                "--act-order",
+                "--static-groups",
+                "--sym",
+                "--group-size",
+                group,
+                "--layers",
+                "0",
+                "--nsamples",
+                "4",
+                "--seqlen",
+                "128",
+                "--calib",
+                s(&calib),
+            ],
+            formats,
+        )
+    };
+    let dirs = run_with("64", &["fake", "gptq", "compressed-tensors"]);
+    let fake = ppl(&dirs[0], "128");
+    for (dir, what, fmt) in [
+        (
+            &dirs[1],
+            "gptq",
+            "gptq, 4-bit, group size 64, desc_act false",
+        ),
+        (
+            &dirs[2],
+            "compressed-tensors",
+            "pack-quantized, 4-bit, group size 64, desc_act false",
+        ),
+    ] {
+        assert_close(ppl(dir, "128"), fake, &format!("static act-order {what}"));
+        let info = ok(&["inspect", s(dir)]);
+        assert!(
+            info.contains(fmt) && info.contains("act-order g_idx no"),
+            "{info}"
+        );
+    }
+    // GGUF: Q4_0's 32-column blocks.
+    let dirs = run_with("32", &["fake", "gguf"]);
+    let gguf = dirs[1].join("model.gguf");
+    assert!(gguf.is_file(), "no {}", gguf.display());
+    // The same codes as the fake twin: the GGUF importer gives back the fake folder's model.
+    let imported = tmp.path().join("imported");
+    ok(&["import-gguf", s(&gguf), "--out", s(&imported)]);
+    assert_close(
+        ppl(&imported, "128"),
+        ppl(&dirs[0], "128"),
+        "static act-order gguf",
+    );
+}
+
 /// BoA with --act-order and groups: V's heads would order the columns each their own way, so V keeps its
 /// natural order (one g_idx per matrix) and `run` says so; q/k and the MLP follow act-order. Before, the run
 /// failed at block 0's v_proj after the calibration forward.

@@ -888,7 +888,7 @@ fn write_hf_configs(
                 opts.format,
                 opts.wbits,
                 opts.group_size.columns(),
-                opts.act_order,
+                opts.permuted_groups(),
                 opts.sym,
                 opts.damp,
                 opts.static_groups,

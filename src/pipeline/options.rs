@@ -418,6 +418,15 @@ impl RunOptions {
     }
 
     /// Checks what can be checked without the model.
+    /// Whether act-order may leave a group's columns scattered (g_idx a permutation of groups, desc_act).
+    /// Static groups are cut in the natural column order before the sweep, so column c stays in group
+    /// c / g whatever order the sweep takes, and per-channel scales have one group: either way g_idx is
+    /// c / g, the layout of a checkpoint without act-order ("static activation ordering", which vLLM
+    /// loads and desc_act=true does not). An unresolved `auto` counts as grouped.
+    pub fn permuted_groups(&self) -> bool {
+        self.act_order && !self.static_groups && self.group_size != GroupSize::PerChannel
+    }
+
     pub fn validate(&self) -> Result<(), String> {
         // Under --gguf-type the types set each linear's width (5 and 6 bits too); wbits is the narrowest.
         if self.gguf_type.is_none() && !SUPPORTED_WBITS.contains(&self.wbits) {
@@ -510,11 +519,12 @@ impl RunOptions {
                     .into(),
             );
         }
-        if self.format == OutFormat::CompressedTensors && self.act_order {
+        if self.format == OutFormat::CompressedTensors && self.permuted_groups() {
             return Err(
-                "--act-order with --format compressed-tensors is not supported: compressed-tensors' \
-                 actorder=\"weight\" keeps groups contiguous while ours follows GPTQ's g_idx, and its \
-                 pack-quantized layout has no g_idx: drop --act-order, or use --format gptq_v2"
+                "--act-order with groups and --format compressed-tensors needs --static-groups: \
+                 compressed-tensors' pack-quantized layout has no g_idx, so its groups are contiguous \
+                 columns, while act-order's dynamic groups follow the sweep's order: add --static-groups, \
+                 drop --act-order, or use --format gptq_v2"
                     .into(),
             );
         }
@@ -617,10 +627,11 @@ impl RunOptions {
                     .into(),
             );
         }
-        if self.act_order {
+        if self.permuted_groups() {
             return Err(
-                "--act-order with --format gguf is not supported: GGUF's blocks are contiguous columns \
-                 with no g_idx: drop --act-order"
+                "--act-order with --format gguf needs --static-groups: GGUF's blocks are contiguous \
+                 columns with no g_idx, while act-order's dynamic groups follow the sweep's order: add \
+                 --static-groups or drop --act-order"
                     .into(),
             );
         }

@@ -150,6 +150,12 @@ pub fn llamacpp_python(modules: &str) -> PathBuf {
     )
 }
 
+/// vLLM's CPU build (scripts/install_vllm.sh), checked to import `modules`. $BOA_VLLM_PYTHON, default
+/// ~/.cache/boa-cuda/vllm/bin/python.
+pub fn vllm_python(modules: &str) -> PathBuf {
+    venv_python("BOA_VLLM_PYTHON", "vllm", "install_vllm.sh", modules)
+}
+
 /// The State of the Union speeches whose year passes `pred`, in year order.
 pub fn sotu_speeches(pred: impl Fn(u32) -> bool) -> Vec<String> {
     let dir = texts_dir().join("sotu");
