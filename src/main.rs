@@ -212,8 +212,8 @@ struct RunArgs {
     /// transformers). gptq: zeros stored as zero − 1 (AutoGPTQ v1), which cannot store an asymmetric
     /// grid's zero point 0: needs --sym. fake: dequantized weights in the input dtype. compressed-tensors:
     /// compressed-tensors' pack-quantized (transformers with compressed-tensors, vLLM; --act-order only with
-    /// --static-groups;
-    /// on a mixture of experts no --avg-bits: transformers decodes its fused experts at one width).
+    /// --static-groups; on a mixture of experts no --avg-bits: transformers decodes its fused experts at one
+    /// width).
     /// gguf: one llama.cpp file, --out/model.gguf (Llama architecture; 4-bit Q4_0 or 8-bit Q8_0, so
     /// symmetric 32-column groups, --act-order only with --static-groups), the GPTQ/BoA codes stored
     /// exactly. Scales are f16-rounded in every format (compressed-tensors stores them in the model's

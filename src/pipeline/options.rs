@@ -417,7 +417,6 @@ impl RunOptions {
         self.method == Method::Boa && self.boa_on.as_ref().is_none_or(|on| on.contains(&p))
     }
 
-    /// Checks what can be checked without the model.
     /// Whether act-order may leave a group's columns scattered (g_idx a permutation of groups, desc_act).
     /// Static groups are cut in the natural column order before the sweep, so column c stays in group
     /// c / g whatever order the sweep takes, and per-channel scales have one group: either way g_idx is
@@ -427,6 +426,7 @@ impl RunOptions {
         self.act_order && !self.static_groups && self.group_size != GroupSize::PerChannel
     }
 
+    /// Checks what can be checked without the model.
     pub fn validate(&self) -> Result<(), String> {
         // Under --gguf-type the types set each linear's width (5 and 6 bits too); wbits is the narrowest.
         if self.gguf_type.is_none() && !SUPPORTED_WBITS.contains(&self.wbits) {
