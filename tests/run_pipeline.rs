@@ -442,3 +442,60 @@ fn assert_refused(m: &Path, calib: &Path, out: &Path, args: &[&str], needles: &[
     assert_user_error(&a, needles);
     assert!(!out.exists());
 }
+
+/// `run` says when vLLM 0.32 would refuse the GPTQ checkpoint it writes, and what to pass instead
+/// (README "vLLM", measured with tests/vllm_load.rs): asymmetric grids, act-order with dynamic groups. A
+/// checkpoint vLLM serves gets no such note.
+#[test]
+fn run_notes_what_vllm_refuses() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tiny_model(tmp.path());
+    let calib = calib_text(tmp.path());
+    let asym = "vLLM 0.32 refuses asymmetric GPTQ";
+    let desc_act = "vLLM 0.32 refuses act-order with groups";
+    for (i, (extra, want, not)) in [
+        (&["--format", "gptq_v2"][..], asym, desc_act),
+        (&["--sym", "--act-order"][..], desc_act, asym),
+        (
+            &[
+                "--sym",
+                "--act-order",
+                "--static-groups",
+                "--format",
+                "gptq",
+            ][..],
+            "",
+            "vLLM",
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let out = tmp.path().join(format!("q{i}"));
+        let mut args = vec![
+            "run",
+            "--model",
+            s(&m),
+            "--calib",
+            s(&calib),
+            "--method",
+            "gptq",
+            "--wbits",
+            "4",
+            "--group-size",
+            "32",
+            "--nsamples",
+            "2",
+            "--seqlen",
+            "64",
+            "--layers",
+            "1",
+            "--out",
+            s(&out),
+        ];
+        args.extend_from_slice(extra);
+        let (code, _, err) = run(&args);
+        assert_eq!(code, 0, "{extra:?}: {err}");
+        assert!(err.contains(want) && !err.contains(not), "{extra:?}: {err}");
+    }
+}

@@ -29,6 +29,33 @@ pub struct Plan {
     pub needs_calib: bool,
 }
 
+/// Where vLLM 0.32 cannot serve a GPTQ checkpoint as `opts` write it, and the option that makes it serve
+/// (measured with its CPU build: README "vLLM", tests/vllm_load.rs). Notes, not errors: GPTQModel,
+/// transformers and `boa-cuda eval` read all of these.
+fn vllm_notes(opts: &RunOptions, moe: bool) -> Vec<&'static str> {
+    let mut notes = Vec::new();
+    if !opts.sym {
+        notes.push(
+            "note: vLLM 0.32 refuses asymmetric GPTQ checkpoints (bits=4, sym=False): pass --sym, or write \
+             --format compressed-tensors, to serve this model in vLLM",
+        );
+    }
+    if opts.permuted_groups() {
+        notes.push(
+            "note: vLLM 0.32 refuses act-order with groups (desc_act): add --static-groups, whose groups stay \
+             contiguous columns (desc_act false), to serve this model in vLLM",
+        );
+    }
+    if opts.sym && moe && opts.format == OutFormat::GptqV2 {
+        notes.push(
+            "note: vLLM 0.32 reads qzeros as gptq's (zero − 1) and its CPU int4 experts kernel uses them even \
+             for a symmetric grid, so it reads this gptq_v2 checkpoint's experts one zero step off: write \
+             --format gptq for vLLM",
+        );
+    }
+    notes
+}
+
 /// The checks that need the model's config and tensor list, not its data.
 pub fn before_work(opts: &RunOptions, model: &Model, progress: &Progress) -> anyhow::Result<Plan> {
     let cfg = &model.cfg;
@@ -125,6 +152,11 @@ pub fn before_work(opts: &RunOptions, model: &Model, progress: &Progress) -> any
     {
         // Not silenced by --quiet: the checkpoint is written, but some loaders will refuse it.
         eprintln!("warning: {w}");
+    }
+    if gptq {
+        for note in vllm_notes(opts, cfg.block.moe.is_some()) {
+            progress.line(note);
+        }
     }
     if let Some(b) = &opts.bits
         && b.unit == AllocUnit::Linear
