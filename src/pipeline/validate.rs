@@ -36,7 +36,7 @@ fn vllm_notes(opts: &RunOptions, moe: bool) -> Vec<&'static str> {
     let mut notes = Vec::new();
     if !opts.sym {
         notes.push(
-            "note: vLLM 0.32 refuses asymmetric GPTQ checkpoints (bits=4, sym=False): pass --sym, or write \
+            "note: vLLM 0.32 refuses asymmetric GPTQ checkpoints (sym=False): pass --sym, or write \
              --format compressed-tensors, to serve this model in vLLM",
         );
     }
