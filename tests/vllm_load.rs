@@ -15,7 +15,7 @@
 
 mod common;
 
-use common::{demo_model, eval_ppl, pyref_python, run, texts_dir, vllm_python};
+use common::{check_loader_ppl, demo_model, eval_ppl, pyref_python, run, texts_dir, vllm_python};
 use std::path::Path;
 use std::process::Command;
 
@@ -160,7 +160,8 @@ fn vllm_serves_our_checkpoints() {
     let tol = |model: &str| if model.contains("_kq") { 3e-2 } else { 2e-3 };
     let mut failures = Vec::new();
     for (i, (model, extra, want)) in cases.iter().enumerate() {
-        let out = tmp.path().join(format!("q{i}-{model}"));
+        // The options in the folder's name: check_loader_ppl names a case by its folder.
+        let out = tmp.path().join(format!("q{i}-{model}{}", extra.join("")));
         let mut args = vec!["run", "--model"];
         let src = refs.join(model);
         args.extend([s(&src), "--out", s(&out), "--quiet"]);
@@ -183,30 +184,31 @@ fn vllm_serves_our_checkpoints() {
         assert_eq!(code, 0, "{model} {extra:?}: {err}");
         let row = vllm_row(&vpy, &out, &text, "64");
         let what = format!("{model} {}", extra.join(" "));
-        match (want, row["perplexity"].as_f64()) {
-            (Want::Match, Some(p)) | (Want::Misread(_), Some(p)) => {
+        match want {
+            Want::Match => {
                 let ours = eval_ppl(&out, &text, "64", "8");
-                let rel = (p - ours).abs() / ours;
-                println!("{what}: vLLM {p:.1} vs boa-cuda eval {ours:.1} (rel {rel:.1e})");
-                match want {
-                    Want::Match if rel > tol(model) => {
-                        failures.push(format!("{what}: rel {rel:.1e}"))
-                    }
-                    Want::Misread(min) if rel < *min => {
-                        failures.push(format!("{what}: rel {rel:.1e}, no longer misread"))
-                    }
-                    _ => {}
-                }
+                check_loader_ppl(&mut failures, &out, &row, "boa-cuda eval", ours, tol(model));
             }
-            (Want::Refused(needle), None) => {
-                let e = row["error"].as_str().unwrap_or_default();
-                println!("{what}: vLLM refuses: {e}");
-                if !e.contains(needle) {
-                    failures.push(format!("{what}: refused, but not for {needle:?}: {e}"));
+            Want::Misread(min) => match row["perplexity"].as_f64() {
+                Some(p) => {
+                    let ours = eval_ppl(&out, &text, "64", "8");
+                    let rel = (p - ours).abs() / ours;
+                    println!("{what}: vLLM {p:.1} vs boa-cuda eval {ours:.1} (rel {rel:.1e})");
+                    if rel < *min {
+                        failures.push(format!("{what}: rel {rel:.1e}, no longer misread"));
+                    }
                 }
-            }
-            (Want::Refused(_), Some(p)) => failures.push(format!("{what}: loaded ({p})")),
-            (_, None) => failures.push(format!("{what}: {}", row["error"])),
+                None => failures.push(format!("{what}: {}", row["error"])),
+            },
+            Want::Refused(needle) => match row["error"].as_str() {
+                Some(e) => {
+                    println!("{what}: vLLM refuses: {e}");
+                    if !e.contains(needle) {
+                        failures.push(format!("{what}: refused, but not for {needle:?}: {e}"));
+                    }
+                }
+                None => failures.push(format!("{what}: loaded ({})", row["perplexity"])),
+            },
         }
     }
 
@@ -241,15 +243,13 @@ fn vllm_serves_our_checkpoints() {
     assert_eq!(code, 0, "demo: {err}");
     let row = vllm_row(&vpy, &demo, &text, "128");
     let ours = eval_ppl(&demo, &text, "128", "8");
-    match row["perplexity"].as_f64() {
-        Some(p) => {
-            let rel = (p - ours).abs() / ours;
-            println!("demo gptq 4-bit g64: vLLM {p:.4} vs boa-cuda eval {ours:.4} (rel {rel:.1e})");
-            if rel > tol("demo") {
-                failures.push(format!("demo: rel {rel:.1e}"));
-            }
-        }
-        None => failures.push(format!("demo: {}", row["error"])),
-    }
+    check_loader_ppl(
+        &mut failures,
+        &demo,
+        &row,
+        "boa-cuda eval",
+        ours,
+        tol("demo"),
+    );
     assert!(failures.is_empty(), "{failures:#?}");
 }
